@@ -1,0 +1,159 @@
+"""The config schema: one dataclass per section, canonical names only (aliases live in aliases.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    """Model family, preset size and explicit overrides of the preset (None = take the flavor's value)."""
+
+    name: str = "llama3"
+    flavor: str = "debug"
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    vocab_size: int | None = None
+    ffn_dim: int | None = None  # explicit SwiGLU hidden size; overrides multiplier/multiple_of
+    ffn_dim_multiplier: float | None = None
+    multiple_of: int | None = None
+    norm_eps: float | None = None
+    rope_theta: float | None = None
+    rope_scaling_factor: float | None = None  # Llama 3.1 frequency scaling; None/0 = off
+    max_seq_len: int | None = None
+    use_flash_attention: bool = True
+
+
+@dataclass
+class TrainingConfig:
+    batch_size: int = 8
+    seq_len: int = 256
+    gradient_accumulation_steps: int = 1
+    max_steps: int = 1000
+    dtype: str = "bf16"  # bf16 | fp16 | fp32
+    max_norm: float = 1.0
+    seed: int = 42
+    deterministic: bool = False
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "AdamW"
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    implementation: str = "auto"  # auto | fused | foreach | for-loop
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = 200
+    decay_type: str = "cosine"  # cosine | linear | constant | wsd
+    min_lr_ratio: float = 0.1
+    decay_ratio: float = 0.1  # wsd: fraction of steps spent decaying at the end
+
+
+@dataclass
+class ParallelConfig:
+    backend: str = "auto"  # auto | hccl | nccl | gloo
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    fsdp: bool = True
+    tp_degree: int = 1
+    pp_degree: int = 1
+    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B
+    pp_microbatches: int = 0
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
+    loss_parallel: bool = True
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    mode: str = "none"  # none | selective | full
+    selective_every: int = 2  # selective: checkpoint every Nth block
+
+
+@dataclass
+class CompileConfig:
+    enable: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "checkpoints"
+    save_interval: int = 1000
+    keep_last_n: int = 3
+    async_save: bool = True
+    resume: str = "auto"  # auto | never | <path or step>
+    export_dtype: str = "bf16"
+    initial_load: str = ""  # pretrained weights to start from (HF dir, Meta .pth, our .pt)
+    initial_load_model_only: bool = True
+    enable: bool = True
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # "" = the corpus that ships with the project
+    tokenizer: str = "byte"
+    num_workers: int = 2
+    text_field: str = "text"
+    val_fraction: float = 0.0
+
+
+@dataclass
+class MetricsConfig:
+    log_dir: str = "logs"
+    log_interval: int = 10
+    tensorboard: bool = True
+    wandb: bool = False
+    peak_tflops: float = 0.0  # 0 = detect from the device
+    progress: str = "auto"  # auto | bar | lines
+
+
+@dataclass
+class ValidationConfig:
+    enable: bool = False
+    interval: int = 500
+    steps: int = 10
+    data: str = ""
+
+
+@dataclass
+class ProfilingConfig:
+    enable: bool = False
+    start_step: int = 10
+    active_steps: int = 3
+    trace_dir: str = "profile"
+    record_shapes: bool = True
+    profile_memory: bool = True
+    ranks: list[int] = field(default_factory=lambda: [0])
+
+
+@dataclass
+class CommConfig:
+    init_timeout_s: int = 1800
+    timeout_s: int = 1800
+    hccl_buffsize_mb: int = 0
+
+
+@dataclass
+class JobConfig:
+    """The whole run: every section of a config file."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
