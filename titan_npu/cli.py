@@ -7,7 +7,7 @@ import sys
 
 # command -> (module, function, one-line help); each function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "train": ("titan_npu.train", "main", "train a model from a config"),
+    "train": ("titan_npu.train", "main", "train a model from a config (same as python train.py)"),
     "prepare-data": ("titan_npu.data.cli", "prepare_data_main", "tokenize a corpus into binary shards or JSONL"),
     "train-tokenizer": ("titan_npu.data.cli", "train_tokenizer_main", "train a BPE tokenizer on a corpus"),
     "export": ("titan_npu.checkpoint.cli", "export_main", "export a checkpoint to a full .pt or Hugging Face"),

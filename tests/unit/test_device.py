@@ -1,0 +1,76 @@
+import pytest
+import torch
+
+from titan_npu.config.schema import CommConfig
+from titan_npu.device import (
+    communication_env,
+    detect_device_type,
+    lookup_peak_flops,
+    memory_stats,
+    peak_flops,
+    setup_device,
+)
+from titan_npu.errors import DeviceError
+
+
+def test_cpu_machine_detects_cpu_and_gloo(monkeypatch):
+    monkeypatch.delenv("TITAN_DEVICE", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    dev = setup_device()
+    assert dev.type == "cpu" and dev.backend == "gloo"
+    assert dev.torch_device == torch.device("cpu")
+
+
+def test_titan_device_forces_a_type_and_rejects_an_unknown_one(monkeypatch):
+    monkeypatch.setenv("TITAN_DEVICE", "cpu")
+    assert detect_device_type() == "cpu"
+    monkeypatch.setenv("TITAN_DEVICE", "tpu")
+    with pytest.raises(DeviceError, match="TITAN_DEVICE='tpu' is not a device type"):
+        detect_device_type()
+
+
+def test_forcing_an_absent_accelerator_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TITAN_DEVICE", "cuda")
+    with pytest.raises(DeviceError, match="no cuda device is available"):
+        detect_device_type()
+
+
+def test_explicit_backend_overrides_the_device_default(monkeypatch):
+    monkeypatch.delenv("TITAN_DEVICE", raising=False)
+    assert setup_device("gloo").backend == "gloo"
+
+
+def test_peak_flops_table_knows_the_910b_skus_and_gpus():
+    assert lookup_peak_flops("Ascend910B1") == 373.9e12
+    assert lookup_peak_flops("Ascend910B2") == 353.9e12
+    assert lookup_peak_flops("Ascend910B3") == 294.9e12
+    assert lookup_peak_flops("Ascend910B4") == 245.8e12
+    assert lookup_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert lookup_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert lookup_peak_flops("NVIDIA H200") == 989e12
+    assert lookup_peak_flops("a mystery chip") is None
+
+
+def test_cpu_peak_is_measured_and_config_override_wins(monkeypatch):
+    monkeypatch.delenv("TITAN_DEVICE", raising=False)
+    dev = setup_device()
+    measured = peak_flops(dev, torch.float32)
+    assert 1e8 < measured < 1e14
+    assert peak_flops(dev, torch.float32, override_tflops=2.5) == 2.5e12
+
+
+def test_cpu_memory_reports_process_rss_and_machine_ram(monkeypatch):
+    monkeypatch.delenv("TITAN_DEVICE", raising=False)
+    mem = memory_stats(setup_device())
+    assert 0 < mem.used_gb < mem.total_gb
+    assert mem.peak_gb > 0
+
+
+def test_hccl_variables_come_from_comm_config_unless_the_environment_sets_them(monkeypatch):
+    monkeypatch.delenv("HCCL_CONNECT_TIMEOUT", raising=False)
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "99")
+    env = communication_env("npu", CommConfig(init_timeout_s=600, timeout_s=1200, hccl_buffsize_mb=200))
+    assert env["HCCL_CONNECT_TIMEOUT"] == "600"
+    assert "HCCL_EXEC_TIMEOUT" not in env  # the user's value wins
+    assert env["HCCL_BUFFSIZE"] == "200"
+    assert communication_env("cpu", CommConfig()) == {}

@@ -1,0 +1,111 @@
+"""Which device this process trains on: npu > cuda > xpu > cpu, or TITAN_DEVICE; decided at call time."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from titan_npu.errors import DeviceError
+
+DEVICE_TYPES = ("npu", "cuda", "xpu", "cpu")
+BACKENDS = {"npu": "hccl", "cuda": "nccl", "xpu": "xccl", "cpu": "gloo"}
+
+
+def import_torch_npu() -> ModuleType | None:
+    """Import torch_npu if it is installed (it registers the 'npu' device); None when absent."""
+    try:
+        return importlib.import_module("torch_npu")
+    except ImportError:
+        return None
+    except Exception as e:  # a broken CANN install raises all kinds of errors at import
+        raise DeviceError(
+            f"torch_npu is installed but failed to import ({type(e).__name__}: {e}); "
+            "source CANN's set_env.sh and check that torch and torch_npu versions match (titan-npu doctor)"
+        ) from e
+
+
+def _available(device_type: str) -> bool:
+    if device_type == "cpu":
+        return True
+    mod = getattr(torch, device_type, None)
+    return bool(mod is not None and hasattr(mod, "is_available") and mod.is_available())
+
+
+def detect_device_type() -> str:
+    """The device type to use: TITAN_DEVICE if set, else the first available of npu, cuda, xpu, cpu."""
+    forced = os.environ.get("TITAN_DEVICE", "").strip().lower()
+    if forced:
+        if forced not in DEVICE_TYPES:
+            raise DeviceError(f"TITAN_DEVICE={forced!r} is not a device type (choose one of {', '.join(DEVICE_TYPES)})")
+        if forced == "npu":
+            import_torch_npu()
+        if not _available(forced):
+            raise DeviceError(f"TITAN_DEVICE={forced} but no {forced} device is available (unset it to auto-detect)")
+        return forced
+    if import_torch_npu() is not None and _available("npu"):
+        return "npu"
+    for device_type in ("cuda", "xpu"):
+        if _available(device_type):
+            return device_type
+    return "cpu"
+
+
+def device_module(device_type: str) -> ModuleType | None:
+    """torch.npu / torch.cuda / torch.xpu for an accelerator, None for cpu."""
+    return None if device_type == "cpu" else getattr(torch, device_type)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The device this rank uses and how it talks to the others."""
+
+    type: str
+    index: int
+    backend: str
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.type) if self.type == "cpu" else torch.device(self.type, self.index)
+
+    @property
+    def name(self) -> str:
+        mod = device_module(self.type)
+        if mod is None:
+            import platform
+
+            return platform.processor() or platform.machine() or "cpu"
+        try:
+            return str(mod.get_device_name(self.index))
+        except Exception:
+            return self.type
+
+
+def setup_device(backend: str = "auto") -> DeviceInfo:
+    """Detect the device, bind this process to LOCAL_RANK's device and pick the process-group backend."""
+    device_type = detect_device_type()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    index = 0
+    mod = device_module(device_type)
+    if mod is not None:
+        count = mod.device_count()
+        if local_rank >= count:
+            visible = "ASCEND_RT_VISIBLE_DEVICES" if device_type == "npu" else "CUDA_VISIBLE_DEVICES"
+            raise DeviceError(
+                f"LOCAL_RANK={local_rank} but only {count} {device_type} device(s) are visible "
+                f"({visible}={os.environ.get(visible, '<unset>')}); lower --nproc_per_node or widen {visible}"
+            )
+        index = local_rank
+        mod.set_device(index)
+    chosen = BACKENDS[device_type] if backend in ("", "auto") else backend
+    return DeviceInfo(device_type, index, chosen)
+
+
+def synchronize(device: DeviceInfo) -> None:
+    """Wait for the device's queued work (no-op on cpu)."""
+    mod = device_module(device.type)
+    if mod is not None:
+        mod.synchronize()

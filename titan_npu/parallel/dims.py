@@ -1,0 +1,113 @@
+"""ParallelDims: the one place that knows the parallel degrees, validates them and builds the device mesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from titan_npu.config.schema import ParallelConfig
+from titan_npu.errors import LayoutError
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of each parallel dimension; their product is the world size (mesh: pp, dp_replicate, dp_shard, tp)."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    world_size: int
+    fsdp: bool = True
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
+        """Resolve dp_shard = -1 to the remaining ranks and check that the product is the world size."""
+        for name in ("dp_replicate", "tp_degree", "pp_degree"):
+            if getattr(cfg, name) < 1:
+                raise LayoutError(f"parallel.{name}={getattr(cfg, name)} must be >= 1")
+        fixed = cfg.dp_replicate * cfg.tp_degree * cfg.pp_degree
+        dp_shard = cfg.dp_shard
+        if dp_shard == -1:
+            if world_size % fixed:
+                raise LayoutError(
+                    f"world size {world_size} is not divisible by dp_replicate*tp_degree*pp_degree = "
+                    f"{cfg.dp_replicate}*{cfg.tp_degree}*{cfg.pp_degree} = {fixed}; "
+                    f"choose degrees whose product divides {world_size} (divisors: {_divisors(world_size)})"
+                )
+            dp_shard = world_size // fixed
+        if dp_shard < 1:
+            raise LayoutError(f"parallel.dp_shard={dp_shard} must be -1 (all remaining ranks) or >= 1")
+        product = fixed * dp_shard
+        if product != world_size:
+            raise LayoutError(
+                f"parallel degrees multiply to {product} (dp_replicate={cfg.dp_replicate} x dp_shard={dp_shard} x "
+                f"tp={cfg.tp_degree} x pp={cfg.pp_degree}) but the world size is {world_size}; "
+                f"set parallel.dp_shard = -1 to use the remaining ranks, or launch {product} processes"
+            )
+        if not cfg.fsdp and dp_shard > 1 and cfg.dp_replicate > 1:
+            raise LayoutError(
+                f"parallel.fsdp=false with dp_shard={dp_shard} and dp_replicate={cfg.dp_replicate} is ambiguous; "
+                "with fsdp=false use dp_replicate only (or dp_shard with dp_replicate=1)"
+            )
+        return cls(cfg.dp_replicate, dp_shard, cfg.tp_degree, cfg.pp_degree, world_size, cfg.fsdp)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches one step sees."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.fsdp and self.dp_shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Build (once) the world mesh with named dims and the flattened 'dp' and 'dp_shard_cp' views."""
+        if self._mesh is not None:
+            return self._mesh
+        names, sizes = [], []
+        for name, size in (("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
+                           ("tp", self.tp)):
+            names.append(name)
+            sizes.append(size)
+        mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+        mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        self._mesh = mesh
+        return mesh
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called")
+        return self._mesh
+
+    def dp_coordinates(self) -> tuple[int, int]:
+        """(dp_rank, dp_degree) of this rank: which slice of the data it reads."""
+        if self.world_size == 1:
+            return 0, 1
+        dp_mesh = self.mesh["dp"]
+        return dp_mesh.get_local_rank(), dp_mesh.size()
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        kind = "FSDP" if self.fsdp_enabled else ("DP" if self.dp > 1 else "no DP")
+        return (f"world={self.world_size} pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
+                f"tp={self.tp} ({kind})")

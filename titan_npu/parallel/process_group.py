@@ -1,0 +1,50 @@
+"""Process-group set-up from torchrun's environment, with timeouts from [comm] and errors a person can act on."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from titan_npu.config.schema import CommConfig
+from titan_npu.device.detect import DeviceInfo
+from titan_npu.errors import DeviceError
+
+
+def world_info() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's variables; (0, 0, 1) when launched plainly."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def init_process_group(device: DeviceInfo, comm: CommConfig) -> tuple[int, int]:
+    """Join the job's default process group when WORLD_SIZE > 1; returns (rank, world_size)."""
+    rank, _, world_size = world_info()
+    if world_size == 1 or dist.is_initialized():
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise DeviceError(f"WORLD_SIZE={world_size} but {var} is not set; launch with torchrun (it sets it)")
+    backend = device.backend
+    if device.type != "cpu" and backend not in ("gloo",):
+        backend = f"cpu:gloo,{device.type}:{backend}"  # gloo beside the device backend for host-side collectives
+    try:
+        dist.init_process_group(
+            backend=backend,
+            timeout=timedelta(seconds=comm.timeout_s),
+            device_id=None if device.type == "cpu" else device.torch_device,
+        )
+    except Exception as e:
+        addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise DeviceError(
+            f"process group init failed on rank {rank} ({device.backend}, master {addr}): {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}; check that every node reaches the master address, the port "
+            "is free, and the devices are visible (run `torchrun ... -m titan_npu.cli doctor` for a full check)"
+        ) from e
+    return dist.get_rank(), dist.get_world_size()
+
+
+def destroy_process_group() -> None:
+    """Leave the process group if one was joined."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

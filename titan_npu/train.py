@@ -1,0 +1,65 @@
+"""`python train.py --config C [--section.key value ...]`: parse, load the config, train."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+log = logging.getLogger("titan_npu")
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs INFO to stdout; other ranks only warnings, prefixed with their rank."""
+    level = logging.INFO if rank == 0 else logging.WARNING
+    prefix = "" if rank == 0 else f"[rank{rank}] "
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"{prefix}%(message)s"))
+    root = logging.getLogger("titan_npu")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train a Llama model. Any config key can be overridden as --section.key value.",
+        epilog="example: torchrun --nproc_per_node 4 train.py --config configs/llama_7b.toml --data_dir /data/tokens",
+    )
+    p.add_argument("--config", "--config_file", dest="config", help="TOML or YAML config file (default: all defaults)")
+    p.add_argument("--print_config", "--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry of `titan-npu train` and of train.py."""
+    from titan_npu.config import config_to_dict, load_config
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, overrides = build_parser().parse_known_args(argv)
+    setup_logging(int(os.environ.get("RANK", "0")))
+    cfg = load_config(args.config, overrides)
+    if args.print_config:
+        import json
+
+        print(json.dumps(config_to_dict(cfg), indent=2))
+        return 0
+
+    from titan_npu.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return 0
+
+
+def cli_main() -> None:
+    """train.py's entry: the same one-line error handling as `titan-npu`."""
+    from titan_npu.cli import run_command
+
+    sys.exit(run_command(main, sys.argv[1:]))

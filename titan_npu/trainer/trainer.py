@@ -1,0 +1,234 @@
+"""The training loop, top to bottom: device, mesh, data, model on meta, parallelize, init, optimizer, then steps."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from titan_npu.config import JobConfig, save_config
+from titan_npu.data import build_dataloader, build_tokenizer, check_vocab
+from titan_npu.device import (
+    apply_communication_env,
+    memory_stats,
+    peak_flops,
+    reset_peak_memory,
+    setup_device,
+    synchronize,
+)
+from titan_npu.errors import ConfigError
+from titan_npu.metrics import MetricsLogger, flops_per_token, throughput
+from titan_npu.models.llama import Transformer, build_model_args
+from titan_npu.parallel import ParallelDims, init_process_group
+from titan_npu.parallel.parallelize import parallelize_model
+from titan_npu.trainer.optimizer import build_lr_scheduler, build_optimizer
+from titan_npu.trainer.precision import autocast_context, build_grad_scaler, to_torch_dtype
+
+log = logging.getLogger("titan_npu")
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def set_determinism(seed: int, deterministic: bool) -> None:
+    """Seed every generator; in deterministic mode also force deterministic kernels."""
+    torch.manual_seed(seed)
+    if deterministic:
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+class Trainer:
+    """Builds everything a run needs from a JobConfig; `train()` runs the steps."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg = cfg
+        t = cfg.training
+
+        # Device and process group: torch_npu is imported (if present) before the device is decided.
+        self.device = setup_device(cfg.parallel.backend)
+        apply_communication_env(self.device.type, cfg.comm)
+        self.rank, self.world_size = init_process_group(self.device, cfg.comm)
+        self.dims = ParallelDims.from_config(cfg.parallel, self.world_size)
+        if self.world_size > 1:
+            self.dims.build_mesh(self.device.type)
+        set_determinism(t.seed, t.deterministic)
+
+        # Model arguments and the checks that need both the model and the rest of the config.
+        self.model_args = build_model_args(cfg.model)
+        if t.seq_len > self.model_args.max_seq_len:
+            raise ConfigError(
+                f"training.seq_len={t.seq_len} exceeds model.max_seq_len={self.model_args.max_seq_len}; "
+                f"lower training.seq_len or raise model.max_seq_len"
+            )
+
+        # Data: every rank of a data-parallel group reads its own slice.
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        check_vocab(self.tokenizer, self.model_args.vocab_size)
+        self.dp_rank, self.dp_degree = self.dims.dp_coordinates()
+        self.dataloader = build_dataloader(
+            cfg, self.tokenizer, self.dp_rank, self.dp_degree, split="train",
+            device_type=self.device.type, model_vocab_size=self.model_args.vocab_size,
+        )
+
+        # Model: built on meta (no memory), parallelised, then materialised and initialised on the device.
+        with torch.device("meta"):
+            model = Transformer(self.model_args)
+        model = parallelize_model(model, self.dims, cfg)
+        model.to_empty(device=self.device.torch_device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=self.device.torch_device)
+        if cfg.checkpoint.initial_load:
+            from titan_npu.checkpoint.initial_load import load_initial_weights
+
+            load_initial_weights(model, cfg.checkpoint.initial_load, self.model_args)
+        self.model = model
+        self.model_parts: list[nn.Module] = [model]
+
+        # Optimizer, schedule, precision.
+        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer, self.device.type)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.max_steps)
+        sharded = self.dims.fsdp_enabled or self.dims.dp_replicate > 1
+        self.autocast = autocast_context(self.device.type, t.dtype, sharded_mixed_precision=sharded)
+        self.grad_scaler = build_grad_scaler(self.device.type, t.dtype, sharded)
+
+        # Metrics.
+        self.step = 0
+        self.tokens_seen = 0
+        self.metrics = MetricsLogger(cfg.metrics.log_dir, self.rank, tensorboard=cfg.metrics.tensorboard)
+        self.tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps * self.dims.dp
+        self.flops_per_token = flops_per_token(
+            self.model_args.num_params(exclude_embedding=True), self.model_args.n_layers, self.model_args.dim,
+            t.seq_len,
+        )
+        compute_dtype = to_torch_dtype(t.dtype)
+        self.peak_flops = peak_flops(self.device, compute_dtype, cfg.metrics.peak_tflops)
+        if self.rank == 0:
+            Path(cfg.metrics.log_dir).mkdir(parents=True, exist_ok=True)
+            save_config(cfg, Path(cfg.metrics.log_dir) / "config.toml")
+        self._log_start()
+
+    def _log_start(self) -> None:
+        a, t = self.model_args, self.cfg.training
+        n_params = a.num_params()
+        log.info(
+            "model %s %s: %.1fM params (dim=%d, layers=%d, heads=%d/%d kv, vocab=%d) on %s (%s, backend %s)",
+            a.family, a.flavor, n_params / 1e6, a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.vocab_size,
+            self.device.type, self.device.name, self.device.backend,
+        )
+        log.info("layout: %s", self.dims.describe())
+        log.info(
+            "global batch: %d sequences x %d tokens = %d tokens/step (batch_size=%d x grad_accum=%d x dp=%d), "
+            "dtype=%s, peak %.1f TFLOP/s per device",
+            self.tokens_per_step // t.seq_len, t.seq_len, self.tokens_per_step, t.batch_size,
+            t.gradient_accumulation_steps, self.dims.dp, t.dtype, self.peak_flops / 1e12,
+        )
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+        """One micro-batch: forward, loss, backward; returns the unscaled loss (detached)."""
+        with self.autocast():
+            logits = self.model(inputs)
+        loss = cross_entropy_loss(logits, labels)
+        scaled = loss * scale
+        if self.grad_scaler is not None:
+            scaled = self.grad_scaler.scale(scaled)
+        scaled.backward()
+        return loss.detach()
+
+    def train_step(self, data_iter) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over gradient_accumulation_steps micro-batches; (loss, grad_norm, data seconds)."""
+        accum = self.cfg.training.gradient_accumulation_steps
+        data_time = 0.0
+        loss_sum = torch.zeros((), device=self.device.torch_device)
+        for _ in range(accum):
+            t0 = time.perf_counter()
+            inputs, labels = next(data_iter)
+            inputs = inputs.to(self.device.torch_device, non_blocking=True)
+            labels = labels.to(self.device.torch_device, non_blocking=True)
+            data_time += time.perf_counter() - t0
+            loss_sum += self.forward_backward(inputs, labels, 1.0 / accum)
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.optimizer)
+        params = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.training.max_norm, foreach=True)
+        if self.grad_scaler is not None:
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
+        else:
+            self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / accum, grad_norm, data_time
+
+    def _global_mean(self, value: torch.Tensor) -> float:
+        """Mean of a scalar over the data-parallel ranks (a collective: call it on every rank)."""
+        if self.world_size == 1:
+            return float(value)
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        t = value.detach().float().reshape(1).clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t) / self.world_size
+
+    def train(self) -> dict[str, Any]:
+        """Run until training.max_steps; returns the last logged metrics."""
+        cfg = self.cfg
+        max_steps, interval = cfg.training.max_steps, cfg.metrics.log_interval
+        data_iter = iter(self.dataloader)
+        last: dict[str, Any] = {}
+        synchronize(self.device)
+        reset_peak_memory(self.device)
+        window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
+        self.model.train()
+        while self.step < max_steps:
+            self.step += 1
+            loss, grad_norm, data_time = self.train_step(data_iter)
+            self.tokens_seen += self.tokens_per_step
+            window_steps += 1
+            window_data += data_time
+            if self.step % interval == 0 or self.step == max_steps or self.step == 1:
+                # The only synchronisation of the loop: log steps read the device's numbers and the clock.
+                loss_value = self._global_mean(loss)
+                norm_value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+                synchronize(self.device)
+                elapsed = time.perf_counter() - window_start
+                tp = throughput(self.tokens_per_step * window_steps, elapsed, self.world_size, self.flops_per_token,
+                                self.peak_flops)
+                mem = memory_stats(self.device)
+                last = {
+                    "step": self.step,
+                    "loss": loss_value,
+                    "lr": self.lr_scheduler.get_last_lr()[0],
+                    "grad_norm": norm_value,
+                    "tokens_per_s": tp.tokens_per_s,
+                    "tokens_per_s_per_device": tp.tokens_per_s_per_device,
+                    "tflops_per_device": tp.tflops_per_device,
+                    "mfu": tp.mfu,
+                    "mem_used_gb": mem.used_gb,
+                    "mem_peak_gb": mem.peak_gb,
+                    "mem_total_gb": mem.total_gb,
+                    "step_time_s": elapsed / window_steps,
+                    "data_time_s": window_data / window_steps,
+                    "tokens_seen": self.tokens_seen,
+                }
+                self.metrics.log(last)
+                window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
+        self.metrics.close()
+        return last
+
+    def close(self) -> None:
+        """Release sinks and the process group."""
+        from titan_npu.parallel import destroy_process_group
+
+        self.metrics.close()
+        destroy_process_group()
