@@ -1,0 +1,268 @@
+"""Raw corpora: find input files and read documents from .txt / .jsonl / .json / .parquet, optionally .gz / .zst."""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+from titan_npu.errors import DataError
+
+TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+COMPRESSED_SUFFIXES = (".gz", ".zst")
+BUILTIN_CORPUS = "python_docs.txt.gz"
+
+
+def builtin_corpus_path() -> Path:
+    """The corpus shipped inside the package: CPython's documentation topics, paragraphs as documents."""
+    return Path(__file__).parent / "corpus" / BUILTIN_CORPUS
+
+
+def write_builtin_corpus(path: Path | None = None) -> Path:
+    """Regenerate the built-in corpus from this Python's pydoc_data.topics (byte-identical for one Python version)."""
+    from pydoc_data.topics import topics
+
+    docs = []
+    for key in sorted(topics):
+        paragraph: list[str] = []
+        for line in topics[key].splitlines() + [""]:
+            line = line.rstrip()
+            if line:
+                paragraph.append(line)
+            elif paragraph:
+                docs.append("\n".join(paragraph))
+                paragraph = []
+    path = path or builtin_corpus_path()
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as gz:
+        gz.write(("\n\n".join(docs) + "\n").encode("utf-8"))
+    tmp.replace(path)
+    return path
+
+
+def source_kind(path: Path) -> str:
+    """'txt' | 'jsonl' | 'json' | 'parquet' from the name, looking through one .gz / .zst suffix."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in COMPRESSED_SUFFIXES:
+        suffixes = suffixes[:-1]
+    if suffixes and suffixes[-1] in TEXT_SUFFIXES:
+        return suffixes[-1][1:]
+    raise DataError(
+        f"{path}: unsupported input type; use .txt, .jsonl, .json or .parquet (optionally .gz or .zst)"
+    )
+
+
+def _is_supported(path: Path) -> bool:
+    try:
+        source_kind(path)
+    except DataError:
+        return False
+    return True
+
+
+def discover_inputs(inputs: list[str]) -> list[Path]:
+    """Files named by inputs (files, directories searched recursively, globs), sorted within each input, no repeats."""
+    found: list[Path] = []
+    for spec in inputs:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            matches = sorted(p for p in path.rglob("*") if p.is_file() and _is_supported(p))
+            if not matches:
+                raise DataError(f"directory {spec} holds no .txt/.jsonl/.json/.parquet files; check the path")
+        elif path.is_file():
+            source_kind(path)
+            matches = [path]
+        elif glob.has_magic(spec):
+            matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if _is_supported(Path(p)))
+            if not matches:
+                raise DataError(f"pattern {spec} matches no .txt/.jsonl/.json/.parquet files; check the pattern")
+        else:
+            raise DataError(f"input {spec} does not exist; check the path")
+        for m in matches:
+            if m.resolve() not in {f.resolve() for f in found}:
+                found.append(m)
+    if not found:
+        raise DataError("no input files given; name files, directories or globs")
+    return found
+
+
+@dataclass
+class BadRecords:
+    """What to do with a malformed record: raise (default) or count it and carry on."""
+
+    skip: bool = False
+    hint: str = "fix or remove that record"
+    count: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def report(self, where: str, problem: str) -> None:
+        if not self.skip:
+            raise DataError(f"{where}: {problem}; {self.hint}")
+        self.count += 1
+        if len(self.examples) < 5:
+            self.examples.append(f"{where}: {problem}")
+
+
+def _open_stream(raw: BinaryIO, path: Path) -> BinaryIO:
+    suffix = path.suffix.lower()
+    if suffix == ".gz":
+        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+    if suffix == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise DataError(f"{path}: reading .zst needs the 'zstandard' package; pip install zstandard") from None
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+    return raw
+
+
+class DocumentReader:
+    """Iterates the documents (non-empty strings) of one input file; bytes_read tracks progress on disk."""
+
+    def __init__(self, path: Path, text_field: str = "text", doc_sep: str = "blank", bad: BadRecords | None = None):
+        if doc_sep not in ("blank", "line"):
+            raise DataError(f"document separator {doc_sep!r} is unknown; use 'blank' or 'line'")
+        self.path = path
+        self.kind = source_kind(path)
+        self.text_field = text_field
+        self.doc_sep = doc_sep
+        self.bad = bad or BadRecords()
+        self.bytes_read = 0
+        self.size = path.stat().st_size
+
+    def __iter__(self) -> Iterator[str]:
+        if self.kind == "parquet":
+            yield from self._parquet()
+            return
+        with open(self.path, "rb") as raw:
+            stream = _open_stream(raw, self.path)
+            try:
+                if self.kind == "txt":
+                    yield from self._txt(stream, raw)
+                elif self.kind == "jsonl" or (self.kind == "json" and not self._starts_with_bracket(stream)):
+                    yield from self._jsonl(stream, raw)
+                else:
+                    yield from self._json_array(stream)
+            except (OSError, EOFError) as e:  # corrupt compressed stream
+                raise DataError(f"{self.path}: cannot be read ({e}); check or re-download the file") from None
+            finally:
+                self.bytes_read = self.size
+
+    @staticmethod
+    def _starts_with_bracket(stream: BinaryIO) -> bool:
+        peek = stream.peek(256) if hasattr(stream, "peek") else b""
+        return peek.lstrip().startswith(b"[")
+
+    def _decode(self, line: bytes, lineno: int) -> str | None:
+        try:
+            return line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            self.bad.report(f"{self.path}:{lineno}", f"not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})")
+            return None
+
+    def _txt(self, stream: BinaryIO, raw: BinaryIO) -> Iterator[str]:
+        block: list[str] = []
+        broken = False
+        for lineno, line in enumerate(stream, 1):
+            text = self._decode(line, lineno)
+            self.bytes_read = raw.tell()
+            if text is None:
+                broken = True
+                continue
+            text = text.rstrip("\r\n")
+            if self.doc_sep == "line":
+                if text.strip():
+                    yield text
+            elif text.strip():
+                block.append(text)
+            else:
+                if block and not broken:
+                    yield "\n".join(block)
+                block, broken = [], False
+        if block and not broken:
+            yield "\n".join(block)
+
+    def _text_of(self, record: object, where: str) -> str | None:
+        if not isinstance(record, dict):
+            self.bad.report(where, f"expected a JSON object with a '{self.text_field}' field")
+            return None
+        if self.text_field not in record:
+            fields = ", ".join(sorted(record)) or "none"
+            self.bad.report(where, f"no '{self.text_field}' field (fields: {fields}); set --text-field / data.text_field")
+            return None
+        text = record[self.text_field]
+        if not isinstance(text, str):
+            self.bad.report(where, f"'{self.text_field}' is a {type(text).__name__}, not a string")
+            return None
+        if not text.strip():
+            self.bad.report(where, f"empty '{self.text_field}' field")
+            return None
+        return text
+
+    def _jsonl(self, stream: BinaryIO, raw: BinaryIO) -> Iterator[str]:
+        for lineno, line in enumerate(stream, 1):
+            self.bytes_read = raw.tell()
+            if not line.strip():
+                continue
+            where = f"{self.path}:{lineno}"
+            decoded = self._decode(line, lineno)
+            if decoded is None:
+                continue
+            try:
+                record = json.loads(decoded)
+            except ValueError as e:
+                self.bad.report(where, f"malformed JSON ({e.args[0].split(':')[0]})")
+                continue
+            text = self._text_of(record, where)
+            if text is not None:
+                yield text
+
+    def _json_array(self, stream: BinaryIO) -> Iterator[str]:
+        try:
+            records = json.loads(stream.read().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{self.path}: not UTF-8 (at byte {e.start}); re-encode the file as UTF-8") from None
+        except ValueError as e:
+            raise DataError(f"{self.path}: malformed JSON ({e}); fix the file") from None
+        if not isinstance(records, list):
+            raise DataError(f"{self.path}: expected a JSON array of objects or JSON Lines; convert the file")
+        for i, record in enumerate(records):
+            text = self._text_of(record, f"{self.path}[{i}]")
+            if text is not None:
+                yield text
+
+    def _parquet(self) -> Iterator[str]:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"{self.path}: reading .parquet needs the 'pyarrow' package; pip install pyarrow") from None
+        try:
+            pf = pq.ParquetFile(self.path)
+        except Exception as e:  # pyarrow raises ArrowInvalid and friends
+            raise DataError(f"{self.path}: not a readable Parquet file ({e}); check the file") from None
+        columns = pf.schema_arrow.names
+        if self.text_field not in columns:
+            raise DataError(
+                f"{self.path}: no '{self.text_field}' column (columns: {', '.join(columns)}); set --text-field"
+            )
+        row = 0
+        for group in range(pf.num_row_groups):
+            for value in pf.read_row_group(group, columns=[self.text_field]).column(0).to_pylist():
+                row += 1
+                if not isinstance(value, str) or not value.strip():
+                    self.bad.report(f"{self.path}:row {row}", f"empty or non-string '{self.text_field}'")
+                    continue
+                yield value
+            self.bytes_read = self.size * (group + 1) // pf.num_row_groups
+
+
+def iter_documents(paths: list[Path], text_field: str = "text", doc_sep: str = "blank",
+                   bad: BadRecords | None = None) -> Iterator[str]:
+    """Documents of every file in order."""
+    for path in paths:
+        yield from DocumentReader(path, text_field, doc_sep, bad)

@@ -1,0 +1,320 @@
+"""Tokenizers: built-in bytes, Hugging Face tokenizer.json, SentencePiece and tiktoken-format tokenizer.model."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from titan_npu.errors import DataError
+
+# Meta's Llama 3 pre-tokenisation pattern (tiktoken format tokenizer.model).
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+LLAMA3_NUM_SPECIAL_TOKENS = 256
+LLAMA3_SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+]
+
+# Names tried when a tokenizer.json comes without tokenizer_config.json / special_tokens_map.json.
+_BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<|startoftext|>", "<bos>")
+_EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
+_PAD_CANDIDATES = ("<|finetune_right_pad_id|>", "<pad>", "<|pad|>", "[PAD]")
+
+_TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+={0,2} \d+\r?$")
+
+
+def _require(module: str, pip_name: str, what: str):
+    """Import an optional dependency, or raise a DataError with the install command."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(f"{what} needs the '{pip_name}' package, which is not installed; pip install {pip_name}") from None
+
+
+def _short_hash(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(hashlib.sha256(p).digest())
+    return h.hexdigest()[:16]
+
+
+class Tokenizer:
+    """Text <-> token ids. Subclasses implement _encode_batch, decode and _identity (what the fingerprint hashes)."""
+
+    name: str = "tokenizer"
+    vocab_size: int
+    bos_id: int | None = None
+    eos_id: int | None = None
+    pad_id: int | None = None
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        """Token ids of text, with BOS in front and EOS at the end when asked (and the tokenizer has them)."""
+        return self._wrap(self._encode_batch([text])[0], bos, eos)
+
+    def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
+        """encode() for many texts at once (faster for library-backed tokenizers)."""
+        return [self._wrap(ids, bos, eos) for ids in self._encode_batch(list(texts))]
+
+    def encode_arrays(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[np.ndarray]:
+        """encode_batch() as int64 arrays; what prepare-data and the on-the-fly dataset use."""
+        return [np.asarray(ids, dtype=np.int64) for ids in self.encode_batch(texts, bos, eos)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        """A stable hash of what decides the ids (vocab, merges, pattern, special tokens)."""
+        special = json.dumps([self.vocab_size, self.bos_id, self.eos_id]).encode()
+        return _short_hash(self._identity(), special)
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def _identity(self) -> bytes:
+        raise NotImplementedError
+
+    def _wrap(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
+        if bos and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        if eos and self.eos_id is not None:
+            ids = [*ids, self.eos_id]
+        return ids
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id})"
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255, BOS = 256, EOS = 257; needs no file."""
+
+    name = "byte"
+    vocab_size = 258
+    bos_id = 256
+    eos_id = 257
+    pad_id = None
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
+
+    def encode_arrays(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[np.ndarray]:
+        out = []
+        for t in texts:
+            body = np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+            parts = ([np.array([self.bos_id])] if bos else []) + [body] + ([np.array([self.eos_id])] if eos else [])
+            out.append(np.concatenate(parts) if len(parts) > 1 else body)
+        return out
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def _identity(self) -> bytes:
+        return b"titan-npu byte tokenizer v1"
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face tokenizer.json (tokenizers library); BOS/EOS/PAD from tokenizer_config.json beside it."""
+
+    def __init__(self, path: Path):
+        tokenizers = _require("tokenizers", "tokenizers", f"tokenizer {path}")
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(path))
+            spec = json.loads(path.read_text(encoding="utf-8"))
+        except Exception as e:  # the library raises its own exception type for malformed files
+            raise DataError(f"tokenizer {path} is not a valid tokenizer.json ({e}); point data.tokenizer at another") from None
+        self.name = str(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        special = _special_tokens_beside(path.parent)
+        self.bos_id = self._token_id(special.get("bos_token"), _BOS_CANDIDATES)
+        self.eos_id = self._token_id(special.get("eos_token"), _EOS_CANDIDATES)
+        self.pad_id = self._token_id(special.get("pad_token"), _PAD_CANDIDATES)
+        # Padding/truncation settings do not change ids of a single text; everything else does.
+        spec.pop("padding", None)
+        spec.pop("truncation", None)
+        self._spec_bytes = json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
+
+    def _token_id(self, configured: str | None, candidates: tuple[str, ...]) -> int | None:
+        for token in ([configured] if configured else []) + list(candidates):
+            tid = self._tok.token_to_id(token)
+            if tid is not None:
+                return tid
+            if token == configured:
+                raise DataError(
+                    f"tokenizer {self.name}: special token {token!r} from tokenizer_config.json is not in its vocab; "
+                    "fix tokenizer_config.json"
+                )
+        return None
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def _identity(self) -> bytes:
+        return self._spec_bytes
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece tokenizer.model (Llama 2); BOS/EOS/PAD are the model's own."""
+
+    def __init__(self, path: Path):
+        spm = _require("sentencepiece", "sentencepiece", f"tokenizer {path}")
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.Load(str(path))
+        except Exception as e:  # sentencepiece raises OSError/RuntimeError depending on version
+            raise DataError(f"tokenizer {path} is not a valid SentencePiece model ({e}); check the file") from None
+        self.name = str(path)
+        self.vocab_size = int(self._sp.GetPieceSize())
+        self.bos_id = _none_if_negative(self._sp.bos_id())
+        self.eos_id = _none_if_negative(self._sp.eos_id())
+        self.pad_id = _none_if_negative(self._sp.pad_id())
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.Encode(texts)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.Decode(list(ids))
+
+    def _identity(self) -> bytes:
+        return self._sp.serialized_model_proto()
+
+
+class TiktokenTokenizer(Tokenizer):
+    """A tiktoken-format tokenizer.model (Llama 3: base64 token + rank per line) with the Llama 3 pattern."""
+
+    def __init__(self, path: Path):
+        tiktoken = _require("tiktoken", "tiktoken", f"tokenizer {path}")
+        ranks: dict[bytes, int] = {}
+        for lineno, line in enumerate(path.read_bytes().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except ValueError:
+                raise DataError(
+                    f"{path}:{lineno}: not a tiktoken line ('<base64 token> <rank>'); check the tokenizer file"
+                ) from None
+        n_base = len(ranks)
+        reserved = [f"<|reserved_special_token_{2 + i}|>" for i in range(LLAMA3_NUM_SPECIAL_TOKENS - 11)]
+        special = {tok: n_base + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS + reserved)}
+        self._enc = tiktoken.Encoding(name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
+                                      special_tokens=special)
+        self.name = str(path)
+        self.vocab_size = n_base + len(special)
+        configured = _special_tokens_beside(path.parent)
+        defaults = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+                    "pad_token": "<|finetune_right_pad_id|>"}
+        ids = {}
+        for key, default in defaults.items():
+            token = configured.get(key, default)
+            if token not in special:
+                raise DataError(f"tokenizer {path}: {key} {token!r} from tokenizer_config.json is not a Llama 3 special "
+                                "token; fix tokenizer_config.json")
+            ids[key] = special[token]
+        self.bos_id, self.eos_id, self.pad_id = ids["bos_token"], ids["eos_token"], ids["pad_token"]
+        self._ranks_bytes = b"\n".join(base64.b64encode(t) + b" %d" % r for t, r in sorted(ranks.items(), key=_by_rank))
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # Special-token strings inside training text are plain text, never control tokens.
+        return [self._enc.encode(t, disallowed_special=()) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._enc.decode(list(ids))
+
+    def _identity(self) -> bytes:
+        return self._ranks_bytes + LLAMA3_PATTERN.encode()
+
+
+def _by_rank(item: tuple[bytes, int]) -> int:
+    return item[1]
+
+
+def _none_if_negative(i: int) -> int | None:
+    return None if i < 0 else int(i)
+
+
+def _special_tokens_beside(folder: Path) -> dict[str, str]:
+    """bos_token / eos_token / pad_token strings from tokenizer_config.json or special_tokens_map.json in folder."""
+    found: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+        f = folder / name
+        if not f.is_file():
+            continue
+        try:
+            cfg = json.loads(f.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise DataError(f"{f} is not valid JSON ({e}); fix or remove it") from None
+        for key in ("bos_token", "eos_token", "pad_token"):
+            value = cfg.get(key)
+            if isinstance(value, dict):  # {"content": "<s>", "lstrip": false, ...}
+                value = value.get("content")
+            if isinstance(value, str) and value:
+                found[key] = value
+    return found
+
+
+def _is_tiktoken_file(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4096).split(b"\n")
+    lines = [line for line in head[:-1] if line.strip()] or [line for line in head if line.strip()]
+    return bool(lines) and all(_TIKTOKEN_LINE.match(line) for line in lines[:8])
+
+
+def _find_in_dir(folder: Path) -> Path:
+    for candidate in ("tokenizer.json", "tokenizer.model", "original/tokenizer.model"):
+        if (folder / candidate).is_file():
+            return folder / candidate
+    raise DataError(
+        f"tokenizer directory {folder} holds no tokenizer.json or tokenizer.model; point data.tokenizer at the file"
+    )
+
+
+def build_tokenizer(spec: str) -> Tokenizer:
+    """'byte', a tokenizer.json, a tokenizer.model (SentencePiece or tiktoken format) or a directory holding one."""
+    if spec in ("byte", "bytes"):
+        return ByteTokenizer()
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = _find_in_dir(path)
+    if not path.is_file():
+        raise DataError(
+            f"tokenizer '{spec}' not found: use 'byte', a tokenizer.json / tokenizer.model file or a directory holding one"
+        )
+    with open(path, "rb") as f:
+        first = f.read(64).lstrip()
+    if path.suffix == ".json" or first.startswith(b"{"):
+        return HFTokenizer(path)
+    if _is_tiktoken_file(path):
+        return TiktokenTokenizer(path)
+    return SentencePieceTokenizer(path)
+
+
+def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
+    """DataError when the tokenizer can produce ids that the model's embedding has no row for."""
+    if tokenizer.vocab_size > model_vocab_size:
+        raise DataError(
+            f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids but model.vocab_size is {model_vocab_size}; "
+            f"set model.vocab_size >= {tokenizer.vocab_size} or use a smaller tokenizer"
+        )
