@@ -1,0 +1,235 @@
+"""Load a JobConfig from a TOML/YAML file plus command-line overrides, and write one back.
+
+Pure: reads the one file it is given, nothing from the environment, and writes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from titan_npu.config.aliases import canonicalize
+from titan_npu.config.coerce import FLAG, coerce, field_types, section_types
+from titan_npu.config.schema import JobConfig
+from titan_npu.config.toml_writer import dumps_toml
+from titan_npu.config.validate import validate
+from titan_npu.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+SUFFIXES = (".toml", ".yaml", ".yml")
+CLI = "command line"
+
+
+def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> JobConfig:
+    """Defaults, then the file at `path` (None: none), then `overrides` (--section.key value ...); validated."""
+    sources: list[tuple[str, Mapping[str, Any]]] = []
+    if path is not None:
+        sources.append((str(path), read_config_file(path)))
+    if overrides:
+        sources.append((CLI, parse_overrides(overrides)))
+    return _build(sources)
+
+
+def config_from_dict(data: Mapping[str, Any], source: str = "config") -> JobConfig:
+    """A validated JobConfig from a nested dict (canonical or alias names); `source` names it in errors."""
+    return _build([(source, data)])
+
+
+def config_to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
+    """The config as a nested plain dict under canonical names (lists copied)."""
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: JobConfig, path: str | os.PathLike[str]) -> None:
+    """Write `cfg` to `path`: TOML if it ends in .toml, else YAML. Atomic: a reader sees the old file or the new."""
+    data = config_to_dict(cfg)
+    target = Path(path)
+    if target.suffix.lower() == ".toml":
+        text = dumps_toml(data)
+    else:
+        try:
+            text = yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"cannot write {target} as YAML: {_one_line(str(e))}") from None
+    try:
+        payload = text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"cannot write {target}: a value holds text that is not valid Unicode ({e.reason})") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a .toml/.yaml/.yml file into a dict; every failure is a one-line ConfigError naming the file."""
+    file = Path(path)
+    suffix = file.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise ConfigError(
+            f"config file '{path}' has the unsupported extension '{file.suffix or '(none)'}' (use .toml, .yaml or .yml)"
+        )
+    if not file.exists():
+        raise ConfigError(f"config file '{path}' not found (check the path given to --config)")
+    if file.is_dir():
+        raise ConfigError(f"config file '{path}' is a directory (give the .toml or .yaml file inside it)")
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"config file '{path}' cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); save the file as UTF-8") from None
+    data = _parse_toml(text, path) if suffix == ".toml" else _parse_yaml(text, path)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, not a {type(data).__name__}")
+    return data
+
+
+def _parse_toml(text: str, path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        # tomllib's message already ends with "(at line L, column C)".
+        raise ConfigError(f"{path}: invalid TOML: {_one_line(str(e))}") from None
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last)."""
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *anchor` merges; its keys may be overridden on purpose
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            duplicate = key in seen
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a mapping key must be a plain value, not {type(key).__name__}", key_node.start_mark
+            ) from None
+        if duplicate:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key '{key}' is given twice (keep one)", key_node.start_mark
+            )
+        seen.add(key)
+    loader.flatten_mapping(node)
+    return dict(loader.construct_pairs(node, deep=True))
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def _parse_yaml(text: str, path: str | os.PathLike[str]) -> Any:
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: plain data, no object tags
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        context = getattr(e, "context", None)
+        detail = f"{context}: {problem}" if context else problem
+        raise ConfigError(f"{path}: invalid YAML{where}: {_one_line(detail)}") from None
+
+
+def parse_overrides(tokens: Sequence[str]) -> dict[str, Any]:
+    """['--model.dim', '64', '--compile.enable', '--x.y=z'] -> {'model': {'dim': '64'}, 'compile': {...}, ...}.
+
+    Values stay strings (the schema types them later); a key followed by nothing or by another --key is a flag.
+    """
+    raw: dict[str, Any] = {}
+    i = 0
+    while i < len(tokens):
+        token = str(tokens[i])
+        if not token.startswith("--") or token == "--":
+            raise ConfigError(
+                f"{CLI}: unexpected argument '{token}' (overrides look like --section.key VALUE or --section.key=VALUE)"
+            )
+        body = token[2:]
+        if "=" in body:
+            name, value = body.split("=", 1)
+            i += 1
+        elif i + 1 < len(tokens) and not str(tokens[i + 1]).startswith("--"):
+            name, value = body, str(tokens[i + 1])
+            i += 2
+        else:
+            name, value = body, FLAG
+            i += 1
+        _set_path(raw, name, value, token)
+    return raw
+
+
+def _set_path(raw: dict[str, Any], name: str, value: Any, token: str) -> None:
+    # Flags are often written with dashes (--checkpoint-dir); schema names use underscores.
+    parts = [part.replace("-", "_") for part in name.split(".")]
+    if any(not part for part in parts):
+        raise ConfigError(f"{CLI}: malformed override '{token}' (write --section.key VALUE)")
+    table = raw
+    for depth, part in enumerate(parts[:-1]):
+        table = table.setdefault(part, {})
+        if not isinstance(table, dict):
+            prefix = ".".join(parts[: depth + 1])
+            raise ConfigError(f"{CLI}: '{prefix}' is given both a value and keys under it ({token}); keep one")
+    table[parts[-1]] = value
+
+
+def _build(sources: Sequence[tuple[str, Mapping[str, Any]]]) -> JobConfig:
+    """Canonicalise each source, let later sources win key by key, type every value, validate."""
+    merged: dict[str, dict[str, Any]] = {}
+    origin: dict[tuple[str, str], tuple[str, str]] = {}  # (section, key) -> (source, spelling as written)
+    for source, raw in sources:
+        values, spelled = canonicalize(raw, source)
+        for section, table in values.items():
+            for key, value in table.items():
+                merged.setdefault(section, {})[key] = value
+                origin[(section, key)] = (source, spelled[(section, key)])
+
+    sections: dict[str, Any] = {}
+    for section, cls in section_types().items():
+        types_ = field_types(section)
+        kwargs = {}
+        for key, value in merged.get(section, {}).items():
+            source, spelling = origin[(section, key)]
+            label = spelling if value is FLAG else f"{source}: {spelling}"
+            try:
+                kwargs[key] = coerce(value, types_[key], label)
+            except ConfigError as e:
+                # A flag without its value reads best with the source in front: "command line: --model.dim needs..."
+                raise (ConfigError(f"{source}: {e}") if value is FLAG else e) from None
+        sections[section] = cls(**kwargs)
+    cfg = JobConfig(**sections)
+
+    try:
+        return validate(cfg)
+    except ConfigError as e:
+        key = getattr(e, "key", None)
+        if key is None or tuple(key.split(".", 1)) not in origin:
+            raise
+        source, spelling = origin[tuple(key.split(".", 1))]  # type: ignore[index]
+        note = f" (set as '{spelling}')" if spelling != key else ""
+        raise ConfigError(f"{source}: {e}{note}") from None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
