@@ -1,0 +1,29 @@
+"""The model's compute ops (attention, rms_norm, rotary embedding, swiglu) behind one dispatch point per op.
+
+Every op has a plain-torch reference (ops/reference.py); vendor backends (ops/npu.py, ops/cuda.py) register
+faster kernels per op with register_backend, and set_kernels chooses between them (see docs/model.md).
+"""
+
+from titan_npu.ops.dispatch import (
+    OP_NAMES,
+    apply_rotary_emb,
+    attention,
+    available_backends,
+    current_kernels,
+    register_backend,
+    rms_norm,
+    set_kernels,
+    swiglu,
+)
+
+__all__ = [
+    "OP_NAMES",
+    "apply_rotary_emb",
+    "attention",
+    "available_backends",
+    "current_kernels",
+    "register_backend",
+    "rms_norm",
+    "set_kernels",
+    "swiglu",
+]

@@ -1,0 +1,162 @@
+"""Each op (through the dispatcher, reference kernels) against an independent naive implementation, fwd and bwd."""
+
+import math
+
+import pytest
+import torch
+
+from titan_npu import ops
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _reference_kernels():
+    ops.set_kernels("reference")
+    yield
+    ops.set_kernels("auto")
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def _assert_same_forward_and_grads(fn, naive, inputs, tol=TOL):
+    """fn and naive (float64) agree on the output and on the gradients of a random projection of it."""
+    ours_in = _leaves(*inputs)
+    ref_in = _leaves(*(t.double() for t in inputs))
+    out, ref = fn(*ours_in), naive(*ref_in)
+    outs = out if isinstance(out, tuple) else (out,)
+    refs = ref if isinstance(ref, tuple) else (ref,)
+    for o, r in zip(outs, refs, strict=True):
+        torch.testing.assert_close(o.double(), r, **tol)
+    cotangents = [torch.randn_like(r) for r in refs]
+    sum((o.double() * c).sum() for o, c in zip(outs, cotangents)).backward()
+    sum((r * c).sum() for r, c in zip(refs, cotangents)).backward()
+    for a, b in zip(ours_in, ref_in, strict=True):
+        torch.testing.assert_close(a.grad.double(), b.grad, **tol)
+
+
+def _naive_attention(q, k, v, causal):
+    """Loop over batch and query heads; query head h reads key/value head h // (Hq / Hkv)."""
+    bsz, seqlen, n_heads, head_dim = q.shape
+    group = n_heads // k.shape[2]
+    out = torch.zeros_like(q)
+    for b in range(bsz):
+        for h in range(n_heads):
+            qh, kh, vh = q[b, :, h], k[b, :, h // group], v[b, :, h // group]
+            scores = qh @ kh.T / math.sqrt(head_dim)
+            if causal:
+                future = torch.arange(seqlen)[None, :] > torch.arange(seqlen)[:, None]
+                scores = scores.masked_fill(future, float("-inf"))
+            out[b, :, h] = torch.softmax(scores, dim=-1) @ vh
+    return out
+
+
+@pytest.mark.parametrize("use_flash", [True, False], ids=["flash", "eager"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+def test_attention_matches_naive_loop_forward_and_backward(use_flash, causal, heads):
+    torch.manual_seed(0)
+    n_heads, n_kv_heads = heads
+    q, k, v = torch.randn(2, 7, n_heads, 8), torch.randn(2, 7, n_kv_heads, 8), torch.randn(2, 7, n_kv_heads, 8)
+    _assert_same_forward_and_grads(
+        lambda q, k, v: ops.attention(q, k, v, causal=causal, use_flash=use_flash),
+        lambda q, k, v: _naive_attention(q, k, v, causal),
+        (q, k, v),
+    )
+
+
+def test_attention_flash_and_eager_agree_on_gqa():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(3, 33, 8, 16), torch.randn(3, 33, 2, 16), torch.randn(3, 33, 2, 16)
+    flash = ops.attention(q, k, v, use_flash=True)
+    eager = ops.attention(q, k, v, use_flash=False)
+    torch.testing.assert_close(flash, eager, **TOL)
+
+
+def test_attention_is_causal_future_tokens_do_not_change_the_past():
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 10, 2, 8), torch.randn(1, 10, 2, 8), torch.randn(1, 10, 2, 8)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, 6:], v2[:, 6:] = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
+    for use_flash in (True, False):
+        a = ops.attention(q, k, v, use_flash=use_flash)
+        b = ops.attention(q, k2, v2, use_flash=use_flash)
+        torch.testing.assert_close(a[:, :6], b[:, :6], atol=0, rtol=0)
+        assert not torch.allclose(a[:, 6:], b[:, 6:])
+
+
+def test_eager_attention_softmax_in_fp32_keeps_bf16_close_to_fp32():
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 64, 2, 16), torch.randn(1, 64, 2, 16), torch.randn(1, 64, 2, 16)
+    ref = ops.attention(q, k, v, use_flash=False)
+    low = ops.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), use_flash=False)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def _naive_rms_norm(x, weight, eps):
+    return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def test_rms_norm_matches_naive_forward_and_backward():
+    torch.manual_seed(4)
+    x, w = torch.randn(2, 5, 32) * 3, torch.randn(32)
+    _assert_same_forward_and_grads(lambda x, w: ops.rms_norm(x, w, 1e-5), lambda x, w: _naive_rms_norm(x, w, 1e-5),
+                                   (x, w))
+
+
+def test_rms_norm_returns_the_input_dtype_computed_in_fp32():
+    torch.manual_seed(5)
+    x, w = torch.randn(4, 64, dtype=torch.bfloat16) * 100, torch.ones(64)
+    out = ops.rms_norm(x, w, 1e-6)
+    assert out.dtype == torch.bfloat16
+    # bf16 has 8 mantissa bits: one rounding of an fp32 result is within 2^-8 relative.
+    torch.testing.assert_close(out.float(), _naive_rms_norm(x.double(), w.double(), 1e-6).float(), atol=0, rtol=2**-8)
+
+
+def _naive_rope(xq, xk, cos, sin):
+    """Meta's original formulation: pairs (2i, 2i+1) as complex numbers times exp(i * angle)."""
+    rotation = torch.polar(torch.ones_like(cos), torch.atan2(sin, cos))[None, :, None, :]
+
+    def rotate(x):
+        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(pairs * rotation).flatten(-2)
+
+    return rotate(xq), rotate(xk)
+
+
+def test_rotary_embedding_matches_complex_rotation_forward_and_backward():
+    torch.manual_seed(6)
+    seqlen, head_dim = 9, 16
+    angles = torch.arange(seqlen)[:, None] * (10000.0 ** (-torch.arange(0, head_dim, 2) / head_dim))[None, :]
+    cos, sin = angles.cos(), angles.sin()
+    xq, xk = torch.randn(2, seqlen, 4, head_dim), torch.randn(2, seqlen, 2, head_dim)
+    ours_in, ref_in = _leaves(xq, xk), _leaves(xq.double(), xk.double())
+    out = ops.apply_rotary_emb(*ours_in, cos, sin)
+    ref = _naive_rope(*ref_in, cos.double(), sin.double())
+    for o, r in zip(out, ref, strict=True):
+        torch.testing.assert_close(o.double(), r, **TOL)
+    cot = [torch.randn_like(r) for r in ref]
+    sum((o.double() * c).sum() for o, c in zip(out, cot)).backward()
+    sum((r * c).sum() for r, c in zip(ref, cot)).backward()
+    for a, b in zip(ours_in, ref_in, strict=True):
+        torch.testing.assert_close(a.grad.double(), b.grad, **TOL)
+
+
+def test_rotary_embedding_preserves_norm_of_each_pair_and_dtype():
+    torch.manual_seed(7)
+    angles = torch.rand(5, 4) * 6
+    cos, sin = angles.cos(), angles.sin()
+    xq = torch.randn(1, 5, 2, 8, dtype=torch.bfloat16)
+    rq, rk = ops.apply_rotary_emb(xq, xq, cos, sin)
+    assert rq.dtype == rk.dtype == torch.bfloat16
+    pair_norm = lambda t: t.float().unflatten(-1, (-1, 2)).norm(dim=-1)  # noqa: E731
+    torch.testing.assert_close(pair_norm(rq), pair_norm(xq), atol=2e-2, rtol=2e-2)
+
+
+def test_swiglu_matches_naive_forward_and_backward():
+    torch.manual_seed(8)
+    gate, up = torch.randn(3, 4, 24) * 4, torch.randn(3, 4, 24)
+    _assert_same_forward_and_grads(ops.swiglu, lambda g, u: g / (1 + torch.exp(-g)) * u, (gate, up))

@@ -1,0 +1,152 @@
+"""One dispatch point per op: the implementation is chosen per device type and per op, once, then looked up per call.
+
+Backends are plain dicts {op_name: function}. "reference" (plain torch) always exists and fills every op a
+backend leaves out. In "auto" mode a tensor on device type T uses the backend registered under the name T
+("npu", "cuda", ...), so titan_npu/ops/npu.py and titan_npu/ops/cuda.py plug in by calling register_backend at
+import; they are imported once, on the first lookup, and must import cleanly where their vendor stack is absent.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+
+from titan_npu.errors import ConfigError
+from titan_npu.ops import reference
+
+OP_NAMES: tuple[str, ...] = ("attention", "rms_norm", "apply_rotary_emb", "swiglu")
+
+REFERENCE: dict[str, Callable] = {
+    "attention": reference.attention,
+    "rms_norm": reference.rms_norm,
+    "apply_rotary_emb": reference.apply_rotary_emb,
+    "swiglu": reference.swiglu,
+}
+
+# Modules that register a vendor backend when imported; a module that does not exist (yet) is skipped.
+BUILTIN_BACKEND_MODULES: tuple[str, ...] = ("titan_npu.ops.npu", "titan_npu.ops.cuda")
+
+_backends: dict[str, dict[str, Callable]] = {"reference": dict(REFERENCE)}
+_mode: str = "auto"
+_per_op: dict[str, str] = {}
+# device type -> op -> (backend name, function); rebuilt lazily whenever the choice or the registry changes.
+_tables: dict[str, dict[str, tuple[str, Callable]]] = {}
+_builtins_loaded = False
+
+
+def register_backend(name: str, impls: dict[str, Callable]) -> None:
+    """Register (or replace) backend `name` providing some ops; ops it leaves out fall back to the reference."""
+    if name in ("auto", "reference"):
+        raise ValueError(f"backend name '{name}' is reserved; register the backend under another name")
+    unknown = sorted(set(impls) - set(OP_NAMES))
+    if unknown:
+        raise ValueError(f"backend '{name}' provides unknown ops {unknown}; valid op names are {list(OP_NAMES)}")
+    not_callable = sorted(op for op, fn in impls.items() if not callable(fn))
+    if not_callable:
+        raise ValueError(f"backend '{name}': implementations of {not_callable} are not callable")
+    _backends[name] = dict(impls)
+    _tables.clear()
+
+
+def set_kernels(name: str = "auto", **per_op: str) -> None:
+    """Choose kernels: "auto" (by the tensor's device type), "reference", or a registered backend; per-op overrides.
+
+    Example: set_kernels("auto", attention="reference") keeps every fused kernel except attention.
+    """
+    _load_builtin_backends()
+    _check_backend_name(name, "ops.set_kernels")
+    for op, backend in per_op.items():
+        if op not in OP_NAMES:
+            raise ConfigError(f"ops.set_kernels: unknown op '{op}' (valid: {', '.join(OP_NAMES)})")
+        _check_backend_name(backend, f"ops.set_kernels({op}=...)")
+        if backend not in ("auto", "reference") and op not in _backends[backend]:
+            provided = ", ".join(sorted(_backends[backend])) or "nothing"
+            raise ConfigError(
+                f"ops.set_kernels: backend '{backend}' has no '{op}' kernel (it provides {provided}); "
+                f"choose 'reference' or 'auto' for {op}"
+            )
+    global _mode
+    _mode = name
+    _per_op.clear()
+    _per_op.update(per_op)
+    _tables.clear()
+
+
+def current_kernels(device_type: str) -> dict[str, str]:
+    """The backend each op uses for tensors of `device_type` ("cpu", "cuda", "npu", ...), e.g. for the run log."""
+    return {op: backend for op, (backend, _) in _table(device_type).items()}
+
+
+def available_backends() -> list[str]:
+    """Names accepted by set_kernels: "auto", "reference" and every registered backend."""
+    _load_builtin_backends()
+    return ["auto", *sorted(_backends)]
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, use_flash: bool = True
+) -> torch.Tensor:
+    """Multi-head attention, q [B,S,Hq,D], k/v [B,S,Hkv,D] (Hq a multiple of Hkv) -> [B,S,Hq,D].
+
+    use_flash=True runs the chosen fused kernel; use_flash=False always runs the eager O(S^2) baseline.
+    """
+    if not use_flash:
+        return reference.eager_attention(q, k, v, causal=causal)
+    return _table(q.device.type)["attention"][1](q, k, v, causal=causal)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: fp32 compute, result in x.dtype."""
+    return _table(x.device.type)["rms_norm"][1](x, weight, eps)
+
+
+def apply_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q/k [B,S,H,D] with cos/sin [S, D/2] (Meta's interleaved pairs); returns (xq, xk)."""
+    return _table(xq.device.type)["apply_rotary_emb"][1](xq, xk, cos, sin)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up."""
+    return _table(gate.device.type)["swiglu"][1](gate, up)
+
+
+def _table(device_type: str) -> dict[str, tuple[str, Callable]]:
+    table = _tables.get(device_type)
+    if table is None:
+        table = _build_table(device_type)
+    return table
+
+
+def _build_table(device_type: str) -> dict[str, tuple[str, Callable]]:
+    _load_builtin_backends()
+    table = {}
+    for op in OP_NAMES:
+        choice = _per_op.get(op, _mode)
+        backend = device_type if choice == "auto" else choice
+        impl = _backends.get(backend, {}).get(op)
+        table[op] = (backend, impl) if impl is not None else ("reference", REFERENCE[op])
+    _tables[device_type] = table
+    return table
+
+
+def _check_backend_name(name: str, where: str) -> None:
+    if name != "auto" and name not in _backends:
+        raise ConfigError(f"{where}: unknown kernels '{name}' (valid: {', '.join(available_backends())})")
+
+
+def _load_builtin_backends() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    for module in BUILTIN_BACKEND_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            # Only "this backend is not part of the install" is skipped; a backend that fails to import is a bug.
+            if e.name != module:
+                raise

@@ -1,0 +1,66 @@
+"""Plain-torch reference implementation of every op: runs on any device and is what fused kernels are held to."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
+    """Fused attention through F.scaled_dot_product_attention; q [B,S,Hq,D], k/v [B,S,Hkv,D] -> [B,S,Hq,D]."""
+    gqa = q.shape[2] != k.shape[2]
+    # SDPA wants heads before the sequence: [B, H, S, D].
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, enable_gqa=gqa
+    )
+    return out.transpose(1, 2)
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
+    """The O(S^2)-memory baseline: softmax(Q K^T / sqrt(D) + causal mask) V with the softmax in fp32."""
+    n_rep = q.shape[2] // k.shape[2]
+    q, k, v = q.transpose(1, 2), repeat_kv(k, n_rep).transpose(1, 2), repeat_kv(v, n_rep).transpose(1, 2)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)  # [B, H, Sq, Sk]
+    if causal:
+        # Top-left aligned like SDPA's is_causal, so both paths agree for any Sq, Sk.
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).transpose(1, 2)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Repeat each key/value head n_rep times along dim 2 ([B,S,Hkv,D] -> [B,S,Hkv*n_rep,D]) for GQA."""
+    if n_rep == 1:
+        return x
+    bs, seqlen, n_kv_heads, head_dim = x.shape
+    return x[:, :, :, None, :].expand(bs, seqlen, n_kv_heads, n_rep, head_dim).reshape(
+        bs, seqlen, n_kv_heads * n_rep, head_dim
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in fp32, returned in x.dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+
+
+def apply_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k ([B,S,H,D]) by position; cos/sin are [S, D/2] fp32, one angle per interleaved pair."""
+    return _rotate_pairs(xq, cos, sin), _rotate_pairs(xk, cos, sin)
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Meta's convention: dims (2i, 2i+1) form the pair rotated by angle pos * theta_i, so Meta weights load as-is.
+    x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each [B, S, H, D/2]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gating: silu(gate) * up."""
+    return F.silu(gate) * up
