@@ -1,0 +1,89 @@
+"""`titan-npu prepare-data` and `titan-npu train-tokenizer`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from titan_npu.data.progress import Progress
+
+
+def _prepare_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="titan-npu prepare-data",
+        description="Tokenise .txt/.jsonl/.json/.parquet files (optionally .gz/.zst; files, folders or globs) into "
+        "binary token shards plus index.json, or into the guide's tokens JSONL. Re-running is a no-op when nothing "
+        "changed; an interrupted run resumes after its last finished shard.",
+    )
+    p.add_argument("inputs", nargs="+", help="input files, folders (searched recursively) or globs")
+    p.add_argument("--output", "-o", required=True, help="output folder (new, empty, or an earlier run's)")
+    p.add_argument("--tokenizer", default="byte", help="'byte', tokenizer.json, tokenizer.model or a folder")
+    p.add_argument("--workers", type=int, default=1, help="tokenising processes (default 1)")
+    p.add_argument("--text-field", default="text", help="text field of .jsonl/.json records and .parquet column")
+    p.add_argument("--doc-sep", choices=("blank", "line"), default="blank",
+                   help=".txt documents: blocks separated by blank lines (default) or one per line")
+    p.add_argument("--format", choices=("bin", "jsonl"), default="bin", dest="fmt",
+                   help="bin: uint16/uint32 shards (default); jsonl: {\"tokens\": [...], \"length\": n} per line")
+    p.add_argument("--max-seq-len", type=int, default=0, help="jsonl: truncate each document to this many tokens")
+    p.add_argument("--skip-bad-records", action="store_true",
+                   help="count and skip malformed records instead of stopping at the first")
+    p.add_argument("--shard-size", type=int, default=1 << 28, help="tokens per shard (default 268435456)")
+    p.add_argument("--progress", choices=("auto", "bar", "lines"), default="auto",
+                   help="a bar on a terminal (auto), or plain lines")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def prepare_data_main(argv: list[str]) -> int:
+    """Entry of `titan-npu prepare-data`."""
+    from titan_npu.data.prepare import prepare
+
+    args = _prepare_parser().parse_args(argv)
+    if args.max_seq_len and args.fmt != "jsonl":
+        _prepare_parser().error("--max-seq-len truncates documents of --format jsonl only; windows of bin shards are "
+                                "set by training.seq_len")
+    progress = None
+    if args.progress != "auto":
+        from titan_npu.data.sources import discover_inputs
+
+        total = sum(p.stat().st_size for p in discover_inputs(args.inputs))
+        progress = Progress(total, bar=args.progress == "bar")
+    result = prepare(args.inputs, args.output, tokenizer=args.tokenizer, workers=args.workers,
+                     text_field=args.text_field, doc_sep=args.doc_sep, fmt=args.fmt, max_seq_len=args.max_seq_len,
+                     skip_bad_records=args.skip_bad_records, shard_size=args.shard_size, progress=progress)
+    if result.up_to_date:
+        print(f"{result.output} is up to date ({result.num_documents} documents, {result.num_tokens} tokens)")
+        return 0
+    secs = max(result.seconds, 1e-9)
+    resumed = f", resumed after {result.resumed_docs} documents" if result.resumed_docs else ""
+    print(f"wrote {result.num_documents} documents, {result.num_tokens} tokens in "
+          f"{max(result.num_shards, 1)} file(s) to {result.output} in {result.seconds:.1f}s "
+          f"({result.input_bytes / secs / 1e6:.1f} MB/s, {result.num_tokens / secs:,.0f} tokens/s{resumed})")
+    if result.bad_records:
+        print(f"skipped {result.bad_records} bad record(s); first: " + " | ".join(result.bad_examples),
+              file=sys.stderr)
+    return 0
+
+
+def train_tokenizer_main(argv: list[str]) -> int:
+    """Entry of `titan-npu train-tokenizer`."""
+    from titan_npu.data.train_tokenizer import train_bpe
+
+    p = argparse.ArgumentParser(prog="titan-npu train-tokenizer",
+                                description="Learn a byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json "
+                                "with BOS/EOS/PAD) from .txt/.jsonl/.json/.parquet files, folders or globs.")
+    p.add_argument("inputs", nargs="+", help="input files, folders or globs")
+    p.add_argument("--vocab-size", type=int, default=32000, help="vocabulary size incl. 256 bytes and 3 specials")
+    p.add_argument("--output", "-o", required=True, help="folder to write tokenizer.json into")
+    p.add_argument("--text-field", default="text", help="text field of .jsonl/.json records and .parquet column")
+    p.add_argument("--doc-sep", choices=("blank", "line"), default="blank", help=".txt document separator")
+    p.add_argument("--skip-bad-records", action="store_true", help="skip malformed records instead of stopping")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    args = p.parse_args(argv)
+    path = train_bpe(args.inputs, args.vocab_size, args.output, text_field=args.text_field, doc_sep=args.doc_sep,
+                     skip_bad_records=args.skip_bad_records)
+    from titan_npu.data.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(str(path))
+    print(f"wrote {path} (vocab {tok.vocab_size}, bos {tok.bos_id}, eos {tok.eos_id}, fingerprint {tok.fingerprint()})")
+    return 0

@@ -1,0 +1,217 @@
+"""The training data loader: documents packed into seq_len + 1 windows, shuffled per epoch, split across dp ranks.
+
+Global step k of an epoch takes windows perm[pos : pos + batch_size * dp_world_size] of that epoch's permutation,
+rank r the r-th batch_size of them. The loader's whole state is (epoch, pos): any batch is a pure function of it,
+so resuming is exact whatever num_workers prefetches, and a changed dp_world_size continues at the same window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from titan_npu.config.schema import JobConfig
+from titan_npu.data.datasets import TokenDataset, open_dataset, verify_dataset
+from titan_npu.data.tokenizer import Tokenizer
+from titan_npu.errors import DataError
+
+_GOLDEN = 0.6180339887498949  # Weyl sequence step: spreads held-out documents evenly over the corpus
+STATE_VERSION = 1
+
+
+def split_documents(num_docs: int, val_fraction: float, split: str) -> np.ndarray:
+    """Document ids of split: a fixed, evenly spread val_fraction of the documents is 'validation'."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"data.val_fraction={val_fraction} must be in [0, 1); set it to e.g. 0.01")
+    if split not in ("train", "validation"):
+        raise DataError(f"split {split!r} is unknown; use 'train' or 'validation'")
+    held_out = (np.arange(num_docs, dtype=np.float64) * _GOLDEN) % 1.0 < val_fraction
+    return np.flatnonzero(held_out if split == "validation" else ~held_out)
+
+
+class PackedWindows:
+    """The documents doc_ids of a dataset, concatenated, cut into windows of seq_len + 1 tokens (one overlaps)."""
+
+    def __init__(self, dataset: TokenDataset, doc_ids: np.ndarray, seq_len: int):
+        self.dataset = dataset
+        self.doc_ids = doc_ids
+        self.seq_len = seq_len
+        self.lengths = dataset.doc_lengths[doc_ids]
+        self.ends = np.cumsum(self.lengths)
+        self.num_tokens = int(self.ends[-1]) if len(self.ends) else 0
+        self.num_windows = max(0, (self.num_tokens - 1) // seq_len)
+
+    def window(self, w: int) -> np.ndarray:
+        """Tokens [w * seq_len, w * seq_len + seq_len + 1) of the packed stream."""
+        start, stop = w * self.seq_len, w * self.seq_len + self.seq_len + 1
+        i = int(np.searchsorted(self.ends, start, side="right"))
+        pieces, pos = [], start
+        while pos < stop:
+            doc_start = int(self.ends[i] - self.lengths[i])
+            hi = min(int(self.ends[i]), stop)
+            pieces.append(self.dataset.read(int(self.doc_ids[i]), pos - doc_start, hi - doc_start))
+            pos, i = hi, i + 1
+        return np.concatenate(pieces) if len(pieces) > 1 else np.asarray(pieces[0])
+
+    def doc_starts(self, w: int) -> np.ndarray:
+        """Offsets inside window w where a document begins (for document masking)."""
+        start, stop = w * self.seq_len, w * self.seq_len + self.seq_len + 1
+        begins = self.ends - self.lengths
+        lo, hi = np.searchsorted(begins, [start, stop])
+        return (begins[lo:hi] - start).astype(np.int64)
+
+
+class _BatchDataset(Dataset):
+    """Key (epoch, pos) -> this rank's (inputs, labels); runs in the loader's worker processes."""
+
+    def __init__(self, windows: PackedWindows, batch_size: int, dp_rank: int, seed: int, shuffle: bool):
+        self.windows, self.batch_size, self.dp_rank = windows, batch_size, dp_rank
+        self.seed, self.shuffle = seed, shuffle
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if self._perm is None or self._perm[0] != epoch:
+            n = self.windows.num_windows
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._perm = (epoch, order)
+        return self._perm[1]
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, pos = key
+        first = pos + self.dp_rank * self.batch_size
+        ids = self.permutation(epoch)[first : first + self.batch_size]
+        batch = torch.from_numpy(np.stack([self.windows.window(int(w)) for w in ids]).astype(np.int64))
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def __len__(self) -> int:
+        raise TypeError("the data loader is infinite")
+
+
+class _CursorSampler(Sampler):
+    """Keys (epoch, pos) from a starting point on, forever; an epoch ends when a whole global batch no longer fits."""
+
+    def __init__(self, epoch: int, pos: int, step: int, num_windows: int):
+        self.epoch, self.pos, self.step, self.num_windows = epoch, pos, step, num_windows
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch, pos = self.epoch, self.pos
+        while True:
+            yield epoch, pos
+            epoch, pos = wrap(epoch, pos + self.step, self.step, self.num_windows)
+
+
+def wrap(epoch: int, pos: int, step: int, num_windows: int) -> tuple[int, int]:
+    """(epoch, pos) itself, or the start of the next epoch when a whole global batch no longer fits."""
+    return (epoch + 1, 0) if pos + step > num_windows else (epoch, pos)
+
+
+class TokenLoader:
+    """Infinite iterator of (inputs, labels) LongTensors [batch_size, seq_len]; state_dict() / load_state_dict()."""
+
+    def __init__(self, windows: PackedWindows, batch_size: int, dp_rank: int, dp_world_size: int, seed: int,
+                 num_workers: int = 0, pin_memory: bool = False, shuffle: bool = True, split: str = "train"):
+        if not 0 <= dp_rank < dp_world_size:
+            raise DataError(f"dp_rank={dp_rank} is outside dp_world_size={dp_world_size}; check the parallel layout")
+        global_batch = batch_size * dp_world_size
+        if windows.num_windows < global_batch:
+            raise DataError(
+                f"{windows.dataset.description} ({split}) has {windows.num_tokens} tokens = {windows.num_windows} "
+                f"windows of seq_len+1={windows.seq_len + 1}, fewer than one global batch of {global_batch} "
+                f"(batch_size {batch_size} x dp {dp_world_size}); use more data or a smaller batch_size / seq_len"
+            )
+        self.windows = windows
+        self.batch_size, self.dp_rank, self.dp_world_size = batch_size, dp_rank, dp_world_size
+        self.seed, self.shuffle, self.split = seed, shuffle, split
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.epoch, self.pos = 0, 0
+        self._dataset = _BatchDataset(windows, batch_size, dp_rank, seed, shuffle)
+        self._iter: Iterator | None = None
+
+    @property
+    def step(self) -> int:
+        """Windows consumed per global step (all dp ranks together)."""
+        return self.batch_size * self.dp_world_size
+
+    def __iter__(self) -> TokenLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._iter is None:
+            sampler = _CursorSampler(self.epoch, self.pos, self.step, self.windows.num_windows)
+            loader = DataLoader(self._dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
+                                pin_memory=self.pin_memory, prefetch_factor=2 if self.num_workers else None)
+            self._iter = iter(loader)
+        batch = next(self._iter)
+        # What was handed out, not what the workers prefetched, is the state.
+        self.epoch, self.pos = wrap(self.epoch, self.pos + self.step, self.step, self.windows.num_windows)
+        return batch
+
+    def state_dict(self) -> dict:
+        """Where the next batch starts; plain ints and strings (saved per rank in checkpoints)."""
+        return {"version": STATE_VERSION, "epoch": self.epoch, "pos": self.pos, "seed": self.seed, "split": self.split,
+                "seq_len": self.windows.seq_len, "num_windows": self.windows.num_windows,
+                "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict, allow_reshard: bool = False) -> None:
+        """Continue exactly where state left off; a different dp_world_size needs allow_reshard=True."""
+        for key in ("epoch", "pos", "seq_len", "num_windows", "dp_world_size", "seed"):
+            if key not in state:
+                raise DataError(f"data loader state has no '{key}'; the checkpoint is not from this loader")
+        if int(state["seq_len"]) != self.windows.seq_len or int(state["num_windows"]) != self.windows.num_windows:
+            raise DataError(
+                f"data loader state is for {state['num_windows']} windows of seq_len {state['seq_len']}, this data has "
+                f"{self.windows.num_windows} of seq_len {self.windows.seq_len}; resume with the same data and seq_len"
+            )
+        if int(state["seed"]) != self.seed:
+            raise DataError(f"data loader state used seed {state['seed']}, the run uses {self.seed}; "
+                            "resume with the same training.seed")
+        if int(state["dp_world_size"]) != self.dp_world_size and not allow_reshard:
+            raise DataError(
+                f"data loader state was saved with dp_world_size {state['dp_world_size']}, the run has "
+                f"{self.dp_world_size}; resume with the same data-parallel size or allow resharding the data"
+            )
+        self.close()
+        self.epoch, self.pos = wrap(int(state["epoch"]), int(state["pos"]), self.step, self.windows.num_windows)
+
+    def doc_starts(self, batch_key: tuple[int, int] | None = None) -> list[np.ndarray]:
+        """Per row of the next batch (or of batch_key): offsets where documents begin, for document masking."""
+        epoch, pos = batch_key or (self.epoch, self.pos)
+        first = pos + self.dp_rank * self.batch_size
+        ids = self._dataset.permutation(epoch)[first : first + self.batch_size]
+        return [self.windows.doc_starts(int(w)) for w in ids]
+
+    def close(self) -> None:
+        """Stop the prefetch workers (they restart on the next batch)."""
+        self._iter = None
+
+
+def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer | None, dp_rank: int, dp_world_size: int,
+                     split: str = "train", device_type: str = "cpu", model_vocab_size: int | None = None,
+                     ) -> TokenLoader:
+    """The loader for one data-parallel rank: cfg.data (or cfg.validation.data for validation), see module doc."""
+    if split not in ("train", "validation"):
+        raise DataError(f"split {split!r} is unknown; use 'train' or 'validation'")
+    seq_len, batch_size = cfg.training.seq_len, cfg.training.batch_size
+    if seq_len < 1 or batch_size < 1:
+        raise DataError(f"training.seq_len={seq_len} and training.batch_size={batch_size} must be >= 1")
+    if split == "validation" and cfg.validation.data:
+        dataset = open_dataset(cfg.validation.data, tokenizer, cfg.data.text_field)
+        doc_ids = np.arange(dataset.num_docs)
+    else:
+        dataset = open_dataset(cfg.data.path, tokenizer, cfg.data.text_field)
+        if split == "validation" and cfg.data.val_fraction <= 0:
+            raise DataError("no validation data: set data.val_fraction > 0 or validation.data to a path")
+        doc_ids = split_documents(dataset.num_docs, cfg.data.val_fraction, split)
+    verify_dataset(dataset, tokenizer, model_vocab_size)
+    pin = device_type in ("cuda", "npu") and _accelerator_available()
+    return TokenLoader(PackedWindows(dataset, doc_ids, seq_len), batch_size, dp_rank, dp_world_size,
+                       seed=cfg.training.seed, num_workers=max(0, cfg.data.num_workers), pin_memory=pin,
+                       shuffle=split == "train", split=split)
+
+
+def _accelerator_available() -> bool:
+    accel = getattr(torch, "accelerator", None)
+    return bool(accel is not None and accel.is_available())
