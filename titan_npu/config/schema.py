@@ -66,6 +66,7 @@ class ParallelConfig:
     pp_degree: int = 1
     pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B
     pp_microbatches: int = 0
+    pp_virtual_stages: int = 0  # pipeline stages per rank; 0 = 2 for Interleaved1F1B, else 1
     cpu_offload: bool = False
     reshard_after_forward: bool = True
     loss_parallel: bool = True
@@ -75,11 +76,13 @@ class ParallelConfig:
 class ActivationCheckpointConfig:
     mode: str = "none"  # none | selective | full
     selective_every: int = 2  # selective: checkpoint every Nth block
+    selective_ops: bool = False  # selective: in every block keep matmul/attention outputs, recompute the rest
 
 
 @dataclass
 class CompileConfig:
     enable: bool = False
+    backend: str = "inductor"  # torch.compile backend per transformer block
 
 
 @dataclass
