@@ -170,9 +170,12 @@ def _check_parallel(cfg: JobConfig) -> None:
         )
     p.pp_schedule = _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES, "pipeline schedule")
     _at_least("parallel.pp_microbatches", p.pp_microbatches, 0, "0 = pp_degree * 2")
+    _at_least("parallel.pp_virtual_stages", p.pp_virtual_stages, 0, "0 = 2 for Interleaved1F1B, else 1")
     ac = cfg.activation_checkpoint
     ac.mode = _choice("activation_checkpoint.mode", ac.mode, AC_MODES, "activation checkpointing mode")
     _at_least("activation_checkpoint.selective_every", ac.selective_every, 1, "1 = every block")
+    if not cfg.compile.backend.strip():
+        raise fail("compile.backend", "compile.backend is empty (inductor is the usual torch.compile backend)")
 
 
 _NEGATIVE_STEP = re.compile(r"-\d+")

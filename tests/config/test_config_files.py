@@ -1,0 +1,104 @@
+"""The configs/ folder: every file loads, says how many cards and how to launch, and means what its name says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from titan_npu.config import load_config
+from titan_npu.config.aliases import KEY_ALIASES, SECTION_ALIASES, SUBSECTION_ALIASES, TOP_LEVEL_ALIASES
+from titan_npu.config.coerce import field_types, section_types
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+DOCS = CONFIGS.parent / "docs" / "config.md"
+
+EXPECTED = {
+    "debug.toml": ("llama3", "debug"),
+    "llama2_7b.toml": ("llama2", "7B"),
+    "llama2_13b.toml": ("llama2", "13B"),
+    "llama2_70b.toml": ("llama2", "70B"),
+    "llama3_8b.toml": ("llama3", "8B"),
+    "llama3_70b.toml": ("llama3", "70B"),
+    "llama_7b.toml": ("llama2", "7B"),
+    "llama_13b.toml": ("llama2", "13B"),
+    "llama_70b.toml": ("llama2", "70B"),
+    "llama3_7b.yaml": ("llama3", "7B"),
+}
+
+
+def test_every_config_loads_and_names_cards_and_launch(config_files):
+    for path in config_files:
+        cfg = load_config(path)
+        header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
+        assert "Cards:" in header and "Launch:" in header, f"{path.name}: header lacks Cards:/Launch:"
+        assert path.name in header, f"{path.name}: launch command does not name the file"
+        assert cfg.training.seq_len <= (cfg.model.max_seq_len or cfg.training.seq_len), path.name
+
+
+@pytest.mark.parametrize(("name", "model"), EXPECTED.items())
+def test_named_configs_exist_and_select_their_model(name, model):
+    cfg = load_config(CONFIGS / name)
+    assert (cfg.model.name, cfg.model.flavor) == model
+
+
+def test_debug_config_is_the_tiny_cpu_run():
+    cfg = load_config(CONFIGS / "debug.toml")
+    m, t = cfg.model, cfg.training
+    assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.vocab_size) == (256, 4, 8, 4, 512)
+    assert (t.seq_len, t.batch_size, t.max_steps, t.dtype) == (256, 16, 600, "fp32")
+    assert cfg.optimizer.lr == 3e-3
+    s = cfg.lr_scheduler
+    assert (s.warmup_steps, s.decay_type, s.min_lr_ratio) == (50, "cosine", 0.1)
+    assert (cfg.data.path, cfg.data.tokenizer, cfg.data.num_workers) == ("", "byte", 0)
+    c = cfg.checkpoint
+    assert (c.save_interval, c.keep_last_n, c.async_save) == (200, 2, False)
+    assert (cfg.metrics.log_interval, cfg.metrics.tensorboard) == (20, False)
+
+
+@pytest.mark.parametrize(
+    ("guide", "canonical"),
+    [("llama_7b.toml", "llama2_7b.toml"), ("llama_13b.toml", "llama2_13b.toml"), ("llama_70b.toml", "llama2_70b.toml")],
+)
+def test_guide_named_files_describe_the_same_run_as_the_canonical_ones(guide, canonical):
+    a, b = load_config(CONFIGS / guide), load_config(CONFIGS / canonical)
+    for section, keys in {
+        "model": ("name", "flavor", "dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"),
+        "training": ("batch_size", "seq_len", "gradient_accumulation_steps", "max_steps", "dtype"),
+        "optimizer": ("lr", "betas", "eps", "weight_decay"),
+        "lr_scheduler": ("warmup_steps", "decay_type", "min_lr_ratio"),
+        "parallel": ("tp_degree", "pp_degree", "dp_shard", "fsdp"),
+        "activation_checkpoint": ("mode",),
+    }.items():
+        for key in keys:
+            assert getattr(getattr(a, section), key) == getattr(getattr(b, section), key), f"{section}.{key}"
+
+
+def test_guide_named_files_use_the_guide_spellings():
+    toml = (CONFIGS / "llama_7b.toml").read_text()
+    for spelling in ("[distributed]", "d_model =", "tp_size =", "pp_size =", "steps =", "local_batch_size ="):
+        assert spelling in toml
+    yaml = (CONFIGS / "llama3_7b.yaml").read_text()
+    for spelling in ("learning_rate:", "  checkpoint:", "max_keep:", "dp_degree:", "\ndtype: bf16"):
+        assert spelling in yaml
+
+
+def test_large_models_use_tensor_parallel_and_full_checkpointing():
+    for name in ("llama2_70b.toml", "llama3_70b.toml", "llama_70b.toml"):
+        cfg = load_config(CONFIGS / name)
+        assert cfg.parallel.tp_degree == 8, name
+        assert cfg.activation_checkpoint.mode == "full", name
+        assert cfg.model.n_kv_heads % cfg.parallel.tp_degree == 0, name
+
+
+def test_docs_describe_every_key_and_alias():
+    text = DOCS.read_text()
+    missing = [f"{s}.{k}" for s in section_types() for k in field_types(s) if f"`{k}`" not in text]
+    missing += [f"[{s}]" for s in section_types() if f"[{s}]" not in text]
+    aliases = [*SECTION_ALIASES, *TOP_LEVEL_ALIASES, *(k for _, k in KEY_ALIASES), *(k for _, k in SUBSECTION_ALIASES)]
+    missing += [a for a in aliases if a not in text]
+    assert not missing, f"docs/config.md does not mention: {missing}"
+
+
+def test_config_suffixes_are_only_the_loadable_ones():
+    assert {Path(p).suffix for p in CONFIGS.iterdir() if not p.name.startswith(".")} <= {".toml", ".yaml", ".yml"}
