@@ -1,4 +1,4 @@
-"""Where step metrics go: the console line of DESIGN.md, <log_dir>/metrics.jsonl, and TensorBoard when enabled."""
+"""Where step metrics go: the console line of DESIGN.md, <log_dir>/metrics.jsonl, TensorBoard and W&B when enabled."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import math
 import os
 from pathlib import Path
 from typing import Any
+
+from titan_npu.errors import ConfigError
+from titan_npu.metrics.progress import format_duration
 
 log = logging.getLogger("titan_npu")
 
@@ -19,6 +22,8 @@ def format_step_line(m: dict[str, Any]) -> str:
     parts.append(f"mfu={100 * m['mfu']:.1f}%")
     parts.append(f"mem={m['mem_used_gb']:.1f}GB/{m['mem_total_gb']:.1f}GB")
     parts.append(f"step_time={m['step_time_s']:.2f}s")
+    if m.get("eta_s") is not None:
+        parts.append(f"eta={format_duration(m['eta_s'])}")
     line = f"[Step {m['step']}] " + ", ".join(parts)
     flags = m.get("flags")
     if flags:
@@ -26,22 +31,57 @@ def format_step_line(m: dict[str, Any]) -> str:
     return line
 
 
+def format_validation_line(m: dict[str, Any]) -> str:
+    """`[Step 500] val_loss=2.3456, val_ppl=10.45 (10 batches, 20,480 tokens, 1.2s)`."""
+    return (f"[Step {m['step']}] val_loss={m['val_loss']:.4f}, val_ppl={m['val_ppl']:.2f} "
+            f"({m['val_batches']} batches, {m['val_tokens']:,} tokens, {m['val_time_s']:.1f}s)")
+
+
 def _json_value(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
-        return str(v)  # JSON has no NaN/inf; keep them readable
+        return str(v)  # JSON has no NaN/inf; keep them readable ("nan", "inf"); the report reads them back
     return v
 
 
-class MetricsLogger:
-    """Writes each logged step to every sink; only rank 0 writes anything."""
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
-    def __init__(self, log_dir: str | os.PathLike, rank: int = 0, tensorboard: bool = False) -> None:
+
+def import_wandb():
+    """The wandb module, or a ConfigError that says how to install it or turn it off."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("metrics.wandb=true but the 'wandb' package is not installed; pip install wandb "
+                          "(or titan-npu[wandb]), or set metrics.wandb=false") from None
+    return wandb
+
+
+class MetricsLogger:
+    """Writes each logged step to every sink; only rank 0 writes anything.
+
+    metrics.jsonl holds one JSON object per line: training records (key "loss") at log steps and validation
+    records (key "val_loss"); docs/metrics.md lists every key.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike,
+        rank: int = 0,
+        tensorboard: bool = False,
+        wandb: bool = False,
+        run_config: dict[str, Any] | None = None,
+    ) -> None:
         self.enabled = rank == 0
         self.log_dir = Path(log_dir)
         self._jsonl = None
         self._tb = None
+        self._wandb = None
         if not self.enabled:
             return
+        # W&B first: a missing package is the user's to fix and must stop the run before anything is written.
+        wandb_module = import_wandb() if wandb else None
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.log_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
         if tensorboard:
@@ -51,18 +91,38 @@ class MetricsLogger:
                 self._tb = SummaryWriter(log_dir=str(self.log_dir / "tensorboard"))
             except ImportError:
                 log.warning("tensorboard is not installed (pip install tensorboard); metrics go to metrics.jsonl only")
+        if wandb_module is not None:
+            # Project and entity come from WANDB_PROJECT / WANDB_ENTITY when set; WANDB_MODE=offline works too.
+            self._wandb = wandb_module.init(
+                project=os.environ.get("WANDB_PROJECT", "titan-npu"),
+                name=os.environ.get("WANDB_NAME", self.log_dir.resolve().name),
+                dir=str(self.log_dir),
+                config=run_config or {},
+            )
+
+    def _write(self, metrics: dict[str, Any]) -> None:
+        self._jsonl.write(json.dumps({k: _json_value(v) for k, v in metrics.items()}) + "\n")
+        step = metrics["step"]
+        scalars = _scalars(metrics)
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def log(self, metrics: dict[str, Any]) -> None:
-        """Print the step line and append one JSON object."""
+        """Print the step line and write the record to every sink."""
         if not self.enabled:
             return
         log.info(format_step_line(metrics))
-        self._jsonl.write(json.dumps({k: _json_value(v) for k, v in metrics.items()}) + "\n")
-        if self._tb is not None:
-            step = metrics["step"]
-            for key, value in metrics.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+        self._write(metrics)
+
+    def log_validation(self, metrics: dict[str, Any]) -> None:
+        """Print the validation line and write the record (step, val_loss, val_ppl, ...) to every sink."""
+        if not self.enabled:
+            return
+        log.info(format_validation_line(metrics))
+        self._write(metrics)
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -71,3 +131,6 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

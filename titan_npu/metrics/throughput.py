@@ -6,7 +6,12 @@ from dataclasses import dataclass
 
 
 def flops_per_token(non_embedding_params: int, n_layers: int, dim: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x non-embedding params (fwd + bwd matmuls) + 12 x layers x dim x seq (attention)."""
+    """Training FLOPs per token: 6 x non-embedding params (fwd + bwd matmuls) + 12 x layers x dim x seq (attention).
+
+    6N counts a multiply-add as 2 FLOPs, once forward and twice backward, for every weight a token meets
+    (the output projection included, the embedding lookup not). 12 L D S is attention's QK^T and AV matmuls
+    over the whole sequence, forward and backward, without halving for the causal mask (PaLM's convention).
+    """
     return 6.0 * non_embedding_params + 12.0 * n_layers * dim * seq_len
 
 
