@@ -36,6 +36,7 @@ class TrainingConfig:
     max_norm: float = 1.0
     seed: int = 42
     deterministic: bool = False
+    memory_fraction: float = 0.0  # cap of this process's share of device memory, (0, 1]; 0 = no cap
 
 
 @dataclass
@@ -133,7 +134,9 @@ class ProfilingConfig:
     trace_dir: str = "profile"
     record_shapes: bool = True
     profile_memory: bool = True
-    ranks: list[int] = field(default_factory=lambda: [0])
+    ranks: list[int] = field(default_factory=lambda: [0])  # [] or [-1] = every rank
+    level: str = "Level1"  # torch_npu profiler level: Level0 | Level1 | Level2 (ignored off NPU)
+    with_stack: bool = False
 
 
 @dataclass
@@ -141,6 +144,8 @@ class CommConfig:
     init_timeout_s: int = 1800
     timeout_s: int = 1800
     hccl_buffsize_mb: int = 0
+    hccl_if_base_port: int = 0  # -> HCCL_IF_BASE_PORT (first of the ports HCCL listens on); 0 = leave as is
+    socket_ifname: str = ""  # -> HCCL_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME; "" = leave as is
 
 
 @dataclass
