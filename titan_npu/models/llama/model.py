@@ -1,0 +1,202 @@
+"""Llama 2 / Llama 3: a pre-norm decoder-only transformer with RMSNorm, RoPE, GQA and SwiGLU.
+
+Module and parameter names are Meta's (tok_embeddings, layers.N.attention.wq, ...), so Meta checkpoints load as-is.
+The model holds no parallel code: tensor/pipeline/data parallelism are applied from outside (parallelize.py,
+pipeline.py). All math goes through titan_npu.ops, which picks a fused kernel per device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from titan_npu import ops
+from titan_npu.errors import ConfigError
+from titan_npu.models.llama.args import (
+    ROPE_SCALING_HIGH_FREQ_FACTOR,
+    ROPE_SCALING_LOW_FREQ_FACTOR,
+    ROPE_SCALING_ORIGINAL_CONTEXT,
+    LlamaArgs,
+)
+
+
+def precompute_rope(
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    scaling_factor: float | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position * theta^(-2i/head_dim), each [max_seq_len, head_dim/2] in fp32 (real, no complex)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    if scaling_factor is not None:
+        inv_freq = scale_rope_frequencies(inv_freq, scaling_factor)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)  # [S, D/2]
+    return angles.cos(), angles.sin()
+
+
+def scale_rope_frequencies(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Llama 3.1 context extension: slow down the low frequencies by `factor`, keep the high ones, blend between."""
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = ROPE_SCALING_ORIGINAL_CONTEXT / ROPE_SCALING_LOW_FREQ_FACTOR
+    high_freq_wavelen = ROPE_SCALING_ORIGINAL_CONTEXT / ROPE_SCALING_HIGH_FREQ_FACTOR
+    smooth = (ROPE_SCALING_ORIGINAL_CONTEXT / wavelen - ROPE_SCALING_LOW_FREQ_FACTOR) / (
+        ROPE_SCALING_HIGH_FREQ_FACTOR - ROPE_SCALING_LOW_FREQ_FACTOR
+    )
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned per-channel scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with rotary position embedding and grouped-query (GQA) key/value heads."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        # Global head counts; a tensor-parallel plan shards wq/wk/wv by columns, so forward reads the local count
+        # from the projection sizes instead of these.
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.use_flash = args.use_flash_attention
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # [B, S, Hq, D]
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # [B, S, Hkv, D]
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = ops.apply_rotary_emb(xq, xk, cos, sin)
+        out = ops.attention(xq, xk, xv, causal=True, use_flash=self.use_flash)  # [B, S, Hq, D]
+        return self.wo(out.reshape(bs, seqlen, -1))
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(ops.swiglu(self.w1(x), self.w3(x)))
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.w1, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=init_std)
+
+
+class TransformerBlock(nn.Module):
+    """One pre-norm layer: h = x + attention(norm(x)); out = h + feed_forward(norm(h))."""
+
+    def __init__(self, layer_id: int, args: LlamaArgs) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        # Depth-scaled init of the projections that write into the residual stream (torchtitan's depth_init):
+        # deeper layers add smaller updates, which keeps the residual's variance bounded at initialisation.
+        self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        for norm in (self.attention_norm, self.ffn_norm):
+            norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+
+class Transformer(nn.Module):
+    """Llama: token embedding, n_layers TransformerBlocks, final RMSNorm, untied output projection.
+
+    A pipeline stage may delete layers and set tok_embeddings / norm / output to None: a stage without
+    tok_embeddings takes hidden states [B, S, dim] as input, one without norm/output returns hidden states.
+    """
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # Not persistent: recomputed by init_weights, never saved, so checkpoints hold weights only.
+        cos, sin = self._precompute_rope(device=None)
+        self.register_buffer("freqs_cos", cos, persistent=False)
+        self.register_buffer("freqs_sin", sin, persistent=False)
+        # A dict keyed "0".."N-1" rather than a list, so a pipeline stage can delete layers and keep FQNs stable.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def _precompute_rope(self, device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        args = self.args
+        return precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling_factor, device)
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Initialise every parameter from torch's RNG and recompute the RoPE buffers (on buffer_device if given).
+
+        Call after `to_empty(device=...)` when the model was built on the meta device.
+        """
+        cos, sin = self._precompute_rope(buffer_device or self.freqs_cos.device)
+        self.freqs_cos, self.freqs_sin = cos, sin
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)
+        for layer in self.layers.values():
+            if layer is not None:
+                layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            # std dim^-0.5 makes the initial logits ~unit variance whatever the width (torchtitan's choice).
+            std = self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] (or hidden states [B, S, dim] when tok_embeddings is None) -> logits [B, S, vocab]."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seqlen = h.shape[1]
+        if seqlen > self.freqs_cos.shape[0]:
+            raise ConfigError(
+                f"sequence length {seqlen} exceeds model.max_seq_len={self.freqs_cos.shape[0]}; "
+                f"raise model.max_seq_len or lower training.seq_len"
+            )
+        cos, sin = self.freqs_cos[:seqlen], self.freqs_sin[:seqlen]
+        for layer in self.layers.values():
+            if layer is not None:
+                h = layer(h, cos, sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
