@@ -116,6 +116,9 @@ class MetricsConfig:
     wandb: bool = False
     peak_tflops: float = 0.0  # 0 = detect from the device
     progress: str = "auto"  # auto | bar | lines
+    spike_sigma: float = 4.0  # flag a step whose loss is this many std devs above the recent window
+    spike_window: int = 100  # steps in that window
+    report: bool = True  # write report.png / report.md into log_dir at the end of a run
 
 
 @dataclass
