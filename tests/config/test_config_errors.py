@@ -34,6 +34,12 @@ def test_unknown_key_in_the_wrong_section_points_to_the_right_one(tmp_path):
     assert "unknown key 'training.lr' (did you mean 'optimizer.lr'?)" in load_error(path)
 
 
+def test_unknown_key_shared_by_several_sections_lists_them(tmp_path):
+    path = write(tmp_path, "x.toml", "[metrics]\nenable = true\n")
+    message = load_error(path)
+    assert "unknown key 'metrics.enable' ('enable' is a key of the sections compile, checkpoint" in message
+
+
 def test_unknown_key_under_an_aliased_section_keeps_the_user_spelling(tmp_path):
     path = write(tmp_path, "x.toml", "[distributed]\ntp_sise = 2\n")
     assert "unknown key 'distributed.tp_sise' (did you mean 'distributed.tp_size'?)" in load_error(path)
@@ -138,6 +144,10 @@ def test_yaml_top_level_must_be_a_mapping(tmp_path):
     assert "top level must be a mapping" in load_error(write(tmp_path, "x.yaml", "- 1\n- 2\n"))
 
 
+def test_empty_yaml_section_is_all_defaults(tmp_path):
+    assert load_config(write(tmp_path, "x.yaml", "compile:\n#  enable: true\n")) == load_config(None)
+
+
 def test_empty_yaml_is_all_defaults(tmp_path):
     assert load_config(write(tmp_path, "x.yaml", "")) == load_config(None)
 
@@ -184,12 +194,17 @@ INVALID = [
     (["--checkpoint.resume="], "checkpoint.resume = '' must be auto, never, a step number or a checkpoint path"),
     (["--checkpoint.resume", "-5"], "checkpoint.resume = '-5' must be auto, never"),
     (["--metrics.log_interval", "0"], "metrics.log_interval = 0 must be >= 1"),
+    (["--metrics.spike_window", "0"], "metrics.spike_window = 0 must be >= 1"),
     (["--data.num_workers", "-1"], "data.num_workers = -1 must be >= 0"),
     (["--model.dim", "0"], "model.dim = 0 must be > 0 when given"),
     (["--model.n_layers", "-2"], "model.n_layers = -2 must be > 0 when given"),
     (["--model.norm_eps", "0"], "model.norm_eps = 0.0 must be > 0 when given"),
     (["--model.n_heads", "32", "--model.n_kv_heads", "5"], "model.n_kv_heads = 5 must divide model.n_heads = 32"),
     (["--model.flavor="], "model.flavor is empty"),
+    (["--training.memory_fraction", "1.5"], "training.memory_fraction = 1.5 must be in [0, 1]"),
+    (["--profiling.ranks", "0,-2"], "profiling.ranks = [0, -2] holds a negative rank"),
+    (["--profiling.level", "Level9"], "profiling.level = 'Level9' is not a known profiler level"),
+    (["--comm.hccl_if_base_port", "70000"], "comm.hccl_if_base_port = 70000 is not a port"),
 ]
 
 
@@ -207,6 +222,11 @@ def test_invalid_value_from_a_file_names_the_file(tmp_path):
 @pytest.mark.parametrize("resume", ["auto", "never", "1000", "checkpoints/step-1000", "/abs/path"])
 def test_resume_accepts_auto_never_digits_and_paths(resume):
     assert load_config(None, ["--checkpoint.resume", resume]).checkpoint.resume == resume
+
+
+@pytest.mark.parametrize("ranks", ["[]", "-1", "0,3"])
+def test_profiling_ranks_accept_every_rank_markers(ranks):
+    load_config(None, ["--profiling.ranks", ranks])
 
 
 def test_validate_checks_a_config_built_in_code():

@@ -92,6 +92,8 @@ def canonicalize(
         spelled.setdefault((section, key), spelling)
 
     def put_section(section: str, spelling: str, table: Any) -> None:
+        if table is None:
+            return  # a YAML section whose keys are all commented out
         if not isinstance(table, Mapping):
             raise ConfigError(
                 f"{source}: '{spelling}' is a section and needs keys under it, not the value {show(table)} "
@@ -174,12 +176,14 @@ def _hint(candidate: str | None) -> str:
 
 
 def _suggest_key(section: str, spelling: str, key: str) -> str:
+    # A key put in the wrong section (training.lr -> optimizer.lr) is a likelier slip than a typo.
+    elsewhere = [other for other in section_types() if key in field_types(other)]
+    if len(elsewhere) == 1:
+        return _hint(f"{elsewhere[0]}.{key}")
+    if elsewhere:
+        return f" ('{key}' is a key of the sections {', '.join(elsewhere)})"
     close = difflib.get_close_matches(key, known_keys(section), n=1)
-    if close:
-        return _hint(f"{spelling}.{close[0]}")
-    # A key put in the wrong section, e.g. training.lr -> optimizer.lr.
-    elsewhere = [f"{other}.{key}" for other in section_types() if key in field_types(other)]
-    return _hint(elsewhere[0] if elsewhere else _closest_path(key))
+    return _hint(f"{spelling}.{close[0]}" if close else _closest_path(key))
 
 
 def _suggest_section(name: str) -> str:
@@ -188,15 +192,14 @@ def _suggest_section(name: str) -> str:
 
 
 def _suggest_top_level(name: str) -> str:
-    elsewhere = [f"{section}.{name}" for section in section_types() if name in field_types(section)]
-    if elsewhere:
-        return _hint(elsewhere[0])
-    close = difflib.get_close_matches(name, [*TOP_LEVEL_ALIASES, *section_types()], n=1)
+    close = difflib.get_close_matches(name, list(TOP_LEVEL_ALIASES), n=1)
     return _hint(close[0] if close else _closest_path(name))
 
 
 def _closest_path(key: str) -> str | None:
-    """The full `section.key` whose key is closest to `key`, across every section."""
-    paths = {k: f"{section}.{k}" for section in section_types() for k in known_keys(section)}
+    """The canonical `section.key` whose key or alias is closest to `key`, across every section."""
+    paths = {k: f"{section}.{k}" for section in section_types() for k in field_types(section)}
+    for (_, alias), target in KEY_ALIASES.items():
+        paths.setdefault(alias, ".".join(target))
     close = difflib.get_close_matches(key, list(paths), n=1)
     return paths[close[0]] if close else None

@@ -33,6 +33,8 @@ CLI = "command line"
 
 def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> JobConfig:
     """Defaults, then the file at `path` (None: none), then `overrides` (--section.key value ...); validated."""
+    if isinstance(overrides, str):
+        raise TypeError("overrides is a sequence of command-line tokens, e.g. ['--model.dim', '64'], not one string")
     sources: list[tuple[str, Mapping[str, Any]]] = []
     if path is not None:
         sources.append((str(path), read_config_file(path)))

@@ -21,6 +21,7 @@ BACKENDS = ("auto", "hccl", "nccl", "gloo")
 OPTIMIZERS = ("AdamW", "Adam", "SGD")
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 PROGRESS_STYLES = ("auto", "bar", "lines")
+PROFILER_LEVELS = ("Level0", "Level1", "Level2")
 
 # Model sizes that must be positive when given; None means "take the flavor's value".
 _POSITIVE_MODEL_FIELDS = (
@@ -129,6 +130,12 @@ def _check_training(cfg: JobConfig) -> None:
         raise fail("training.dtype", f"training.dtype = {show(t.dtype)} is not a known dtype (use bf16, fp16 or fp32)")
     t.dtype = dtype
     _at_least("training.max_norm", t.max_norm, 0, "the gradient-norm clipping threshold")
+    if not 0 <= t.memory_fraction <= 1:
+        raise fail(
+            "training.memory_fraction",
+            f"training.memory_fraction = {show(t.memory_fraction)} must be in [0, 1] "
+            f"(a share of device memory; 0 = no cap)",
+        )
 
 
 def _check_optimizer(cfg: JobConfig) -> None:
@@ -217,6 +224,8 @@ def _check_rest(cfg: JobConfig) -> None:
     _at_least("metrics.log_interval", m.log_interval, 1, "steps between log lines")
     _at_least("metrics.peak_tflops", m.peak_tflops, 0, "0 = detect from the device")
     m.progress = _choice("metrics.progress", m.progress, PROGRESS_STYLES, "progress style")
+    _at_least("metrics.spike_sigma", m.spike_sigma, 0, "standard deviations above the recent loss; 4 is usual")
+    _at_least("metrics.spike_window", m.spike_window, 1, "steps of recent loss the spike check looks at")
 
     v = cfg.validation
     _at_least("validation.interval", v.interval, 1, "steps between validations")
@@ -225,11 +234,21 @@ def _check_rest(cfg: JobConfig) -> None:
     pr = cfg.profiling
     _at_least("profiling.start_step", pr.start_step, 0, "the step the trace starts at")
     _at_least("profiling.active_steps", pr.active_steps, 1, "steps recorded in the trace")
-    for rank in pr.ranks:
-        _at_least("profiling.ranks", rank, 0, "ranks are numbered from 0")
+    if pr.ranks != [-1] and any(rank < 0 for rank in pr.ranks):
+        raise fail(
+            "profiling.ranks",
+            f"profiling.ranks = {show(pr.ranks)} holds a negative rank (ranks count from 0; [] or [-1] = every rank)",
+        )
+    pr.level = _choice("profiling.level", pr.level, PROFILER_LEVELS, "profiler level")
 
     co = cfg.comm
     _at_least("comm.init_timeout_s", co.init_timeout_s, 1, "seconds to wait for all ranks to join")
     _at_least("comm.timeout_s", co.timeout_s, 1, "seconds a collective may take")
     _at_least("comm.hccl_buffsize_mb", co.hccl_buffsize_mb, 0, "0 = keep HCCL_BUFFSIZE from the environment")
+    if not 0 <= co.hccl_if_base_port <= 65535:
+        raise fail(
+            "comm.hccl_if_base_port",
+            f"comm.hccl_if_base_port = {co.hccl_if_base_port} is not a port "
+            f"(use 1-65535, or 0 to keep the environment's)",
+        )
 
