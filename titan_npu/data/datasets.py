@@ -228,7 +228,7 @@ def _raw_dataset(paths: list[Path], tokenizer: Tokenizer | None, text_field: str
             f"{description} is {size / 2**20:.0f} MiB of raw text, too much to tokenise at every start; "
             "run titan-npu prepare-data and point data.path at its output"
         )
-    bad = BadRecords(hint="fix or remove that record, or clean the corpus with titan-npu prepare-data --skip-bad-records")
+    bad = BadRecords(hint="fix or remove that record, or clean the corpus with prepare-data --skip-bad-records")
     texts = list(iter_documents(paths, text_field=text_field, bad=bad))
     if not texts:
         raise DataError(f"{description} holds no documents; check the path and data.text_field")
@@ -277,7 +277,8 @@ def verify_dataset(ds: TokenDataset, tokenizer: Tokenizer | None, model_vocab_si
     if tokenizer is not None and ds.tokenizer_fingerprint and ds.tokenizer_fingerprint != tokenizer.fingerprint():
         raise DataError(
             f"{ds.description} was tokenised with a different tokenizer (fingerprint {ds.tokenizer_fingerprint}) than "
-            f"data.tokenizer {tokenizer.name} ({tokenizer.fingerprint()}); use the same tokenizer or re-run prepare-data"
+            f"data.tokenizer {tokenizer.name} ({tokenizer.fingerprint()}); use the same tokenizer or re-run "
+            "prepare-data"
         )
     if model_vocab_size is not None and ds.max_token_id >= model_vocab_size:
         raise DataError(

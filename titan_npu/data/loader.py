@@ -119,7 +119,7 @@ class TokenLoader:
         if windows.num_windows < global_batch:
             raise DataError(
                 f"{windows.dataset.description} ({split}) has {windows.num_tokens} tokens = {windows.num_windows} "
-                f"windows of seq_len+1={windows.seq_len + 1}, fewer than one global batch of {global_batch} "
+                f"window(s) of seq_len+1={windows.seq_len + 1}, fewer than one global batch of {global_batch} "
                 f"(batch_size {batch_size} x dp {dp_world_size}); use more data or a smaller batch_size / seq_len"
             )
         self.windows = windows

@@ -289,7 +289,6 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
     except BaseException:
         writer.abort()  # interrupted: finished shards and .progress.json stay for the resume
         raise
-    progress.close()
     num_docs = sum(s["num_docs"] for s in shards) if fmt == "bin" else progress.docs
     if num_docs == 0:
         if created:
@@ -297,6 +296,7 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
         else:
             _remove_ours(output)
         raise DataError(f"no documents found in {', '.join(inputs)}; check the inputs and --text-field")
+    progress.close()
     num_tokens = sum(s["num_tokens"] for s in shards) if fmt == "bin" else writer.num_tokens
     max_id = max(s["max_token_id"] for s in shards) if fmt == "bin" else writer.max_id
     index = {

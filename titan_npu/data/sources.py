@@ -193,7 +193,7 @@ class DocumentReader:
             return None
         if self.text_field not in record:
             fields = ", ".join(sorted(record)) or "none"
-            self.bad.report(where, f"no '{self.text_field}' field (fields: {fields}); set --text-field / data.text_field")
+            self.bad.report(where, f"no '{self.text_field}' field (fields: {fields}); set --text-field")
             return None
         text = record[self.text_field]
         if not isinstance(text, str):

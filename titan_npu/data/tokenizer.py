@@ -48,7 +48,8 @@ def _require(module: str, pip_name: str, what: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise DataError(f"{what} needs the '{pip_name}' package, which is not installed; pip install {pip_name}") from None
+        raise DataError(f"{what} needs the '{pip_name}' package, which is not installed; pip install {pip_name}") \
+            from None
 
 
 def _short_hash(*parts: bytes) -> str:
@@ -101,7 +102,8 @@ class Tokenizer:
         return ids
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id})"
+        specials = f"bos={self.bos_id}, eos={self.eos_id}"
+        return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size}, {specials})"
 
 
 class ByteTokenizer(Tokenizer):
@@ -140,7 +142,9 @@ class HFTokenizer(Tokenizer):
             self._tok = tokenizers.Tokenizer.from_file(str(path))
             spec = json.loads(path.read_text(encoding="utf-8"))
         except Exception as e:  # the library raises its own exception type for malformed files
-            raise DataError(f"tokenizer {path} is not a valid tokenizer.json ({e}); point data.tokenizer at another") from None
+            raise DataError(
+                f"tokenizer {path} is not a valid tokenizer.json ({e}); point data.tokenizer at another"
+            ) from None
         self.name = str(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         special = _special_tokens_beside(path.parent)
@@ -230,8 +234,8 @@ class TiktokenTokenizer(Tokenizer):
         for key, default in defaults.items():
             token = configured.get(key, default)
             if token not in special:
-                raise DataError(f"tokenizer {path}: {key} {token!r} from tokenizer_config.json is not a Llama 3 special "
-                                "token; fix tokenizer_config.json")
+                raise DataError(f"tokenizer {path}: {key} {token!r} from tokenizer_config.json is not a Llama 3 "
+                                "special token; fix tokenizer_config.json")
             ids[key] = special[token]
         self.bos_id, self.eos_id, self.pad_id = ids["bos_token"], ids["eos_token"], ids["pad_token"]
         self._ranks_bytes = b"\n".join(base64.b64encode(t) + b" %d" % r for t, r in sorted(ranks.items(), key=_by_rank))
@@ -300,7 +304,8 @@ def build_tokenizer(spec: str) -> Tokenizer:
         path = _find_in_dir(path)
     if not path.is_file():
         raise DataError(
-            f"tokenizer '{spec}' not found: use 'byte', a tokenizer.json / tokenizer.model file or a directory holding one"
+            f"tokenizer '{spec}' not found: use 'byte', a tokenizer.json / tokenizer.model file or a directory "
+            "holding one"
         )
     with open(path, "rb") as f:
         first = f.read(64).lstrip()
