@@ -97,6 +97,7 @@ class CheckpointConfig:
     initial_load: str = ""  # pretrained weights to start from (HF dir, Meta .pth, our .pt)
     initial_load_model_only: bool = True
     enable: bool = True
+    overwrite: bool = False  # let resume=never / an older step replace the checkpoints already in dir
 
 
 @dataclass
