@@ -1,60 +1,96 @@
-"""Start a run from full (unsharded) weights: our exported .pt, on any parallel layout."""
+"""Start a run from pretrained weights (checkpoint.initial_load), on any parallel layout.
+
+Accepted: a Hugging Face Llama directory, Meta's consolidated.*.pth (or their directory), a full .pt from
+`titan-npu export --format pt` / `titan-npu import`, and a checkpoint step-N directory of ours. Full weights are
+read by every rank (memory-mapped where the format allows) and each rank keeps its shard; a step-N directory is
+read shard-wise through DCP.
+"""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from titan_npu.checkpoint.fit import describe_mismatch
+from titan_npu.checkpoint.formats import Weights, detect_format, read_weights
 from titan_npu.errors import CheckpointError
+
+log = logging.getLogger("titan_npu")
 
 
 def read_full_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read a full model state dict from a .pt file (tensors only, never arbitrary objects)."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint.initial_load={str(path)!r} is not a file; give a .pt written by "
-                              "`titan-npu export --format pt`")
-    try:
-        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:
-        raise CheckpointError(f"{path}: not a readable tensor file ({type(e).__name__}: {e})") from e
-    if isinstance(sd, dict) and "model" in sd and isinstance(sd["model"], dict):
-        sd = sd["model"]
-    if not isinstance(sd, dict):
-        raise CheckpointError(f"{path}: expected a state dict (name -> tensor), found {type(sd).__name__}")
-    return sd
+    """Full model weights under our names from any supported format."""
+    return read_weights(path).state_dict
 
 
-def describe_mismatch(expected: dict[str, torch.Size], given: dict[str, torch.Tensor]) -> str | None:
-    """A one-line description of missing / unexpected keys and shape mismatches, or None when they fit."""
-    missing = [k for k in expected if k not in given]
-    unexpected = [k for k in given if k not in expected]
-    shapes = [f"{k}: checkpoint {tuple(given[k].shape)} vs model {tuple(expected[k])}"
-              for k in expected if k in given and tuple(given[k].shape) != tuple(expected[k])]
-    if not (missing or unexpected or shapes):
-        return None
-    parts = []
-    if missing:
-        parts.append(f"{len(missing)} missing (e.g. {', '.join(missing[:3])})")
-    if unexpected:
-        parts.append(f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:3])})")
-    if shapes:
-        parts.append(f"{len(shapes)} shape mismatches (e.g. {shapes[0]})")
-    hint = "the checkpoint is for another model size" if shapes else (
-        "the checkpoint is in another format (Hugging Face names? use `titan-npu import`)"
-        if any(k.startswith("model.") for k in unexpected) else "the checkpoint is for another model layout")
-    return "; ".join(parts) + f" -- likely {hint}"
+def full_model_shapes(args: Any) -> dict[str, torch.Size]:
+    """Every parameter of the whole model (all pipeline stages) and its shape, without allocating it."""
+    from titan_npu.models.llama import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {k: v.shape for k, v in model.state_dict().items()}
 
 
-def load_initial_weights(model: nn.Module, path: str | Path, model_args=None) -> None:
-    """Load full weights into a (possibly FSDP/TP-sharded) model; every rank reads the file (mmap)."""
+def check_args_match(weights: Weights, model_args: Any) -> None:
+    """Refuse weights whose head layout differs from the model's: same shapes, different function."""
+    ckpt = weights.args
+    if ckpt is None or model_args is None:
+        return
+    diffs = [f"{name} {getattr(ckpt, name)} vs {getattr(model_args, name)}"
+             for name in ("n_heads", "n_kv_heads") if getattr(ckpt, name) != getattr(model_args, name)]
+    if diffs:
+        raise CheckpointError(
+            f"{weights.source} was trained with other attention heads than [model] ({', '.join(diffs)}; checkpoint "
+            f"vs config); set model.n_heads={ckpt.n_heads} and model.n_kv_heads={ckpt.n_kv_heads}"
+        )
+    for name in ("rope_theta", "norm_eps", "rope_scaling_factor"):
+        if getattr(ckpt, name) != getattr(model_args, name):
+            log.warning("initial_load: %s is %s in %s but %s in [model]; the model computes a different function "
+                        "than the one trained", name, getattr(ckpt, name), weights.source, getattr(model_args, name))
+
+
+def load_initial_weights(
+    model: nn.Module | list[nn.Module],
+    path: str | Path,
+    model_args: Any = None,
+    model_only: bool = True,
+    manager: Any = None,
+) -> None:
+    """Load pretrained weights into a (possibly FSDP/TP-sharded or pipeline-split) model; collective.
+
+    model_only=False is for step-N checkpoints only and also restores the optimizer state (needs `manager`).
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    sd = read_full_state_dict(path)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    problem = describe_mismatch(expected, sd)
+    parts = model if isinstance(model, list) else [model]
+    kind = detect_format(path)
+    if kind == "dcp":
+        if manager is None:
+            from titan_npu.checkpoint.manager import CheckpointManager
+
+            raise CheckpointError(f"{path} is a step-N checkpoint; load it through {CheckpointManager.__name__}")
+        manager.load_checkpoint(path, sections=("model",) if model_only else ("model", "optimizer"))
+        return
+    if not model_only:
+        raise CheckpointError(
+            f"checkpoint.initial_load={path} is {kind} weights, which hold no optimizer state; set "
+            "checkpoint.initial_load_model_only=true (or point initial_load at a step-N checkpoint)"
+        )
+    weights = read_weights(path)
+    check_args_match(weights, model_args)
+    expected = full_model_shapes(model_args) if model_args is not None else {
+        k: v.shape for part in parts for k, v in part.state_dict().items()}
+    problem = describe_mismatch(expected, weights.state_dict)
     if problem:
-        raise CheckpointError(f"{path} does not fit the model: {problem}")
-    set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=True))
+        raise CheckpointError(f"checkpoint.initial_load={path} does not fit the model: {problem}")
+    for part in parts:
+        own = part.state_dict()
+        # Cast here: the model keeps its own (fp32 master) dtype whatever the file stores.
+        subset = {k: weights.state_dict[k].to(own[k].dtype) for k in own}
+        set_model_state_dict(part, subset, options=StateDictOptions(full_state_dict=True, strict=True))
+    log.info("initial_load: loaded %s weights from %s (%d tensors)", kind, path, len(weights.state_dict))

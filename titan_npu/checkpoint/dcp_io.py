@@ -1,0 +1,141 @@
+"""Reading torch.distributed.checkpoint (DCP) directories without executing what the files bring.
+
+DCP stores its index (.metadata) as a pickle and non-tensor values with torch.save. Its stock reader unpickles
+both without restriction; here the index is read with an unpickler that only builds DCP's own metadata types,
+and non-tensor values are loaded with torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import (
+    BytesStorageMetadata,
+    DefaultLoadPlanner,
+    FileSystemReader,
+    Metadata,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.planner import ReadItem
+
+from titan_npu.errors import CheckpointError
+
+# DCP warns on every single-process save/load even when asked for one (no_dist=True); that is the intent here.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized",
+                        category=UserWarning)
+
+# (module, name) pairs the DCP index may reference; everything else is refused.
+_ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata"}
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a checkpoint index")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose .metadata is read with an allow-list unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} is not a DCP index (found {type(metadata).__name__})")
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner that loads non-tensor values with torch.load(weights_only=True)."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def read_metadata(path: str | Path) -> Metadata:
+    """The DCP index of a checkpoint directory (keys, shapes, dtypes), read safely."""
+    try:
+        return SafeFileSystemReader(str(path)).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as e:
+        raise CheckpointError(f"{path}/.metadata is unreadable ({type(e).__name__}: {e}); the checkpoint is "
+                              "damaged or not written by torch.distributed.checkpoint") from e
+
+
+def tensor_entries(metadata: Metadata, prefix: str = "") -> dict[str, TensorStorageMetadata]:
+    """Tensor entries of the index under `prefix` (e.g. 'model.'), keyed without the prefix."""
+    return {
+        key[len(prefix):]: meta
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+
+
+def expected_entries(state_dict: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+    """Flattened DCP keys of a (nested) state dict -> ('tensor', global shape) or ('bytes', None)."""
+    flat, _ = flatten_state_dict(state_dict)
+    out: dict[str, tuple[str, tuple[int, ...] | None]] = {}
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = ("tensor", tuple(value.shape))  # a DTensor's .shape is the global shape
+        else:
+            out[key] = ("bytes", None)
+    return out
+
+
+def checkpoint_entries(metadata: Metadata) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+    """The same view of what a checkpoint holds."""
+    out: dict[str, tuple[str, tuple[int, ...] | None]] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            out[key] = ("tensor", tuple(meta.size))
+        elif isinstance(meta, BytesStorageMetadata):
+            out[key] = ("bytes", None)
+    return out
+
+
+def load_tensors(path: str | Path, metadata: Metadata, keys: list[str], dtype: torch.dtype | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Read the full (unsharded) tensors `keys` of a checkpoint in this process only, optionally cast to dtype."""
+    from torch.distributed.checkpoint import load
+
+    entries = metadata.state_dict_metadata
+    state = {}
+    for key in keys:
+        meta = entries[key]
+        state[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    load(state, storage_reader=SafeFileSystemReader(str(path)),
+         planner=SafeLoadPlanner(allow_partial_load=True), no_dist=True)
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    return state

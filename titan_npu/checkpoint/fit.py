@@ -1,0 +1,66 @@
+"""Does a set of weights fit a model? Missing and unexpected keys, shape mismatches, and the likely cause."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+_SHOWN = 3
+_LAYER = re.compile(r"layers\.(\d+)\.")
+# Prefixes that wrappers add to parameter names when a state dict is taken from the wrapper, not the model.
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else tuple(value)
+
+
+def _layer_count(keys: Sequence[str]) -> int:
+    layers = {int(m.group(1)) for k in keys if (m := _LAYER.match(k))}
+    return max(layers) + 1 if layers else 0
+
+
+def likely_cause(missing: Sequence[str], unexpected: Sequence[str], shape_diffs: Sequence[str],
+                 expected_keys: Sequence[str], found_keys: Sequence[str]) -> str:
+    """The most probable reason a checkpoint's keys do not match the model's, with what to do about it."""
+    if any(k.startswith("model.") or k.startswith("lm_head.") for k in unexpected):
+        return ("the weights use Hugging Face names: point checkpoint.initial_load at the Hugging Face directory "
+                "or convert with `titan-npu import`")
+    if any(k.startswith(p) for k in unexpected for p in _WRAPPER_PREFIXES):
+        return "the state dict was taken from a wrapped model (torch.compile / DDP / FSDP1 / AC): strip the prefix"
+    if any(".distcp" in k or k.startswith("__") for k in unexpected):
+        return "this is a sharded (DCP) checkpoint: pass its directory, or `titan-npu export --format pt` it first"
+    if shape_diffs:
+        return "the checkpoint is for another model size: set [model] to the shapes it was trained with"
+    found_layers, model_layers = _layer_count(found_keys), _layer_count(expected_keys)
+    if found_layers != model_layers and found_layers and model_layers:
+        return f"the checkpoint has {found_layers} layers, the model {model_layers}: set model.n_layers to match"
+    if missing and not any(k in found_keys for k in expected_keys):
+        return ("no key matches: the checkpoint is another format (sharded vs full, or not a Llama state dict); "
+                "full weights go to checkpoint.initial_load, DCP directories to checkpoint.resume")
+    return "the checkpoint was written for another model layout or version"
+
+
+def describe_mismatch(expected: Mapping[str, Any], found: Mapping[str, Any]) -> str | None:
+    """One line naming missing / unexpected keys (first few and counts), shape mismatches and the likely cause.
+
+    Values are tensors or shapes; None means the two fit.
+    """
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    shapes = [f"{k}: checkpoint {_shape(found[k])} vs model {_shape(expected[k])}"
+              for k in expected if k in found and _shape(found[k]) != _shape(expected[k])]
+    if not (missing or unexpected or shapes):
+        return None
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing key(s) (e.g. {', '.join(missing[:_SHOWN])})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected key(s) (e.g. {', '.join(unexpected[:_SHOWN])})")
+    if shapes:
+        parts.append(f"{len(shapes)} shape mismatch(es) (e.g. {'; '.join(shapes[:2])})")
+    cause = likely_cause(missing, unexpected, shapes, list(expected), list(found))
+    return "; ".join(parts) + f" -- likely {cause}"

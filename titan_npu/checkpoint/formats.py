@@ -1,0 +1,220 @@
+"""Full (unsharded) weights in the formats people bring: Hugging Face, Meta consolidated, our .pt, DCP directories.
+
+read_weights(path) returns our state dict (Meta names, e.g. layers.0.attention.wq.weight) and, when the source
+says, the model's shapes (LlamaArgs). Files are read as tensors only: safetensors, or torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from titan_npu.checkpoint import storage
+from titan_npu.errors import CheckpointError
+from titan_npu.models.llama.args import LlamaArgs, ffn_hidden_dim
+
+HF_INDEX = "model.safetensors.index.json"
+HF_BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+@dataclass
+class Weights:
+    """A full state dict under our names, with the shapes it implies when its source states them."""
+
+    state_dict: dict[str, torch.Tensor]
+    args: LlamaArgs | None
+    format: str  # hf | meta | pt | dcp
+    source: Path
+
+
+def detect_format(path: str | Path) -> str:
+    """hf, meta, pt or dcp, from what the path holds; a CheckpointError that says what is there otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; give a Hugging Face model directory, a Meta consolidated.*.pth "
+                              "(or its directory), a .pt from `titan-npu export`, or a checkpoint step-N directory")
+    if path.is_file():
+        if path.name.endswith(".distcp") or path.name == storage.DCP_METADATA:
+            raise CheckpointError(f"{path} is one file of a sharded (DCP) checkpoint; pass its directory {path.parent}")
+        if path.suffix == ".safetensors":
+            raise CheckpointError(f"{path} is a bare .safetensors file; pass the directory that also holds config.json")
+        if path.name.startswith("consolidated.") and (path.parent / "params.json").is_file():
+            return "meta"
+        return "pt"
+    if (path / storage.DCP_METADATA).is_file():
+        return "dcp"
+    if (path / "config.json").is_file() and (
+        any(path.glob("*.safetensors")) or (path / "pytorch_model.bin").is_file() or (path / HF_BIN_INDEX).is_file()
+    ):
+        return "hf"
+    if (path / "params.json").is_file() and any(path.glob("consolidated.*.pth")):
+        return "meta"
+    if storage.list_checkpoints(path):
+        latest = storage.latest_checkpoint(path)
+        raise CheckpointError(f"{path} is a checkpoint directory; pass one checkpoint in it, e.g. {latest.path}")
+    if path.name.endswith(storage.TMP_SUFFIX):
+        raise CheckpointError(f"{path} is an incomplete checkpoint (its save did not finish); use an earlier one")
+    raise CheckpointError(
+        f"{path} holds no weights this tool reads: expected config.json + *.safetensors (Hugging Face), "
+        "params.json + consolidated.*.pth (Meta), or a step-N checkpoint (.metadata)"
+    )
+
+
+def read_weights(path: str | Path, dtype: torch.dtype | None = None) -> Weights:
+    """Read full weights from any supported format into our names; dtype casts floating tensors (None keeps)."""
+    path = Path(path)
+    kind = detect_format(path)
+    reader = {"hf": _read_hf, "meta": _read_meta, "pt": _read_pt, "dcp": _read_dcp}[kind]
+    state_dict, args = reader(path)
+    if dtype is not None:
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    return Weights(state_dict, args, kind, path)
+
+
+# ---------------------------------------------------------------- Hugging Face
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    """A Hugging Face config.json as a dict."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path / 'config.json'} is unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path / 'config.json'} is not a JSON object")
+    return config
+
+
+def _hf_files(path: Path) -> list[Path]:
+    for index_name in (HF_INDEX, HF_BIN_INDEX):
+        index = path / index_name
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index} is not a weight index ({type(e).__name__}: {e})") from e
+            files = sorted({path / name for name in weight_map.values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise CheckpointError(f"{index} lists {len(missing)} missing file(s) (e.g. {missing[0]}); the "
+                                      "download is incomplete")
+            return files
+    files = sorted(path.glob("*.safetensors"))
+    return files or [path / "pytorch_model.bin"]
+
+
+def read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face model directory, under Hugging Face names."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _hf_files(path):
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            try:
+                tensors.update(load_file(str(file)))
+            except Exception as e:
+                raise CheckpointError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e})") from e
+        else:
+            tensors.update(_torch_load(file))
+    return tensors
+
+
+def _read_hf(path: Path) -> tuple[dict[str, torch.Tensor], LlamaArgs]:
+    from titan_npu.models.llama.state_dict_adapter import args_from_hf_config, from_hf
+
+    config = read_hf_config(path)
+    args = args_from_hf_config(config)
+    hf = read_hf_tensors(path)
+    return from_hf(hf, args, tie_word_embeddings=bool(config.get("tie_word_embeddings", False))), args
+
+
+# ---------------------------------------------------------------- Meta
+
+
+def _read_meta(path: Path) -> tuple[dict[str, torch.Tensor], LlamaArgs]:
+    from titan_npu.models.llama.state_dict_adapter import from_meta
+
+    folder = path if path.is_dir() else path.parent
+    shards = sorted(folder.glob("consolidated.*.pth")) if path.is_dir() else [path]
+    try:
+        params = json.loads((folder / "params.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder / 'params.json'} is unreadable ({type(e).__name__}: {e})") from e
+    loaded = [_torch_load(f) for f in shards]
+    first = loaded[0]
+    if "tok_embeddings.weight" not in first:
+        raise CheckpointError(f"{shards[0]} has no tok_embeddings.weight; it is not a Meta Llama checkpoint")
+    args = args_from_meta_params(params, first, n_shards=len(loaded))
+    return from_meta(loaded, args), args
+
+
+def args_from_meta_params(params: dict[str, Any], shard: dict[str, torch.Tensor], n_shards: int = 1) -> LlamaArgs:
+    """LlamaArgs from Meta's params.json; vocab size and FFN size are read off the tensors when params omit them."""
+    try:
+        dim, n_layers, n_heads = int(params["dim"]), int(params["n_layers"]), int(params["n_heads"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"params.json lacks {e}; is it Meta's Llama params.json?") from e
+    vocab = int(params.get("vocab_size") or -1)
+    if vocab <= 0:
+        # Llama 2's params.json says -1 (the tokenizer decides); its shards split the embedding by channel, so
+        # every shard has all the rows.
+        vocab = shard["tok_embeddings.weight"].shape[0]
+    w1 = shard.get("layers.0.feed_forward.w1.weight")
+    ffn_dim = w1.shape[0] * n_shards if w1 is not None else ffn_hidden_dim(
+        dim, int(params.get("multiple_of", 256)), params.get("ffn_dim_multiplier"))
+    rope_theta = float(params.get("rope_theta", 10000.0))
+    family = "llama3" if vocab >= 128000 or rope_theta >= 500000 else "llama2"
+    return LlamaArgs(
+        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=int(params.get("n_kv_heads") or n_heads),
+        vocab_size=vocab, ffn_dim=ffn_dim, norm_eps=float(params.get("norm_eps", 1e-5)), rope_theta=rope_theta,
+        rope_scaling_factor=8.0 if params.get("use_scaled_rope") else None,
+        max_seq_len=8192 if family == "llama3" else 4096, family=family,
+    )
+
+
+# ---------------------------------------------------------------- ours
+
+
+def _read_pt(path: Path) -> tuple[dict[str, torch.Tensor], None]:
+    sd = _torch_load(path)
+    if "model" in sd and isinstance(sd["model"], dict):
+        sd = sd["model"]
+    sd = {k: v for k, v in sd.items() if k != "rope.freqs"}
+    bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CheckpointError(f"{path}: entries {bad[:3]} are not tensors; expected a model state dict "
+                              "(`titan-npu export --format pt` writes one)")
+    return sd, None
+
+
+def _read_dcp(path: Path) -> tuple[dict[str, torch.Tensor], LlamaArgs | None]:
+    from titan_npu.checkpoint.dcp_io import load_tensors, read_metadata, tensor_entries
+
+    if path.name.endswith(storage.TMP_SUFFIX) or not (path / storage.DCP_METADATA).is_file():
+        storage.check_checkpoint_dir(path)
+    metadata = read_metadata(path)
+    prefix = "model." if tensor_entries(metadata, "model.") else ""
+    keys = [prefix + k for k in tensor_entries(metadata, prefix) if prefix or not k.startswith("optimizer.")]
+    tensors = load_tensors(path, metadata, keys)
+    args = None
+    if (path / storage.INFO_FILE).is_file():
+        model_args = storage.read_info(path).get("model_args")
+        args = LlamaArgs(**model_args) if model_args else None
+    return {k[len(prefix):]: v for k, v in tensors.items()}, args
+
+
+def _torch_load(path: Path) -> dict[str, Any]:
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"{path} is not a tensor file torch.load(weights_only=True) accepts ({type(e).__name__}: "
+            f"{(str(e).splitlines() or [''])[0]}); checkpoints holding code or objects are refused"
+        ) from e
+    if not isinstance(sd, dict):
+        raise CheckpointError(f"{path}: expected a state dict (name -> tensor), found {type(sd).__name__}")
+    return sd

@@ -1,0 +1,191 @@
+"""Checkpoint directories on disk: naming, what counts as complete, atomic publishing and rotation.
+
+A checkpoint of step N is the directory `<dir>/step-N`. It is written as `<dir>/step-N.tmp` and renamed to its
+final name only after every rank has written its part and rank 0 has written `checkpoint.json`, so a directory
+named `step-N` is always complete and a crash mid-save leaves the previous one as the latest. Old checkpoints are
+renamed to `.step-N.deleting` before removal, so a crash mid-delete never leaves a half-deleted `step-N`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from titan_npu.errors import CheckpointError
+
+PREFIX = "step-"
+TMP_SUFFIX = ".tmp"
+DELETING_SUFFIX = ".deleting"
+INFO_FILE = "checkpoint.json"  # written last by rank 0: its presence marks a complete checkpoint
+DCP_METADATA = ".metadata"  # written by torch.distributed.checkpoint once all ranks' data files are written
+CONFIG_FILE = "config.toml"
+FORMAT_NAME = "titan-npu-dcp"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """A complete checkpoint on disk."""
+
+    step: int
+    path: Path
+
+
+def checkpoint_name(step: int) -> str:
+    """Directory name of step N's checkpoint."""
+    return f"{PREFIX}{step}"
+
+
+def tmp_path(root: str | Path, step: int) -> Path:
+    """Where step N's checkpoint is written before it is published."""
+    return Path(root) / f"{checkpoint_name(step)}{TMP_SUFFIX}"
+
+
+def is_complete(path: str | Path) -> bool:
+    """True when `path` holds a finished checkpoint (DCP metadata and our info file are both there)."""
+    path = Path(path)
+    return (path / DCP_METADATA).is_file() and (path / INFO_FILE).is_file()
+
+
+def list_checkpoints(root: str | Path) -> list[CheckpointRef]:
+    """Complete checkpoints under `root`, oldest step first; unfinished (.tmp) and foreign entries are skipped."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.fullmatch(entry.name)
+        if match and entry.is_dir() and is_complete(entry):
+            found.append(CheckpointRef(int(match.group(1)), entry))
+    return sorted(found, key=lambda ref: ref.step)
+
+
+def latest_checkpoint(root: str | Path) -> CheckpointRef | None:
+    """The complete checkpoint with the highest step, or None."""
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(spec: str | int | Path, root: str | Path) -> CheckpointRef:
+    """A step number (looked up in `root`) or a checkpoint path -> a complete checkpoint, or a CheckpointError."""
+    text = str(spec).strip()
+    if text.isdigit():
+        step = int(text)
+        path = Path(root) / checkpoint_name(step)
+        if not is_complete(path):
+            available = ", ".join(str(ref.step) for ref in list_checkpoints(root)) or "none"
+            state = "is incomplete (its save did not finish)" if path.exists() or tmp_path(root, step).exists() \
+                else "does not exist"
+            raise CheckpointError(
+                f"checkpoint step {step} in {root} {state}; complete steps there: {available}"
+            )
+        return CheckpointRef(step, path)
+    path = Path(text)
+    check_checkpoint_dir(path)
+    return CheckpointRef(read_info(path)["step"], path)
+
+
+def check_checkpoint_dir(path: str | Path) -> None:
+    """Raise a CheckpointError that says what `path` is when it is not a complete checkpoint."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist; give a step-N directory written by training")
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{path} is a file, not a checkpoint directory; a full .pt or Hugging Face weights go to "
+            "checkpoint.initial_load (or `titan-npu import`), not to checkpoint.resume / --checkpoint"
+        )
+    if path.name.endswith(TMP_SUFFIX) or ((path / DCP_METADATA).is_file() != (path / INFO_FILE).is_file()):
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (its save did not finish); use the previous checkpoint in "
+            f"{path.parent} (`checkpoint.resume = auto` picks the latest complete one)"
+        )
+    if not is_complete(path):
+        inside = list_checkpoints(path)
+        hint = (f"it holds checkpoints: pass one of them, e.g. {inside[-1].path}" if inside
+                else "expected a step-N directory holding .metadata and checkpoint.json")
+        raise CheckpointError(f"{path} is not a checkpoint; {hint}")
+
+
+def read_info(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's checkpoint.json (step, tokens seen, layout, model shapes)."""
+    info_path = Path(path) / INFO_FILE
+    try:
+        info = json.loads(info_path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{info_path} is unreadable ({type(e).__name__}: {e}); the checkpoint is damaged, "
+                              "use an earlier one") from e
+    if not isinstance(info, dict) or info.get("format") != FORMAT_NAME or not isinstance(info.get("step"), int):
+        raise CheckpointError(f"{info_path} is not a {FORMAT_NAME} info file; is {path} a titan-npu checkpoint?")
+    return info
+
+
+def publish(tmp: Path, final: Path, info: dict[str, Any]) -> None:
+    """Write checkpoint.json into `tmp`, flush it to disk and rename `tmp` to `final` (rank 0, after all ranks)."""
+    info_path = tmp / INFO_FILE
+    with open(info_path, "w") as f:
+        json.dump({"format": FORMAT_NAME, "version": FORMAT_VERSION, **info}, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():
+        # Only reachable with checkpoint.overwrite or a repeated save of the same step: replace it atomically enough
+        # that a crash leaves either the old or the new one under the final name, never a half-deleted directory.
+        remove_checkpoint(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint directory: rename it out of sight first, then remove the files."""
+    doomed = path.parent / f".{path.name}{DELETING_SUFFIX}"
+    if doomed.exists():
+        shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def rotate(root: str | Path, keep_last_n: int) -> list[int]:
+    """Delete all but the newest `keep_last_n` complete checkpoints (keep_last_n <= 0 keeps all); deleted steps."""
+    if keep_last_n <= 0:
+        return []
+    found = list_checkpoints(root)
+    doomed = found[:-keep_last_n]
+    for ref in doomed:
+        remove_checkpoint(ref.path)
+    return [ref.step for ref in doomed]
+
+
+def clean_unfinished(root: str | Path) -> list[Path]:
+    """Remove what interrupted saves and deletions left behind (step-N.tmp, .step-N.deleting); the removed paths."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for entry in root.iterdir():
+        stem = entry.name
+        if stem.endswith(TMP_SUFFIX) and _STEP_DIR.fullmatch(stem[: -len(TMP_SUFFIX)]) or (
+            stem.startswith(".") and stem.endswith(DELETING_SUFFIX)
+        ):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _fsync_dir(path: Path) -> None:
+    # The rename is durable only once the directory entry is flushed; not every platform allows opening a dir.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
