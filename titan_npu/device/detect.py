@@ -16,16 +16,31 @@ BACKENDS = {"npu": "hccl", "cuda": "nccl", "xpu": "xccl", "cpu": "gloo"}
 
 
 def import_torch_npu() -> ModuleType | None:
-    """Import torch_npu if it is installed (it registers the 'npu' device); None when absent."""
+    """Import torch_npu if it is installed (it registers the 'npu' device); None when absent.
+
+    The torch / torch_npu version pair is checked before the import: a mismatched pair fails inside it with
+    errors that do not name the cause.
+    """
+    from titan_npu.device.npu import check_installed_versions
+
+    check_installed_versions()
     try:
-        return importlib.import_module("torch_npu")
-    except ImportError:
-        return None
+        module = importlib.import_module("torch_npu")
+    except ModuleNotFoundError as e:
+        if e.name == "torch_npu":
+            return None
+        raise _broken_torch_npu(e) from e
     except Exception as e:  # a broken CANN install raises all kinds of errors at import
-        raise DeviceError(
-            f"torch_npu is installed but failed to import ({type(e).__name__}: {e}); "
-            "source CANN's set_env.sh and check that torch and torch_npu versions match (titan-npu doctor)"
-        ) from e
+        raise _broken_torch_npu(e) from e
+    check_installed_versions(module)  # installs without package metadata carry the version on the module
+    return module
+
+
+def _broken_torch_npu(e: Exception) -> DeviceError:
+    return DeviceError(
+        f"torch_npu is installed but failed to import ({type(e).__name__}: {e}); "
+        "source CANN's set_env.sh and check that torch and torch_npu versions match (titan-npu doctor)"
+    )
 
 
 def _available(device_type: str) -> bool:
@@ -78,6 +93,10 @@ class DeviceInfo:
             import platform
 
             return platform.processor() or platform.machine() or "cpu"
+        if self.type == "npu":
+            from titan_npu.device.npu import npu_device_name
+
+            return npu_device_name(self.index)  # the 910B SKU decides the MFU peak
         try:
             return str(mod.get_device_name(self.index))
         except Exception:

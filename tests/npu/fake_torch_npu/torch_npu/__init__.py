@@ -1,0 +1,234 @@
+"""A stand-in for torch_npu that runs on the CPU, for tests on machines without an Ascend NPU.
+
+Each kernel follows the behaviour that torch_npu's API reference documents -- argument names and order, input
+layouts, mask convention (True = masked out), sparse modes, scale, output tuples, dtype rules -- written in plain
+torch so autograd gives the backward. It is deliberately strict: an argument the real kernel would reject is
+rejected here too, so a wrapper that passes a wrong layout, mask or mode fails its tests.
+
+Importing it does what the real package does to torch: it attaches the `torch.npu` device namespace. Which
+kernels ran is counted in `calls` so tests can prove that the NPU path was taken.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import torch
+import torch.nn.functional as F
+
+from torch_npu import npu, optim, profiler  # noqa: F401  (submodules, as in the real package)
+
+# The real package is versioned "<torch X.Y.Z>[.postN]"; FAKE_TORCH_NPU_VERSION lets a test pretend otherwise.
+__version__ = os.environ.get("FAKE_TORCH_NPU_VERSION") or torch.__version__.split("+")[0] + ".post1"
+
+calls: collections.Counter = collections.Counter()
+# Switches for behaviour that differs between torch_npu releases.
+features = {"rotary_mode": True}  # npu_rotary_mul accepts rotary_mode (newer releases)
+
+torch.npu = npu
+
+# The compressed causal mask of sparse modes 2/3 is always this size, whatever the sequence length.
+_COMPRESSED_MASK_SIZE = 2048
+_LAYOUTS = ("BSH", "SBH", "BSND", "BNSD")
+
+
+def _to_bnsd(x: torch.Tensor, layout: str, head_num: int | None, head_dim: int) -> torch.Tensor:
+    """Bring one of q/k/v from the caller's layout to [B, N, S, D]; head_num None = infer from the hidden size."""
+    if layout == "BNSD":
+        return x
+    if layout == "BSND":
+        return x.transpose(1, 2)
+    if layout == "BSH":
+        b, s, h = x.shape
+        return x.view(b, s, h // head_dim, head_dim).transpose(1, 2)
+    s, b, h = x.shape  # SBH
+    return x.view(s, b, h // head_dim, head_dim).permute(1, 2, 0, 3)
+
+
+def _from_bnsd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "BNSD":
+        return x
+    if layout == "BSND":
+        return x.transpose(1, 2)
+    b, n, s, d = x.shape
+    if layout == "BSH":
+        return x.transpose(1, 2).reshape(b, s, n * d)
+    return x.permute(2, 0, 1, 3).reshape(s, b, n * d)  # SBH
+
+
+def _expand_compressed_mask(mask: torch.Tensor, sq: int, skv: int, offset: int) -> torch.Tensor:
+    """The full [Sq, Skv] mask that a compressed 2048x2048 causal mask stands for.
+
+    The kernel reads the compressed mask along diagonals: element (i, j) takes the value the compressed mask has
+    at the same distance j - i - offset from its main diagonal; distances beyond 2048 are fully masked (above) or
+    fully visible (below). offset is 0 for the top-left causal mode and Skv - Sq for the bottom-right one.
+    """
+    n = _COMPRESSED_MASK_SIZE
+    lowest = -(sq - 1) - offset
+    dists = torch.arange(lowest, skv - offset)  # every distance j - i - offset that occurs
+    clipped = dists.clamp(-(n - 1), n - 1)
+    per_dist = torch.where(clipped >= 0, mask[0, clipped.clamp(min=0)], mask[(-clipped).clamp(min=0), 0])
+    per_dist = (per_dist | (dists >= n)) & (dists > -n)
+    index = torch.arange(skv).unsqueeze(0) - torch.arange(sq).unsqueeze(1) - offset - lowest
+    return per_dist[index]
+
+
+def npu_fusion_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    pse: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = 2147483647,
+    next_tockens: int = 2147483647,
+    inner_precise: int = 0,
+    prefix: list[int] | None = None,
+    actual_seq_qlen: list[int] | None = None,
+    actual_seq_kvlen: list[int] | None = None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
+    """softmax(mask(scale * Q K^T)) V; returns (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset,
+    numels), attention_out in the input layout."""
+    calls["npu_fusion_attention"] += 1
+    if input_layout not in _LAYOUTS:
+        raise RuntimeError(f"npu_fusion_attention: input_layout {input_layout!r} is not one of {_LAYOUTS}")
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (torch.float16, torch.bfloat16,
+                                                                            torch.float32):
+        raise RuntimeError("npu_fusion_attention: query, key and value must share one of fp16, bf16, fp32")
+    if pse is not None or padding_mask is not None or prefix is not None or actual_seq_qlen is not None:
+        raise NotImplementedError("fake npu_fusion_attention: pse / padding_mask / prefix / varlen are not modelled")
+    if keep_prob != 1.0:
+        raise NotImplementedError("fake npu_fusion_attention: dropout (keep_prob < 1) is not modelled")
+    expected_dims = 3 if input_layout in ("BSH", "SBH") else 4
+    if query.dim() != expected_dims or key.dim() != expected_dims or value.dim() != expected_dims:
+        raise RuntimeError(f"npu_fusion_attention: layout {input_layout} needs {expected_dims}-D query/key/value")
+    if input_layout in ("BSH", "SBH"):
+        if query.shape[-1] % head_num:
+            raise RuntimeError("npu_fusion_attention: hidden size is not a multiple of head_num")
+        head_dim = query.shape[-1] // head_num
+    else:
+        head_dim = query.shape[-1]
+        n_axis = 2 if input_layout == "BSND" else 1
+        if query.shape[n_axis] != head_num:
+            raise RuntimeError(
+                f"npu_fusion_attention: head_num={head_num} but query has {query.shape[n_axis]} heads in "
+                f"layout {input_layout}"
+            )
+    q = _to_bnsd(query, input_layout, head_num, head_dim).float()
+    k = _to_bnsd(key, input_layout, None, head_dim).float()
+    v = _to_bnsd(value, input_layout, None, head_dim).float()
+    b, n1, sq, _ = q.shape
+    n2, skv = k.shape[1], k.shape[2]
+    if k.shape[0] != b or v.shape != k.shape or k.shape[-1] != head_dim:
+        raise RuntimeError("npu_fusion_attention: key/value shapes do not fit the query")
+    if n1 % n2:
+        raise RuntimeError(f"npu_fusion_attention: query heads {n1} not a multiple of key/value heads {n2}")
+    # GQA: query heads [g*G, (g+1)*G) share key/value head g.
+    k = k.repeat_interleave(n1 // n2, dim=1)
+    v = v.repeat_interleave(n1 // n2, dim=1)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # [B, N1, Sq, Skv]
+
+    masked = None
+    if sparse_mode in (2, 3):
+        if atten_mask is None or tuple(atten_mask.shape) != (_COMPRESSED_MASK_SIZE,) * 2:
+            raise RuntimeError(
+                f"npu_fusion_attention: sparse_mode={sparse_mode} needs the compressed {_COMPRESSED_MASK_SIZE}x"
+                f"{_COMPRESSED_MASK_SIZE} atten_mask"
+            )
+        if atten_mask.dtype not in (torch.bool, torch.uint8):
+            raise RuntimeError("npu_fusion_attention: atten_mask must be bool or uint8")
+        offset = 0 if sparse_mode == 2 else skv - sq
+        masked = _expand_compressed_mask(atten_mask.bool().cpu(), sq, skv, offset).to(scores.device)
+    elif sparse_mode in (0, 1):
+        if atten_mask is not None:
+            if atten_mask.dtype not in (torch.bool, torch.uint8):
+                raise RuntimeError("npu_fusion_attention: atten_mask must be bool or uint8")
+            if tuple(atten_mask.shape[-2:]) != (sq, skv):
+                raise RuntimeError(
+                    f"npu_fusion_attention: sparse_mode={sparse_mode} needs an atten_mask of [..., {sq}, {skv}], "
+                    f"got {list(atten_mask.shape)}"
+                )
+            masked = atten_mask.bool()
+            if sparse_mode == 0:
+                # defaultMask: positions outside the band [i - pre_tockens, i + next_tockens] are masked too.
+                dist = torch.arange(skv).unsqueeze(0) - torch.arange(sq).unsqueeze(1)
+                band = (dist > next_tockens) | (-dist > pre_tockens)
+                masked = masked | band.to(masked.device)
+    else:
+        raise NotImplementedError(f"fake npu_fusion_attention: sparse_mode={sparse_mode} is not modelled")
+
+    if masked is not None:
+        scores = scores.masked_fill(masked, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)
+    with torch.no_grad():  # the softmax statistics the kernel returns for its backward: row max and sum of exp
+        row_max = scores.amax(dim=-1, keepdim=True)
+        row_sum = torch.exp(torch.logsumexp(scores, dim=-1, keepdim=True) - row_max)
+    softmax_max = row_max.expand(b, n1, sq, 8).contiguous()
+    softmax_sum = row_sum.expand(b, n1, sq, 8).contiguous()
+    softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
+    return _from_bnsd(out, input_layout), softmax_max, softmax_sum, softmax_out, 0, 0, 0
+
+
+def npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): y = x * rsqrt(mean(x^2) + eps) * gamma over gamma's trailing dims, rstd in fp32."""
+    calls["npu_rms_norm"] += 1
+    if self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise RuntimeError("npu_rms_norm: input must be fp16, bf16 or fp32")
+    if gamma.dtype != self.dtype:
+        raise RuntimeError(f"npu_rms_norm: gamma dtype {gamma.dtype} must equal the input dtype {self.dtype}")
+    g = gamma.dim()
+    if tuple(self.shape[-g:]) != tuple(gamma.shape):
+        raise RuntimeError(f"npu_rms_norm: gamma shape {list(gamma.shape)} is not the input's trailing dims")
+    dims = tuple(range(self.dim() - g, self.dim()))
+    x32 = self.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(dim=dims, keepdim=True) + epsilon)
+    return (x32 * rstd * gamma.float()).to(self.dtype), rstd
+
+
+def _rotate(x: torch.Tensor, rotary_mode: str) -> torch.Tensor:
+    if rotary_mode == "half":
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def npu_rotary_mul(input: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half") -> torch.Tensor:
+    """output = r1 * input + r2 * rotate(input), rotate by halves ("half") or by adjacent pairs ("interleave")."""
+    calls["npu_rotary_mul"] += 1
+    if not features["rotary_mode"] and rotary_mode != "half":
+        # Older releases have no rotary_mode at all; calling them with it is a TypeError.
+        raise TypeError("npu_rotary_mul() got an unexpected keyword argument 'rotary_mode'")
+    if rotary_mode not in ("half", "interleave"):
+        raise RuntimeError(f"npu_rotary_mul: rotary_mode {rotary_mode!r} is not 'half' or 'interleave'")
+    if input.dim() != 4 or r1.dim() != 4 or r2.dim() != 4:
+        raise RuntimeError("npu_rotary_mul: input, r1 and r2 must be 4-D")
+    if r1.shape != r2.shape or r1.dtype != input.dtype or r2.dtype != input.dtype:
+        raise RuntimeError("npu_rotary_mul: r1 and r2 must have one shape and the input's dtype")
+    if r1.shape[-1] != input.shape[-1] or input.shape[-1] % 2:
+        raise RuntimeError("npu_rotary_mul: r1/r2 last dim must equal the input's (an even head size)")
+    try:
+        torch.broadcast_shapes(r1.shape, input.shape)
+    except RuntimeError as e:
+        raise RuntimeError(f"npu_rotary_mul: r1 shape {list(r1.shape)} does not broadcast to the input") from e
+    x32 = input.float()
+    return (r1.float() * x32 + r2.float() * _rotate(x32, rotary_mode)).to(input.dtype)
+
+
+def npu_swiglu(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """swish(A) * B where A, B are the first and second halves of input along dim."""
+    calls["npu_swiglu"] += 1
+    if not input.is_contiguous():
+        raise RuntimeError("npu_swiglu: non-contiguous input is not supported")
+    if input.shape[dim] % 2:
+        raise RuntimeError(f"npu_swiglu: size {input.shape[dim]} of dim {dim} is not even")
+    a, b = torch.chunk(input.float(), 2, dim=dim)
+    return (F.silu(a) * b).to(input.dtype)

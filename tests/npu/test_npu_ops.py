@@ -1,0 +1,251 @@
+"""The NPU kernels (ops/npu.py, through the fake torch_npu) give the plain-torch reference's numbers, forward and
+backward; a wrapper that passes a wrong layout, mask, mode, scale or operand order fails the same checks."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from titan_npu.ops import npu as npu_ops
+from titan_npu.ops import reference
+
+FP32_TOL = 1e-5  # fp32: forward and every gradient within 1e-5 (abs and rel) of the reference
+
+
+def assert_same_forward_and_backward(fused, ref, inputs: list[torch.Tensor], tol: float = FP32_TOL) -> None:
+    """fused(*inputs) == ref(*inputs) and so are the gradients of every input (for a random upstream gradient)."""
+    outs = {}
+    for name, fn in (("fused", fused), ("ref", ref)):
+        leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+        out = fn(*leaves)
+        out = out if isinstance(out, tuple) else (out,)
+        gen = torch.Generator().manual_seed(1)
+        upstream = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in out]
+        torch.autograd.backward(out, upstream)
+        outs[name] = ([o.detach() for o in out], [x.grad for x in leaves if x.requires_grad])
+    (f_out, f_grad), (r_out, r_grad) = outs["fused"], outs["ref"]
+    for a, b in zip(f_out, r_out, strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"forward differs: {m}")
+    for a, b in zip(f_grad, r_grad, strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"gradient differs: {m}")
+
+
+def qkv(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int = 16, kv_seq: int | None = None, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    kv_seq = seq if kv_seq is None else kv_seq
+    return (torch.randn(batch, seq, heads, head_dim, generator=g),
+            torch.randn(batch, kv_seq, kv_heads, head_dim, generator=g),
+            torch.randn(batch, kv_seq, kv_heads, head_dim, generator=g))
+
+
+def rope_tables(seq: int, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.outer(torch.arange(seq).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+# --- attention ---------------------------------------------------------------------------------------------------
+
+# Sequence lengths: a single token, lengths that are not multiples of 128, and one past the 2048 compressed mask.
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("seq", [1, 37, 128, 300])
+def test_fused_attention_matches_reference(fake_torch_npu, heads, kv_heads, seq):
+    assert_same_forward_and_backward(npu_ops.attention, reference.attention, list(qkv(2, seq, heads, kv_heads)))
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (2, 1)], ids=["mha", "gqa"])
+def test_fused_attention_matches_reference_beyond_the_2048_mask(fake_torch_npu, heads, kv_heads):
+    # 2100 > 2048 and not a multiple of 128: the kernel must extend the compressed mask past its own size.
+    assert_same_forward_and_backward(
+        npu_ops.attention, reference.attention, list(qkv(2, 2100, heads, kv_heads, head_dim=8))
+    )
+
+
+def test_fused_attention_non_causal_matches_reference(fake_torch_npu):
+    q, k, v = qkv(2, 45, 4, 2)
+    assert_same_forward_and_backward(
+        functools.partial(npu_ops.attention, causal=False), functools.partial(reference.attention, causal=False),
+        [q, k, v],
+    )
+
+
+def test_fused_attention_aligns_causality_top_left_like_sdpa_when_lengths_differ(fake_torch_npu):
+    q, k, v = qkv(2, 5, 4, 4, kv_seq=9)
+    assert_same_forward_and_backward(npu_ops.attention, reference.attention, [q, k, v])
+
+
+def test_fused_attention_calls_the_kernel_once_with_bsnd_and_the_compressed_causal_mask(fake_torch_npu):
+    fake_torch_npu.calls.clear()
+    npu_ops.attention(*qkv(1, 8, 4, 2))
+    assert fake_torch_npu.calls["npu_fusion_attention"] == 1
+    mask = npu_ops.causal_mask(torch.device("cpu"))
+    assert mask.shape == (2048, 2048) and mask.dtype == torch.bool
+    assert torch.equal(mask, torch.ones(2048, 2048, dtype=torch.bool).triu(1))
+
+
+def test_fused_attention_bf16_is_close_to_the_fp32_reference(fake_torch_npu):
+    q, k, v = qkv(2, 70, 4, 2)
+    expected = reference.attention(q, k, v)
+    got = npu_ops.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def _kernel(torch_npu, q, k, v, *, layout="BSND", mask="triu", sparse_mode=2, scale=None):
+    """npu_fusion_attention called the way a (possibly broken) wrapper might."""
+    masks = {"triu": torch.ones(2048, 2048, dtype=torch.bool).triu(1),
+             "tril": torch.ones(2048, 2048, dtype=torch.bool).tril(-1),
+             "keep_true": ~torch.ones(2048, 2048, dtype=torch.bool).triu(1)}
+    kwargs = {"scale": q.shape[-1] ** -0.5 if scale is None else scale, "keep_prob": 1.0, "sparse_mode": sparse_mode}
+    if mask is not None:
+        kwargs["atten_mask"] = masks[mask]
+    return torch_npu.npu_fusion_attention(q, k, v, q.shape[2], layout, **kwargs)[0]
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        dict(layout="BNSD"),  # our [B, S, H, D] is not BNSD
+        dict(mask="tril"),  # the lower triangle masked: future visible, past hidden
+        dict(mask="keep_true"),  # True meaning "keep" (SDPA's convention) instead of "masked out"
+        dict(mask=None, sparse_mode=0),  # no causal mask at all
+        dict(sparse_mode=3),  # bottom-right causal: differs when query and key lengths differ
+        dict(scale=1.0 / 16),  # 1/D instead of 1/sqrt(D)
+    ],
+    ids=["layout", "tril-mask", "inverted-mask", "no-mask", "sparse-mode-3", "scale"],
+)
+def test_a_wrong_layout_mask_mode_or_scale_fails_the_reference_check(fake_torch_npu, broken):
+    q, k, v = qkv(2, 6, 4, 4, kv_seq=10)
+    with pytest.raises((AssertionError, RuntimeError)):
+        assert_same_forward_and_backward(
+            functools.partial(_kernel, fake_torch_npu, **broken), reference.attention, [q, k, v]
+        )
+
+
+def test_bnsd_layout_on_bsnd_tensors_gives_wrong_numbers_even_when_the_shapes_fit(fake_torch_npu):
+    q, k, v = qkv(2, 4, 4, 4)  # S == H: the kernel cannot see the mistake from the shapes
+    with pytest.raises(AssertionError, match="forward differs"):
+        assert_same_forward_and_backward(
+            functools.partial(_kernel, fake_torch_npu, layout="BNSD"), reference.attention, [q, k, v]
+        )
+
+
+def test_the_fake_kernels_compressed_mask_equals_its_explicit_full_mask(fake_torch_npu):
+    # Two documented routes to causal attention (sparse_mode 2 with the 2048 mask, sparse_mode 0 with a full
+    # [S, S] mask and next_tockens=0) agree beyond 2048 tokens: the fake's mask expansion is self-consistent.
+    q, k, v = qkv(1, 2200, 1, 1, head_dim=8)
+    compressed = _kernel(fake_torch_npu, q, k, v)
+    full_mask = torch.ones(2200, 2200, dtype=torch.bool).triu(1)
+    explicit = fake_torch_npu.npu_fusion_attention(
+        q, k, v, 1, "BSND", atten_mask=full_mask, scale=8**-0.5, pre_tockens=65536, next_tockens=0, sparse_mode=0
+    )[0]
+    torch.testing.assert_close(compressed, explicit, atol=1e-6, rtol=1e-6)
+
+
+def test_the_fake_kernel_returns_the_documented_seven_outputs(fake_torch_npu):
+    q, k, v = qkv(2, 12, 4, 2)
+    out = _kernel(fake_torch_npu, q, k, v)
+    full = fake_torch_npu.npu_fusion_attention(q, k, v, 4, "BSND", atten_mask=npu_ops.causal_mask(q.device),
+                                               scale=0.25, sparse_mode=2)
+    assert len(full) == 7 and torch.equal(full[0], out)
+    assert full[1].shape == (2, 4, 12, 8) and full[1].dtype == torch.float32  # softmax_max, BNS8
+
+
+# --- rms_norm ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(2, 1, 16), (3, 37, 64), (2, 5, 7, 24)])
+def test_fused_rms_norm_matches_reference(fake_torch_npu, shape):
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(shape, generator=g), torch.rand(shape[-1], generator=g) + 0.5
+    assert_same_forward_and_backward(
+        lambda x, w: npu_ops.rms_norm(x, w, 1e-5), lambda x, w: reference.rms_norm(x, w, 1e-5), [x, w]
+    )
+
+
+def test_fused_rms_norm_takes_a_float_weight_with_bf16_activations(fake_torch_npu):
+    x, w = torch.randn(2, 9, 32), torch.rand(32) + 0.5
+    got = npu_ops.rms_norm(x.bfloat16(), w, 1e-6)  # the kernel needs gamma in x's dtype: the wrapper casts
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), reference.rms_norm(x, w, 1e-6), atol=2e-2, rtol=2e-2)
+
+
+def test_rms_norm_kernel_refuses_a_gamma_of_another_dtype(fake_torch_npu):
+    with pytest.raises(RuntimeError, match="gamma dtype"):
+        fake_torch_npu.npu_rms_norm(torch.randn(2, 4, 8).bfloat16(), torch.ones(8), epsilon=1e-6)
+
+
+# --- rotary embedding --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("interleave_supported", [True, False], ids=["interleave-mode", "half-mode-only"])
+@pytest.mark.parametrize("seq,heads,kv_heads", [(1, 4, 4), (37, 4, 2), (130, 2, 1)])
+def test_fused_rotary_matches_metas_interleaved_reference(fake_torch_npu, interleave_supported, seq, heads, kv_heads):
+    fake_torch_npu.features["rotary_mode"] = interleave_supported
+    g = torch.Generator().manual_seed(5)
+    xq, xk = torch.randn(2, seq, heads, 16, generator=g), torch.randn(2, seq, kv_heads, 16, generator=g)
+    cos, sin = rope_tables(seq, 16)
+    assert_same_forward_and_backward(
+        lambda q, k: npu_ops.apply_rotary_emb(q, k, cos, sin), lambda q, k: reference.apply_rotary_emb(q, k, cos, sin),
+        [xq, xk],
+    )
+    assert fake_torch_npu.calls["npu_rotary_mul"] >= 2
+
+
+def test_rotary_falls_back_to_half_mode_once_on_a_torch_npu_without_rotary_mode(fake_torch_npu):
+    fake_torch_npu.features["rotary_mode"] = False
+    cos, sin = rope_tables(8, 16)
+    npu_ops.apply_rotary_emb(torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16), cos, sin)
+    assert npu_ops._rotary_interleave_supported is False
+
+
+def _rotary_half_without_permutation(torch_npu, xq, xk, cos, sin):
+    r1 = torch.cat((cos, cos), -1)[None, :, None, :]
+    r2 = torch.cat((sin, sin), -1)[None, :, None, :]
+    return torch_npu.npu_rotary_mul(xq, r1, r2), torch_npu.npu_rotary_mul(xk, r1, r2)
+
+
+def _rotary_interleave_with_halves_tables(torch_npu, xq, xk, cos, sin):
+    r1 = torch.cat((cos, cos), -1)[None, :, None, :]
+    r2 = torch.cat((sin, sin), -1)[None, :, None, :]
+    return (torch_npu.npu_rotary_mul(xq, r1, r2, rotary_mode="interleave"),
+            torch_npu.npu_rotary_mul(xk, r1, r2, rotary_mode="interleave"))
+
+
+@pytest.mark.parametrize("broken", [_rotary_half_without_permutation, _rotary_interleave_with_halves_tables],
+                         ids=["half-mode-on-interleaved-pairs", "interleave-mode-with-half-layout-tables"])
+def test_a_wrong_rotary_layout_fails_the_reference_check(fake_torch_npu, broken):
+    cos, sin = rope_tables(11, 16)
+    xq, xk = torch.randn(2, 11, 2, 16), torch.randn(2, 11, 2, 16)
+    with pytest.raises(AssertionError):
+        assert_same_forward_and_backward(
+            lambda q, k: broken(fake_torch_npu, q, k, cos, sin),
+            lambda q, k: reference.apply_rotary_emb(q, k, cos, sin), [xq, xk],
+        )
+
+
+# --- swiglu ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(2, 1, 8), (2, 37, 48), (3, 5, 4, 10)])
+def test_fused_swiglu_matches_reference(fake_torch_npu, shape):
+    g = torch.Generator().manual_seed(7)
+    gate, up = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    assert_same_forward_and_backward(npu_ops.swiglu, reference.swiglu, [gate, up])
+    assert fake_torch_npu.calls["npu_swiglu"] >= 1
+
+
+def test_swiglu_with_gate_and_up_swapped_fails_the_reference_check(fake_torch_npu):
+    gate, up = torch.randn(2, 6, 8), torch.randn(2, 6, 8)
+    with pytest.raises(AssertionError):
+        assert_same_forward_and_backward(
+            lambda g, u: fake_torch_npu.npu_swiglu(torch.cat((u, g), -1), dim=-1), reference.swiglu, [gate, up]
+        )
+
+
+# --- without torch_npu -------------------------------------------------------------------------------------------
+
+def test_npu_kernels_without_torch_npu_say_what_to_install():
+    from titan_npu.errors import DeviceError
+
+    with pytest.raises(DeviceError, match="install torch_npu"):
+        npu_ops.swiglu(torch.randn(2, 4), torch.randn(2, 4))

@@ -1,0 +1,126 @@
+"""Ascend fused kernels from torch_npu behind the op dispatch: tensors on an "npu" device use these.
+
+Each function takes and returns exactly what its reference in ops/reference.py does; tests hold every one to
+the reference, forward and backward. torch_npu is looked up at call time, so this module imports (and the
+backend registers) on machines without it. Inputs that are DTensors (tensor-parallel regions) take the reference
+path: torch_npu's kernels have no sharding rules.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from titan_npu.errors import DeviceError
+from titan_npu.ops import reference
+from titan_npu.ops.dispatch import register_backend
+
+# npu_fusion_attention's causal modes take this fixed-size upper-triangular mask (True = masked) and read it along
+# its diagonals, whatever the sequence length.
+CAUSAL_MASK_SIZE = 2048
+# sparse_mode 2 = leftUpCausal: query i sees keys 0..i, the same top-left alignment as SDPA's is_causal (mode 3,
+# rightDownCausal, would differ whenever the query and key lengths differ).
+SPARSE_MODE_LEFT_UP_CAUSAL = 2
+# npu_rotary_mul's interleave mode supports B * N below this; larger products take the reference path.
+ROTARY_INTERLEAVE_MAX_BN = 1000
+
+_causal_masks: dict[torch.device, torch.Tensor] = {}
+_rotary_interleave_supported: bool | None = None  # learnt on the first call: older torch_npu has no rotary_mode
+
+
+def _torch_npu() -> ModuleType:
+    try:
+        return importlib.import_module("torch_npu")
+    except ImportError as e:
+        raise DeviceError(
+            "the npu kernels need torch_npu, which is not importable here; install torch_npu (docs/npu.md) or "
+            "select the reference kernels (titan_npu.ops.set_kernels('reference'))"
+        ) from e
+
+
+def _any_dtensor(*tensors: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in tensors)
+
+
+def causal_mask(device: torch.device) -> torch.Tensor:
+    """The 2048x2048 bool upper-triangular mask (True above the diagonal) that the causal sparse modes expect."""
+    mask = _causal_masks.get(device)
+    if mask is None:
+        mask = torch.ones(CAUSAL_MASK_SIZE, CAUSAL_MASK_SIZE, dtype=torch.bool, device=device).triu(diagonal=1)
+        _causal_masks[device] = mask
+    return mask
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
+    """npu_fusion_attention on q [B,S,Hq,D], k/v [B,S,Hkv,D] in BSND layout; GQA by the kernel's kv-head support."""
+    if _any_dtensor(q, k, v):
+        return reference.attention(q, k, v, causal=causal)
+    kwargs: dict = {"scale": q.shape[-1] ** -0.5, "keep_prob": 1.0}
+    if causal:
+        kwargs.update(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_MODE_LEFT_UP_CAUSAL)
+    # Our [B, S, H, D] is the kernel's BSND, so no transpose; the outputs after the first are softmax statistics.
+    return _torch_npu().npu_fusion_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), q.shape[2], "BSND", **kwargs
+    )[0]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """npu_rms_norm (it returns (y, rstd)); the kernel wants gamma in the input's dtype."""
+    if _any_dtensor(x, weight):
+        return reference.rms_norm(x, weight, eps)
+    return _torch_npu().npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)[0]
+
+
+def apply_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """npu_rotary_mul on Meta's interleaved pairs: "interleave" mode where available, else "half" mode on permuted dims.
+
+    cos/sin [S, D/2] hold one angle per pair (2i, 2i+1); the kernel wants r1/r2 [1, S, 1, D] (BSND) with that
+    angle at both dims of the pair.
+    """
+    global _rotary_interleave_supported
+    bn = max(xq.shape[0] * xq.shape[2], xk.shape[0] * xk.shape[2])
+    if _any_dtensor(xq, xk) or bn >= ROTARY_INTERLEAVE_MAX_BN:
+        return reference.apply_rotary_emb(xq, xk, cos, sin)
+    torch_npu = _torch_npu()
+    if _rotary_interleave_supported is not False:
+        r1 = cos.repeat_interleave(2, dim=-1)[None, :, None, :].to(xq.dtype)
+        r2 = sin.repeat_interleave(2, dim=-1)[None, :, None, :].to(xq.dtype)
+        try:
+            out = (torch_npu.npu_rotary_mul(xq, r1, r2, rotary_mode="interleave"),
+                   torch_npu.npu_rotary_mul(xk, r1, r2, rotary_mode="interleave"))
+            _rotary_interleave_supported = True
+            return out
+        except TypeError:
+            if _rotary_interleave_supported:
+                raise
+            _rotary_interleave_supported = False
+    return _rotary_half_mode(torch_npu, xq, cos, sin), _rotary_half_mode(torch_npu, xk, cos, sin)
+
+
+def _rotary_half_mode(torch_npu: ModuleType, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # "half" mode pairs dim i with dim i + D/2: gather the even dims then the odd ones, rotate, interleave back.
+    halves = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+    r1 = torch.cat((cos, cos), dim=-1)[None, :, None, :].to(x.dtype)
+    r2 = torch.cat((sin, sin), dim=-1)[None, :, None, :].to(x.dtype)
+    rotated = torch_npu.npu_rotary_mul(halves, r1, r2)
+    first, second = rotated.chunk(2, dim=-1)
+    return torch.stack((first, second), dim=-1).flatten(-2)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """npu_swiglu on [gate, up] concatenated along the last dim: it computes silu(first half) * second half."""
+    if _any_dtensor(gate, up):
+        return reference.swiglu(gate, up)
+    return _torch_npu().npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)
+
+
+register_backend(
+    "npu",
+    {"attention": attention, "rms_norm": rms_norm, "apply_rotary_emb": apply_rotary_emb, "swiglu": swiglu},
+)
