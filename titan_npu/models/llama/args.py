@@ -124,10 +124,6 @@ def build_model_args(model_cfg: ModelConfig) -> LlamaArgs:
                 f"drop the size from the name or set flavor = \"{size_in_name}\""
             )
         flavor = size_in_name
-    if flavor not in FLAVORS[family]:
-        raise ConfigError(
-            f"model.flavor='{model_cfg.flavor}' is not a {family} flavor (valid: {', '.join(FLAVORS[family])})"
-        )
     fields: dict[str, Any] = dict(FLAVORS[family][flavor])
     fields.update({k: getattr(model_cfg, k) for k in _OVERRIDABLE if getattr(model_cfg, k) is not None})
     _check_positive(fields)
