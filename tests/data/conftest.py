@@ -1,29 +1,13 @@
-"""Shared helpers for the data tests: tiny corpora written to tmp_path and a small config."""
+"""Fixtures for the data tests: tiny corpora written to tmp_path, a small config, the packaged Llama tokenizer."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+from data_helpers import LLAMA_DIR, make_docs
 
 from titan_npu.config.schema import JobConfig
-
-
-def write_jsonl(path: Path, records: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    return path
-
-
-def make_docs(n: int, seed: int = 0) -> list[str]:
-    """n distinct documents of varied length (some multi-line, some non-ASCII)."""
-    words = ["alpha", "beta", "gamma", "délta", "epsilon", "zeta", "ηta", "theta", "iota", "kappa"]
-    docs = []
-    for i in range(n):
-        k = 3 + (i * 7 + seed) % 23
-        body = " ".join(words[(i + j + seed) % len(words)] for j in range(k))
-        docs.append(f"doc {i}: {body}" + ("\nsecond line" if i % 4 == 0 else ""))
-    return docs
 
 
 @pytest.fixture
@@ -49,3 +33,11 @@ def small_cfg():
         return cfg
 
     return make
+
+
+@pytest.fixture(scope="session")
+def llama_hf():
+    """The packaged Llama 3.2 tokenizer.json, loaded once (it takes about a second)."""
+    from titan_npu.data import build_tokenizer
+
+    return build_tokenizer(str(LLAMA_DIR))

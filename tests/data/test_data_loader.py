@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from conftest import make_docs, write_jsonl
+from data_helpers import make_docs, write_jsonl
 
 from titan_npu.data import build_dataloader, build_tokenizer
 from titan_npu.data.datasets import read_index

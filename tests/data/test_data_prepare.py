@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import make_docs, write_jsonl
+from data_helpers import make_docs, write_jsonl
 
 import titan_npu.data.prepare as prepare_mod
 from titan_npu.cli import main as cli_main

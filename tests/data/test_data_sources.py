@@ -6,7 +6,7 @@ import gzip
 import json
 
 import pytest
-from conftest import write_jsonl
+from data_helpers import write_jsonl
 
 from titan_npu.data.sources import BadRecords, DocumentReader, builtin_corpus_path, discover_inputs, iter_documents
 from titan_npu.errors import DataError

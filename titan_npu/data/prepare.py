@@ -51,8 +51,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
 class _ChunkTokenizer:
     """Texts -> one token array + per-document lengths; runs in the worker processes."""
 
-    def __init__(self, spec: str, dtype: str, max_seq_len: int):
-        self.tokenizer = build_tokenizer(spec)
+    def __init__(self, spec: str, dtype: str, max_seq_len: int, tokenizer: Tokenizer | None = None):
+        self.spec = spec
+        self.tokenizer = tokenizer or build_tokenizer(spec)
         self.dtype = np.dtype(dtype)
         self.max_seq_len = max_seq_len
 
@@ -69,7 +70,9 @@ _WORKER: _ChunkTokenizer | None = None
 
 def _init_worker(spec: str, dtype: str, max_seq_len: int) -> None:
     global _WORKER
-    _WORKER = _ChunkTokenizer(spec, dtype, max_seq_len)
+    # A forked worker inherits the parent's loaded tokenizer; a spawned one loads its own.
+    if _WORKER is None or (_WORKER.spec, _WORKER.dtype.name, _WORKER.max_seq_len) != (spec, dtype, max_seq_len):
+        _WORKER = _ChunkTokenizer(spec, dtype, max_seq_len)
 
 
 def _run_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -276,7 +279,7 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
     progress = progress or Progress(input_bytes)
     position = [0]
     try:
-        _tokenize_all(_chunks(paths, text_field, doc_sep, bad, skip_docs, position), writer, tokenizer, dtype,
+        _tokenize_all(_chunks(paths, text_field, doc_sep, bad, skip_docs, position), writer, tokenizer, tok, dtype,
                       max_seq_len, workers, progress, position)
         writer.close()
     except DataError:
@@ -322,11 +325,12 @@ def _remove_ours(folder: Path) -> None:
             p.unlink()
 
 
-def _tokenize_all(chunks, writer, spec: str, dtype: np.dtype, max_seq_len: int, workers: int,
+def _tokenize_all(chunks, writer, spec: str, tokenizer: Tokenizer, dtype: np.dtype, max_seq_len: int, workers: int,
                   progress: Progress, position: list[int]) -> None:
     """Tokenise chunks (in order) in worker processes with bounded look-ahead, feeding writer."""
+    global _WORKER
+    worker = _WORKER = _ChunkTokenizer(spec, dtype.name, max_seq_len, tokenizer)
     if workers == 1:
-        worker = _ChunkTokenizer(spec, dtype.name, max_seq_len)
         for chunk in chunks:
             tokens, lengths = worker(chunk)
             writer.add(tokens, lengths)

@@ -84,9 +84,12 @@ class Tokenizer:
         raise NotImplementedError
 
     def fingerprint(self) -> str:
-        """A stable hash of what decides the ids (vocab, merges, pattern, special tokens)."""
-        special = json.dumps([self.vocab_size, self.bos_id, self.eos_id]).encode()
-        return _short_hash(self._identity(), special)
+        """A stable hash of what decides the ids (vocab, merges, pattern, special tokens); computed once."""
+        cached = self.__dict__.get("_fingerprint")
+        if cached is None:
+            special = json.dumps([self.vocab_size, self.bos_id, self.eos_id]).encode()
+            cached = self.__dict__["_fingerprint"] = _short_hash(self._identity(), special)
+        return cached
 
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
         raise NotImplementedError
@@ -140,7 +143,6 @@ class HFTokenizer(Tokenizer):
         tokenizers = _require("tokenizers", "tokenizers", f"tokenizer {path}")
         try:
             self._tok = tokenizers.Tokenizer.from_file(str(path))
-            spec = json.loads(path.read_text(encoding="utf-8"))
         except Exception as e:  # the library raises its own exception type for malformed files
             raise DataError(
                 f"tokenizer {path} is not a valid tokenizer.json ({e}); point data.tokenizer at another"
@@ -151,10 +153,9 @@ class HFTokenizer(Tokenizer):
         self.bos_id = self._token_id(special.get("bos_token"), _BOS_CANDIDATES)
         self.eos_id = self._token_id(special.get("eos_token"), _EOS_CANDIDATES)
         self.pad_id = self._token_id(special.get("pad_token"), _PAD_CANDIDATES)
-        # Padding/truncation settings do not change ids of a single text; everything else does.
-        spec.pop("padding", None)
-        spec.pop("truncation", None)
-        self._spec_bytes = json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
+        # Padding/truncation settings do not change the ids of one text; everything else does.
+        self._tok.no_padding()
+        self._tok.no_truncation()
 
     def _token_id(self, configured: str | None, candidates: tuple[str, ...]) -> int | None:
         for token in ([configured] if configured else []) + list(candidates):
@@ -175,7 +176,8 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
     def _identity(self) -> bytes:
-        return self._spec_bytes
+        # The library's own serialisation: independent of how the file was formatted.
+        return self._tok.to_str().encode()
 
 
 class SentencePieceTokenizer(Tokenizer):
