@@ -90,6 +90,19 @@ def test_failed_yaml_save_leaves_no_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_saved_file_is_readable_by_others_like_any_written_file(tmp_path):
+    path = tmp_path / "c.toml"
+    save_config(JobConfig(), path)
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_unwritable_destination_is_a_config_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"cannot write .*c.toml: .*\(choose a writable path\)"):
+        save_config(JobConfig(), blocker / "c.toml")
+
+
 def test_config_to_dict_is_plain_nested_data_under_canonical_names():
     data = config_to_dict(load_config(None, ["--distributed.tp_size", "2"]))
     assert json.loads(json.dumps(data)) == data
