@@ -131,12 +131,10 @@ def test_num_params_equals_the_built_models_parameter_count():
         assert args.num_params(exclude_embedding=True) == args.num_params() - embedding
 
 
-def test_num_params_of_every_flavor_equals_the_meta_built_model():
+def test_num_params_of_every_flavor_shape_equals_the_meta_built_model():
     for family, flavors in FLAVORS.items():
         for flavor in flavors:
-            if flavor == "405B":
-                continue  # building 126 layers on meta costs seconds and adds nothing over 70B
-            args = _args(family, flavor)
+            args = _args(family, flavor, n_layers=2)  # every layer has the same shapes; two keep it quick
             with torch.device("meta"):
                 model = Transformer(args)
             assert args.num_params() == sum(p.numel() for p in model.parameters()), (family, flavor)
