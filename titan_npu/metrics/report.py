@@ -49,6 +49,25 @@ def write_run_info(log_dir: str | os.PathLike, info: dict[str, Any]) -> Path:
     return path
 
 
+def run_info(model_args: Any, layout: str, device: Any, world_size: int, tokens_per_step: int,
+             flops_per_token: float, peak_flops: float, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """The run_info.json fields from the trainer's objects (LlamaArgs, DeviceInfo)."""
+    a = model_args
+    return {
+        "params": a.num_params(),
+        "non_embedding_params": a.num_params(exclude_embedding=True),
+        "shape": f"dim {a.dim}, {a.n_layers} layers, {a.n_heads}/{a.n_kv_heads} heads, ffn {a.ffn_dim}, "
+                 f"vocab {a.vocab_size}",
+        "layout": layout,
+        "device": f"{world_size} x {device.type} ({device.name}, backend {device.backend})",
+        "world_size": world_size,
+        "tokens_per_step": tokens_per_step,
+        "flops_per_token": flops_per_token,
+        "peak_tflops": peak_flops / 1e12,
+        "checkpoint_dir": str(Path(checkpoint_dir).resolve()),
+    }
+
+
 def _number(v: Any) -> Any:
     """metrics.jsonl writes NaN/inf as strings; turn them back into floats."""
     if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
@@ -336,13 +355,13 @@ def plot_report(run: RunMetrics, out_png: Path, title: str = "") -> Path:
         ax_tp.plot(*zip(*tps), color="tab:purple", linewidth=1.4, label="tokens/s (global)")
     ax_tp.set_title("throughput (first logged window left out)")
     ax_tp.set_ylabel("tokens/s, all devices")
-    mfu = [(s, 100 * v) for s, v in _finite(steady, "mfu")]
-    if mfu and any(v > 0 for _, v in mfu):
-        ax_mfu = ax_tp.twinx()
-        ax_mfu.plot(*zip(*mfu), color="tab:gray", linewidth=1.0, linestyle="--", label="MFU")
+    # MFU is tokens/s times a constant (FLOPs per token / peak / devices): a second scale on the same line.
+    ratios = [r["mfu"] / r["tokens_per_s"] for r in steady if isinstance(r.get("mfu"), float)
+              and isinstance(r.get("tokens_per_s"), float) and r["tokens_per_s"] > 0 and r["mfu"] > 0]
+    if ratios:
+        k = 100 * statistics.median(ratios)
+        ax_mfu = ax_tp.secondary_yaxis("right", functions=(lambda x: x * k, lambda y: y / k))
         ax_mfu.set_ylabel("MFU (%)")
-        ax_mfu.set_ylim(bottom=0)
-        ax_tp.legend(handles=ax_tp.get_lines() + ax_mfu.get_lines(), loc="lower right", fontsize=8)
     ax_tp.set_ylim(bottom=0)
 
     used, peak = _finite(train, "mem_used_gb"), _finite(train, "mem_peak_gb")
@@ -354,7 +373,7 @@ def plot_report(run: RunMetrics, out_png: Path, title: str = "") -> Path:
     total_text = f" (device total {totals[-1][1]:.1f} GB)" if totals else ""
     ax_mem.set_title("memory" + total_text)
     ax_mem.set_ylabel("GB")
-    ax_mem.set_ylim(bottom=0)
+    ax_mem.set_ylim(0, 1.15 * max([v for _, v in used + peak] or [1.0]))
 
     for ax in (ax_loss, ax_lr, ax_tp, ax_mem):
         ax.set_xlabel("step")

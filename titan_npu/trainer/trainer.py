@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from titan_npu.config import JobConfig, save_config
+from titan_npu.config import JobConfig, config_to_dict, save_config
 from titan_npu.data import build_dataloader, build_tokenizer, check_vocab
 from titan_npu.device import (
     apply_communication_env,
@@ -23,7 +23,16 @@ from titan_npu.device import (
     synchronize,
 )
 from titan_npu.errors import ConfigError
-from titan_npu.metrics import MetricsLogger, flops_per_token, throughput
+from titan_npu.metrics import (
+    MetricsLogger,
+    Progress,
+    SpikeDetector,
+    StepMeter,
+    flops_per_token,
+    health_flags,
+    step_record,
+)
+from titan_npu.metrics.report import final_report, run_info, write_run_info
 from titan_npu.models.llama import Transformer, build_model_args
 from titan_npu.parallel import ParallelDims, init_process_group
 from titan_npu.parallel.parallelize import parallelize_model
@@ -63,6 +72,9 @@ class Trainer:
         if self.world_size > 1:
             self.dims.build_mesh(self.device.type)
         set_determinism(t.seed, t.deterministic)
+        # Sinks first: a missing optional package (wandb) stops the run before any real work.
+        self.metrics = MetricsLogger(cfg.metrics.log_dir, self.rank, tensorboard=cfg.metrics.tensorboard,
+                                     wandb=cfg.metrics.wandb, run_config=config_to_dict(cfg))
 
         # Model arguments and the checks that need both the model and the rest of the config.
         self.model_args = build_model_args(cfg.model)
@@ -105,7 +117,6 @@ class Trainer:
         # Metrics.
         self.step = 0
         self.tokens_seen = 0
-        self.metrics = MetricsLogger(cfg.metrics.log_dir, self.rank, tensorboard=cfg.metrics.tensorboard)
         self.tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps * self.dims.dp
         self.flops_per_token = flops_per_token(
             self.model_args.num_params(exclude_embedding=True), self.model_args.n_layers, self.model_args.dim,
@@ -116,6 +127,19 @@ class Trainer:
         if self.rank == 0:
             Path(cfg.metrics.log_dir).mkdir(parents=True, exist_ok=True)
             save_config(cfg, Path(cfg.metrics.log_dir) / "config.toml")
+            write_run_info(cfg.metrics.log_dir, run_info(
+                self.model_args, self.dims.describe(), self.device, self.world_size, self.tokens_per_step,
+                self.flops_per_token, self.peak_flops, cfg.checkpoint.dir))
+        self.meter = StepMeter(self.tokens_per_step, self.world_size, self.flops_per_token, self.peak_flops)
+        self.spikes = SpikeDetector(cfg.metrics.spike_sigma, cfg.metrics.spike_window)
+        self.progress = Progress(cfg.metrics.progress, t.max_steps, enabled=self.rank == 0)
+        self.validator = None
+        if cfg.validation.enable:
+            from titan_npu.trainer.validate import Validator
+
+            dp_group = self.dims.mesh["dp"].get_group() if self.world_size > 1 else None
+            self.validator = Validator(cfg, self.tokenizer, self.dp_rank, self.dp_degree, self.device,
+                                       self.model_args.vocab_size, dp_group)
         self._log_start()
 
     def _log_start(self) -> None:
@@ -188,43 +212,39 @@ class Trainer:
         last: dict[str, Any] = {}
         synchronize(self.device)
         reset_peak_memory(self.device)
-        window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
+        self.meter.start(next_step=self.step + 1)
         self.model.train()
         while self.step < max_steps:
             self.step += 1
             loss, grad_norm, data_time = self.train_step(data_iter)
             self.tokens_seen += self.tokens_per_step
-            window_steps += 1
-            window_data += data_time
+            self.meter.step(loss, data_time)
+            self.progress.update(self.step, last.get("loss"))
             if self.step % interval == 0 or self.step == max_steps or self.step == 1:
-                # The only synchronisation of the loop: log steps read the device's numbers and the clock.
-                loss_value = self._global_mean(loss)
-                norm_value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-                synchronize(self.device)
-                elapsed = time.perf_counter() - window_start
-                tp = throughput(self.tokens_per_step * window_steps, elapsed, self.world_size, self.flops_per_token,
-                                self.peak_flops)
-                mem = memory_stats(self.device)
-                last = {
-                    "step": self.step,
-                    "loss": loss_value,
-                    "lr": self.lr_scheduler.get_last_lr()[0],
-                    "grad_norm": norm_value,
-                    "tokens_per_s": tp.tokens_per_s,
-                    "tokens_per_s_per_device": tp.tokens_per_s_per_device,
-                    "tflops_per_device": tp.tflops_per_device,
-                    "mfu": tp.mfu,
-                    "mem_used_gb": mem.used_gb,
-                    "mem_peak_gb": mem.peak_gb,
-                    "mem_total_gb": mem.total_gb,
-                    "step_time_s": elapsed / window_steps,
-                    "data_time_s": window_data / window_steps,
-                    "tokens_seen": self.tokens_seen,
-                }
-                self.metrics.log(last)
-                window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
+                last = self._log_step(loss, grad_norm)
+            if self.validator is not None and self.validator.due(self.step, max_steps):
+                with self.meter.excluded():
+                    self.metrics.log_validation(self.validator.run(self.model, self.step, self.autocast))
+        self.progress.close()
         self.metrics.close()
+        if self.rank == 0 and cfg.metrics.report:
+            final_report(cfg.metrics.log_dir)
         return last
+
+    def _log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, Any]:
+        """The only synchronisation of the loop: read the device's numbers and the clock, write every sink."""
+        loss_value = self._global_mean(loss)
+        norm_value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        synchronize(self.device)
+        window = self.meter.window()
+        record = step_record(self.step, loss_value, self.lr_scheduler.get_last_lr()[0], norm_value,
+                             self.meter.throughput(window), window, memory_stats(self.device), self.tokens_seen)
+        record["eta_s"] = self.progress.eta_seconds()
+        flags = health_flags(window.first_step, window.losses, norm_value, self.spikes)
+        if flags:
+            record["flags"] = flags
+        self.metrics.log(record)
+        return record
 
     def close(self) -> None:
         """Release sinks and the process group."""

@@ -1,0 +1,93 @@
+"""Validation: loss and perplexity on held-out data, over the same batches every time so that runs compare."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from titan_npu.config.schema import JobConfig
+from titan_npu.device import DeviceInfo
+from titan_npu.errors import ConfigError
+from titan_npu.metrics.meter import perplexity
+
+IGNORE_INDEX = -100  # labels the loss skips (F.cross_entropy's default)
+
+
+class Validator:
+    """Every validation.interval steps (and at the last step): mean token loss over validation.steps batches.
+
+    The batches come from build_dataloader(split="validation"): validation.data when set, else the held-out
+    data.val_fraction of data.path. Every rank runs it (the result is reduced over data-parallel ranks).
+    """
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        tokenizer: Any,
+        dp_rank: int,
+        dp_degree: int,
+        device: DeviceInfo,
+        model_vocab_size: int,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        from titan_npu.data import build_dataloader
+
+        if cfg.parallel.pp_degree > 1:
+            raise ConfigError("validation.enable=true is not supported with parallel.pp_degree > 1 yet; "
+                              "set validation.enable=false or pp_degree=1")
+        self.interval = cfg.validation.interval
+        self.steps = cfg.validation.steps
+        self.device = device
+        self.process_group = process_group
+        self.loader = build_dataloader(cfg, tokenizer, dp_rank, dp_degree, split="validation",
+                                       device_type=device.type, model_vocab_size=model_vocab_size)
+        self._start = self.loader.state_dict()
+
+    def due(self, step: int, max_steps: int) -> bool:
+        """Whether `step` ends with a validation."""
+        return step % self.interval == 0 or step == max_steps
+
+    @torch.no_grad()
+    def run(self, model: nn.Module, step: int,
+            autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> dict[str, Any]:
+        """Evaluate `model` (left in train mode afterwards); a metrics record with val_loss and val_ppl."""
+        t0 = time.perf_counter()
+        self.loader.load_state_dict(self._start)
+        was_training = model.training
+        model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
+        count = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
+        try:
+            for _ in range(self.steps):
+                inputs, labels = next(self.loader)
+                inputs = inputs.to(self.device.torch_device, non_blocking=True)
+                labels = labels.to(self.device.torch_device, non_blocking=True)
+                with autocast():
+                    logits = model(inputs)
+                loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                                            ignore_index=IGNORE_INDEX)
+                count += (labels != IGNORE_INDEX).sum()
+        finally:
+            model.train(was_training)
+            self.loader.close()  # no prefetch workers idle until the next validation
+        totals = torch.stack([loss_sum, count])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.process_group)
+        loss_total, tokens = totals.tolist()
+        val_loss = loss_total / tokens if tokens > 0 else math.nan
+        return {
+            "step": step,
+            "val_loss": val_loss,
+            "val_ppl": perplexity(val_loss),
+            "val_batches": self.steps,
+            "val_tokens": int(tokens),
+            "val_time_s": time.perf_counter() - t0,
+        }
