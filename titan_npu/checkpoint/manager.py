@@ -296,6 +296,7 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         self._barrier()
         state = self._state_dict(for_load=False)
+        state["train_state"]["step"] = step  # the step named, even when train_state lags (e.g. a signal path)
         write_rank_state(tmp, self.rank, {
             "rank": self.rank, "dp_rank": self.dp_rank, "dp_degree": self.dp_degree,
             "dataloader": self.dataloader.state_dict() if self.dataloader is not None else None,
