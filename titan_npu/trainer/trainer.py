@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from titan_npu.checkpoint.manager import CheckpointManager
 from titan_npu.config import JobConfig, config_to_dict, save_config
 from titan_npu.data import build_dataloader, build_tokenizer, check_vocab
 from titan_npu.device import (
@@ -100,10 +101,6 @@ class Trainer:
         model.to_empty(device=self.device.torch_device)
         with torch.no_grad():
             model.init_weights(buffer_device=self.device.torch_device)
-        if cfg.checkpoint.initial_load:
-            from titan_npu.checkpoint.initial_load import load_initial_weights
-
-            load_initial_weights(model, cfg.checkpoint.initial_load, self.model_args)
         self.model = model
         self.model_parts: list[nn.Module] = [model]
 
@@ -117,6 +114,13 @@ class Trainer:
         # Metrics.
         self.step = 0
         self.tokens_seen = 0
+        # Checkpoints: resume (or start from checkpoint.initial_load) before the first step; sets step/tokens_seen.
+        self.checkpointer = CheckpointManager(
+            cfg, self.model_parts, self.optimizer, self.lr_scheduler, self.dataloader, self,
+            dp_rank=self.dp_rank, dp_degree=self.dp_degree, device_type=self.device.type, model_args=self.model_args,
+            layout=self.dims.describe(), extra=None if self.grad_scaler is None else {"grad_scaler": self.grad_scaler},
+        )
+        self.checkpointer.load()
         self.tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps * self.dims.dp
         self.flops_per_token = flops_per_token(
             self.model_args.num_params(exclude_embedding=True), self.model_args.n_layers, self.model_args.dim,
@@ -153,7 +157,7 @@ class Trainer:
         log.info("layout: %s", self.dims.describe())
         log.info(
             "global batch: %d sequences x %d tokens = %d tokens/step (batch_size=%d x grad_accum=%d x dp=%d), "
-            "dtype=%s, peak %.1f TFLOP/s per device",
+            "dtype=%s, peak %.3g TFLOP/s per device",
             self.tokens_per_step // t.seq_len, t.seq_len, self.tokens_per_step, t.batch_size,
             t.gradient_accumulation_steps, self.dims.dp, t.dtype, self.peak_flops / 1e12,
         )
@@ -225,6 +229,8 @@ class Trainer:
             if self.validator is not None and self.validator.due(self.step, max_steps):
                 with self.meter.excluded():
                     self.metrics.log_validation(self.validator.run(self.model, self.step, self.autocast))
+            with self.meter.excluded():
+                self.checkpointer.maybe_save(self.step, last_step=self.step == max_steps)
         self.progress.close()
         self.metrics.close()
         if self.rank == 0 and cfg.metrics.report:
@@ -250,5 +256,6 @@ class Trainer:
         """Release sinks and the process group."""
         from titan_npu.parallel import destroy_process_group
 
+        self.checkpointer.close()
         self.metrics.close()
         destroy_process_group()
