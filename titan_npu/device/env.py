@@ -1,4 +1,5 @@
-"""Vendor environment variables derived from the [comm] section; the user's environment always wins."""
+"""Vendor environment variables derived from the [comm] section (the user's environment always wins), and what a
+failed process-group start most likely means."""
 
 from __future__ import annotations
 
@@ -35,3 +36,44 @@ def apply_communication_env(device_type: str, comm: CommConfig) -> dict[str, str
     env = communication_env(device_type, comm)
     os.environ.update(env)
     return env
+
+
+# Fragments of the error text that identify the common process-group start failures (checked in this order).
+_PORT_IN_USE = ("address already in use", "eaddrinuse", "errno: 98", "errno 98")
+_UNREACHABLE = ("connection refused", "timed out", "timeout", "no route to host", "name or service not known",
+                "getaddrinfo", "connection reset", "ei0006", "failed to connect", "socket")
+_NO_DEVICE = ("invalid device", "device ordinal", "no device", "visible", "set_device", "device id", "ej0001",
+              "ee9999", "hccp", "drvmngget", "aclrtsetdevice")
+_NO_BACKEND = ("invalid backend", "unknown backend", "not built with", "backend is not available",
+               "does not support backend")
+
+
+def init_failure_message(
+    error: BaseException, *, rank: int, backend: str, device_type: str, master_addr: str, master_port: str,
+    init_timeout_s: int,
+) -> str:
+    """One line for a failed process-group start: the likely cause, the fix, and the pointer to `titan-npu doctor`."""
+    text = str(error)
+    lowered = text.lower()
+    first = text.splitlines()[0] if text else type(error).__name__
+    visible = "ASCEND_RT_VISIBLE_DEVICES" if device_type == "npu" else "CUDA_VISIBLE_DEVICES"
+    if any(s in lowered for s in _PORT_IN_USE):
+        cause = (f"MASTER_PORT={master_port} is already in use on {master_addr}; choose a free port "
+                 "(torchrun --master_port) or stop the process that holds it")
+    elif any(s in lowered for s in _NO_DEVICE):
+        cause = (f"the {backend} communicator could not use this rank's {device_type} device; check that {visible} "
+                 f"lists this node's devices, that each rank gets its own device (--nproc_per_node <= devices), and "
+                 f"that no other job holds them" + (" (npu-smi info)" if device_type == "npu" else " (nvidia-smi)"))
+    elif any(s in lowered for s in _NO_BACKEND):
+        cause = (f"the {backend} backend is not available in this install; on NPU import torch_npu (installed and "
+                 "matching torch), or set parallel.backend")
+    elif any(s in lowered for s in _UNREACHABLE):
+        cause = (f"rank {rank} could not reach the master {master_addr}:{master_port} within "
+                 f"comm.init_timeout_s={init_timeout_s}s; check that MASTER_ADDR is rank 0's address reachable from "
+                 "every node, that rank 0 started, and that the firewall lets the port through")
+        if device_type == "npu":
+            cause += "; for HCCL also check HCCL_SOCKET_IFNAME / HCCL_IF_BASE_PORT and raise HCCL_CONNECT_TIMEOUT"
+    else:
+        cause = "check the master address and port, the network, and that the devices are visible"
+    return (f"process group init failed on rank {rank} ({backend}, master {master_addr}:{master_port}): {first}; "
+            f"{cause}; run `titan-npu doctor` for a full check")
