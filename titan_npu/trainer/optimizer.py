@@ -38,6 +38,19 @@ def _implementation_kwargs(implementation: str, device_type: str) -> dict:
     )
 
 
+def _npu_fused_class(name: str, groups: list[dict]) -> type | None:
+    """torch_npu's NpuFusedAdamW / NpuFusedAdam when it applies: it fuses plain tensors, so not FSDP's DTensors."""
+    try:
+        from torch_npu import optim as npu_optim
+    except ImportError:
+        return None
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for group in groups for p in group["params"]):
+        return None
+    return getattr(npu_optim, "NpuFusedAdamW" if name == "adamw" else "NpuFusedAdam", None)
+
+
 def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:
     """AdamW / Adam / SGD over all trainable parameters of the model parts."""
     name = cfg.name.lower()
@@ -48,6 +61,10 @@ def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig, device_t
         raise ConfigError(f"optimizer.name={cfg.name!r} is unknown (choose AdamW, Adam or SGD)")
     cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
     kwargs = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
+    if device_type == "npu" and cfg.implementation in ("auto", "fused"):
+        npu_fused = _npu_fused_class(name, groups)
+        if npu_fused is not None:
+            return npu_fused(groups, **kwargs)
     kwargs.update(_implementation_kwargs(cfg.implementation, device_type))
     try:
         return cls(groups, **kwargs)
