@@ -12,6 +12,7 @@ from titan_npu.device.detect import (
 from titan_npu.device.env import apply_communication_env, communication_env
 from titan_npu.device.flops import lookup_peak_flops, measure_matmul_flops, peak_flops
 from titan_npu.device.memory import MemoryStats, empty_cache, memory_stats, reset_peak_memory
+from titan_npu.device.npu import set_memory_fraction
 
 __all__ = [
     "BACKENDS",
@@ -28,6 +29,7 @@ __all__ = [
     "memory_stats",
     "peak_flops",
     "reset_peak_memory",
+    "set_memory_fraction",
     "setup_device",
     "synchronize",
 ]

@@ -17,9 +17,11 @@ from titan_npu.config import JobConfig, config_to_dict, save_config
 from titan_npu.data import build_dataloader, build_tokenizer, check_vocab
 from titan_npu.device import (
     apply_communication_env,
+    empty_cache,
     memory_stats,
     peak_flops,
     reset_peak_memory,
+    set_memory_fraction,
     setup_device,
     synchronize,
 )
@@ -35,8 +37,10 @@ from titan_npu.metrics import (
 )
 from titan_npu.metrics.report import final_report, run_info, write_run_info
 from titan_npu.models.llama import Transformer, build_model_args
+from titan_npu.ops import current_kernels
 from titan_npu.parallel import ParallelDims, init_process_group
 from titan_npu.parallel.parallelize import parallelize_model
+from titan_npu.profiling import build_profiler
 from titan_npu.trainer.optimizer import build_lr_scheduler, build_optimizer
 from titan_npu.trainer.precision import autocast_context, build_grad_scaler, to_torch_dtype
 
@@ -68,6 +72,7 @@ class Trainer:
         # Device and process group: torch_npu is imported (if present) before the device is decided.
         self.device = setup_device(cfg.parallel.backend)
         apply_communication_env(self.device.type, cfg.comm)
+        set_memory_fraction(self.device.type, self.device.index, t.memory_fraction)
         self.rank, self.world_size = init_process_group(self.device, cfg.comm)
         self.dims = ParallelDims.from_config(cfg.parallel, self.world_size)
         if self.world_size > 1:
@@ -121,6 +126,7 @@ class Trainer:
             layout=self.dims.describe(), extra=None if self.grad_scaler is None else {"grad_scaler": self.grad_scaler},
         )
         self.checkpointer.load()
+        empty_cache(self.device)  # hand the load's staging buffers back before the first step allocates
         self.tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps * self.dims.dp
         self.flops_per_token = flops_per_token(
             self.model_args.num_params(exclude_embedding=True), self.model_args.n_layers, self.model_args.dim,
@@ -137,6 +143,7 @@ class Trainer:
         self.meter = StepMeter(self.tokens_per_step, self.world_size, self.flops_per_token, self.peak_flops)
         self.spikes = SpikeDetector(cfg.metrics.spike_sigma, cfg.metrics.spike_window)
         self.progress = Progress(cfg.metrics.progress, t.max_steps, enabled=self.rank == 0)
+        self.profiler = build_profiler(cfg.profiling, self.rank, self.device.type)
         self.validator = None
         if cfg.validation.enable:
             from titan_npu.trainer.validate import Validator
@@ -155,6 +162,9 @@ class Trainer:
             self.device.type, self.device.name, self.device.backend,
         )
         log.info("layout: %s", self.dims.describe())
+        kernels = ", ".join(f"{op}={backend}" for op, backend in current_kernels(self.device.type).items())
+        eager = "" if a.use_flash_attention else " (use_flash_attention=false: eager attention)"
+        log.info("kernels: %s%s", kernels, eager)
         log.info(
             "global batch: %d sequences x %d tokens = %d tokens/step (batch_size=%d x grad_accum=%d x dp=%d), "
             "dtype=%s, peak %.3g TFLOP/s per device",
@@ -218,6 +228,7 @@ class Trainer:
         reset_peak_memory(self.device)
         self.meter.start(next_step=self.step + 1)
         self.model.train()
+        self.profiler.start(self.step)
         while self.step < max_steps:
             self.step += 1
             loss, grad_norm, data_time = self.train_step(data_iter)
@@ -231,6 +242,8 @@ class Trainer:
                     self.metrics.log_validation(self.validator.run(self.model, self.step, self.autocast))
             with self.meter.excluded():
                 self.checkpointer.maybe_save(self.step, last_step=self.step == max_steps)
+            self.profiler.step()
+        self.profiler.stop()
         self.progress.close()
         self.metrics.close()
         if self.rank == 0 and cfg.metrics.report:
