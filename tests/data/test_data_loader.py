@@ -196,10 +196,10 @@ def test_malformed_tokens_jsonl_names_file_and_line(tmp_path, small_cfg):
 
 
 def test_token_ids_beyond_the_model_vocab_name_the_file_and_both_numbers(shards, tmp_path, small_cfg):
-    with pytest.raises(DataError, match=r"shards holds token id 257 but model.vocab_size is 200"):
+    with pytest.raises(DataError, match=r"shards/shard_00000.bin holds token id 257 but model.vocab_size is 200"):
         build_dataloader(small_cfg(str(shards)), BYTE, 0, 1, model_vocab_size=200)
-    path = write_jsonl(tmp_path / "t.jsonl", [{"tokens": list(range(1, 40)) + [999]}])
-    with pytest.raises(DataError, match=r"t.jsonl holds token id 999 but model.vocab_size is 512"):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"tokens": [1, 2]}, {"tokens": list(range(1, 40)) + [999]}])
+    with pytest.raises(DataError, match=r"t.jsonl:2 holds token id 999 but model.vocab_size is 512"):
         build_dataloader(small_cfg(str(path), batch_size=1, seq_len=8), None, 0, 1, model_vocab_size=512)
 
 

@@ -29,6 +29,7 @@ class TokenDataset:
     description: str
     doc_lengths: np.ndarray
     max_token_id: int
+    max_token_where: str = ""  # the file (and line) holding max_token_id, for messages
     tokenizer_fingerprint: str | None = None
 
     @property
@@ -69,6 +70,9 @@ class ShardDataset(TokenDataset):
         self.max_token_id = int(index["max_token_id"])
         self.tokenizer_fingerprint = index["tokenizer"]["fingerprint"]
         self.shard_files = [s["file"] for s in index["shards"]]
+        if index["shards"]:
+            top = max(index["shards"], key=lambda s: s["max_token_id"])
+            self.max_token_where = str(folder / top["file"])
         lengths, shard_of, starts = [], [], []
         for s_i, shard in enumerate(index["shards"]):
             path = folder / shard["file"]
@@ -115,7 +119,8 @@ class TokensJsonlDataset(TokenDataset):
         self.description = str(path)
         self.eos_id = eos_id
         self.tokenizer_fingerprint = fingerprint
-        self.offsets, raw_lengths, last, self.max_token_id = _jsonl_index(path)
+        self.offsets, raw_lengths, last, self.max_token_id, max_line = _jsonl_index(path)
+        self.max_token_where = f"{path}:{max_line}"
         self.append_eos = (last != eos_id) if eos_id is not None else np.zeros(len(last), dtype=bool)
         self.doc_lengths = raw_lengths + self.append_eos
         if eos_id is not None:
@@ -140,8 +145,8 @@ class TokensJsonlDataset(TokenDataset):
         return self._cached[1][lo:hi]
 
 
-def _jsonl_index(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """(byte offset, token count, last token) per line and the max id; cached beside the file when writable."""
+def _jsonl_index(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """(byte offset, token count, last token) per line, the max id and its line; cached beside the file."""
     stat = path.stat()
     cache = path.with_name(path.name + _JSONL_INDEX_SUFFIX)
     key = np.array([stat.st_size, stat.st_mtime_ns], dtype=np.int64)
@@ -149,11 +154,11 @@ def _jsonl_index(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         try:
             with np.load(cache, allow_pickle=False) as z:
                 if np.array_equal(z["key"], key):
-                    return z["offsets"], z["lengths"], z["last"], int(z["max_id"])
+                    return z["offsets"], z["lengths"], z["last"], int(z["max_id"]), int(z["max_line"])
         except (OSError, ValueError, KeyError):
             pass  # stale or damaged cache: rebuild it
     offsets, lengths, last = [], [], []
-    max_id = -1
+    max_id, max_line = -1, 0
     with open(path, "rb") as f:
         offset = 0
         for lineno, line in enumerate(f, 1):
@@ -162,15 +167,17 @@ def _jsonl_index(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
                 offsets.append(offset)
                 lengths.append(len(tokens))
                 last.append(tokens[-1])
-                max_id = max(max_id, max(tokens))
+                if max(tokens) > max_id:
+                    max_id, max_line = max(tokens), lineno
             offset += len(line)
     if not offsets:
         raise DataError(f"{path} holds no token records; check the file")
-    result = (np.array(offsets, np.int64), np.array(lengths, np.int64), np.array(last, np.int64), max_id)
+    result = (np.array(offsets, np.int64), np.array(lengths, np.int64), np.array(last, np.int64), max_id, max_line)
     tmp = cache.with_name(cache.name + f".{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as out:
-            np.savez(out, key=key, offsets=result[0], lengths=result[1], last=result[2], max_id=np.int64(max_id))
+            np.savez(out, key=key, offsets=result[0], lengths=result[1], last=result[2], max_id=np.int64(max_id),
+                     max_line=np.int64(max_line))
         os.replace(tmp, cache)
     except OSError:
         tmp.unlink(missing_ok=True)  # a read-only data folder only costs a rebuild next time
@@ -282,6 +289,7 @@ def verify_dataset(ds: TokenDataset, tokenizer: Tokenizer | None, model_vocab_si
         )
     if model_vocab_size is not None and ds.max_token_id >= model_vocab_size:
         raise DataError(
-            f"{ds.description} holds token id {ds.max_token_id} but model.vocab_size is {model_vocab_size}; "
+            f"{ds.max_token_where or ds.description} holds token id {ds.max_token_id} but model.vocab_size is "
+            f"{model_vocab_size}; "
             f"set model.vocab_size > {ds.max_token_id} or re-tokenise the data"
         )
