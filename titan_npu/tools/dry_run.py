@@ -1,0 +1,281 @@
+"""Dry run: build one rank of an N-rank job for real, without devices, and report what that rank would hold.
+
+The model is built on the meta device and parallelized by the project's own parallelize/pipeline code over a fake
+process group (torch's FakeStore + "fake" backend: collectives return at once, nothing is sent), so every mesh,
+DTensor placement and FSDP shard is the one the job would create. Parameters are then made fake tensors (shapes
+without storage) to run one forward and backward, which checks every shape end to end, and the optimizer is built
+over the sharded parameters. Byte counts come from the local shards of the resulting DTensors.
+
+    python train.py --config configs/llama3_70b.toml --dry-run --world-size 64 --rank 5
+    titan-npu plan --config configs/llama3_70b.toml --nodes 8 --devices-per-node 8 --verify --rank 5
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan_npu.config.schema import JobConfig
+from titan_npu.errors import ConfigError, DeviceError, LayoutError
+
+GiB = 1024**3
+
+
+@dataclass
+class DryRunResult:
+    """What one rank of the job holds, measured on the parallelized model."""
+
+    world_size: int
+    rank: int
+    layout: str
+    coordinates: dict[str, int]
+    parameters: dict[str, dict] = field(default_factory=dict)  # name -> global/local shape, dtype, placements
+    parameter_bytes: int = 0
+    gradient_bytes: int = 0
+    optimizer_bytes: int = 0
+    optimizer: str = ""
+    forward_checked: bool = False
+    logits_shape: tuple[int, ...] | None = None
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "world_size": self.world_size, "rank": self.rank, "layout": self.layout,
+            "coordinates": self.coordinates, "parameter_bytes": self.parameter_bytes,
+            "gradient_bytes": self.gradient_bytes, "optimizer_bytes": self.optimizer_bytes,
+            "optimizer": self.optimizer, "forward_checked": self.forward_checked,
+            "logits_shape": list(self.logits_shape) if self.logits_shape else None,
+            "n_parameters": len(self.parameters), "seconds": round(self.seconds, 2),
+            "parameters": self.parameters,
+        }
+
+    def format(self) -> str:
+        """A short report: where the rank sits, what it holds, whether forward/backward ran."""
+        coords = " ".join(f"{k}={v}" for k, v in self.coordinates.items())
+        fwd = (f"forward/backward checked (logits {list(self.logits_shape)})" if self.forward_checked
+               else "forward/backward not run")
+        return "\n".join([
+            f"dry run: rank {self.rank} of {self.world_size} ({coords}); layout {self.layout}",
+            f"  parameters  {self.parameter_bytes / GiB:8.2f} GiB in {len(self.parameters)} local shards",
+            f"  gradients   {self.gradient_bytes / GiB:8.2f} GiB",
+            f"  optimizer   {self.optimizer_bytes / GiB:8.2f} GiB ({self.optimizer})",
+            f"  {fwd}; {self.seconds:.1f}s",
+        ])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _placements(t: torch.Tensor) -> list[str]:
+    return [str(p) for p in getattr(t, "placements", ())]
+
+
+def optimizer_state_bytes_per_param_byte(cfg: JobConfig) -> float:
+    """State bytes the configured optimizer keeps per parameter byte, measured on a real 2x3 parameter.
+
+    Optimizer states of meta/fake parameters are not created until a step (and stepping a 70B fake model costs
+    more than the whole dry run), so the per-parameter ratio is taken from the same optimizer on a tiny tensor:
+    every state tensor shaped like its parameter counts (scalar step counters do not scale and are left out).
+    """
+    from titan_npu.trainer.optimizer import build_optimizer
+
+    holder = nn.Module()
+    holder.weight = nn.Parameter(torch.zeros(2, 3))
+    optimizer = build_optimizer([holder], cfg.optimizer, "cpu")
+    holder.weight.grad = torch.ones_like(holder.weight)
+    optimizer.step()
+    state = optimizer.state[holder.weight]
+    per_param = sum(v.numel() * v.element_size() for v in state.values()
+                    if isinstance(v, torch.Tensor) and v.shape == holder.weight.shape)
+    return per_param / (holder.weight.numel() * holder.weight.element_size())
+
+
+def resolve_world_size(cfg: JobConfig, world_size: int | None) -> int:
+    """The dry run's world size: given, else the product of the config's degrees when none is -1."""
+    if world_size is not None:
+        if world_size < 1:
+            raise ConfigError(f"--world-size {world_size} must be >= 1")
+        return world_size
+    p = cfg.parallel
+    if p.dp_shard == -1:
+        raise ConfigError("a dry run needs the job's size: pass --world-size N (parallel.dp_shard = -1 means "
+                          "'all remaining ranks', so the config alone does not say how many)")
+    return p.dp_replicate * p.dp_shard * p.tp_degree * p.pp_degree
+
+
+def build_parallel_model(cfg: JobConfig, dims, device_type: str) -> list[nn.Module]:
+    """The model parts this rank holds, on meta, parallelized exactly as the trainer does it."""
+    from titan_npu.models.llama import Transformer, build_model_args
+    from titan_npu.parallel.parallelize import parallelize_model
+
+    args = build_model_args(cfg.model)
+    with torch.device("meta"):
+        model = Transformer(args)
+    if dims.pp_enabled:
+        from titan_npu.parallel import pipeline
+
+        return list(pipeline.build_pipeline_stages(model, dims, cfg, device=torch.device(device_type)))
+    return [parallelize_model(model, dims, cfg)]
+
+
+def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims) -> tuple[int, ...]:
+    """One forward/backward of every part with fake tensors; returns the logits' shape of the last part."""
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titan_npu.models.llama import build_model_args
+
+    args = build_model_args(cfg.model)
+    t = cfg.training
+    n_micro = (cfg.parallel.pp_microbatches or 2 * dims.pp) if dims.pp_enabled else 1
+    batch = max(1, t.batch_size // n_micro)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for part in parts:
+            # Fake storage on the host: FSDP refuses to run with meta parameters, and fake tensors cost nothing.
+            part.to_empty(device="cpu")
+        x: torch.Tensor = torch.randint(0, args.vocab_size, (batch, t.seq_len))
+        labels = torch.randint(0, args.vocab_size, (batch, t.seq_len))
+        for part in parts:
+            x = part(x)
+        if x.shape[-1] != args.vocab_size and dims.pp_enabled:
+            # A middle pipeline stage: its output feeds the next stage; a stand-in loss reaches every parameter.
+            x.float().sum().backward()
+        else:
+            logits = x.full_tensor() if hasattr(x, "full_tensor") else x
+            F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).backward()
+        return tuple(x.shape)
+
+
+def dry_run(cfg: JobConfig, world_size: int | None = None, rank: int = 0, device_type: str = "npu",
+            forward: bool = True) -> DryRunResult:
+    """Build `rank` of a `world_size`-rank job on meta with a fake process group and measure what it holds."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titan_npu.parallel.dims import ParallelDims
+    from titan_npu.tools.memory_model import layout_from_config, rank_coordinates
+    from titan_npu.trainer.optimizer import build_optimizer
+
+    world_size = resolve_world_size(cfg, world_size)
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"--rank {rank} is outside a {world_size}-rank job (choose 0..{world_size - 1})")
+    if dist.is_initialized():
+        raise DeviceError("a dry run sets up its own fake process group; run it as a plain process, not under "
+                          "torchrun")
+    layout = layout_from_config(cfg, world_size)
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    t0 = time.perf_counter()
+    result = DryRunResult(world_size, rank, layout.describe(), rank_coordinates(layout, rank))
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        if world_size > 1:
+            dims.build_mesh("cpu")
+        parts = build_parallel_model(cfg, dims, device_type)
+        optimizer = build_optimizer(parts, cfg.optimizer, device_type)
+        result.optimizer = type(optimizer).__name__
+        for part in parts:
+            for name, p in part.named_parameters():
+                local = _local(p)
+                result.parameters[name] = {
+                    "shape": list(p.shape), "local_shape": list(local.shape), "dtype": str(local.dtype).replace(
+                        "torch.", ""), "placements": _placements(p),
+                }
+                result.parameter_bytes += local.numel() * local.element_size()
+        if forward:
+            result.logits_shape = _forward_backward(cfg, parts, dims)
+            result.forward_checked = True
+            for part in parts:
+                for name, p in part.named_parameters():
+                    if p.grad is None:
+                        raise LayoutError(f"dry run: parameter {name} received no gradient on rank {rank}; "
+                                          "the parallelized model does not reach it (a bug in the layout)")
+                    g = _local(p.grad)
+                    if tuple(g.shape) != tuple(result.parameters[name]["local_shape"]):
+                        raise LayoutError(f"dry run: gradient of {name} has local shape {tuple(g.shape)} but the "
+                                          f"parameter shard is {result.parameters[name]['local_shape']}")
+                    result.gradient_bytes += g.numel() * g.element_size()
+        else:
+            # Gradients take their parameter's shard shape and dtype (FSDP keeps sharded fp32 gradients).
+            result.gradient_bytes = result.parameter_bytes
+        result.optimizer_bytes = int(result.parameter_bytes * optimizer_state_bytes_per_param_byte(cfg))
+    finally:
+        dist.destroy_process_group()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
+    """The planner's exact numbers for the same rank next to the dry run's; every shard shape is compared too."""
+    from titan_npu.tools.memory_model import (
+        job_from_config,
+        layout_from_config,
+        local_shape,
+        parameter_kind,
+        parameter_kinds,
+        rank_coordinates,
+        stage_parameter_names,
+        state_bytes,
+    )
+
+    job = job_from_config(cfg)
+    layout = layout_from_config(cfg, result.world_size)
+    planned = state_bytes(job, layout, result.rank)
+    coords = rank_coordinates(layout, result.rank)
+    kinds = parameter_kinds(job.args)
+    expected_names = stage_parameter_names(job.args, layout.pp, coords["pp"])
+    problems = []
+    missing = sorted(set(expected_names) - set(result.parameters))
+    extra = sorted(set(result.parameters) - set(expected_names))
+    if missing:
+        problems.append(f"{len(missing)} parameters the plan expects are not on this rank (e.g. {missing[0]})")
+    if extra:
+        problems.append(f"{len(extra)} parameters on this rank the plan does not expect (e.g. {extra[0]})")
+    for name in expected_names:
+        if name not in result.parameters:
+            continue
+        kind = parameter_kind(name)
+        want = list(local_shape(kind, kinds[kind], layout, coords))
+        got = result.parameters[name]["local_shape"]
+        if want != got:
+            problems.append(f"{name}: local shard {got} but the plan expects {want}")
+    rows = [("parameters", planned.parameters, result.parameter_bytes),
+            ("gradients", planned.gradients, result.gradient_bytes),
+            ("optimizer", planned.optimizer, result.optimizer_bytes)]
+    for label, want_bytes, got_bytes in rows:
+        if want_bytes != got_bytes:
+            problems.append(f"{label}: dry run {got_bytes} bytes, plan {want_bytes} bytes")
+    lines = ["plan vs dry run (bytes on this rank):"]
+    lines += [f"  {label:<11} plan {want_bytes:>16,}  dry run {got_bytes:>16,}  "
+              f"{'equal' if want_bytes == got_bytes else 'DIFFERENT'}" for label, want_bytes, got_bytes in rows]
+    lines += [f"  mismatch: {p}" for p in problems[:10]]
+    if len(problems) > 10:
+        lines.append(f"  ... and {len(problems) - 10} more")
+    lines.append("  every local shard matches the plan" if not problems else "  the plan and the model disagree")
+    return {
+        "match": not problems,
+        "problems": problems,
+        "planner": {"parameters": planned.parameters, "gradients": planned.gradients,
+                    "optimizer": planned.optimizer},
+        "dry_run": {"parameters": result.parameter_bytes, "gradients": result.gradient_bytes,
+                    "optimizer": result.optimizer_bytes},
+        "text": "\n".join(lines),
+    }
+
+
+def run(cfg: JobConfig, world_size: int | None, rank: int, device_type: str = "npu", forward: bool = True,
+        as_json: bool = False) -> int:
+    """`train.py --dry-run`: run the dry run, print it with the planner's comparison; 0 when they agree."""
+    import json
+
+    result = dry_run(cfg, world_size, rank, device_type, forward)
+    comparison = compare_with_plan(result, cfg)
+    if as_json:
+        print(json.dumps({"dry_run": result.as_dict(), "comparison": comparison}, indent=2))
+    else:
+        print(result.format())
+        print(comparison["text"])
+    return 0 if comparison["match"] else 1
