@@ -6,7 +6,10 @@ torch so autograd gives the backward. It is deliberately strict: an argument the
 rejected here too, so a wrapper that passes a wrong layout, mask or mode fails its tests.
 
 Importing it does what the real package does to torch: it attaches the `torch.npu` device namespace. Which
-kernels ran is counted in `calls` so tests can prove that the NPU path was taken.
+kernels ran is counted in `calls` so tests can prove that the NPU path was taken. Two switches serve tests that
+run a whole program in a subprocess: FAKE_NPU_TENSORS=1 makes "npu" a real torch device (tensors backed by CPU
+memory, see _device.py) and FAKE_TORCH_NPU_REPORT=<file> writes the calls, the HCCL environment and the device
+requests to <file> at exit.
 """
 
 from __future__ import annotations
@@ -26,7 +29,28 @@ calls: collections.Counter = collections.Counter()
 # Switches for behaviour that differs between torch_npu releases.
 features = {"rotary_mode": True}  # npu_rotary_mul accepts rotary_mode (newer releases)
 
-torch.npu = npu
+def _write_report(path: str) -> None:
+    """What the process asked of torch_npu, for a test that ran it in a subprocess."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k.startswith(("HCCL_", "PYTORCH_NPU_", "GLOO_SOCKET"))}
+    report = {"calls": dict(calls), "env": env, "set_device_calls": npu.state["set_device_calls"],
+              "memory_fraction": npu.state["memory_fraction"], "empty_cache_calls": npu.state["empty_cache_calls"]}
+    with open(path, "w") as f:
+        json.dump(report, f)
+
+
+if os.environ.get("FAKE_TORCH_NPU_REPORT"):
+    import atexit
+
+    atexit.register(_write_report, os.environ["FAKE_TORCH_NPU_REPORT"])
+
+if os.environ.get("FAKE_NPU_TENSORS") == "1":
+    from torch_npu import _device
+
+    _device.install(npu)  # registers torch.npu, as the real package does
+else:
+    torch.npu = npu
 
 # The compressed causal mask of sparse modes 2/3 is always this size, whatever the sequence length.
 _COMPRESSED_MASK_SIZE = 2048

@@ -115,5 +115,20 @@ def manual_seed(seed: int) -> None:
     pass
 
 
+# What torch asks of a registered device module (torch._register_device_module) besides the above.
+def is_initialized() -> bool:
+    return True
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def get_amp_supported_dtype() -> list:
+    import torch
+
+    return [torch.float16, torch.bfloat16]
+
+
 def manual_seed_all(seed: int) -> None:
     pass

@@ -1,0 +1,128 @@
+"""A whole training run on the (fake) NPU: `python train.py` with TITAN_DEVICE=npu selects hccl, applies the HCCL
+environment, binds LOCAL_RANK's card, routes every op to the torch_npu kernels and trains exactly like the CPU
+run of the same config.
+
+The fake's "npu" tensors live in CPU memory (FAKE_NPU_TENSORS=1). Registering that device renames torch's
+PrivateUse1 backend, which no process can undo, so the runs are subprocesses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_npu.models.llama import Transformer
+from titan_npu.models.llama.args import LlamaArgs
+from titan_npu.ops import set_kernels
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_DIR = Path(__file__).resolve().parent / "fake_torch_npu"
+N_LAYERS, STEPS = 2, 3
+TINY = [
+    "--config", str(REPO / "configs" / "debug.toml"),
+    "--model.dim", "64", "--model.n_layers", str(N_LAYERS), "--model.n_heads", "4", "--model.n_kv_heads", "2",
+    "--model.max_seq_len", "64", "--training.seq_len", "64", "--training.batch_size", "2",
+    "--training.max_steps", str(STEPS), "--metrics.log_interval", "1", "--checkpoint.enable", "false",
+    "--metrics.report", "false", "--metrics.progress", "lines",
+]
+HCCL_VARS = ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_BUFFSIZE", "HCCL_IF_BASE_PORT", "HCCL_SOCKET_IFNAME",
+             "PYTORCH_NPU_ALLOC_CONF", "GLOO_SOCKET_IFNAME", "TITAN_DEVICE", "ASCEND_RT_VISIBLE_DEVICES")
+
+
+def start_training(log_dir: Path, extra_env: dict[str, str], *args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in HCCL_VARS}
+    env.update(extra_env)
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, "--metrics.log_dir", str(log_dir), *args],
+                            env=env, cwd=log_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    return out
+
+
+def losses(log_dir: Path) -> list[float]:
+    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines if '"loss"' in line]
+
+
+@pytest.fixture(scope="module")
+def npu_and_cpu_runs(tmp_path_factory):
+    """The same tiny run on the fake NPU (card 1 of two visible ones) and on the CPU."""
+    if importlib.util.find_spec("torch_npu") is not None:
+        pytest.skip("a real torch_npu is installed; the fake would shadow it")
+    root = tmp_path_factory.mktemp("npu_training")
+    report = root / "torch_npu_report.json"
+    npu = start_training(root / "npu", {
+        "PYTHONPATH": os.pathsep.join([str(FAKE_DIR), os.environ.get("PYTHONPATH", "")]),
+        "FAKE_NPU_TENSORS": "1", "FAKE_TORCH_NPU_REPORT": str(report), "TITAN_DEVICE": "npu",
+        "ASCEND_RT_VISIBLE_DEVICES": "4,6", "LOCAL_RANK": "1", "HCCL_EXEC_TIMEOUT": "77",
+    }, "--comm.init_timeout_s", "600", "--comm.hccl_buffsize_mb", "200", "--comm.socket_ifname", "eth0",
+        "--training.memory_fraction", "0.9")
+    cpu = start_training(root / "cpu", {"TITAN_DEVICE": "cpu"})
+    npu_out, cpu_out = finish(npu), finish(cpu)
+    return npu_out, cpu_out, json.loads(report.read_text()), root
+
+
+def test_training_on_the_npu_uses_hccl_and_the_npu_kernels(npu_and_cpu_runs):
+    npu_out = npu_and_cpu_runs[0]
+    assert "on npu (Ascend910B3, backend hccl)" in npu_out
+    assert "kernels: attention=npu, rms_norm=npu, apply_rotary_emb=npu, swiglu=npu" in npu_out
+
+
+def test_every_op_of_every_step_ran_a_torch_npu_kernel(npu_and_cpu_runs):
+    calls = npu_and_cpu_runs[2]["calls"]
+    assert calls == {
+        "npu_fusion_attention": N_LAYERS * STEPS,
+        "npu_rms_norm": (2 * N_LAYERS + 1) * STEPS,  # two per block and the final norm
+        "npu_rotary_mul": 2 * N_LAYERS * STEPS,  # q and k
+        "npu_swiglu": N_LAYERS * STEPS,
+    }
+
+
+def test_the_npu_run_sets_the_hccl_environment_unless_the_user_did(npu_and_cpu_runs):
+    env = npu_and_cpu_runs[2]["env"]
+    assert env["HCCL_CONNECT_TIMEOUT"] == "600"
+    assert env["HCCL_EXEC_TIMEOUT"] == "77"  # the environment's value wins over [comm]
+    assert env["HCCL_BUFFSIZE"] == "200"
+    assert env["HCCL_SOCKET_IFNAME"] == "eth0"
+    assert env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_the_npu_run_binds_local_rank_caps_memory_and_empties_the_cache_after_loading(npu_and_cpu_runs):
+    report = npu_and_cpu_runs[2]
+    assert report["set_device_calls"] == [1]
+    assert report["memory_fraction"] == {"1": 0.9}
+    assert report["empty_cache_calls"] >= 1
+
+
+def test_the_npu_run_trains_like_the_cpu_run(npu_and_cpu_runs):
+    root = npu_and_cpu_runs[3]
+    npu_losses, cpu_losses = losses(root / "npu"), losses(root / "cpu")
+    assert len(npu_losses) == STEPS
+    torch.testing.assert_close(npu_losses, cpu_losses, atol=1e-5, rtol=1e-5)
+
+
+def test_use_flash_attention_false_keeps_the_eager_attention_and_fuses_the_rest(fake_torch_npu):
+    # In-process: CPU tensors stand in for the NPU, with the npu kernels selected by name.
+    torch.manual_seed(0)
+    args = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48, max_seq_len=16,
+                     use_flash_attention=False)
+    model = Transformer(args)
+    model.init_weights()
+    tokens = torch.randint(0, 64, (2, 16))
+    set_kernels("npu")
+    fake_torch_npu.calls.clear()
+    eager_fused = model(tokens)
+    assert fake_torch_npu.calls["npu_fusion_attention"] == 0
+    assert fake_torch_npu.calls["npu_rms_norm"] == 5 and fake_torch_npu.calls["npu_swiglu"] == 2
+    set_kernels("reference")
+    torch.testing.assert_close(eager_fused, model(tokens), atol=1e-5, rtol=1e-5)
