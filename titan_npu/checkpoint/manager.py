@@ -56,6 +56,9 @@ log = logging.getLogger("titan_npu")
 # Flattened optimizer state ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") is keyed by parameter name only, so
 # it merges across pipeline stages and loads under any layout.
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Config sections whose change makes a resumed run differ from an uninterrupted one (the layout may change freely).
+_RESUME_SENSITIVE = ("model", "training", "optimizer", "lr_scheduler", "data")
+_RESUME_NEUTRAL = ("num_workers",)
 
 
 class Stateful(Protocol):
@@ -212,10 +215,30 @@ class CheckpointManager:
             self.train_state.tokens_seen = int(state["train_state"]["tokens_seen"])
             self._last_saved_step = self.train_state.step
         if self.rank == 0:
+            if sections is None:
+                self._warn_config_changes(path)
             what = f"step {info['step']}" if sections is None else f"{' and '.join(sections)} of step {info['step']}"
             saved_layout = info.get("layout") or ""
             changed = f" (saved under {saved_layout})" if saved_layout and saved_layout != self.layout else ""
             log.info("checkpoint: loaded %s from %s in %.1fs%s", what, path, time.perf_counter() - t0, changed)
+
+    def _warn_config_changes(self, path: Path) -> None:
+        """A resumed run follows its new config; say which settings that change the run differ from the saved."""
+        from titan_npu.config import config_to_dict
+        from titan_npu.config.loader import read_config_file
+
+        try:
+            saved = read_config_file(path / storage.CONFIG_FILE)
+        except Exception:  # an unreadable or absent copy only loses this warning
+            return
+        now = config_to_dict(self.job)
+        changed = [f"{section}.{key}: {saved[section].get(key)!r} -> {value!r}"
+                   for section in _RESUME_SENSITIVE if isinstance(saved.get(section), dict)
+                   for key, value in now.get(section, {}).items()
+                   if key in saved[section] and saved[section][key] != value and key not in _RESUME_NEUTRAL]
+        if changed:
+            log.warning("checkpoint: resuming with a changed config (the run is no longer an exact continuation): %s",
+                        "; ".join(changed))
 
     def _check_fits(self, path: Path, state: dict[str, Any]) -> None:
         """Compare what the run expects with what the checkpoint holds, before DCP reads anything."""

@@ -1,0 +1,94 @@
+"""Tiny training runs for the checkpoint tests: one process in-process, or N gloo processes via spawn."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+TINY_RUN = [
+    "--model.name", "llama3", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
+    "--model.n_kv_heads", "2", "--model.vocab_size", "512", "--model.max_seq_len", "64",
+    "--training.seq_len", "32", "--training.batch_size", "2", "--training.dtype", "fp32",
+    "--training.deterministic", "true", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
+    "--data.tokenizer", "byte", "--data.num_workers", "0",
+    "--metrics.log_interval", "1", "--metrics.tensorboard", "false", "--metrics.report", "false",
+    "--metrics.progress", "lines",
+]
+# Fixed tokens to compare models by their logits.
+PROBE = torch.arange(64).remainder(512).reshape(2, 32)
+
+
+def overrides(tmp: Path, name: str, **extra: object) -> list[str]:
+    """TINY_RUN logging to tmp/<name>/logs and checkpointing to tmp/<name>/ckpt, plus --section.key extras."""
+    out = TINY_RUN + ["--metrics.log_dir", str(tmp / name / "logs"), "--checkpoint.dir", str(tmp / name / "ckpt")]
+    for key, value in extra.items():
+        out += [f"--{key.replace('__', '.')}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return out
+
+
+def losses(tmp: Path, name: str) -> dict[int, float]:
+    """step -> loss from a run's metrics.jsonl."""
+    lines = (tmp / name / "logs" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r and "step" in r}
+
+
+def copy_checkpoint(tmp: Path, source: str, step: int, target: str) -> None:
+    """Put one checkpoint of run `source` alone into run `target`'s checkpoint dir (a run cut short there)."""
+    dst = tmp / target / "ckpt"
+    dst.mkdir(parents=True)
+    shutil.copytree(tmp / source / "ckpt" / f"step-{step}", dst / f"step-{step}")
+
+
+def run_here(args: list[str], probe_out: Path | None = None):
+    """Train in this process; returns the Trainer (closed) after writing probe logits (rank 0) if asked."""
+    from titan_npu import ops
+    from titan_npu.config import load_config
+    from titan_npu.trainer import Trainer
+
+    ops.set_kernels("reference")
+    trainer = Trainer(load_config(None, args))
+    try:
+        trainer.train()
+        if probe_out is not None:
+            write_probe(trainer.model, probe_out)
+    finally:
+        trainer.close()
+    return trainer
+
+
+def write_probe(model: torch.nn.Module, out: Path) -> None:
+    # Every rank runs the forward (FSDP gathers parameters collectively); rank 0 writes.
+    with torch.no_grad():
+        out_logits = model(PROBE).detach().clone()
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(out_logits, out)
+
+
+def _worker(rank: int, world: int, ports: list[int], jobs: list[tuple]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      TITAN_DEVICE="cpu")
+    torch.set_num_threads(1)  # two processes on two cores
+    for port, (args, probe_out, before) in zip(ports, jobs):
+        if before is not None and rank == 0:
+            # The other ranks wait in the next run's rendezvous, which rank 0 hosts, until this is done.
+            copy_checkpoint(*before)
+        os.environ["MASTER_PORT"] = str(port)
+        run_here(args, Path(probe_out) if probe_out else None)
+
+
+def run_distributed(world: int, jobs: list[tuple[list[str], Path | None, tuple | None]]) -> None:
+    """Run training jobs one after another in the same `world` gloo processes (spawned once); raises on failure.
+
+    A job is (overrides, probe_out or None, copy_checkpoint arguments to apply first or None).
+    """
+    from .conftest import free_port
+
+    ports = [free_port() for _ in jobs]
+    mp.spawn(_worker, args=(world, ports, [(a, str(p) if p else None, b) for a, p, b in jobs]), nprocs=world,
+             join=True)
