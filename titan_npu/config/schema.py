@@ -153,6 +153,21 @@ class CommConfig:
 
 
 @dataclass
+class ReliabilityConfig:
+    """What a long run does about NaNs, signals, hangs and full disks (docs/reliability.md)."""
+
+    skip_nonfinite: bool = True  # skip the update of a step whose loss or grad_norm is NaN/inf
+    max_skipped_steps: int = 10  # consecutive skipped steps after which the run stops with a checkpoint
+    spike_skip_sigma: float = 0.0  # > 0: also skip a step whose loss is this many std devs above the recent window
+    handle_signals: bool = True  # SIGTERM/SIGINT: every rank checkpoints at the step boundary, then exits 0
+    watchdog: bool = True  # a step or save that runs too long dumps every thread's stack and exits non-zero
+    watchdog_timeout_s: float = 0.0  # the watchdog's limit; 0 = comm.timeout_s
+    watchdog_step_factor: float = 0.0  # > 0: also fire at this multiple of the median step time
+    flight_recorder_size: int = 2000  # collectives kept for the hang dump; 0 = no flight recorder
+    disk_margin: float = 1.1  # a save needs free space >= this x the checkpoint's size, else it is skipped
+
+
+@dataclass
 class JobConfig:
     """The whole run: every section of a config file."""
 
@@ -169,3 +184,4 @@ class JobConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
