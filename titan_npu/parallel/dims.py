@@ -8,6 +8,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_npu.config.schema import ParallelConfig
 from titan_npu.errors import LayoutError
+from titan_npu.parallel.process_group import set_collective_timeout
+
+# Mesh dimension order, outermost first: pipeline stages talk least often, tensor-parallel ranks most, so tp is
+# innermost (adjacent ranks, on one node) and pp outermost (may cross nodes).
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def _divisors(n: int) -> list[int]:
@@ -79,17 +84,34 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Build (once) the world mesh with named dims and the flattened 'dp' and 'dp_shard_cp' views."""
+    @property
+    def dp_mode(self) -> str:
+        """How the data-parallel ranks hold the model: 'fsdp', 'hsdp', 'replicate' (fsdp=false) or 'none'."""
+        if self.dp == 1:
+            return "none"
+        if not self.fsdp:
+            return "replicate"
+        return "hsdp" if self.dp_replicate > 1 else "fsdp"
+
+    @property
+    def params_are_sharded(self) -> bool:
+        """Whether parameters become DTensors (FSDP, replicate or TP): the fp16 grad scaler must then be sharded."""
+        return self.dp_mode != "none" or self.tp_enabled
+
+    def build_mesh(self, device_type: str, collective_timeout_s: float | None = None) -> DeviceMesh:
+        """Build (once) the world mesh with named dims and the flattened 'dp' view.
+
+        collective_timeout_s, when given, is applied to every group of the mesh (gloo and nccl honour it; on npu
+        HCCL_EXEC_TIMEOUT governs).
+        """
         if self._mesh is not None:
             return self._mesh
-        names, sizes = [], []
-        for name, size in (("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
-                           ("tp", self.tp)):
-            names.append(name)
-            sizes.append(size)
-        mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
         mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        if collective_timeout_s:
+            for name in (*MESH_DIMS, "dp"):
+                set_collective_timeout(mesh[name].get_group(), collective_timeout_s)
         self._mesh = mesh
         return mesh
 
@@ -98,6 +120,30 @@ class ParallelDims:
         if self._mesh is None:
             raise RuntimeError("ParallelDims.build_mesh() has not been called")
         return self._mesh
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP / replicate works on: 2-D (dp_replicate, dp_shard) for HSDP, else 1-D."""
+        mode = self.dp_mode
+        if mode == "hsdp":
+            return self.mesh["dp_replicate", "dp_shard"]
+        if mode == "replicate":
+            return self.mesh["dp"]
+        return self.mesh["dp_shard"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        return self.mesh["pp"]
+
+    def pp_coordinates(self) -> tuple[int, int]:
+        """(pp_rank, pp_degree) of this rank: which pipeline stage(s) it runs."""
+        if self.pp == 1:
+            return 0, 1
+        return self.pp_mesh.get_local_rank(), self.pp
 
     def dp_coordinates(self) -> tuple[int, int]:
         """(dp_rank, dp_degree) of this rank: which slice of the data it reads."""
@@ -108,6 +154,7 @@ class ParallelDims:
 
     def describe(self) -> str:
         """One line for the start-up log."""
-        kind = "FSDP" if self.fsdp_enabled else ("DP" if self.dp > 1 else "no DP")
+        kind = {"fsdp": "FSDP", "hsdp": "HSDP", "replicate": "DP (replicated)", "none": "no DP"}[self.dp_mode]
         return (f"world={self.world_size} pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
                 f"tp={self.tp} ({kind})")
+

@@ -1,4 +1,8 @@
-"""Apply parallelism to a model built on the meta device, from outside the model: FSDP2 per block, then the root."""
+"""Apply parallelism to a model built on the meta device, from outside the model, then materialise it.
+
+Order (each step sees the model the previous one left): pipeline split -> tensor parallel -> activation
+checkpointing -> torch.compile per block -> FSDP / HSDP / replicate -> to_empty + init_weights.
+"""
 
 from __future__ import annotations
 
@@ -6,33 +10,22 @@ import torch
 from torch import nn
 
 from titan_npu.config.schema import JobConfig
-from titan_npu.errors import LayoutError
 from titan_npu.parallel.dims import ParallelDims
-from titan_npu.trainer.precision import to_torch_dtype
-
-
-def apply_fsdp(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> None:
-    """fully_shard each transformer block and the root; params in the training dtype, gradients reduced in fp32."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-    mesh = dims.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else dims.mesh["dp_shard"]
-    dtype = to_torch_dtype(cfg.training.dtype)
-    kwargs = {
-        "mesh": mesh,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
-        "reshard_after_forward": cfg.parallel.reshard_after_forward,
-    }
-    if cfg.parallel.cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
-    for block in model.layers.values():
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
 
 
 def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
-    """Return the model with this job's parallelism applied (unchanged on a single process)."""
-    if dims.tp_enabled or dims.pp_enabled:
-        raise LayoutError("tensor and pipeline parallelism are not available in this build (set tp/pp degree to 1)")
-    if dims.fsdp_enabled or dims.dp_replicate > 1:
-        apply_fsdp(model, dims, cfg)
-    return model
+    """Return the model (or pipeline stage) with this job's TP, AC, compile and data parallelism applied."""
+    from titan_npu.models.llama.parallelize import parallelize_llama
+
+    return parallelize_llama(model, dims, cfg)
+
+
+def materialize(model: nn.Module, device: torch.device, cfg: JobConfig) -> None:
+    """Allocate a meta-device model (or stage) and initialise its weights and RoPE tables.
+
+    With CPU offload the sharded parameters live in host memory; only the buffers go to the device.
+    """
+    param_device = torch.device("cpu") if cfg.parallel.cpu_offload else device
+    model.to_empty(device=param_device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)

@@ -29,11 +29,13 @@ def init_process_group(device: DeviceInfo, comm: CommConfig) -> tuple[int, int]:
     if device.type != "cpu" and backend not in ("gloo",):
         backend = f"cpu:gloo,{device.type}:{backend}"  # gloo beside the device backend for host-side collectives
     try:
+        # The init timeout bounds the rendezvous (waiting for every rank to arrive); collectives then get their own.
         dist.init_process_group(
             backend=backend,
-            timeout=timedelta(seconds=comm.timeout_s),
+            timeout=timedelta(seconds=comm.init_timeout_s),
             device_id=None if device.type == "cpu" else device.torch_device,
         )
+        set_collective_timeout(dist.group.WORLD, comm.timeout_s)
     except Exception as e:
         addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         raise DeviceError(
@@ -42,6 +44,13 @@ def init_process_group(device: DeviceInfo, comm: CommConfig) -> tuple[int, int]:
             "is free, and the devices are visible (run `torchrun ... -m titan_npu.cli doctor` for a full check)"
         ) from e
     return dist.get_rank(), dist.get_world_size()
+
+
+def set_collective_timeout(group: dist.ProcessGroup, seconds: float) -> None:
+    """Set a group's collective timeout where its backend can change it (gloo, nccl); hccl takes HCCL_EXEC_TIMEOUT."""
+    backend = dist.get_backend(group)
+    if "gloo" in backend or "nccl" in backend:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 
 def destroy_process_group() -> None:

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -38,8 +37,10 @@ from titan_npu.metrics import (
 from titan_npu.metrics.report import final_report, run_info, write_run_info
 from titan_npu.models.llama import Transformer, build_model_args
 from titan_npu.ops import current_kernels
-from titan_npu.parallel import ParallelDims, init_process_group
-from titan_npu.parallel.parallelize import parallelize_model
+from titan_npu.parallel import ParallelDims, init_process_group, validate_layout
+from titan_npu.parallel.parallelize import materialize, parallelize_model
+from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline, split_for_pipeline
+from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, mean_loss
 from titan_npu.profiling import build_profiler
 from titan_npu.trainer.optimizer import build_lr_scheduler, build_optimizer
 from titan_npu.trainer.precision import autocast_context, build_grad_scaler, to_torch_dtype
@@ -76,7 +77,7 @@ class Trainer:
         self.rank, self.world_size = init_process_group(self.device, cfg.comm)
         self.dims = ParallelDims.from_config(cfg.parallel, self.world_size)
         if self.world_size > 1:
-            self.dims.build_mesh(self.device.type)
+            self.dims.build_mesh(self.device.type, cfg.comm.timeout_s)
         set_determinism(t.seed, t.deterministic)
         # Sinks first: a missing optional package (wandb) stops the run before any real work.
         self.metrics = MetricsLogger(cfg.metrics.log_dir, self.rank, tensorboard=cfg.metrics.tensorboard,
@@ -84,6 +85,7 @@ class Trainer:
 
         # Model arguments and the checks that need both the model and the rest of the config.
         self.model_args = build_model_args(cfg.model)
+        validate_layout(self.dims, self.model_args, cfg)
         if t.seq_len > self.model_args.max_seq_len:
             raise ConfigError(
                 f"training.seq_len={t.seq_len} exceeds model.max_seq_len={self.model_args.max_seq_len}; "
@@ -99,29 +101,35 @@ class Trainer:
             device_type=self.device.type, model_vocab_size=self.model_args.vocab_size,
         )
 
-        # Model: built on meta (no memory), parallelised, then materialised and initialised on the device.
+        # Model: built on meta (no memory), split into pipeline stages, parallelised, materialised on the device.
         with torch.device("meta"):
             model = Transformer(self.model_args)
-        model = parallelize_model(model, self.dims, cfg)
-        model.to_empty(device=self.device.torch_device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=self.device.torch_device)
-        self.model = model
-        self.model_parts: list[nn.Module] = [model]
+        stage_ids, parts = split_for_pipeline(model, self.dims, cfg) if self.dims.pp_enabled else ([0], [model])
+        self.model_parts: list[nn.Module] = [parallelize_model(part, self.dims, cfg) for part in parts]
+        for part in self.model_parts:
+            materialize(part, self.device.torch_device, cfg)
+        self.model = self.model_parts[0]
+        self.pipeline = None
+        if self.dims.pp_enabled:
+            self.pipeline = build_pipeline(self.model_parts, stage_ids, self.dims, cfg, self.device.torch_device,
+                                           cross_entropy_loss)
 
         # Optimizer, schedule, precision.
-        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer, self.device.type)
+        self.optimizer = build_part_optimizers(
+            self.model_parts, lambda parts: build_optimizer(parts, cfg.optimizer, self.device.type))
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.max_steps)
-        sharded = self.dims.fsdp_enabled or self.dims.dp_replicate > 1
-        self.autocast = autocast_context(self.device.type, t.dtype, sharded_mixed_precision=sharded)
-        self.grad_scaler = build_grad_scaler(self.device.type, t.dtype, sharded)
+        # FSDP and replicate cast parameters themselves (no autocast then); DTensor gradients need the sharded scaler.
+        self.autocast = autocast_context(self.device.type, t.dtype, sharded_mixed_precision=self.dims.dp_enabled)
+        self.grad_scaler = build_grad_scaler(self.device.type, t.dtype, self.dims.params_are_sharded)
+        self.loss_context = lambda: loss_parallel_context(self.dims, cfg.parallel.loss_parallel)
 
         # Metrics.
         self.step = 0
         self.tokens_seen = 0
         # Checkpoints: resume (or start from checkpoint.initial_load) before the first step; sets step/tokens_seen.
         self.checkpointer = CheckpointManager(
-            cfg, self.model_parts, self.optimizer, self.lr_scheduler, self.dataloader, self,
+            cfg, self.model_parts, getattr(self.optimizer, "optimizers", self.optimizer), self.lr_scheduler,
+            self.dataloader, self,
             dp_rank=self.dp_rank, dp_degree=self.dp_degree, device_type=self.device.type, model_args=self.model_args,
             layout=self.dims.describe(), extra=None if self.grad_scaler is None else {"grad_scaler": self.grad_scaler},
         )
@@ -162,6 +170,12 @@ class Trainer:
             self.device.type, self.device.name, self.device.backend,
         )
         log.info("layout: %s", self.dims.describe())
+        if self.pipeline is not None:
+            p = self.cfg.parallel
+            log.info("pipeline: %s, %d stages (%d on this rank), %d microbatches of %d sequences per step",
+                     p.pp_schedule, self.pipeline.stages[0].num_stages, len(self.pipeline.stages),
+                     self.pipeline.n_microbatches, t.batch_size * t.gradient_accumulation_steps
+                     // self.pipeline.n_microbatches)
         kernels = ", ".join(f"{op}={backend}" for op, backend in current_kernels(self.device.type).items())
         eager = "" if a.use_flash_attention else " (use_flash_attention=false: eager attention)"
         log.info("kernels: %s%s", kernels, eager)
@@ -176,29 +190,47 @@ class Trainer:
         """One micro-batch: forward, loss, backward; returns the unscaled loss (detached)."""
         with self.autocast():
             logits = self.model(inputs)
-        loss = cross_entropy_loss(logits, labels)
-        scaled = loss * scale
-        if self.grad_scaler is not None:
-            scaled = self.grad_scaler.scale(scaled)
-        scaled.backward()
+        with self.loss_context():  # vocab-sharded logits under TP: the loss and its backward run sharded
+            loss = cross_entropy_loss(logits, labels)
+            scaled = loss * scale
+            if self.grad_scaler is not None:
+                scaled = self.grad_scaler.scale(scaled)
+            scaled.backward()
         return loss.detach()
+
+    def pipeline_forward_backward(self, data_iter) -> tuple[torch.Tensor, float]:
+        """One pipeline step: the accumulation steps' batches become microbatches; (loss or 0 off the last stage,
+        data seconds)."""
+        t0 = time.perf_counter()
+        batches = [next(data_iter) for _ in range(self.cfg.training.gradient_accumulation_steps)]
+        inputs = torch.cat([b[0] for b in batches]).to(self.device.torch_device, non_blocking=True)
+        labels = torch.cat([b[1] for b in batches]).to(self.device.torch_device, non_blocking=True)
+        data_time = time.perf_counter() - t0
+        with self.autocast(), self.loss_context():
+            loss = self.pipeline.step(inputs, labels)
+        return (loss if loss is not None else torch.zeros((), device=self.device.torch_device)), data_time
 
     def train_step(self, data_iter) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over gradient_accumulation_steps micro-batches; (loss, grad_norm, data seconds)."""
         accum = self.cfg.training.gradient_accumulation_steps
         data_time = 0.0
         loss_sum = torch.zeros((), device=self.device.torch_device)
-        for _ in range(accum):
-            t0 = time.perf_counter()
-            inputs, labels = next(data_iter)
-            inputs = inputs.to(self.device.torch_device, non_blocking=True)
-            labels = labels.to(self.device.torch_device, non_blocking=True)
-            data_time += time.perf_counter() - t0
-            loss_sum += self.forward_backward(inputs, labels, 1.0 / accum)
+        if self.pipeline is not None:
+            loss_sum, data_time = self.pipeline_forward_backward(data_iter)
+            loss_sum = loss_sum * accum
+        else:
+            for _ in range(accum):
+                t0 = time.perf_counter()
+                inputs, labels = next(data_iter)
+                inputs = inputs.to(self.device.torch_device, non_blocking=True)
+                labels = labels.to(self.device.torch_device, non_blocking=True)
+                data_time += time.perf_counter() - t0
+                loss_sum += self.forward_backward(inputs, labels, 1.0 / accum)
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
         params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.training.max_norm, foreach=True)
+        # The norm over every parameter of the model, wherever its shards and stages live.
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, self.dims)
         if self.grad_scaler is not None:
             self.grad_scaler.step(self.optimizer)
             self.grad_scaler.update()
@@ -209,14 +241,12 @@ class Trainer:
         return loss_sum / accum, grad_norm, data_time
 
     def _global_mean(self, value: torch.Tensor) -> float:
-        """Mean of a scalar over the data-parallel ranks (a collective: call it on every rank)."""
-        if self.world_size == 1:
-            return float(value)
-        if hasattr(value, "full_tensor"):
-            value = value.full_tensor()
-        t = value.detach().float().reshape(1).clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return float(t) / self.world_size
+        """The step loss averaged over the data-parallel ranks (a collective: call it on every rank).
+
+        Only the last pipeline stage computes the loss; the other stages' zeros are left out of the mean.
+        """
+        holds_loss = self.pipeline is None or self.pipeline.has_last
+        return mean_loss(value if holds_loss else None, self.dims)
 
     def train(self) -> dict[str, Any]:
         """Run until training.max_steps; returns the last logged metrics."""
@@ -227,7 +257,8 @@ class Trainer:
         synchronize(self.device)
         reset_peak_memory(self.device)
         self.meter.start(next_step=self.step + 1)
-        self.model.train()
+        for part in self.model_parts:
+            part.train()
         self.profiler.start(self.step)
         while self.step < max_steps:
             self.step += 1

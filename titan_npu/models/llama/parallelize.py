@@ -1,0 +1,105 @@
+"""How a Llama model is parallelised, applied from outside the model: tensor parallel plan, then activation
+checkpointing, torch.compile per block, and data parallelism (FSDP / HSDP / replicate) last.
+
+Tensor parallel (Megatron-style, with sequence parallelism):
+  tok_embeddings  vocab-parallel (row-wise), output sharded on the sequence
+  attention_norm / ffn_norm / norm   sequence parallel (each rank normalises its slice of the sequence)
+  attention.wq/wk/wv, feed_forward.w1/w3   column-wise (each rank holds whole heads / a slice of the FFN)
+  attention.wo, feed_forward.w2            row-wise, reduce-scattered back onto the sequence
+  output          column-wise over the vocabulary; with loss parallel the logits stay sharded into the loss
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_npu.config.schema import JobConfig
+from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing
+from titan_npu.parallel.compile import apply_compile
+from titan_npu.parallel.dims import ParallelDims
+from titan_npu.parallel.fsdp import apply_data_parallel
+
+
+def _rope_for_full_sequence(model: nn.Module):
+    """A pre-hook giving attention the rotary tables of its input's full sequence length.
+
+    Under sequence parallelism the residual stream between blocks holds S / tp positions, so the tables the
+    model slices by that length are too short for attention, which sees the whole (gathered) sequence.
+    """
+
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        x, cos, sin = args
+        seqlen = x.shape[1]
+        if cos.shape[0] == seqlen:
+            return args
+        return x, model.freqs_cos[:seqlen], model.freqs_sin[:seqlen]
+
+    return hook
+
+
+def _fresh_output(module: nn.Module, args: tuple, output):
+    return output.clone()
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """Shard the model over tp_mesh (see the module docstring); works on pipeline stages with missing parts."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    # Pipeline stages have no embedding (all but the first) or no norm/output (all but the last).
+    root_plan = {name: style for name, style in root_plan.items() if getattr(model, name, None) is not None}
+    parallelize_module(model, tp_mesh, root_plan)
+
+    for block in model.layers.values():
+        if block is None:
+            continue
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        parallelize_module(block, tp_mesh, plan)
+        block.attention.register_forward_pre_hook(_rope_for_full_sequence(model))
+
+
+def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
+    """Apply TP, activation checkpointing, compile and data parallelism, in that order, to a model (or stage)."""
+    if dims.tp_enabled:
+        apply_tp(model, dims.tp_mesh, loss_parallel=cfg.parallel.loss_parallel)
+    if cfg.activation_checkpoint.mode != "none":
+        apply_activation_checkpointing(model, cfg.activation_checkpoint)
+    if cfg.compile.enable:
+        if dims.tp_enabled and model.tok_embeddings is not None:
+            # The embedding's local output is a view of a DTensor's storage; a compiled block taking that view as
+            # input computes a wrong-typed gradient for it. A copy (B x S/tp x dim, once per step) avoids that.
+            model.tok_embeddings.register_forward_hook(_fresh_output)
+        apply_compile(model, cfg.compile, inside_checkpoint=dims.tp_enabled)
+    if dims.dp_enabled:
+        apply_data_parallel(model, dims, cfg)
+    return model

@@ -1,0 +1,163 @@
+"""validate_layout: every check that needs the parallel degrees, the model shapes and the run settings together.
+
+Called by the Trainer right after the model arguments are resolved (before any model is built), and by the
+planner, so an impossible layout is refused with the numbers and a fix before memory or time is spent.
+"""
+
+from __future__ import annotations
+
+import math
+
+from titan_npu.config.schema import JobConfig
+from titan_npu.errors import LayoutError
+from titan_npu.models.llama.args import LlamaArgs
+from titan_npu.parallel.dims import ParallelDims
+
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _listing(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values[:12]) + (" ..." if len(values) > 12 else "")
+
+
+def pp_stages_per_rank(cfg: JobConfig) -> int:
+    """Pipeline stages each pp rank runs: parallel.pp_virtual_stages, or 2 for Interleaved1F1B and 1 otherwise."""
+    p = cfg.parallel
+    if p.pp_virtual_stages > 0:
+        return p.pp_virtual_stages
+    return 2 if p.pp_schedule == "Interleaved1F1B" else 1
+
+
+def pp_local_batch(cfg: JobConfig) -> int:
+    """Sequences one pipeline runs per optimizer step: gradient accumulation becomes more microbatches under PP."""
+    return cfg.training.batch_size * cfg.training.gradient_accumulation_steps
+
+
+def pp_microbatches(cfg: JobConfig, dims: ParallelDims) -> int:
+    """Microbatches per pipeline step: parallel.pp_microbatches, 0 = pp_degree * 2."""
+    return cfg.parallel.pp_microbatches or dims.pp * 2
+
+
+def validate_layout(dims: ParallelDims, model_args: LlamaArgs, cfg: JobConfig) -> None:
+    """Refuse (LayoutError) a layout that cannot run this model with these settings; the message names the fix."""
+    _check_data_parallel(dims, cfg)
+    if dims.tp_enabled:
+        _check_tensor_parallel(dims, model_args, cfg)
+    if dims.pp_enabled:
+        _check_pipeline(dims, model_args, cfg)
+    elif cfg.parallel.pp_virtual_stages > 1:
+        raise LayoutError(
+            f"parallel.pp_virtual_stages={cfg.parallel.pp_virtual_stages} needs pipeline parallelism "
+            "(parallel.pp_degree > 1); set pp_virtual_stages = 0"
+        )
+
+
+def _check_data_parallel(dims: ParallelDims, cfg: JobConfig) -> None:
+    p = cfg.parallel
+    if p.cpu_offload and not dims.fsdp_enabled and dims.dp_mode != "hsdp":
+        raise LayoutError(
+            f"parallel.cpu_offload=true needs FSDP sharding, but this layout has {dims.describe()}; "
+            "set parallel.fsdp=true with dp_shard > 1, or cpu_offload=false"
+        )
+    if not p.fsdp and p.dp_shard > 1 and p.dp_replicate > 1:
+        raise LayoutError(
+            f"parallel.fsdp=false with dp_shard={p.dp_shard} and dp_replicate={p.dp_replicate} is ambiguous; "
+            "with fsdp=false give the data-parallel degree once (dp_shard or dp_replicate)"
+        )
+
+
+def _check_tensor_parallel(dims: ParallelDims, a: LlamaArgs, cfg: JobConfig) -> None:
+    tp = dims.tp
+    head_choices = _listing(_divisors(math.gcd(a.n_heads, a.n_kv_heads)))
+    if a.n_heads % tp:
+        raise LayoutError(
+            f"parallel.tp_degree={tp} does not divide model.n_heads={a.n_heads}: each rank must hold whole "
+            f"attention heads (choose tp_degree from {head_choices})"
+        )
+    if a.n_kv_heads % tp:
+        raise LayoutError(
+            f"parallel.tp_degree={tp} does not divide model.n_kv_heads={a.n_kv_heads}: each rank must hold whole "
+            f"key/value heads (choose tp_degree from {head_choices})"
+        )
+    if a.ffn_dim % tp:
+        raise LayoutError(
+            f"parallel.tp_degree={tp} does not divide the feed-forward size {a.ffn_dim}; choose tp_degree from "
+            f"{_listing(_divisors(math.gcd(a.ffn_dim, a.n_kv_heads)))} or set model.ffn_dim to a multiple of {tp}"
+        )
+    if a.vocab_size % tp:
+        padded = math.ceil(a.vocab_size / tp) * tp
+        raise LayoutError(
+            f"model.vocab_size={a.vocab_size} is not divisible by parallel.tp_degree={tp} (the embedding and output "
+            f"are split by vocabulary); pad it: set model.vocab_size = {padded} (token ids stay below "
+            f"{a.vocab_size}, the {padded - a.vocab_size} extra rows are never used)"
+        )
+    if cfg.training.seq_len % tp:
+        raise LayoutError(
+            f"training.seq_len={cfg.training.seq_len} is not divisible by parallel.tp_degree={tp} (sequence "
+            f"parallelism splits each sequence across the tp ranks); use a seq_len that is a multiple of {tp}"
+        )
+
+
+def _check_pipeline(dims: ParallelDims, a: LlamaArgs, cfg: JobConfig) -> None:
+    p = cfg.parallel
+    schedule = p.pp_schedule
+    if schedule not in PP_SCHEDULES:
+        raise LayoutError(f"parallel.pp_schedule={schedule!r} is unknown (choose {', '.join(PP_SCHEDULES)})")
+    per_rank = pp_stages_per_rank(cfg)
+    if schedule in SINGLE_STAGE_SCHEDULES and per_rank != 1:
+        raise LayoutError(
+            f"parallel.pp_schedule={schedule} runs one stage per rank, but pp_virtual_stages={per_rank}; "
+            "set pp_schedule = \"Interleaved1F1B\" or pp_virtual_stages = 0"
+        )
+    if schedule == "Interleaved1F1B" and per_rank < 2:
+        raise LayoutError(
+            "parallel.pp_schedule=Interleaved1F1B needs at least 2 stages per rank; set pp_virtual_stages = 0 "
+            "(2) or more, or use 1F1B"
+        )
+    stages = dims.pp * per_rank
+    if a.n_layers < stages:
+        raise LayoutError(
+            f"model.n_layers={a.n_layers} is fewer than the {stages} pipeline stages (pp_degree={dims.pp} x "
+            f"{per_rank} per rank); every stage needs a layer: lower pp_degree / pp_virtual_stages to at most "
+            f"{a.n_layers} stages"
+        )
+    n_mb = pp_microbatches(cfg, dims)
+    local = pp_local_batch(cfg)
+    origin = f"parallel.pp_microbatches={p.pp_microbatches}" + (f" (= pp_degree x 2 = {n_mb})"
+                                                                   if not p.pp_microbatches else "")
+    if n_mb < dims.pp:
+        raise LayoutError(
+            f"{origin} is fewer than the pp_degree={dims.pp} pipeline ranks, so some stages would idle every "
+            f"step; set parallel.pp_microbatches >= {dims.pp}"
+        )
+    if local % n_mb:
+        fits = [d for d in _divisors(local) if d >= dims.pp]
+        fix = f"set parallel.pp_microbatches to one of {_listing(fits)}, or " if fits else ""
+        raise LayoutError(
+            f"{origin} does not divide the {local} sequences each pipeline runs per step (training.batch_size="
+            f"{cfg.training.batch_size} x gradient_accumulation_steps={cfg.training.gradient_accumulation_steps}; "
+            f"under pipeline parallelism the accumulation steps become microbatches); {fix}make "
+            f"batch_size x gradient_accumulation_steps a multiple of {n_mb}"
+        )
+    if schedule == "Interleaved1F1B":
+        rounds = max(1, n_mb // dims.pp)
+        if n_mb % rounds:
+            raise LayoutError(
+                f"{origin}: Interleaved1F1B needs the microbatch count to be a multiple of "
+                f"max(1, microbatches // pp_degree) = {rounds}; use a multiple of pp_degree={dims.pp}"
+            )
+    if cfg.training.dtype == "fp16":
+        raise LayoutError(
+            "training.dtype=fp16 needs loss scaling, which the pipeline schedules do not run; use bf16 with "
+            "pipeline parallelism"
+        )
+    if cfg.validation.enable:
+        raise LayoutError(
+            "validation.enable=true is not available with pipeline parallelism (a pipeline rank holds only some "
+            "layers); set validation.enable=false or parallel.pp_degree=1"
+        )

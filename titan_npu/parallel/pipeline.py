@@ -1,0 +1,128 @@
+"""Pipeline parallelism with torch.distributed.pipelining: stage placement, schedules, and one training step.
+
+Each pp rank runs one stage (GPipe, 1F1B) or several looped ones (Interleaved1F1B: rank r runs stages
+r, r + pp, r + 2 pp, ...). A step's local batch (batch_size x gradient_accumulation_steps sequences) is split
+into pp_microbatches microbatches; the schedule averages the gradients over them, so a step is the same
+optimisation step as without pipelining.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from titan_npu.config.schema import JobConfig
+from titan_npu.parallel.dims import ParallelDims
+from titan_npu.parallel.layout import pp_microbatches, pp_stages_per_rank
+
+
+def stage_ids_for_rank(pp_rank: int, pp_degree: int, stages_per_rank: int) -> list[int]:
+    """The stage indices pp rank `pp_rank` runs (looped placement, as the interleaved schedule expects)."""
+    return [pp_rank + i * pp_degree for i in range(stages_per_rank)]
+
+
+def split_for_pipeline(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> tuple[list[int], list[nn.Module]]:
+    """(stage ids, stage modules) of this rank, cut from a whole model built on the meta device."""
+    from titan_npu.models.llama.pipeline import build_stage, split_layers
+
+    per_rank = pp_stages_per_rank(cfg)
+    n_stages = dims.pp * per_rank
+    layers = split_layers(len(model.layers), n_stages)
+    pp_rank, _ = dims.pp_coordinates()
+    ids = stage_ids_for_rank(pp_rank, dims.pp, per_rank)
+    parts = [build_stage(model, layers[i], is_first=i == 0, is_last=i == n_stages - 1) for i in ids]
+    return ids, parts
+
+
+class Pipeline:
+    """The stages this rank runs and the schedule that drives them through one training step."""
+
+    def __init__(self, stages: list, schedule, n_microbatches: int) -> None:
+        self.stages = stages
+        self.schedule = schedule
+        self.n_microbatches = n_microbatches
+        self.has_first = any(stage.is_first for stage in stages)
+        self.has_last = any(stage.is_last for stage in stages)
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of one local batch; the mean loss on the rank holding the last stage, else None."""
+        losses: list[torch.Tensor] | None = [] if self.has_last else None
+        target = labels if self.has_last else None
+        args = (inputs,) if self.has_first else ()
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        if not self.has_last:
+            return None
+        return torch.stack([loss.detach() for loss in losses]).mean()
+
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+
+
+def build_pipeline(
+    parts: list[nn.Module],
+    stage_ids: list[int],
+    dims: ParallelDims,
+    cfg: JobConfig,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Pipeline:
+    """PipelineStages for this rank's (parallelised, materialised) parts and the configured schedule."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    n_stages = dims.pp * pp_stages_per_rank(cfg)
+    group = dims.pp_mesh.get_group()
+    stages = [PipelineStage(part, i, n_stages, device, group=group) for i, part in zip(stage_ids, parts)]
+    n_mb = pp_microbatches(cfg, dims)
+    name = cfg.parallel.pp_schedule
+    if name == "Interleaved1F1B":
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=True)
+    else:
+        cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[name]
+        schedule = cls(stages[0], n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=True)
+    return Pipeline(stages, schedule, n_mb)
+
+
+class PartOptimizers(torch.optim.Optimizer):
+    """One optimizer per model part, stepped as one (a rank of the interleaved schedule runs several stages).
+
+    Checkpoints need an optimizer per part (`optimizers`); the trainer and the lr schedule see one optimizer whose
+    param_groups are the parts' own group dicts, so a learning-rate change reaches every part.
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        # Optimizer.__init__ would build new groups; share the parts' instead.
+        self.optimizers = optimizers
+        self.defaults = dict(optimizers[0].defaults)
+        self.param_groups = [group for opt in optimizers for group in opt.param_groups]
+        self.state = {}
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        self._optimizer_state_dict_pre_hooks = {}
+        self._optimizer_state_dict_post_hooks = {}
+        self._optimizer_load_state_dict_pre_hooks = {}
+        self._optimizer_load_state_dict_post_hooks = {}
+
+    def step(self, closure=None) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {str(i): opt.state_dict() for i, opt in enumerate(self.optimizers)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for i, opt in enumerate(self.optimizers):
+            opt.load_state_dict(state_dict[str(i)])
+
+
+def build_part_optimizers(model_parts: list[nn.Module], build: Callable[[list[nn.Module]], torch.optim.Optimizer]
+                          ) -> torch.optim.Optimizer:
+    """build(parts) for a single part, else one optimizer per part behind PartOptimizers."""
+    if len(model_parts) == 1:
+        return build(model_parts)
+    return PartOptimizers([build([part]) for part in model_parts])

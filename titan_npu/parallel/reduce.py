@@ -1,0 +1,86 @@
+"""Step-level reductions that must know the layout: the logged loss, the gradient norm and its clipping.
+
+Under pipeline parallelism each rank holds only its stages' parameters and only the last stage sees the loss;
+under tensor parallelism every tp rank holds the same loss; FSDP / TP gradients are DTensors whose norms are
+partial until reduced over their mesh. These helpers combine all of that into one number per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from titan_npu.parallel.dims import ParallelDims
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a DTensor (reducing pending partial sums) or the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def mean_loss(loss: torch.Tensor | None, dims: ParallelDims) -> float:
+    """The step's loss averaged over the data-parallel ranks (a collective: call it on every rank).
+
+    `loss` is None on ranks without the last pipeline stage; every tp rank of the last stage holds the same value,
+    so the world sum of the holders' losses divided by dp x tp is the data-parallel mean.
+    """
+    value = torch.zeros((), dtype=torch.float64) if loss is None else _local(loss.detach()).double().cpu()
+    if dims.world_size == 1:
+        return float(value)
+    device = _collective_device()
+    total = value.reshape(1).to(device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return float(total) / (dims.dp * dims.tp)
+
+
+def _collective_device() -> torch.device:
+    """Where the default group's collectives run: the accelerator for nccl/hccl, the host for gloo."""
+    backend = dist.get_backend()
+    if "gloo" in backend and ":" not in backend:
+        return torch.device("cpu")
+    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return torch.device(accel.type, torch.accelerator.current_device_index()) if accel else torch.device("cpu")
+
+
+def grad_norm(parameters: Iterable[torch.Tensor], dims: ParallelDims, foreach: bool = True) -> torch.Tensor:
+    """Global L2 norm of all gradients of the model, whatever the layout (a collective under FSDP/TP/PP)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    # Gradients on different meshes (or plain tensors) cannot be stacked together: take each group's norm.
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if hasattr(g, "device_mesh") else ("plain", g.device)
+        groups.setdefault(key, []).append(g)
+    total_sq = torch.zeros((), dtype=torch.float32)
+    for group in groups.values():
+        norm = _local(torch.nn.utils.get_total_norm(group, 2.0, foreach=foreach)).float()
+        total_sq = total_sq.to(norm.device) + norm.pow(2)
+    if dims.pp_enabled:
+        # Each pipeline rank holds different layers: the squares add up over the pp group.
+        pp_sq = total_sq.reshape(1).to(_collective_device())
+        dist.all_reduce(pp_sq, op=dist.ReduceOp.SUM, group=dims.pp_mesh.get_group())
+        total_sq = pp_sq.reshape(())
+    return total_sq.sqrt()
+
+
+def clip_grad_norm_(parameters: list[torch.Tensor], max_norm: float, dims: ParallelDims,
+                    foreach: bool = True) -> torch.Tensor:
+    """Scale gradients so their global norm is at most max_norm (max_norm <= 0: measure only); returns the norm."""
+    total = grad_norm(parameters, dims, foreach=foreach)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=foreach)
+    return total
+
+
+def loss_parallel_context(dims: ParallelDims, enabled: bool):
+    """torch's loss_parallel when the output is vocab-sharded by TP (cross entropy on sharded logits), else a no-op.
+
+    Both the loss and its backward must run inside it.
+    """
+    if dims.tp_enabled and enabled:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
