@@ -33,7 +33,9 @@ def test_byte_tokenizer_maps_utf8_bytes_and_wraps_bos_eos():
     ids = tok.encode("aé", bos=True, eos=True)
     assert ids == [256, 97, 0xC3, 0xA9, 257]
     assert tok.decode(ids) == "aé"
-    assert [a.tolist() for a in tok.encode_arrays(["aé"], bos=True, eos=True)] == [ids]
+    tokens, lengths = tok.encode_flat(["aé", "", "b"], bos=True, eos=True)
+    assert tokens.tolist() == ids + [256, 257, 256, 98, 257] and lengths.tolist() == [5, 2, 3]
+    assert [t.tolist() for t in tok.encode_flat(["aé", "b"])] == [[97, 0xC3, 0xA9, 98], [3, 1]]
 
 
 def test_unknown_tokenizer_path_names_the_accepted_choices(tmp_path):
@@ -52,6 +54,8 @@ def test_trained_tokenizer_json_loads_from_file_or_folder_with_config_special_to
     ids = from_file.encode(TEXT, bos=True, eos=True)
     assert ids[0] == 0 and ids[-1] == 1 and from_file.decode(ids[1:-1]) == TEXT
     assert len(ids) < len(TEXT.encode()) * 0.8  # merges were learnt: fewer tokens than bytes
+    tokens, lengths = from_file.encode_flat([TEXT, "x"], bos=True, eos=True)
+    assert tokens.tolist() == ids + from_file.encode("x", bos=True, eos=True) and lengths.tolist() == [len(ids), 3]
 
 
 def test_special_token_from_config_missing_in_vocab_is_refused(bpe_dir, tmp_path):

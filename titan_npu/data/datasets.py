@@ -217,13 +217,11 @@ def tokenize_documents(texts: list[str], tokenizer: Tokenizer, description: str)
         raise DataError(
             f"tokenizer {tokenizer.name} has no EOS token to separate documents; set eos_token in tokenizer_config.json"
         )
-    arrays: list[np.ndarray] = []
-    for i in range(0, len(texts), 1024):
-        arrays.extend(tokenizer.encode_arrays(texts[i : i + 1024], bos=True, eos=True))
-    lengths = np.array([len(a) for a in arrays], dtype=np.int64)
-    tokens = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-    return InMemoryDataset(tokens.astype(dtype), lengths, description)
+    pieces = [tokenizer.encode_flat(texts[i : i + 4096], bos=True, eos=True) for i in range(0, len(texts), 4096)]
+    tokens = np.concatenate([t.astype(dtype) for t, _ in pieces]) if pieces else np.zeros(0, dtype)
+    lengths = np.concatenate([n for _, n in pieces]) if pieces else np.zeros(0, np.int64)
+    return InMemoryDataset(tokens, lengths, description)
 
 
 def _raw_dataset(paths: list[Path], tokenizer: Tokenizer | None, text_field: str, description: str) -> InMemoryDataset:

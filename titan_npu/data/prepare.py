@@ -58,11 +58,13 @@ class _ChunkTokenizer:
         self.max_seq_len = max_seq_len
 
     def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        arrays = self.tokenizer.encode_arrays(texts, bos=True, eos=True)
+        tokens, lengths = self.tokenizer.encode_flat(texts, bos=True, eos=True)
         if self.max_seq_len:
-            arrays = [a[: self.max_seq_len] for a in arrays]
-        lengths = np.array([len(a) for a in arrays], dtype=np.int64)
-        return np.concatenate(arrays).astype(self.dtype), lengths
+            starts = np.cumsum(lengths) - lengths
+            kept = np.minimum(lengths, self.max_seq_len)
+            tokens = np.concatenate([tokens[s : s + k] for s, k in zip(starts.tolist(), kept.tolist())])
+            lengths = kept
+        return tokens.astype(self.dtype), lengths
 
 
 _WORKER: _ChunkTokenizer | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import re
 from collections.abc import Sequence
@@ -76,9 +77,11 @@ class Tokenizer:
         """encode() for many texts at once (faster for library-backed tokenizers)."""
         return [self._wrap(ids, bos, eos) for ids in self._encode_batch(list(texts))]
 
-    def encode_arrays(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[np.ndarray]:
-        """encode_batch() as int64 arrays; what prepare-data and the on-the-fly dataset use."""
-        return [np.asarray(ids, dtype=np.int64) for ids in self.encode_batch(texts, bos, eos)]
+    def encode_flat(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """encode_batch() as one int64 array of all ids plus the per-text lengths (what prepare-data writes)."""
+        ids = self.encode_batch(texts, bos, eos)
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum())), lengths
 
     def decode(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
@@ -121,13 +124,20 @@ class ByteTokenizer(Tokenizer):
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
 
-    def encode_arrays(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[np.ndarray]:
-        out = []
-        for t in texts:
-            body = np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int64)
-            parts = ([np.array([self.bos_id])] if bos else []) + [body] + ([np.array([self.eos_id])] if eos else [])
-            out.append(np.concatenate(parts) if len(parts) > 1 else body)
-        return out
+    def encode_flat(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        encoded = [t.encode("utf-8") for t in texts]
+        body_lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        body = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+        lengths = body_lengths + int(bos) + int(eos)
+        out = np.empty(int(lengths.sum()), dtype=np.int64)
+        starts = np.cumsum(lengths) - lengths
+        is_body = np.ones(len(out), dtype=bool)
+        if bos:
+            out[starts], is_body[starts] = self.bos_id, False
+        if eos:
+            out[starts + lengths - 1], is_body[starts + lengths - 1] = self.eos_id, False
+        out[is_body] = body
+        return out, lengths
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
