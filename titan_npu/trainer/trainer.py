@@ -34,6 +34,7 @@ from titan_npu.metrics import (
     health_flags,
     step_record,
 )
+from titan_npu.metrics.logger import import_wandb
 from titan_npu.metrics.report import final_report, run_info, write_run_info
 from titan_npu.models.llama import Transformer, build_model_args
 from titan_npu.ops import current_kernels
@@ -42,6 +43,7 @@ from titan_npu.parallel.parallelize import materialize, parallelize_model
 from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline, split_for_pipeline
 from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, mean_loss
 from titan_npu.profiling import build_profiler
+from titan_npu.reliability import Reliability, prepare_reliability
 from titan_npu.trainer.optimizer import build_lr_scheduler, build_optimizer
 from titan_npu.trainer.precision import autocast_context, build_grad_scaler, to_torch_dtype
 
@@ -74,14 +76,16 @@ class Trainer:
         self.device = setup_device(cfg.parallel.backend)
         apply_communication_env(self.device.type, cfg.comm)
         set_memory_fraction(self.device.type, self.device.index, t.memory_fraction)
+        prepare_reliability(cfg, self.device.type)  # before the process group: it reads the flight recorder's size
         self.rank, self.world_size = init_process_group(self.device, cfg.comm)
         self.dims = ParallelDims.from_config(cfg.parallel, self.world_size)
         if self.world_size > 1:
             self.dims.build_mesh(self.device.type, cfg.comm.timeout_s)
         set_determinism(t.seed, t.deterministic)
-        # Sinks first: a missing optional package (wandb) stops the run before any real work.
-        self.metrics = MetricsLogger(cfg.metrics.log_dir, self.rank, tensorboard=cfg.metrics.tensorboard,
-                                     wandb=cfg.metrics.wandb, run_config=config_to_dict(cfg))
+        # A missing optional package (wandb) stops the run before any real work; the sinks themselves open once
+        # every check has passed, so that a refused run leaves nothing on disk.
+        if cfg.metrics.wandb and self.rank == 0:
+            import_wandb()
 
         # Model arguments and the checks that need both the model and the rest of the config.
         self.model_args = build_model_args(cfg.model)
@@ -126,12 +130,18 @@ class Trainer:
         # Metrics.
         self.step = 0
         self.tokens_seen = 0
+        # Reliability: skipped non-finite steps, preemption, the hang watchdog; its counters go into checkpoints.
+        self.reliability = Reliability(cfg, self.rank, self.world_size, self.device.type,
+                                       scaler_handles_overflow=self.grad_scaler is not None)
+        extra = {"reliability": self.reliability}
+        if self.grad_scaler is not None:
+            extra["grad_scaler"] = self.grad_scaler
         # Checkpoints: resume (or start from checkpoint.initial_load) before the first step; sets step/tokens_seen.
         self.checkpointer = CheckpointManager(
             cfg, self.model_parts, getattr(self.optimizer, "optimizers", self.optimizer), self.lr_scheduler,
             self.dataloader, self,
             dp_rank=self.dp_rank, dp_degree=self.dp_degree, device_type=self.device.type, model_args=self.model_args,
-            layout=self.dims.describe(), extra=None if self.grad_scaler is None else {"grad_scaler": self.grad_scaler},
+            layout=self.dims.describe(), extra=extra,
         )
         self.checkpointer.load()
         empty_cache(self.device)  # hand the load's staging buffers back before the first step allocates
@@ -142,6 +152,8 @@ class Trainer:
         )
         compute_dtype = to_torch_dtype(t.dtype)
         self.peak_flops = peak_flops(self.device, compute_dtype, cfg.metrics.peak_tflops)
+        self.metrics = MetricsLogger(cfg.metrics.log_dir, self.rank, tensorboard=cfg.metrics.tensorboard,
+                                     wandb=cfg.metrics.wandb, run_config=config_to_dict(cfg))
         if self.rank == 0:
             Path(cfg.metrics.log_dir).mkdir(parents=True, exist_ok=True)
             save_config(cfg, Path(cfg.metrics.log_dir) / "config.toml")
@@ -191,7 +203,7 @@ class Trainer:
         with self.autocast():
             logits = self.model(inputs)
         with self.loss_context():  # vocab-sharded logits under TP: the loss and its backward run sharded
-            loss = cross_entropy_loss(logits, labels)
+            loss = self.reliability.corrupt_loss(cross_entropy_loss(logits, labels))
             scaled = loss * scale
             if self.grad_scaler is not None:
                 scaled = self.grad_scaler.scale(scaled)
@@ -231,11 +243,15 @@ class Trainer:
         params = [p for part in self.model_parts for p in part.parameters()]
         # The norm over every parameter of the model, wherever its shards and stages live.
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, self.dims)
-        if self.grad_scaler is not None:
-            self.grad_scaler.step(self.optimizer)
-            self.grad_scaler.update()
-        else:
-            self.optimizer.step()
+        # Collective: every rank learns of a signal on any rank, and all skip the update of a non-finite step.
+        if self.reliability.check_step(self.step, loss_sum / accum, grad_norm):
+            if self.grad_scaler is not None:
+                self.grad_scaler.step(self.optimizer)
+                self.grad_scaler.update()
+            else:
+                self.optimizer.step()
+        elif self.grad_scaler is not None:
+            self.grad_scaler.update()  # the scale still backs off from an overflow that came with the bad step
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / accum, grad_norm, data_time
@@ -260,8 +276,10 @@ class Trainer:
         for part in self.model_parts:
             part.train()
         self.profiler.start(self.step)
+        self.reliability.start()
         while self.step < max_steps:
             self.step += 1
+            self.reliability.begin_step(self.step)
             loss, grad_norm, data_time = self.train_step(data_iter)
             self.tokens_seen += self.tokens_per_step
             self.meter.step(loss, data_time)
@@ -269,15 +287,19 @@ class Trainer:
             if self.step % interval == 0 or self.step == max_steps or self.step == 1:
                 last = self._log_step(loss, grad_norm)
             if self.validator is not None and self.validator.due(self.step, max_steps):
-                with self.meter.excluded():
+                with self.meter.excluded(), self.reliability.phase("validation"):
                     self.metrics.log_validation(self.validator.run(self.model, self.step, self.autocast))
             with self.meter.excluded():
-                self.checkpointer.maybe_save(self.step, last_step=self.step == max_steps)
+                self.reliability.maybe_save(self.checkpointer, self.step, last_step=self.step == max_steps)
+                if self.reliability.stop_requested:  # a signal (exit 0 after the save) or too many skips (raises)
+                    self.reliability.stop(self.checkpointer, self.step)
+                    break
             self.profiler.step()
+        self.reliability.finish()
         self.profiler.stop()
         self.progress.close()
         self.metrics.close()
-        if self.rank == 0 and cfg.metrics.report:
+        if self.rank == 0 and cfg.metrics.report and not self.reliability.stop_requested:
             final_report(cfg.metrics.log_dir)
         return last
 
@@ -290,6 +312,7 @@ class Trainer:
         record = step_record(self.step, loss_value, self.lr_scheduler.get_last_lr()[0], norm_value,
                              self.meter.throughput(window), window, memory_stats(self.device), self.tokens_seen)
         record["eta_s"] = self.progress.eta_seconds()
+        record["skipped_steps"] = self.reliability.guard.total
         flags = health_flags(window.first_step, window.losses, norm_value, self.spikes)
         if flags:
             record["flags"] = flags
@@ -300,6 +323,7 @@ class Trainer:
         """Release sinks and the process group."""
         from titan_npu.parallel import destroy_process_group
 
+        self.reliability.finish()
         self.checkpointer.close()
         self.metrics.close()
         destroy_process_group()
