@@ -1,0 +1,175 @@
+"""What the Trainer calls: the step guard, the preemption handler, the watchdog, fault injection and failed-save
+handling behind a few methods, with one small host-side collective per step for the ranks to agree.
+
+The agreement gathers three numbers per rank over a gloo group of its own: the signal received (0 = none), the
+rank's loss and the global grad_norm. On accelerators the gather itself never waits for the device; reading the
+loss and grad_norm does (one host synchronisation per step), and only while the numerics guard is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from titan_npu.config.schema import JobConfig
+from titan_npu.errors import CheckpointError
+from titan_npu.reliability.faults import Faults
+from titan_npu.reliability.guards import StepGuard, TrainingHalted
+from titan_npu.reliability.preemption import PreemptionHandler
+from titan_npu.reliability.settings import check_reliability_config
+from titan_npu.reliability.watchdog import Watchdog, enable_flight_recorder
+
+log = logging.getLogger("titan_npu")
+
+
+def prepare_reliability(cfg: JobConfig, device_type: str) -> None:
+    """Before the process group exists: check [reliability] and switch the flight recorder on."""
+    check_reliability_config(cfg)
+    if cfg.reliability.watchdog:
+        enable_flight_recorder(cfg.reliability.flight_recorder_size, device_type)
+
+
+class Reliability:
+    """The run's reliability layer; build it on every rank at the same point (it creates a process group)."""
+
+    def __init__(self, cfg: JobConfig, rank: int, world_size: int, device_type: str,
+                 scaler_handles_overflow: bool = False) -> None:
+        r = cfg.reliability
+        self.cfg = cfg
+        self.rank, self.world_size = rank, world_size
+        self.guard = StepGuard(r.skip_nonfinite, r.max_skipped_steps, r.spike_skip_sigma, cfg.metrics.spike_window,
+                               scaler_handles_overflow, verbose=rank == 0)
+        self.signals = PreemptionHandler() if r.handle_signals else None
+        self.watchdog = None
+        if r.watchdog:
+            self.watchdog = Watchdog(r.watchdog_timeout_s or cfg.comm.timeout_s, r.watchdog_step_factor,
+                                     Path(cfg.metrics.log_dir) / "watchdog", rank, device_type)
+        self.faults = Faults.from_env(rank)
+        self._group = None
+        if world_size > 1 and (self.guard.active or self.signals is not None):
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.comm.timeout_s))
+        self.step = 0
+        self.preempted: tuple[int, int] | None = None  # (signal number, first rank that received it)
+        self.failed_saves = 0
+
+    # ------------------------------------------------------------------ the loop
+
+    def start(self) -> None:
+        """Before the first step: take over SIGTERM/SIGINT and start the watchdog."""
+        if self.signals is not None:
+            self.signals.install()
+        if self.watchdog is not None:
+            self.watchdog.start()
+
+    def finish(self) -> None:
+        """After the loop, or on the way out of an error: stop the watchdog, give the signals back (idempotent)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.signals is not None:
+            self.signals.uninstall()
+
+    def begin_step(self, step: int) -> None:
+        """Step `step` starts now."""
+        self.step = step
+        if self.watchdog is not None:
+            self.watchdog.beat(f"step {step}")
+        self.faults.at_step_start(step)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Something other than a step (a save, a validation): timed against the base limit, not step times."""
+        if self.watchdog is not None:
+            self.watchdog.beat(f"{name} at step {self.step}", step=False)
+        yield
+
+    def corrupt_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss, unless fault injection turns it into NaN at this step (tests only)."""
+        return self.faults.corrupt_loss(loss, self.step)
+
+    def check_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Collective, between the gradients and the optimizer step: True to apply this step's update."""
+        if not self.guard.active and self.signals is None:
+            return True
+        signum = self.signals.signum if self.signals is not None else 0
+        loss_value = norm_value = 0.0
+        if self.guard.active:
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            pair = torch.stack([loss.detach().float().reshape(()), grad_norm.detach().float().reshape(())])
+            loss_value, norm_value = pair.tolist()
+        row = torch.tensor([signum, loss_value, norm_value], dtype=torch.float64)
+        rows = [row]
+        if self._group is not None:
+            rows = [torch.empty_like(row) for _ in range(self.world_size)]
+            dist.all_gather(rows, row, group=self._group)
+        table = torch.stack(rows)
+        if self.preempted is None:
+            flagged = [r for r in range(len(rows)) if table[r, 0] > 0]
+            if flagged:
+                self.preempted = (int(table[flagged[0], 0]), flagged[0])
+        if not self.guard.active:
+            return True
+        return self.guard.decide(step, table[:, 1].tolist(), float(table[:, 2].max())).apply
+
+    @property
+    def stop_requested(self) -> bool:
+        """True when the loop must end after this step (a signal on some rank, or too many skipped updates)."""
+        return self.preempted is not None or bool(self.guard.halt_message)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def maybe_save(self, checkpointer: Any, step: int, last_step: bool) -> None:
+        """checkpointer.maybe_save; a failed save other than the last is reported and training goes on."""
+        with self.phase("checkpoint save"):
+            try:
+                checkpointer.maybe_save(step, last_step=last_step)
+            except CheckpointError as e:
+                if last_step:
+                    raise
+                self.failed_saves += 1
+                if self.rank == 0:
+                    log.error("checkpoint: %s -- training continues and tries again at the next save "
+                              "(%d failed save(s) so far)", e, self.failed_saves)
+
+    def stop(self, checkpointer: Any, step: int) -> None:
+        """End the run at `step`: save synchronously, then return (signal) or raise TrainingHalted (numerics)."""
+        halt = self.guard.halt_message
+        if halt:
+            self.guard.consecutive = 0  # a relaunch gets a fresh budget of skips
+        with self.phase("checkpoint save"):
+            checkpointer.save(step, sync=True)
+        where = self._where(step)
+        if halt:
+            raise TrainingHalted(
+                f"{halt}; the weights of step {self.guard.last_applied_step} (the last update applied) {where}; "
+                "lower optimizer.lr or look at the data of these steps, then run the same command to resume"
+            )
+        if self.rank == 0 and self.preempted is not None and step < self.cfg.training.max_steps:
+            signum, rank = self.preempted
+            log.warning("preempted by %s on rank %d after step %d: the run %s; run the same command to resume",
+                        signal.Signals(signum).name, rank, step, where)
+
+    def _where(self, step: int) -> str:
+        c = self.cfg.checkpoint
+        if not c.enable:
+            return "was not saved (checkpoint.enable = false)"
+        path = Path(c.dir) / f"step-{step}"
+        how = "" if c.resume == "auto" else f" (pass --checkpoint.resume {path})"
+        return f"is saved in {path}{how}"
+
+    # ------------------------------------------------------------------ Stateful (saved with every checkpoint)
+
+    def state_dict(self) -> dict[str, Any]:
+        self.faults.in_save(self.step)
+        return self.guard.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.guard.load_state_dict(state)
