@@ -16,6 +16,7 @@ from torch import nn
 from titan_npu.config.schema import JobConfig
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.layout import pp_microbatches, pp_stages_per_rank
+from titan_npu.parallel.reduce import plain_tensor
 
 
 def stage_ids_for_rank(pp_rank: int, pp_degree: int, stages_per_rank: int) -> list[int]:
@@ -54,7 +55,7 @@ class Pipeline:
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         if not self.has_last:
             return None
-        return torch.stack([loss.detach() for loss in losses]).mean()
+        return torch.stack([plain_tensor(loss.detach()) for loss in losses]).mean()
 
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")

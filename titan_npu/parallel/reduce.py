@@ -16,7 +16,7 @@ import torch.distributed as dist
 from titan_npu.parallel.dims import ParallelDims
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor from a DTensor (reducing pending partial sums) or the tensor itself."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -27,7 +27,7 @@ def mean_loss(loss: torch.Tensor | None, dims: ParallelDims) -> float:
     `loss` is None on ranks without the last pipeline stage; every tp rank of the last stage holds the same value,
     so the world sum of the holders' losses divided by dp x tp is the data-parallel mean.
     """
-    value = torch.zeros((), dtype=torch.float64) if loss is None else _local(loss.detach()).double().cpu()
+    value = torch.zeros((), dtype=torch.float64) if loss is None else plain_tensor(loss.detach()).double().cpu()
     if dims.world_size == 1:
         return float(value)
     device = _collective_device()
@@ -55,7 +55,7 @@ def grad_norm(parameters: Iterable[torch.Tensor], dims: ParallelDims, foreach: b
         groups.setdefault(key, []).append(g)
     total_sq = torch.zeros((), dtype=torch.float32)
     for group in groups.values():
-        norm = _local(torch.nn.utils.get_total_norm(group, 2.0, foreach=foreach)).float()
+        norm = plain_tensor(torch.nn.utils.get_total_norm(group, 2.0, foreach=foreach)).float()
         total_sq = total_sq.to(norm.device) + norm.pow(2)
     if dims.pp_enabled:
         # Each pipeline rank holds different layers: the squares add up over the pp group.

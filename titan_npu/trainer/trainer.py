@@ -41,7 +41,7 @@ from titan_npu.ops import current_kernels
 from titan_npu.parallel import ParallelDims, init_process_group, validate_layout
 from titan_npu.parallel.parallelize import materialize, parallelize_model
 from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline, split_for_pipeline
-from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, mean_loss
+from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, mean_loss, plain_tensor
 from titan_npu.profiling import build_profiler
 from titan_npu.reliability import Reliability, prepare_reliability
 from titan_npu.trainer.optimizer import build_lr_scheduler, build_optimizer
@@ -208,7 +208,7 @@ class Trainer:
             if self.grad_scaler is not None:
                 scaled = self.grad_scaler.scale(scaled)
             scaled.backward()
-        return loss.detach()
+        return plain_tensor(loss.detach())
 
     def pipeline_forward_backward(self, data_iter) -> tuple[torch.Tensor, float]:
         """One pipeline step: the accumulation steps' batches become microbatches; (loss or 0 off the last stage,
