@@ -64,20 +64,24 @@ class Faults:
 
     def at_step_start(self, step: int) -> None:
         """Kill, signal or hang this process if asked to at `step`."""
-        if step == self.kill_at:
+        if _due(step, self.kill_at):
             os.kill(os.getpid(), signal.SIGKILL)
-        if step == self.signal_at:
+        if _due(step, self.signal_at):
             os.kill(os.getpid(), signal.SIGTERM)
-        if step == self.hang_at:
+        if _due(step, self.hang_at):
             time.sleep(3600)
 
     def corrupt_loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
         """The loss, or NaN with the same graph at the step asked for (its gradients become NaN too)."""
-        if step != self.nan_at:
+        if not _due(step, self.nan_at):
             return loss
         return loss * float("nan")
 
     def in_save(self, step: int) -> None:
         """Called while the checkpoint of `step` is being written."""
-        if step == self.kill_in_save_at:
+        if _due(step, self.kill_in_save_at):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _due(step: int, fault_step: int) -> bool:
+    return fault_step > 0 and step == fault_step
