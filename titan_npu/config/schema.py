@@ -37,6 +37,9 @@ class TrainingConfig:
     seed: int = 42
     deterministic: bool = False
     memory_fraction: float = 0.0  # cap of this process's share of device memory, (0, 1]; 0 = no cap
+    # bf16/fp16: fp32 parameters and optimizer state, compute cast to dtype (true); false = "pure": parameters,
+    # gradients and optimizer state held in dtype itself (bf16 only)
+    mixed_precision: bool = True
 
 
 @dataclass

@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from titan_npu.errors import ConfigError
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -15,11 +17,25 @@ def to_torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def pure_param_dtype(dtype_name: str, mixed_precision: bool) -> torch.dtype | None:
+    """The dtype parameters are stored in for training.mixed_precision = false (pure bf16), None when mixed."""
+    if mixed_precision or dtype_name == "fp32":
+        return None
+    if dtype_name != "bf16":
+        # fp16 without fp32 master weights loses small updates outright, and the loss scaler refuses fp16 gradients.
+        raise ConfigError(
+            f"training.mixed_precision=false needs training.dtype=bf16 (got {dtype_name}); "
+            f"use bf16, or keep mixed_precision=true for fp16"
+        )
+    return to_torch_dtype(dtype_name)
+
+
 def autocast_context(
-    device_type: str, dtype_name: str, sharded_mixed_precision: bool
+    device_type: str, dtype_name: str, sharded_mixed_precision: bool, pure: bool = False
 ) -> Callable[[], contextlib.AbstractContextManager]:
-    """A factory of the forward's precision context: autocast for bf16/fp16 unless FSDP already casts the params."""
-    if dtype_name == "fp32" or sharded_mixed_precision:
+    """A factory of the forward's precision context: autocast for bf16/fp16 unless the parameters are already in
+    the compute dtype (FSDP casts them, or pure bf16 stores them so)."""
+    if dtype_name == "fp32" or sharded_mixed_precision or pure:
         return contextlib.nullcontext
     dtype = to_torch_dtype(dtype_name)
     return lambda: torch.autocast(device_type=device_type, dtype=dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, me
 from titan_npu.profiling import build_profiler
 from titan_npu.reliability import Reliability, prepare_reliability
 from titan_npu.trainer.optimizer import build_lr_scheduler, build_optimizer
-from titan_npu.trainer.precision import autocast_context, build_grad_scaler, to_torch_dtype
+from titan_npu.trainer.precision import autocast_context, build_grad_scaler, pure_param_dtype, to_torch_dtype
 
 log = logging.getLogger("titan_npu")
 
@@ -95,6 +96,7 @@ class Trainer:
                 f"training.seq_len={t.seq_len} exceeds model.max_seq_len={self.model_args.max_seq_len}; "
                 f"lower training.seq_len or raise model.max_seq_len"
             )
+        self.pure_dtype = pure_param_dtype(t.dtype, t.mixed_precision)
 
         # Data: every rank of a data-parallel group reads its own slice.
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
@@ -108,6 +110,8 @@ class Trainer:
         # Model: built on meta (no memory), split into pipeline stages, parallelised, materialised on the device.
         with torch.device("meta"):
             model = Transformer(self.model_args)
+        if self.pure_dtype is not None:  # pure bf16: weights, gradients and optimizer state in bf16 (free on meta)
+            model.to(self.pure_dtype)
         stage_ids, parts = split_for_pipeline(model, self.dims, cfg) if self.dims.pp_enabled else ([0], [model])
         self.model_parts: list[nn.Module] = [parallelize_model(part, self.dims, cfg) for part in parts]
         for part in self.model_parts:
@@ -123,13 +127,15 @@ class Trainer:
             self.model_parts, lambda parts: build_optimizer(parts, cfg.optimizer, self.device.type))
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.max_steps)
         # FSDP and replicate cast parameters themselves (no autocast then); DTensor gradients need the sharded scaler.
-        self.autocast = autocast_context(self.device.type, t.dtype, sharded_mixed_precision=self.dims.dp_enabled)
+        self.autocast = autocast_context(self.device.type, t.dtype, sharded_mixed_precision=self.dims.dp_enabled,
+                                         pure=self.pure_dtype is not None)
         self.grad_scaler = build_grad_scaler(self.device.type, t.dtype, self.dims.params_are_sharded)
         self.loss_context = lambda: loss_parallel_context(self.dims, cfg.parallel.loss_parallel)
 
         # Metrics.
         self.step = 0
         self.tokens_seen = 0
+        self.step_callbacks: list[Callable[[int], None]] = []  # called with the step number after each step (bench)
         # Reliability: skipped non-finite steps, preemption, the hang watchdog; its counters go into checkpoints.
         self.reliability = Reliability(cfg, self.rank, self.world_size, self.device.type,
                                        scaler_handles_overflow=self.grad_scaler is not None)
@@ -295,6 +301,8 @@ class Trainer:
                     self.reliability.stop(self.checkpointer, self.step)
                     break
             self.profiler.step()
+            for callback in self.step_callbacks:
+                callback(self.step)
         self.reliability.finish()
         self.profiler.stop()
         self.progress.close()
