@@ -50,6 +50,7 @@ from titan_npu.checkpoint.rank_state import (
 )
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import CheckpointError
+from titan_npu.reliability.disk import check_free_space
 
 log = logging.getLogger("titan_npu")
 
@@ -307,9 +308,16 @@ class CheckpointManager:
             return
         step = int(self.train_state.step if step is None else step)
         t0 = time.perf_counter()
-        self.wait()
+        try:
+            self.wait()
+        except CheckpointError as e:
+            # The previous checkpoint is lost, not this one: report it and save now (the previous one stays intact).
+            if self.rank == 0:
+                log.error("checkpoint: %s", e)
         if step == self._last_saved_step:
             return
+        # Refuse before writing anything when the disk cannot hold one more checkpoint; the older ones stay.
+        check_free_space(self.root, self.model_parts, self.optimizers, self.job.reliability.disk_margin, self._pg)
         tmp = storage.tmp_path(self.root, step)
         if self.rank == 0:
             if tmp.exists():
