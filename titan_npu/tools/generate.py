@@ -1,0 +1,299 @@
+"""`titan-npu generate`: sample text from a trained checkpoint with a KV cache, on any device.
+
+The cache lives here, not in the model: CachedLlama runs the model's own modules (embedding, norms, projections,
+feed-forward, output) and replaces only the attention's key/value handling, so every fused kernel the model uses
+in training (titan_npu.ops) is used here too. Decoding is prefill (the prompt in one causal pass) followed by one
+token at a time, each new query attending to all cached positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from titan_npu import ops
+from titan_npu.errors import CheckpointError, ConfigError
+
+CONFIG_NAMES = ("config.toml", "config.yaml", "config.yml")
+
+
+# ---------------------------------------------------------------------------------------------------- KV cache
+class KVCache:
+    """Keys and values of every layer for positions [0, max_len): each [batch, max_len, n_kv_heads, head_dim]."""
+
+    def __init__(self, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (batch, max_len, n_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.max_len = max_len
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v [B, S, Hkv, D] at positions start.. and return all keys/values up to start + S."""
+        end = start + k.shape[1]
+        self.k[layer][:, start:end] = k
+        self.v[layer][:, start:end] = v
+        return self.k[layer][:, :end], self.v[layer][:, :end]
+
+
+class CachedLlama:
+    """Incremental decoding over a titan_npu Transformer: forward(tokens, start_pos) with a KV cache."""
+
+    def __init__(self, model: nn.Module, max_len: int, batch_size: int = 1) -> None:
+        if model.tok_embeddings is None or model.norm is None or model.output is None:
+            raise ConfigError("generation needs the whole model (embedding, layers, norm, output), not a stage")
+        self.model = model
+        self.layers = list(model.layers.values())
+        attn = self.layers[0].attention
+        self.head_dim = attn.head_dim
+        n_kv_heads = attn.wk.out_features // self.head_dim
+        if max_len > model.freqs_cos.shape[0]:
+            raise ConfigError(f"generation length {max_len} exceeds model.max_seq_len={model.freqs_cos.shape[0]}; "
+                              "lower --max-new-tokens or use a shorter prompt")
+        param = attn.wk.weight
+        self.cache = KVCache(len(self.layers), batch_size, max_len, n_kv_heads, self.head_dim, param.dtype,
+                             param.device)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, start_pos: int, last_only: bool = False) -> torch.Tensor:
+        """tokens [B, S] at positions start_pos.. -> logits [B, S, vocab] (or [B, 1, vocab] with last_only).
+
+        start_pos is 0 (prefill, causal over the prompt) or the number of positions already cached with S == 1.
+        """
+        seqlen = tokens.shape[1]
+        if start_pos > 0 and seqlen != 1:
+            raise ValueError("after the prefill, decode one token at a time")
+        if start_pos + seqlen > self.cache.max_len:
+            raise ValueError(f"position {start_pos + seqlen} is beyond the cache ({self.cache.max_len})")
+        m = self.model
+        cos = m.freqs_cos[start_pos : start_pos + seqlen]
+        sin = m.freqs_sin[start_pos : start_pos + seqlen]
+        h = m.tok_embeddings(tokens)
+        for i, layer in enumerate(self.layers):
+            h = h + self._attention(i, layer.attention, layer.attention_norm(h), cos, sin, start_pos)
+            h = h + layer.feed_forward(layer.ffn_norm(h))
+        if last_only:
+            h = h[:, -1:]
+        return m.output(m.norm(h))
+
+    def _attention(self, i: int, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   start_pos: int) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        xq = attn.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = attn.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = attn.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = ops.apply_rotary_emb(xq, xk, cos, sin)
+        keys, values = self.cache.update(i, start_pos, xk, xv)
+        # Prefill: the prompt attends causally to itself. Decode: the single new query sees every cached position,
+        # so no mask at all (a top-left causal mask would be wrong once keys outnumber queries).
+        out = ops.attention(xq, keys, values, causal=start_pos == 0, use_flash=attn.use_flash)
+        return attn.wo(out.reshape(bs, seqlen, -1))
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ids [B] from logits [B, V]: greedy at temperature 0, else softmax(logits / T) within top-k/top-p."""
+    logits = logits.float()
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the top token always stays).
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def banned_token_mask(model_vocab: int, tokenizer_vocab: int, banned: list[int | None], device: torch.device
+                      ) -> torch.Tensor:
+    """True for ids never to sample: those the tokenizer cannot decode (model vocab is padded) and `banned` (BOS)."""
+    mask = torch.zeros(model_vocab, dtype=torch.bool, device=device)
+    mask[tokenizer_vocab:] = True
+    for i in banned:
+        if i is not None and 0 <= i < model_vocab:
+            mask[i] = True
+    return mask
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    top_p: float = 1.0,
+    num_samples: int = 1,
+    eos_id: int | None = None,
+    banned: torch.Tensor | None = None,
+    seed: int | None = None,
+) -> list[list[int]]:
+    """New token ids for each of num_samples continuations of prompt_ids (stopping at eos_id, which is dropped)."""
+    if not prompt_ids:
+        raise ConfigError("the prompt encodes to no tokens; give a non-empty --prompt")
+    device = model.tok_embeddings.weight.device
+    total = min(len(prompt_ids) + max_new_tokens, model.freqs_cos.shape[0])
+    decoder = CachedLlama(model, total, num_samples)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    tokens = torch.tensor([prompt_ids] * num_samples, dtype=torch.long, device=device)
+    logits = decoder.forward(tokens, 0, last_only=True)[:, -1]
+    out: list[list[int]] = [[] for _ in range(num_samples)]
+    done = torch.zeros(num_samples, dtype=torch.bool)
+    pos = len(prompt_ids)
+    for _ in range(max_new_tokens):
+        if banned is not None:
+            logits = logits.masked_fill(banned, float("-inf"))
+        nxt = sample_next(logits, temperature, top_k, top_p, generator)
+        for b, t in enumerate(nxt.tolist()):
+            if done[b]:
+                continue
+            if eos_id is not None and t == eos_id:
+                done[b] = True
+            else:
+                out[b].append(t)
+        if bool(done.all()) or pos >= total:  # every sample ended, or model.max_seq_len is reached
+            break
+        logits = decoder.forward(nxt[:, None], pos)[:, -1]
+        pos += 1
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- loading
+def find_config(checkpoint: Path) -> Path | None:
+    """The run's config saved beside a checkpoint: in it (a dir), its folder, or up to two folders above."""
+    start = checkpoint if checkpoint.is_dir() else checkpoint.parent
+    for folder in (start, start.parent, start.parent.parent):
+        for name in CONFIG_NAMES:
+            if (folder / name).is_file():
+                return folder / name
+    return None
+
+
+def read_checkpoint_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Model weights (Meta names) from a full .pt state dict or a DCP checkpoint directory."""
+    from titan_npu.checkpoint.initial_load import read_full_state_dict
+
+    if path.is_file():
+        return read_full_state_dict(path)
+    if path.is_dir():
+        return _read_dcp_model(path)
+    raise CheckpointError(f"--checkpoint {path} does not exist; give a .pt file (titan-npu export) or a checkpoint "
+                          "directory (checkpoint.dir/step-N)")
+
+
+def _read_dcp_model(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        from titan_npu.checkpoint.manager import load_model_state_dict
+    except ImportError:
+        raise CheckpointError(f"{path} is a directory but this build cannot read DCP checkpoints offline; export it "
+                              "with `titan-npu export --format pt` and pass the .pt") from None
+    return load_model_state_dict(path)
+
+
+def load_model(checkpoint: str | Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Build the config's model on `device` in `dtype` and load the checkpoint's weights (all keys must fit)."""
+    from titan_npu.checkpoint.initial_load import describe_mismatch
+    from titan_npu.models.llama import Transformer, build_model_args, precompute_rope
+
+    args = build_model_args(cfg.model)
+    with torch.device("meta"):
+        model = Transformer(args)
+    sd = read_checkpoint_state_dict(Path(checkpoint))
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    problem = describe_mismatch(expected, sd)
+    if problem:
+        raise CheckpointError(f"{checkpoint} does not fit the config's model: {problem}")
+    model.load_state_dict(sd, strict=True, assign=True)
+    # RoPE tables are not saved (still on meta): compute them, on the device and in fp32 whatever the weights' dtype.
+    rope = (args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling_factor)
+    model.freqs_cos, model.freqs_sin = precompute_rope(*rope, device="cpu")
+    model.to(device=device, dtype=dtype)
+    model.freqs_cos, model.freqs_sin = precompute_rope(*rope, device=device)
+    return model.eval()
+
+
+def _dtype(name: str, device_type: str) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device_type == "cpu" else torch.bfloat16
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="titan-npu generate", description="Sample text from a trained checkpoint.")
+    p.add_argument("--checkpoint", required=True, help="a full .pt state dict (titan-npu export) or a DCP step dir")
+    p.add_argument("--config", help="the run's config (default: config.toml beside the checkpoint or its log dir)")
+    p.add_argument("--prompt", default="", help="text to continue (default: start from BOS)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1.0 = off)")
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--tokenizer", help="override the config's data.tokenizer")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="weights' dtype (auto: fp32 on cpu, bf16 on accelerators)")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """`titan-npu generate --checkpoint DIR --prompt "..." --max-new-tokens N --temperature T --top-k K`."""
+    from titan_npu.config import load_config
+    from titan_npu.data import build_tokenizer
+    from titan_npu.device import setup_device
+
+    args = build_parser().parse_args(argv)
+    for name, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--num-samples", args.num_samples, 1),
+                             ("--top-k", args.top_k, 0)):
+        if value < low:
+            raise ConfigError(f"{name}={value} must be >= {low}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p={args.top_p} must be in (0, 1]")
+    ckpt = Path(args.checkpoint)
+    if not ckpt.exists():
+        raise CheckpointError(f"--checkpoint {ckpt} does not exist; give a .pt file or a checkpoint directory")
+    config_path = Path(args.config) if args.config else find_config(ckpt)
+    if config_path is None:
+        raise ConfigError(f"no config.toml beside {ckpt} (looked in its folder and two above); pass --config with "
+                          "the config the model was trained with")
+    cfg = load_config(config_path)
+    tokenizer = build_tokenizer(args.tokenizer or cfg.data.tokenizer)
+
+    device = setup_device()
+    model = load_model(ckpt, cfg, device.torch_device, _dtype(args.dtype, device.type))
+    vocab = model.output.out_features
+    if tokenizer.vocab_size > vocab:
+        raise ConfigError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {vocab}; pass the run's "
+                          "tokenizer with --tokenizer")
+    prompt_ids = tokenizer.encode(args.prompt, bos=True)
+    limit = model.freqs_cos.shape[0] - 1
+    if len(prompt_ids) > limit:
+        print(f"prompt is {len(prompt_ids)} tokens; keeping the last {limit} (model.max_seq_len)", file=sys.stderr)
+        prompt_ids = prompt_ids[-limit:]
+    banned = banned_token_mask(vocab, tokenizer.vocab_size, [tokenizer.bos_id, tokenizer.pad_id], device.torch_device)
+
+    t0 = time.perf_counter()
+    samples = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                       args.num_samples, tokenizer.eos_id, banned, args.seed)
+    seconds = time.perf_counter() - t0
+    for i, ids in enumerate(samples):
+        if i:
+            print("\n" + "-" * 40)
+        print(args.prompt + tokenizer.decode(ids), flush=True)
+    n = sum(len(s) for s in samples)
+    print(f"\n[{n} tokens in {seconds:.2f}s, {n / max(seconds, 1e-9):.1f} tokens/s on {device.type}]", file=sys.stderr)
+    return 0
