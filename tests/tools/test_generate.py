@@ -144,19 +144,22 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def debug_run(tmp_path: Path, steps: int) -> Path:
-    """Train the debug config shrunk to seconds on the built-in corpus (steps=0: untrained); save a full .pt."""
+def debug_run(tmp_path: Path, steps: int) -> tuple[Path, Path]:
+    """Train the debug config shrunk to seconds on the built-in corpus (steps=0: untrained).
+
+    Returns (full .pt state dict, checkpoint.dir holding the DCP checkpoint saved at the last step).
+    """
     from titan_npu.config import load_config
     from titan_npu.trainer import Trainer
 
-    log_dir = tmp_path / f"run{steps}"
+    log_dir, ckpt_dir = tmp_path / f"run{steps}", tmp_path / f"ckpt{steps}"
     overrides = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
                  "--model.max_seq_len", "128", "--training.seq_len", "64", "--training.batch_size", "16",
                  "--training.max_steps", str(max(steps, 1)), "--lr_scheduler.warmup_steps", "10",
-                 "--optimizer.lr", "1e-2",
-                 "--metrics.log_dir", str(log_dir), "--metrics.log_interval", "1000", "--metrics.report", "false",
-                 "--metrics.tensorboard", "false", "--metrics.progress", "lines", "--checkpoint.dir",
-                 str(tmp_path / "ckpt"), "--checkpoint.enable", "false"]
+                 "--optimizer.lr", "1e-2", "--metrics.log_dir", str(log_dir), "--metrics.log_interval", "1000",
+                 "--metrics.report", "false", "--metrics.tensorboard", "false", "--metrics.progress", "lines",
+                 "--checkpoint.dir", str(ckpt_dir), "--checkpoint.save_interval", "100000",
+                 "--checkpoint.async_save", "false", "--checkpoint.enable", str(steps > 0).lower()]
     cfg = load_config(Path(__file__).parents[2] / "configs" / "debug.toml", overrides)
     trainer = Trainer(cfg)
     try:
@@ -165,7 +168,7 @@ def debug_run(tmp_path: Path, steps: int) -> Path:
         torch.save(trainer.model.state_dict(), log_dir / "model.pt")
     finally:
         trainer.close()
-    return log_dir / "model.pt"
+    return log_dir / "model.pt", ckpt_dir
 
 
 def sample_text(ckpt: Path) -> str:
@@ -178,8 +181,10 @@ def sample_text(ckpt: Path) -> str:
 
 
 def test_trained_debug_model_writes_corpus_like_text_and_a_random_one_does_not(tmp_path, one_thread):
-    trained = sample_text(debug_run(tmp_path, steps=150))
-    random = sample_text(debug_run(tmp_path, steps=0))
+    trained_pt, trained_dcp = debug_run(tmp_path, steps=150)
+    trained = sample_text(trained_pt)
+    assert sample_text(trained_dcp) == trained  # the DCP checkpoint (latest in checkpoint.dir) holds the same model
+    random = sample_text(debug_run(tmp_path, steps=0)[0])
     t_print, t_common = text_scores(trained)
     r_print, r_common = text_scores(random)
     # After 150 steps a byte model of the docs emits almost only printable ASCII, and about a quarter of its

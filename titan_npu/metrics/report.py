@@ -207,18 +207,15 @@ def _fmt(v: Any, spec: str = ".4f", missing: str = "n/a") -> str:
 
 
 def list_checkpoints(ckpt_dir: Path | None) -> list[str]:
-    """One line per entry of the checkpoint dir: name and size."""
+    """One line per complete checkpoint in the checkpoint dir (step-N, size), oldest first."""
     if ckpt_dir is None or not ckpt_dir.is_dir():
         return []
+    from titan_npu.checkpoint import storage
+
     lines = []
-    for entry in sorted(ckpt_dir.iterdir()):
-        if entry.name.startswith("."):
-            continue
-        if entry.is_dir():
-            size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
-        else:
-            size = entry.stat().st_size
-        lines.append(f"{entry.name}{'/' if entry.is_dir() else ''} ({size / 1024**2:,.1f} MiB)")
+    for ref in storage.list_checkpoints(ckpt_dir):
+        size = sum(f.stat().st_size for f in ref.path.rglob("*") if f.is_file())
+        lines.append(f"{ref.path.name} (step {ref.step}, {size / 1024**2:,.1f} MiB)")
     return lines
 
 

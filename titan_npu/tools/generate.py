@@ -183,41 +183,29 @@ def find_config(checkpoint: Path) -> Path | None:
     return None
 
 
-def read_checkpoint_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Model weights (Meta names) from a full .pt state dict or a DCP checkpoint directory."""
-    from titan_npu.checkpoint.initial_load import read_full_state_dict
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint.dir holding step-N checkpoints means its latest one; anything else is taken as given."""
+    from titan_npu.checkpoint import storage
 
-    if path.is_file():
-        return read_full_state_dict(path)
-    if path.is_dir():
-        return _read_dcp_model(path)
-    raise CheckpointError(f"--checkpoint {path} does not exist; give a .pt file (titan-npu export) or a checkpoint "
-                          "directory (checkpoint.dir/step-N)")
-
-
-def _read_dcp_model(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        from titan_npu.checkpoint.manager import load_model_state_dict
-    except ImportError:
-        raise CheckpointError(f"{path} is a directory but this build cannot read DCP checkpoints offline; export it "
-                              "with `titan-npu export --format pt` and pass the .pt") from None
-    return load_model_state_dict(path)
+    if path.is_dir() and not storage.is_complete(path):
+        latest = storage.latest_checkpoint(path)
+        if latest is not None:
+            return latest.path
+    return path
 
 
-def load_model(checkpoint: str | Path, cfg: Any, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """Build the config's model on `device` in `dtype` and load the checkpoint's weights (all keys must fit)."""
-    from titan_npu.checkpoint.initial_load import describe_mismatch
-    from titan_npu.models.llama import Transformer, build_model_args, precompute_rope
+def load_model(state_dict: dict[str, torch.Tensor], args: Any, device: torch.device, dtype: torch.dtype
+               ) -> nn.Module:
+    """The model of `args` on `device` in `dtype`, holding `state_dict` (every key must fit), in eval mode."""
+    from titan_npu.checkpoint.fit import describe_mismatch
+    from titan_npu.models.llama import Transformer, precompute_rope
 
-    args = build_model_args(cfg.model)
     with torch.device("meta"):
         model = Transformer(args)
-    sd = read_checkpoint_state_dict(Path(checkpoint))
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    problem = describe_mismatch(expected, sd)
+    problem = describe_mismatch({k: v.shape for k, v in model.state_dict().items()}, state_dict)
     if problem:
-        raise CheckpointError(f"{checkpoint} does not fit the config's model: {problem}")
-    model.load_state_dict(sd, strict=True, assign=True)
+        raise CheckpointError(f"the checkpoint does not fit the model ({args.dim=}, {args.n_layers=}): {problem}")
+    model.load_state_dict(state_dict, strict=True, assign=True)
     # RoPE tables are not saved (still on meta): compute them, on the device and in fp32 whatever the weights' dtype.
     rope = (args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling_factor)
     model.freqs_cos, model.freqs_sin = precompute_rope(*rope, device="cpu")
@@ -263,18 +251,29 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"{name}={value} must be >= {low}")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p={args.top_p} must be in (0, 1]")
+    from titan_npu.checkpoint.formats import read_weights
+    from titan_npu.models.llama import build_model_args
+
     ckpt = Path(args.checkpoint)
     if not ckpt.exists():
         raise CheckpointError(f"--checkpoint {ckpt} does not exist; give a .pt file or a checkpoint directory")
+    ckpt = resolve_checkpoint(ckpt)
     config_path = Path(args.config) if args.config else find_config(ckpt)
-    if config_path is None:
+    cfg = load_config(config_path) if config_path is not None else None
+    if cfg is None and not args.tokenizer:
         raise ConfigError(f"no config.toml beside {ckpt} (looked in its folder and two above); pass --config with "
-                          "the config the model was trained with")
-    cfg = load_config(config_path)
+                          "the config the model was trained with (or --tokenizer for a checkpoint that has shapes)")
+    weights = read_weights(ckpt)
+    # Shapes recorded with the weights (DCP checkpoint.json, Hugging Face config.json) win over the config's.
+    model_args = weights.args
+    if model_args is None:
+        if cfg is None:
+            raise ConfigError(f"{ckpt} records no model shapes; pass --config with the config it was trained with")
+        model_args = build_model_args(cfg.model)
     tokenizer = build_tokenizer(args.tokenizer or cfg.data.tokenizer)
 
     device = setup_device()
-    model = load_model(ckpt, cfg, device.torch_device, _dtype(args.dtype, device.type))
+    model = load_model(weights.state_dict, model_args, device.torch_device, _dtype(args.dtype, device.type))
     vocab = model.output.out_features
     if tokenizer.vocab_size > vocab:
         raise ConfigError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {vocab}; pass the run's "
