@@ -241,3 +241,12 @@ def test_document_starts_of_a_batch_are_where_bos_sits(shards, small_cfg):
     inputs, labels = next(loader)
     for row, offsets in zip(torch.cat([inputs, labels[:, -1:]], dim=1), starts):
         assert offsets.tolist() == torch.nonzero(row == BYTE.bos_id).flatten().tolist()
+
+
+def test_pinned_memory_is_asked_for_accelerators_only_when_one_is_present(small_cfg):
+    present = torch.accelerator.is_available()
+    cpu = build_dataloader(small_cfg(""), BYTE, 0, 1, device_type="cpu")
+    cuda = build_dataloader(small_cfg(""), BYTE, 0, 1, device_type="cuda")
+    assert cpu.pin_memory is False and cuda.pin_memory is present
+    inputs, _ = next(cuda)
+    assert inputs.is_pinned() is present
