@@ -20,7 +20,7 @@ FUSED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 def flash_supported(q: torch.Tensor) -> bool:
     """Whether FlashAttention-2 can take q: fp16/bf16, head size a multiple of 8 up to 256, an sm80+ GPU."""
     head_dim = q.shape[-1]
-    if q.dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 or head_dim > 256:
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 or head_dim > 256:
         return False
     return torch.cuda.get_device_capability(q.device) >= (8, 0)
 

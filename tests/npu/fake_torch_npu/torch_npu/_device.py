@@ -15,7 +15,7 @@ from torch.utils.backend_registration import _setup_privateuseone_for_python_bac
 _aten = torch.ops.aten
 # Ops whose result is host data (a Python scalar or bool), not a tensor to wrap.
 _HOST_RESULTS = (_aten._local_scalar_dense.default, _aten.equal.default, _aten.is_same_size.default)
-_library: torch.library.Library | None = None
+_libraries: list[torch.library.Library] = []  # kept alive: a Library's registrations end with it
 
 
 def _device(index: int | None = None) -> torch.device:
@@ -90,10 +90,14 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
 
 def install(backend_module) -> None:
     """Make "npu" a device whose tensors live in CPU memory, with `backend_module` as torch.npu."""
-    global _library
     _setup_privateuseone_for_python_backend("npu", backend_module=backend_module)
-    _library = torch.library.Library("aten", "IMPL")
+    aten = torch.library.Library("aten", "IMPL")
     # Factories have no tensor argument to dispatch on, so they reach the PrivateUse1 kernels directly.
-    _library.impl("empty.memory_format", _empty, "PrivateUse1")
-    _library.impl("empty_strided", _empty_strided, "PrivateUse1")
+    aten.impl("empty.memory_format", _empty, "PrivateUse1")
+    aten.impl("empty_strided", _empty_strided, "PrivateUse1")
+    # The real package registers autocast casting rules for its device; the fake lets autocast pass through,
+    # so torch.autocast("npu") runs (ops keep their input dtypes).
+    every_op = torch.library.Library("_", "IMPL")
+    every_op.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
+    _libraries.extend((aten, every_op))
     _NpuFactories().__enter__()  # for the life of the process, like the device itself

@@ -1,0 +1,131 @@
+"""Check every fused kernel on this machine's device against the plain-torch reference, forward and backward.
+
+    python examples/op_check.py            # the device titan-npu would train on (npu > cuda > cpu, or TITAN_DEVICE)
+    python examples/op_check.py --quick    # small shapes only
+    python examples/op_check.py --bench    # also time fused vs eager attention at Llama-7B head shapes
+
+Each line compares the kernel the op dispatch picks for the device (torch_npu on Ascend, SDPA flash on CUDA) with
+the reference computed in fp32 on the same device from the same inputs, and prints PASS or FAIL with the largest
+error relative to the reference's largest magnitude. The exit status is 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from titan_npu.device import setup_device, synchronize
+from titan_npu.ops import current_kernels, dispatch, reference
+
+# Largest error / largest reference magnitude allowed: accumulation order differs between kernels, so long
+# reductions (attention) get more room than elementwise ops; bf16 keeps about 3 significant digits.
+TOLERANCE = {
+    torch.float32: {"attention": 1e-4, "rms_norm": 1e-5, "apply_rotary_emb": 1e-5, "swiglu": 1e-5},
+    torch.bfloat16: {"attention": 2e-2, "rms_norm": 2e-2, "apply_rotary_emb": 2e-2, "swiglu": 2e-2},
+}
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| in fp32 (0 when both are zero)."""
+    got, want = got.float(), want.float()
+    scale = want.abs().max().item()
+    return (got - want).abs().max().item() / scale if scale > 0 else (got - want).abs().max().item()
+
+
+def compare(fused: Callable, ref: Callable, inputs: list[torch.Tensor], dtype: torch.dtype) -> tuple[float, float]:
+    """(forward error, worst gradient error) of fused on `dtype` inputs against ref on the same values in fp32."""
+    def run(fn, cast):
+        leaves = [x.detach().to(cast).requires_grad_(x.is_floating_point()) for x in inputs]
+        out = fn(*leaves)
+        outs = out if isinstance(out, tuple) else (out,)
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        upstream = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in outs]
+        torch.autograd.backward(outs, upstream)
+        return [o.detach() for o in outs], [x.grad for x in leaves]
+
+    f_out, f_grad = run(fused, dtype)
+    r_out, r_grad = run(ref, torch.float32)
+    fwd = max(relative_error(a, b) for a, b in zip(f_out, r_out))
+    bwd = max(relative_error(a, b) for a, b in zip(f_grad, r_grad))
+    return fwd, bwd
+
+
+def cases(device: torch.device, quick: bool):
+    """(op, description, fused fn, reference fn, inputs) for the op checks."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    attn_shapes = [(2, 37, 4, 4, 64), (2, 300, 8, 2, 64)] if quick else [
+        (2, 37, 4, 4, 64), (2, 300, 8, 2, 64), (1, 2100, 8, 8, 128), (1, 4096, 32, 8, 128)]
+    for b, s, h, kv, d in attn_shapes:
+        desc = f"B={b} S={s} H={h} KV={kv} D={d}"
+        yield ("attention", desc, dispatch.attention, reference.eager_attention,
+               [randn(b, s, h, d), randn(b, s, kv, d), randn(b, s, kv, d)])
+    for shape in ([(2, 37, 256)] if quick else [(2, 37, 256), (4, 2048, 4096)]):
+        yield ("rms_norm", f"x={list(shape)}", lambda x, w: dispatch.rms_norm(x, w, 1e-5),
+               lambda x, w: reference.rms_norm(x, w, 1e-5), [randn(*shape), randn(shape[-1]).abs() + 0.5])
+    for b, s, h, kv, d in ([(2, 37, 4, 2, 64)] if quick else [(2, 37, 4, 2, 64), (2, 2048, 32, 8, 128)]):
+        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)
+        angles = torch.outer(torch.arange(s).float(), inv_freq).to(device)
+        cos, sin = angles.cos(), angles.sin()
+        yield ("apply_rotary_emb", f"B={b} S={s} H={h} KV={kv} D={d}",
+               lambda q, k, cos=cos, sin=sin: dispatch.apply_rotary_emb(q, k, cos, sin),
+               lambda q, k, cos=cos, sin=sin: reference.apply_rotary_emb(q, k, cos, sin),
+               [randn(b, s, h, d), randn(b, s, kv, d)])
+    for shape in ([(2, 37, 128)] if quick else [(2, 37, 128), (2, 2048, 11008)]):
+        yield ("swiglu", f"x={list(shape)}", dispatch.swiglu, reference.swiglu, [randn(*shape), randn(*shape)])
+
+
+def bench_attention(device, dtype: torch.dtype, seq: int, repeats: int = 5) -> None:
+    """Forward + backward milliseconds of the fused kernel and of the eager baseline at Llama-7B head shapes."""
+    b, h, d = 1, 32, 128
+    q, k, v = (torch.randn(b, seq, h, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    dev = setup_device()
+    for name, use_flash in (("fused", True), ("eager", False)):
+        times = []
+        for _ in range(repeats + 1):
+            synchronize(dev)
+            t0 = time.perf_counter()
+            dispatch.attention(q, k, v, causal=True, use_flash=use_flash).sum().backward()
+            synchronize(dev)
+            times.append(time.perf_counter() - t0)
+        print(f"  bench attention {name:5s} {str(dtype)[6:]:8s} S={seq:5d}: {1000 * min(times[1:]):8.2f} ms (fwd+bwd)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small shapes only")
+    p.add_argument("--bench", action="store_true", help="time fused vs eager attention")
+    args = p.parse_args(argv)
+
+    dev = setup_device()
+    device = dev.torch_device
+    kernels = current_kernels(dev.type)
+    print(f"device: {dev.type} ({dev.name}); kernels: {', '.join(f'{k}={v}' for k, v in kernels.items())}")
+    dtypes = [torch.float32] + ([torch.bfloat16] if dev.type != "cpu" or not args.quick else [])
+    failures = 0
+    for op, desc, fused, ref, inputs in cases(device, args.quick):
+        for dtype in dtypes:
+            try:
+                fwd, bwd = compare(fused, ref, inputs, dtype)
+                ok = fwd <= TOLERANCE[dtype][op] and bwd <= TOLERANCE[dtype][op]
+                detail = f"fwd {fwd:.2e} bwd {bwd:.2e} (tol {TOLERANCE[dtype][op]:.0e})"
+            except Exception as e:  # a kernel that rejects the input is a failure to report, not a crash
+                ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            failures += not ok
+            print(f"{'PASS' if ok else 'FAIL'}  {op:16s} [{kernels[op]}] {str(dtype)[6:]:8s} {desc:28s} {detail}")
+    if args.bench and dev.type != "cpu":
+        for seq in (2048, 4096):
+            bench_attention(device, torch.bfloat16, seq)
+    print(f"op check: {'PASS' if failures == 0 else f'FAIL ({failures} failed)'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
