@@ -86,9 +86,6 @@ class _BatchDataset(Dataset):
         batch = torch.from_numpy(np.stack([self.windows.window(int(w)) for w in ids]).astype(np.int64))
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
-    def __len__(self) -> int:
-        raise TypeError("the data loader is infinite")
-
 
 class _CursorSampler(Sampler):
     """Keys (epoch, pos) from a starting point on, forever; an epoch ends when a whole global batch no longer fits."""
