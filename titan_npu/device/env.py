@@ -55,7 +55,7 @@ def init_failure_message(
     """One line for a failed process-group start: the likely cause, the fix, and the pointer to `titan-npu doctor`."""
     text = str(error)
     lowered = text.lower()
-    first = text.splitlines()[0] if text else type(error).__name__
+    first = f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
     visible = "ASCEND_RT_VISIBLE_DEVICES" if device_type == "npu" else "CUDA_VISIBLE_DEVICES"
     if any(s in lowered for s in _PORT_IN_USE):
         cause = (f"MASTER_PORT={master_port} is already in use on {master_addr}; choose a free port "

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from titan_npu.config.schema import CommConfig
 from titan_npu.device.detect import DeviceInfo
+from titan_npu.device.env import init_failure_message
 from titan_npu.errors import DeviceError
 
 
@@ -37,12 +38,10 @@ def init_process_group(device: DeviceInfo, comm: CommConfig) -> tuple[int, int]:
         )
         set_collective_timeout(dist.group.WORLD, comm.timeout_s)
     except Exception as e:
-        addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        raise DeviceError(
-            f"process group init failed on rank {rank} ({device.backend}, master {addr}): {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}; check that every node reaches the master address, the port "
-            "is free, and the devices are visible (run `torchrun ... -m titan_npu.cli doctor` for a full check)"
-        ) from e
+        raise DeviceError(init_failure_message(
+            e, rank=rank, backend=device.backend, device_type=device.type, master_addr=os.environ["MASTER_ADDR"],
+            master_port=os.environ["MASTER_PORT"], init_timeout_s=comm.init_timeout_s,
+        )) from e
     return dist.get_rank(), dist.get_world_size()
 
 
