@@ -73,21 +73,22 @@ def _check_data_parallel(dims: ParallelDims, cfg: JobConfig) -> None:
 
 def _check_tensor_parallel(dims: ParallelDims, a: LlamaArgs, cfg: JobConfig) -> None:
     tp = dims.tp
-    head_choices = _listing(_divisors(math.gcd(a.n_heads, a.n_kv_heads)))
+    # Degrees that split heads, kv heads and the FFN evenly (the vocabulary can always be padded).
+    choices = _listing(_divisors(math.gcd(a.n_heads, a.n_kv_heads, a.ffn_dim)))
     if a.n_heads % tp:
         raise LayoutError(
             f"parallel.tp_degree={tp} does not divide model.n_heads={a.n_heads}: each rank must hold whole "
-            f"attention heads (choose tp_degree from {head_choices})"
+            f"attention heads (choose tp_degree from {choices})"
         )
     if a.n_kv_heads % tp:
         raise LayoutError(
             f"parallel.tp_degree={tp} does not divide model.n_kv_heads={a.n_kv_heads}: each rank must hold whole "
-            f"key/value heads (choose tp_degree from {head_choices})"
+            f"key/value heads (choose tp_degree from {choices})"
         )
     if a.ffn_dim % tp:
         raise LayoutError(
             f"parallel.tp_degree={tp} does not divide the feed-forward size {a.ffn_dim}; choose tp_degree from "
-            f"{_listing(_divisors(math.gcd(a.ffn_dim, a.n_kv_heads)))} or set model.ffn_dim to a multiple of {tp}"
+            f"{choices} or set model.ffn_dim to a multiple of {tp}"
         )
     if a.vocab_size % tp:
         padded = math.ceil(a.vocab_size / tp) * tp
