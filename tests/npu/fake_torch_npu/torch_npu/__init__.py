@@ -29,6 +29,7 @@ calls: collections.Counter = collections.Counter()
 # Switches for behaviour that differs between torch_npu releases.
 features = {"rotary_mode": True}  # npu_rotary_mul accepts rotary_mode (newer releases)
 
+
 def _write_report(path: str) -> None:
     """What the process asked of torch_npu, for a test that ran it in a subprocess."""
     import json
