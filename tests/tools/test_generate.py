@@ -158,6 +158,7 @@ def debug_run(tmp_path: Path, steps: int) -> tuple[Path, Path]:
                  "--training.max_steps", str(max(steps, 1)), "--lr_scheduler.warmup_steps", "10",
                  "--optimizer.lr", "1e-2", "--metrics.log_dir", str(log_dir), "--metrics.log_interval", "1000",
                  "--metrics.report", "false", "--metrics.tensorboard", "false", "--metrics.progress", "lines",
+                 "--metrics.peak_tflops", "1.0",
                  "--checkpoint.dir", str(ckpt_dir), "--checkpoint.save_interval", "100000",
                  "--checkpoint.async_save", "false", "--checkpoint.enable", str(steps > 0).lower()]
     cfg = load_config(Path(__file__).parents[2] / "configs" / "debug.toml", overrides)
