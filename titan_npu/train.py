@@ -31,6 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", "--config_file", dest="config", help="TOML or YAML config file (default: all defaults)")
     p.add_argument("--print_config", "--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
+                   help="build one rank of the job on the meta device (no devices) and report what it holds")
+    p.add_argument("--world-size", "--world_size", dest="world_size", type=int,
+                   help="--dry-run: ranks of the job (default: WORLD_SIZE, else the config's degrees)")
+    p.add_argument("--rank", type=int, default=0, help="--dry-run: the rank to build (default 0)")
+    p.add_argument("--device-type", "--device_type", dest="device_type", default="npu",
+                   help="--dry-run: device type the job runs on (npu, cuda, cpu; default npu)")
     return p
 
 
@@ -47,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps(config_to_dict(cfg), indent=2))
         return 0
+    if args.dry_run:
+        from titan_npu.tools import dry_run
+
+        world = args.world_size or (int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
+        return dry_run.run(cfg, world, args.rank, args.device_type)
 
     from titan_npu.trainer import Trainer
 
