@@ -13,6 +13,7 @@ over the sharded parameters. Byte counts come from the local shards of the resul
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +40,7 @@ class DryRunResult:
     optimizer_bytes: int = 0
     optimizer: str = ""
     forward_checked: bool = False
-    logits_shape: tuple[int, ...] | None = None
+    output_shape: tuple[int, ...] | None = None
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
@@ -48,23 +49,45 @@ class DryRunResult:
             "coordinates": self.coordinates, "parameter_bytes": self.parameter_bytes,
             "gradient_bytes": self.gradient_bytes, "optimizer_bytes": self.optimizer_bytes,
             "optimizer": self.optimizer, "forward_checked": self.forward_checked,
-            "logits_shape": list(self.logits_shape) if self.logits_shape else None,
+            "output_shape": list(self.output_shape) if self.output_shape else None,
             "n_parameters": len(self.parameters), "seconds": round(self.seconds, 2),
             "parameters": self.parameters,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict) -> DryRunResult:
+        """The inverse of as_dict."""
+        shape = data.get("output_shape")
+        return cls(
+            world_size=data["world_size"], rank=data["rank"], layout=data["layout"],
+            coordinates=data["coordinates"], parameters=data["parameters"],
+            parameter_bytes=data["parameter_bytes"], gradient_bytes=data["gradient_bytes"],
+            optimizer_bytes=data["optimizer_bytes"], optimizer=data["optimizer"],
+            forward_checked=data["forward_checked"], output_shape=tuple(shape) if shape else None,
+            seconds=data["seconds"],
+        )
+
     def format(self) -> str:
         """A short report: where the rank sits, what it holds, whether forward/backward ran."""
         coords = " ".join(f"{k}={v}" for k, v in self.coordinates.items())
-        fwd = (f"forward/backward checked (logits {list(self.logits_shape)})" if self.forward_checked
+        fwd = (f"forward/backward checked (output {list(self.output_shape)})" if self.forward_checked
                else "forward/backward not run")
         return "\n".join([
             f"dry run: rank {self.rank} of {self.world_size} ({coords}); layout {self.layout}",
-            f"  parameters  {self.parameter_bytes / GiB:8.2f} GiB in {len(self.parameters)} local shards",
-            f"  gradients   {self.gradient_bytes / GiB:8.2f} GiB",
-            f"  optimizer   {self.optimizer_bytes / GiB:8.2f} GiB ({self.optimizer})",
+            f"  parameters  {_size(self.parameter_bytes):>10} in {len(self.parameters)} local shards",
+            f"  gradients   {_size(self.gradient_bytes):>10}",
+            f"  optimizer   {_size(self.optimizer_bytes):>10} ({self.optimizer})",
             f"  {fwd}; {self.seconds:.1f}s",
         ])
+
+
+def clean_name(name: str) -> str:
+    """A parameter's model name without the wrappers' prefixes (activation checkpointing, torch.compile)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.2f} MiB"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -108,8 +131,8 @@ def resolve_world_size(cfg: JobConfig, world_size: int | None) -> int:
     return p.dp_replicate * p.dp_shard * p.tp_degree * p.pp_degree
 
 
-def build_parallel_model(cfg: JobConfig, dims, device_type: str) -> list[nn.Module]:
-    """The model parts this rank holds, on meta, parallelized exactly as the trainer does it."""
+def build_parallel_model(cfg: JobConfig, dims) -> list[nn.Module]:
+    """The model parts this rank holds, on meta: pipeline split, then each part parallelized as the trainer does."""
     from titan_npu.models.llama import Transformer, build_model_args
     from titan_npu.parallel.parallelize import parallelize_model
 
@@ -117,48 +140,111 @@ def build_parallel_model(cfg: JobConfig, dims, device_type: str) -> list[nn.Modu
     with torch.device("meta"):
         model = Transformer(args)
     if dims.pp_enabled:
-        from titan_npu.parallel import pipeline
+        from titan_npu.parallel.pipeline import split_for_pipeline
 
-        return list(pipeline.build_pipeline_stages(model, dims, cfg, device=torch.device(device_type)))
+        _, parts = split_for_pipeline(model, dims, cfg)
+        return [parallelize_model(part, dims, cfg) for part in parts]
     return [parallelize_model(model, dims, cfg)]
 
 
 def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims) -> tuple[int, ...]:
-    """One forward/backward of every part with fake tensors; returns the logits' shape of the last part."""
+    """One forward/backward of every part with fake tensors; returns the output shape of the last part run.
+
+    A pipeline stage without the embedding takes the hidden states its predecessor would send: the local
+    [micro-batch, seq / tp (sequence parallel), dim] slice, in the dtype the activations have.
+    """
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from titan_npu.models.llama import build_model_args
+    from titan_npu.trainer.precision import to_torch_dtype
 
     args = build_model_args(cfg.model)
     t = cfg.training
-    n_micro = (cfg.parallel.pp_microbatches or 2 * dims.pp) if dims.pp_enabled else 1
-    batch = max(1, t.batch_size // n_micro)
+    if dims.pp_enabled:
+        batch = (t.batch_size * t.gradient_accumulation_steps) // (cfg.parallel.pp_microbatches or 2 * dims.pp)
+    else:
+        batch = t.batch_size
+    hidden_dtype = to_torch_dtype(t.dtype) if dims.dp > 1 else torch.float32
+    seq_local = t.seq_len // dims.tp
+    shape: tuple[int, ...] = ()
     with FakeTensorMode(allow_non_fake_inputs=True):
         for part in parts:
             # Fake storage on the host: FSDP refuses to run with meta parameters, and fake tensors cost nothing.
             part.to_empty(device="cpu")
-        x: torch.Tensor = torch.randint(0, args.vocab_size, (batch, t.seq_len))
-        labels = torch.randint(0, args.vocab_size, (batch, t.seq_len))
         for part in parts:
-            x = part(x)
-        if x.shape[-1] != args.vocab_size and dims.pp_enabled:
-            # A middle pipeline stage: its output feeds the next stage; a stand-in loss reaches every parameter.
-            x.float().sum().backward()
-        else:
-            logits = x.full_tensor() if hasattr(x, "full_tensor") else x
-            F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).backward()
-        return tuple(x.shape)
+            if part.tok_embeddings is not None:
+                x = torch.randint(0, args.vocab_size, (batch, t.seq_len))
+            else:
+                x = torch.randn(batch, seq_local, args.dim, dtype=hidden_dtype, requires_grad=True)
+            out = part(x)
+            shape = tuple(out.shape)
+            if part.output is not None:
+                logits = out.full_tensor() if hasattr(out, "full_tensor") else out
+                labels = torch.randint(0, args.vocab_size, (batch, t.seq_len))
+                F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).backward()
+            else:
+                # A stage that sends hidden states on: a stand-in loss reaches every parameter it holds.
+                local = out.to_local() if hasattr(out, "to_local") else out
+                local.float().sum().backward()
+    return shape
+
+
+def _build_and_measure(cfg: JobConfig, dims, result: DryRunResult, device_type: str, forward: bool) -> None:
+    """Build this rank's parallelized model and optimizer, run forward/backward, and fill in `result`."""
+    from titan_npu.trainer.optimizer import build_optimizer
+
+    if dims.world_size > 1:
+        dims.build_mesh("cpu")
+    parts = build_parallel_model(cfg, dims)
+    optimizer = build_optimizer(parts, cfg.optimizer, device_type)
+    result.optimizer = type(optimizer).__name__
+    for part in parts:
+        for raw_name, p in part.named_parameters():
+            name = clean_name(raw_name)
+            local = _local(p)
+            result.parameters[name] = {
+                "shape": list(p.shape), "local_shape": list(local.shape), "dtype": str(local.dtype).replace(
+                    "torch.", ""), "placements": _placements(p),
+            }
+            result.parameter_bytes += local.numel() * local.element_size()
+    if forward:
+        result.output_shape = _forward_backward(cfg, parts, dims)
+        result.forward_checked = True
+        for part in parts:
+            for raw_name, p in part.named_parameters():
+                name = clean_name(raw_name)
+                if p.grad is None:
+                    raise LayoutError(f"dry run: parameter {name} received no gradient on rank {result.rank}; "
+                                      "the parallelized model does not reach it (a bug in the layout)")
+                g = _local(p.grad)
+                result.parameters[name]["grad_local_shape"] = list(g.shape)
+                result.parameters[name]["grad_placements"] = _placements(p.grad)
+                result.gradient_bytes += g.numel() * g.element_size()
+    else:
+        # Gradients take their parameter's shard shape and dtype (FSDP keeps sharded fp32 gradients).
+        result.gradient_bytes = result.parameter_bytes
+    result.optimizer_bytes = int(result.parameter_bytes * optimizer_state_bytes_per_param_byte(cfg))
+
+
+# Whether this process already ran a dry run: DTensor and DeviceMesh keep caches keyed by mesh shape, not by rank
+# or process group, so a second dry run (another rank or layout) in the same process would read stale entries.
+_ran_in_process = False
 
 
 def dry_run(cfg: JobConfig, world_size: int | None = None, rank: int = 0, device_type: str = "npu",
-            forward: bool = True) -> DryRunResult:
-    """Build `rank` of a `world_size`-rank job on meta with a fake process group and measure what it holds."""
+            forward: bool = True, isolate: bool | None = None) -> DryRunResult:
+    """Build `rank` of a `world_size`-rank job on meta with a fake process group and measure what it holds.
+
+    isolate: run in a fresh Python process (default: only when this process already ran a dry run).
+    """
+    global _ran_in_process
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from titan_npu.models.llama import build_model_args
     from titan_npu.parallel.dims import ParallelDims
+    from titan_npu.parallel.layout import validate_layout
     from titan_npu.tools.memory_model import layout_from_config, rank_coordinates
-    from titan_npu.trainer.optimizer import build_optimizer
 
     world_size = resolve_world_size(cfg, world_size)
     if not 0 <= rank < world_size:
@@ -168,44 +254,48 @@ def dry_run(cfg: JobConfig, world_size: int | None = None, rank: int = 0, device
                           "torchrun")
     layout = layout_from_config(cfg, world_size)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
+    validate_layout(dims, build_model_args(cfg.model), cfg)
+    if _ran_in_process if isolate is None else isolate:
+        return _dry_run_in_subprocess(cfg, world_size, rank, device_type, forward)
+    _ran_in_process = True
     t0 = time.perf_counter()
     result = DryRunResult(world_size, rank, layout.describe(), rank_coordinates(layout, rank))
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        if world_size > 1:
-            dims.build_mesh("cpu")
-        parts = build_parallel_model(cfg, dims, device_type)
-        optimizer = build_optimizer(parts, cfg.optimizer, device_type)
-        result.optimizer = type(optimizer).__name__
-        for part in parts:
-            for name, p in part.named_parameters():
-                local = _local(p)
-                result.parameters[name] = {
-                    "shape": list(p.shape), "local_shape": list(local.shape), "dtype": str(local.dtype).replace(
-                        "torch.", ""), "placements": _placements(p),
-                }
-                result.parameter_bytes += local.numel() * local.element_size()
-        if forward:
-            result.logits_shape = _forward_backward(cfg, parts, dims)
-            result.forward_checked = True
-            for part in parts:
-                for name, p in part.named_parameters():
-                    if p.grad is None:
-                        raise LayoutError(f"dry run: parameter {name} received no gradient on rank {rank}; "
-                                          "the parallelized model does not reach it (a bug in the layout)")
-                    g = _local(p.grad)
-                    if tuple(g.shape) != tuple(result.parameters[name]["local_shape"]):
-                        raise LayoutError(f"dry run: gradient of {name} has local shape {tuple(g.shape)} but the "
-                                          f"parameter shard is {result.parameters[name]['local_shape']}")
-                    result.gradient_bytes += g.numel() * g.element_size()
-        else:
-            # Gradients take their parameter's shard shape and dtype (FSDP keeps sharded fp32 gradients).
-            result.gradient_bytes = result.parameter_bytes
-        result.optimizer_bytes = int(result.parameter_bytes * optimizer_state_bytes_per_param_byte(cfg))
+        with warnings.catch_warnings():
+            # torch warns that a cpu mesh lacks DTensor's RNG tracking and the like: true, and moot without data.
+            warnings.simplefilter("ignore", UserWarning)
+            _build_and_measure(cfg, dims, result, device_type, forward)
     finally:
         dist.destroy_process_group()
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _dry_run_in_subprocess(cfg: JobConfig, world_size: int, rank: int, device_type: str,
+                           forward: bool) -> DryRunResult:
+    """The same dry run in a fresh interpreter (python -m titan_npu.tools.dry_run), its result read back as JSON."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from titan_npu.config import save_config
+    from titan_npu.errors import TitanError
+
+    with tempfile.TemporaryDirectory(prefix="titan-dry-run-") as tmp:
+        path = Path(tmp) / "config.toml"
+        save_config(cfg, path)
+        cmd = [sys.executable, "-m", "titan_npu.tools.dry_run", "--config", str(path), "--world-size",
+               str(world_size), "--rank", str(rank), "--device-type", device_type]
+        if not forward:
+            cmd.append("--no-forward")
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+        raise TitanError(f"dry run of rank {rank} failed in its own process: {lines[-1] if lines else proc.returncode}")
+    return DryRunResult.from_dict(json.loads(proc.stdout))
 
 
 def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
@@ -217,7 +307,7 @@ def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
         parameter_kind,
         parameter_kinds,
         rank_coordinates,
-        stage_parameter_names,
+        rank_parameter_names,
         state_bytes,
     )
 
@@ -226,7 +316,7 @@ def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
     planned = state_bytes(job, layout, result.rank)
     coords = rank_coordinates(layout, result.rank)
     kinds = parameter_kinds(job.args)
-    expected_names = stage_parameter_names(job.args, layout.pp, coords["pp"])
+    expected_names = rank_parameter_names(job.args, layout, coords["pp"])
     problems = []
     missing = sorted(set(expected_names) - set(result.parameters))
     extra = sorted(set(result.parameters) - set(expected_names))
@@ -242,6 +332,10 @@ def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
         got = result.parameters[name]["local_shape"]
         if want != got:
             problems.append(f"{name}: local shard {got} but the plan expects {want}")
+        grad = result.parameters[name].get("grad_local_shape")
+        if grad is not None and grad != want:
+            placements = ", ".join(result.parameters[name].get("grad_placements", [])) or "plain tensor"
+            problems.append(f"{name}: gradient is {grad} ({placements}) but the parameter shard is {want}")
     rows = [("parameters", planned.parameters, result.parameter_bytes),
             ("gradients", planned.gradients, result.gradient_bytes),
             ("optimizer", planned.optimizer, result.optimizer_bytes)]
@@ -279,3 +373,34 @@ def run(cfg: JobConfig, world_size: int | None, rank: int, device_type: str = "n
         print(result.format())
         print(comparison["text"])
     return 0 if comparison["match"] else 1
+
+
+def _child_main(argv: list[str]) -> int:
+    """`python -m titan_npu.tools.dry_run --config C --world-size N --rank R`: one dry run, its result as JSON."""
+    import argparse
+    import json
+    import warnings
+
+    from titan_npu.config import load_config
+
+    p = argparse.ArgumentParser(prog="python -m titan_npu.tools.dry_run")
+    p.add_argument("--config", required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--device-type", default="npu")
+    p.add_argument("--no-forward", action="store_true")
+    args = p.parse_args(argv)
+    # Keep stdout for the JSON result: torch's warnings about the fake backend go to stderr anyway.
+    warnings.simplefilter("ignore")
+    result = dry_run(load_config(args.config), args.world_size, args.rank, args.device_type,
+                     forward=not args.no_forward, isolate=False)
+    print(json.dumps(result.as_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from titan_npu.cli import run_command
+
+    sys.exit(run_command(_child_main, sys.argv[1:]))

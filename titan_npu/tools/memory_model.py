@@ -1,30 +1,32 @@
 """Analytic per-rank memory of a Llama training job: what `titan-npu plan` reports before anything is launched.
 
 Parameters, gradients and optimizer state are exact: the planner walks the same parameter shapes, tensor-parallel
-placements, pipeline split and FSDP2 dim-0 chunking as the real parallelized model (the dry run checks equality).
-Activations count the tensors autograd saves for backward in titan_npu.models.llama with the reference ops, per
-token; tests/tools/test_plan_calibration.py holds the count to measured CPU peaks. See docs/planning.md.
+placements (models/llama/parallelize.py), pipeline split (models/llama/pipeline.py) and FSDP2 dim-0 chunking as
+the real parallelized model; the dry run checks that they are equal. Activations count the tensors autograd saves
+for backward in titan_npu.models.llama with the reference ops, per token, and walk backward block by block to find
+the peak (loss buffers, a checkpointed block's recomputation); tests/tools/test_plan_calibration.py holds them to
+measured CPU peaks. docs/planning.md has the formulas.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import LayoutError
 from titan_npu.models.llama.args import LlamaArgs, build_model_args
+from titan_npu.models.llama.pipeline import split_layers
 
 GiB = 1024**3
 MiB = 1024**2
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 AC_MODES = ("none", "selective", "full")
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 # Mesh dimension order of ParallelDims.build_mesh: a rank's coordinates are its row-major index in this mesh.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
-# Tensor-parallel placement of each parameter (by name suffix): the dim its local shard cuts, None = replicated.
-# Column-wise projections (wq/wk/wv, w1/w3, output) cut their output rows, row-wise ones (wo, w2) their input
-# columns, the embedding its vocabulary rows; norms are replicated.
+# Tensor-parallel placement of each parameter kind (models/llama/parallelize.py): the dim its local shard cuts,
+# None = replicated. Column-wise projections (wq/wk/wv, w1/w3, output) cut their output rows, row-wise ones
+# (wo, w2) their input columns, the vocabulary-parallel embedding its rows; norms are replicated.
 TP_SHARD_DIM: dict[str, int | None] = {
     "tok_embeddings.weight": 0,
     "attention.wq.weight": 0,
@@ -39,8 +41,11 @@ TP_SHARD_DIM: dict[str, int | None] = {
     "norm.weight": None,
     "output.weight": 0,
 }
+BLOCK_KINDS = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight",
+               "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight",
+               "attention_norm.weight", "ffn_norm.weight")
 
-# Per-parameter optimizer state, in multiples of the parameter's bytes (moments are kept in the parameter's dtype).
+# Per-parameter optimizer state, in parameter-sized tensors (the dry run measures the real optimizer's).
 OPTIMIZER_STATE_MULTIPLIER = {"adamw": 2, "adam": 2, "sgd": 1}
 
 # Bytes that the attention kernel keeps per (token, local head) besides q, k, v and the output: the log-sum-exp of
@@ -56,7 +61,7 @@ NCCL_COMMUNICATOR_BYTES = 128 * MiB  # NCCL channels' staging buffers per commun
 
 @dataclass(frozen=True)
 class Layout:
-    """How one job is laid out: parallel degrees, activation checkpointing and batch split per rank."""
+    """How one job is laid out: parallel degrees, activation checkpointing and the batch split per rank."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -65,14 +70,15 @@ class Layout:
     fsdp: bool = True
     ac: str = "none"  # none | selective | full
     selective_every: int = 2
-    batch_size: int = 1  # sequences per rank per accumulation step (split into pipeline micro-batches when pp > 1)
+    selective_ops: bool = False
+    batch_size: int = 1  # training.batch_size: sequences per rank per forward (per accumulation step)
     grad_accum: int = 1
     pp_microbatches: int = 0  # 0 = 2 * pp
     pp_schedule: str = "1F1B"
+    pp_virtual_stages: int = 0  # 0 = 2 for Interleaved1F1B, else 1
     cpu_offload: bool = False
     reshard_after_forward: bool = True
     loss_parallel: bool = True
-    sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "batch_size", "grad_accum", "selective_every"):
@@ -80,10 +86,10 @@ class Layout:
                 raise LayoutError(f"layout {name}={getattr(self, name)} must be >= 1")
         if self.ac not in AC_MODES:
             raise LayoutError(f"activation_checkpoint.mode={self.ac!r} is unknown (choose {', '.join(AC_MODES)})")
-        if self.pp > 1 and self.batch_size % self.n_microbatches:
+        if self.pp > 1 and self.local_batch % self.n_microbatches:
             raise LayoutError(
-                f"training.batch_size={self.batch_size} does not split into {self.n_microbatches} pipeline "
-                f"micro-batches; make batch_size a multiple of parallel.pp_microbatches"
+                f"{self.local_batch} sequences per pipeline step (batch_size x gradient_accumulation_steps) do not "
+                f"split into {self.n_microbatches} micro-batches; make them a multiple of parallel.pp_microbatches"
             )
 
     @property
@@ -101,12 +107,30 @@ class Layout:
 
     @property
     def fsdp_wrapped(self) -> bool:
-        """fully_shard is applied (also for pure replication over dp_replicate): params cast by FSDP, no autocast."""
-        return self.shards_parameters or self.dp_replicate > 1
+        """FSDP2 (fully_shard or replicate) holds the parameters: it casts them, so no autocast weight copies."""
+        return self.dp > 1
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """The tensor-parallel plan keeps norms and the residual stream split over the sequence."""
+        return self.tp > 1
+
+    @property
+    def local_batch(self) -> int:
+        """Sequences one data-parallel rank processes per optimizer step."""
+        return self.batch_size * self.grad_accum
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.pp == 1:
+            return 1
+        if self.pp_virtual_stages > 0:
+            return self.pp_virtual_stages
+        return 2 if self.pp_schedule == "Interleaved1F1B" else 1
 
     @property
     def n_microbatches(self) -> int:
-        """Pipeline micro-batches per accumulation step (1 without pipeline parallelism)."""
+        """Pipeline micro-batches per step: under pipelining the accumulation steps become micro-batches."""
         if self.pp == 1:
             return 1
         return self.pp_microbatches or 2 * self.pp
@@ -114,7 +138,12 @@ class Layout:
     @property
     def micro_batch(self) -> int:
         """Sequences in one forward/backward pass of one stage."""
-        return self.batch_size // self.n_microbatches
+        return self.local_batch // self.n_microbatches if self.pp > 1 else self.batch_size
+
+    @property
+    def passes(self) -> int:
+        """Forward/backward passes per optimizer step (accumulation steps, or pipeline micro-batches)."""
+        return self.n_microbatches if self.pp > 1 else self.grad_accum
 
     def degrees(self) -> dict[str, int]:
         return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
@@ -126,11 +155,16 @@ class Layout:
             parts.append("fsdp=off")
         if self.cpu_offload:
             parts.append("cpu_offload")
-        ac = f"selective/{self.selective_every}" if self.ac == "selective" else self.ac
-        batch = f"batch {self.batch_size}"
+        if self.ac == "selective":
+            ac = "selective ops" if self.selective_ops else f"selective 1/{self.selective_every}"
+        else:
+            ac = self.ac
         if self.pp > 1:
-            batch += f" ({self.n_microbatches} x {self.micro_batch}, {self.pp_schedule})"
-        return f"{' '.join(parts)}, AC {ac}, {batch} x accum {self.grad_accum}"
+            batch = (f"{self.n_microbatches} micro-batches of {self.micro_batch} per step ({self.pp_schedule}, "
+                     f"{self.stages_per_rank} stage(s) per rank)")
+        else:
+            batch = f"micro-batch {self.batch_size} x accum {self.grad_accum}"
+        return f"{' '.join(parts)}, AC {ac}, {batch}"
 
 
 @dataclass(frozen=True)
@@ -164,19 +198,21 @@ def layout_from_config(cfg: JobConfig, world_size: int) -> Layout:
     from titan_npu.parallel.dims import ParallelDims
 
     dims = ParallelDims.from_config(cfg.parallel, world_size)
-    p = cfg.parallel
+    p, ac = cfg.parallel, cfg.activation_checkpoint
     return Layout(
         dp_replicate=dims.dp_replicate,
         dp_shard=dims.dp_shard,
         tp=dims.tp,
         pp=dims.pp,
         fsdp=p.fsdp,
-        ac=cfg.activation_checkpoint.mode,
-        selective_every=cfg.activation_checkpoint.selective_every,
+        ac=ac.mode,
+        selective_every=ac.selective_every,
+        selective_ops=ac.selective_ops,
         batch_size=cfg.training.batch_size,
         grad_accum=cfg.training.gradient_accumulation_steps,
         pp_microbatches=p.pp_microbatches,
         pp_schedule=p.pp_schedule,
+        pp_virtual_stages=p.pp_virtual_stages,
         cpu_offload=p.cpu_offload,
         reshard_after_forward=p.reshard_after_forward,
         loss_parallel=p.loss_parallel,
@@ -185,11 +221,6 @@ def layout_from_config(cfg: JobConfig, world_size: int) -> Layout:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Exact parameter, gradient and optimizer-state bytes
-
-
-BLOCK_KINDS = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight",
-               "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight",
-               "attention_norm.weight", "ffn_norm.weight")
 
 
 def parameter_kinds(args: LlamaArgs) -> dict[str, tuple[int, ...]]:
@@ -212,49 +243,42 @@ def parameter_kinds(args: LlamaArgs) -> dict[str, tuple[int, ...]]:
     }
 
 
-def parameter_shapes(args: LlamaArgs) -> dict[str, tuple[int, ...]]:
-    """Every parameter of the full model by its Meta name, with its full (unsharded) shape."""
-    kinds = parameter_kinds(args)
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": kinds["tok_embeddings.weight"]}
-    for i in range(args.n_layers):
-        shapes.update({f"layers.{i}.{kind}": kinds[kind] for kind in BLOCK_KINDS})
-    shapes["norm.weight"] = kinds["norm.weight"]
-    shapes["output.weight"] = kinds["output.weight"]
-    return shapes
-
-
 def parameter_kind(name: str) -> str:
     """'layers.3.attention.wq.weight' -> 'attention.wq.weight'; root parameters are their own kind."""
     return name.split(".", 2)[-1] if name.startswith("layers.") else name
 
 
-def stage_layer_ids(n_layers: int, pp: int) -> list[list[int]]:
-    """Transformer blocks of each pipeline stage: contiguous, as even as possible, earlier stages one more."""
-    if pp > n_layers:
-        raise LayoutError(f"parallel.pp_degree={pp} exceeds model.n_layers={n_layers}; choose pp <= {n_layers}")
-    base, extra = divmod(n_layers, pp)
-    stages, start = [], 0
-    for s in range(pp):
-        size = base + (1 if s < extra else 0)
-        stages.append(list(range(start, start + size)))
-        start += size
-    return stages
+@dataclass(frozen=True)
+class StagePart:
+    """One pipeline stage a rank runs: its blocks and whether it holds the embedding / the norm and output."""
+
+    stage: int
+    layers: tuple[int, ...]
+    first: bool
+    last: bool
+
+    def root_kinds(self) -> list[str]:
+        kinds = ["tok_embeddings.weight"] if self.first else []
+        return kinds + (["norm.weight", "output.weight"] if self.last else [])
 
 
-def stage_root_kinds(pp: int, stage: int) -> list[str]:
-    """Root parameters of a pipeline stage: the embedding on the first, final norm and output on the last."""
-    kinds = []
-    if stage == 0:
-        kinds.append("tok_embeddings.weight")
-    if stage == pp - 1:
-        kinds += ["norm.weight", "output.weight"]
-    return kinds
+def rank_parts(args: LlamaArgs, layout: Layout, pp_rank: int) -> list[StagePart]:
+    """The stages pipeline rank `pp_rank` runs (looped: pp_rank, pp_rank + pp, ...), cut as the trainer cuts them."""
+    n_stages = layout.pp * layout.stages_per_rank
+    if layout.pp == 1:
+        return [StagePart(0, tuple(range(args.n_layers)), True, True)]
+    layers = split_layers(args.n_layers, n_stages)
+    ids = [pp_rank + i * layout.pp for i in range(layout.stages_per_rank)]
+    return [StagePart(i, tuple(layers[i]), i == 0, i == n_stages - 1) for i in ids]
 
 
-def stage_parameter_names(args: LlamaArgs, pp: int, stage: int) -> list[str]:
-    """Names of the parameters one pipeline stage holds."""
-    names = [f"layers.{i}.{kind}" for i in stage_layer_ids(args.n_layers, pp)[stage] for kind in BLOCK_KINDS]
-    return names + stage_root_kinds(pp, stage)
+def rank_parameter_names(args: LlamaArgs, layout: Layout, pp_rank: int) -> list[str]:
+    """Names of the parameters a pipeline rank holds (layer names stay global: 'layers.41.attention.wq.weight')."""
+    names = []
+    for part in rank_parts(args, layout, pp_rank):
+        names += [f"layers.{i}.{kind}" for i in part.layers for kind in BLOCK_KINDS]
+        names += part.root_kinds()
+    return names
 
 
 def chunk_size(n: int, parts: int, index: int) -> int:
@@ -273,6 +297,14 @@ def rank_coordinates(layout: Layout, rank: int) -> dict[str, int]:
         coords[name] = rest % size
         rest //= size
     return {name: coords[name] for name in MESH_DIMS}
+
+
+def coordinates_rank(layout: Layout, coords: dict[str, int]) -> int:
+    """The rank at the given mesh coordinates (the inverse of rank_coordinates)."""
+    rank = 0
+    for name in MESH_DIMS:
+        rank = rank * layout.degrees()[name] + coords.get(name, 0)
+    return rank
 
 
 def local_shape(kind: str, shape: tuple[int, ...], layout: Layout, coords: dict[str, int]) -> tuple[int, ...]:
@@ -298,18 +330,17 @@ def local_parameter_numels(args: LlamaArgs, layout: Layout, rank: int) -> dict[s
     coords = rank_coordinates(layout, rank)
     kinds = parameter_kinds(args)
     per_kind = {kind: _numel(local_shape(kind, shape, layout, coords)) for kind, shape in kinds.items()}
-    return {name: per_kind[parameter_kind(name)] for name in stage_parameter_names(args, layout.pp, coords["pp"])}
+    return {name: per_kind[parameter_kind(name)] for name in rank_parameter_names(args, layout, coords["pp"])}
 
 
 def local_numel(args: LlamaArgs, layout: Layout, rank: int) -> int:
-    """Total elements of the parameter shards on `rank` (the sum of local_parameter_numels, without the names)."""
+    """Total elements of the parameter shards on `rank` (local_parameter_numels summed, without the names)."""
     coords = rank_coordinates(layout, rank)
     kinds = parameter_kinds(args)
-    n_blocks = len(stage_layer_ids(args.n_layers, layout.pp)[coords["pp"]])
-    block = sum(_numel(local_shape(kind, kinds[kind], layout, coords)) for kind in BLOCK_KINDS)
-    root = sum(_numel(local_shape(kind, kinds[kind], layout, coords)) for kind in stage_root_kinds(layout.pp,
-                                                                                                 coords["pp"]))
-    return n_blocks * block + root
+    per_kind = {kind: _numel(local_shape(kind, shape, layout, coords)) for kind, shape in kinds.items()}
+    block = sum(per_kind[k] for k in BLOCK_KINDS)
+    return sum(len(p.layers) * block + sum(per_kind[k] for k in p.root_kinds())
+               for p in rank_parts(args, layout, coords["pp"]))
 
 
 @dataclass(frozen=True)
@@ -340,129 +371,182 @@ def state_bytes(job: Job, layout: Layout, rank: int) -> StateBytes:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Activations and temporary buffers
+# Activations
 
 
-def block_activation_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "cpu") -> int:
-    """Bytes one transformer block saves for backward for one micro-batch (the reference ops' saved tensors).
+@dataclass(frozen=True)
+class BlockBytes:
+    """Per micro-batch: what a block saves for backward without checkpointing, and its pieces."""
 
-    Per token: each RMSNorm keeps its fp32 input and normalised value (8 D bytes) and the projection after it keeps
-    the normalised output in the compute dtype (c D; with autocast each projection keeps its own copy); attention
-    keeps q, k, v and the output (c (2 q + 2 kv)) plus the kernel's softmax statistics; SwiGLU keeps gate, silu(gate),
-    up and their product (4 c F). Eager attention keeps the B H S^2 probabilities instead.
+    full: int  # every tensor autograd saves (no checkpointing)
+    block_input: int  # the residual stream entering the block (what full checkpointing keeps)
+    op_saves: int  # what op-level selective checkpointing keeps: matmul and attention outputs + the input
+    backward_transient: int  # gradients alive while the block's backward runs
+
+
+def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "cpu") -> BlockBytes:
+    """Saved-tensor bytes of one transformer block for one micro-batch (the reference ops).
+
+    Per token, with c the compute dtype's bytes and sizes local to a tensor-parallel rank: each RMSNorm keeps its
+    fp32 input and normalised value (8 D) and the projections after it keep the normalised output (c D; with
+    autocast each projection keeps its own low-precision copy); attention keeps q, k, v and its output
+    (c (2 q + 2 kv)) plus the kernel's softmax statistics; SwiGLU keeps gate, silu(gate), up and their product
+    (4 c F). Eager attention keeps its output copy, repeated k/v and the B H S^2 probabilities instead.
     """
     a, c, tp = job.args, job.compute_bytes, layout.tp
     tokens = micro_batch * job.seq_len
     d, hd = a.dim, a.head_dim
     q, kv, f, heads = a.n_heads * hd // tp, a.n_kv_heads * hd // tp, a.ffn_dim // tp, a.n_heads // tp
-    sp = tp if (tp > 1 and layout.sequence_parallel) else 1
+    sp = tp if layout.sequence_parallel else 1
     autocast = c < 4 and not layout.fsdp_wrapped
-    # fp32 norm input + normalised value (+ 4-byte rstd), cut by sequence parallelism; then the projections' inputs.
-    norms = 2 * (8 * d + 4) // sp
-    norm_outputs = (5 if autocast else 2) * c * d
-    ffn = 4 * c * f
-    per_token = norms + norm_outputs + ffn
+    residual = 4 if autocast else c  # the residual stream stays fp32 under autocast
+    stats = heads * ATTENTION_STAT_BYTES.get(device_type, 4)
+    norms = 2 * (8 * d + 4) // sp  # fp32 input + normalised value + rstd; split over the sequence under SP
+    per_token = norms + (5 if autocast else 2) * c * d + 4 * c * f
     if a.use_flash_attention:
-        per_token += c * (2 * q + 2 * kv) + heads * ATTENTION_STAT_BYTES.get(device_type, 4)
-        return tokens * per_token
-    # Eager attention: q, repeated k and v, the output, then fp32 probabilities (+ their cast) and a bool mask.
-    per_token += 4 * c * q
-    probs = micro_batch * heads * job.seq_len**2 * (4 + (c if c != 4 else 0))
-    return tokens * per_token + probs + job.seq_len**2
+        full = tokens * (per_token + c * (2 * q + 2 * kv) + stats)
+    else:
+        probs = micro_batch * heads * job.seq_len**2 * (4 + (c if c != 4 else 0))
+        full = tokens * (per_token + 4 * c * q) + probs + job.seq_len**2
+    block_input = tokens * d * residual // sp
+    # Op-level selective checkpointing keeps the outputs of every matmul (q, k, v, wo, w1, w3, w2) and of attention.
+    op_saves = block_input + tokens * (c * (q + 2 * kv + 2 * d + 2 * f + q) + stats)
+    # Measured on CPU: about one fp32 F-wide gradient is alive beyond the saved tensors while a block's backward runs.
+    transient = tokens * 4 * f
+    return BlockBytes(full, block_input, op_saves, transient)
 
 
-def block_input_bytes(job: Job, layout: Layout, micro_batch: int) -> int:
-    """What a fully checkpointed block keeps: its input (the residual stream, fp32 under autocast)."""
-    c = job.compute_bytes
-    residual = 4 if (c < 4 and not layout.fsdp_wrapped) else c
-    sp = layout.tp if (layout.tp > 1 and layout.sequence_parallel) else 1
-    return micro_batch * job.seq_len * job.args.dim * residual // sp
-
-
-def checkpointed_blocks(n_blocks: int, layout: Layout) -> int:
-    """How many of a stage's blocks recompute their activations in backward."""
+def checkpoint_kind(layer_id: int, layout: Layout) -> str:
+    """How block `layer_id` is checkpointed: 'none', 'full' or 'ops' (activation_checkpoint.py's choice)."""
     if layout.ac == "full":
-        return n_blocks
+        return "full"
     if layout.ac == "selective":
-        return n_blocks // layout.selective_every
-    return 0
-
-
-def in_flight_microbatches(layout: Layout, stage: int) -> int:
-    """Micro-batches whose activations a pipeline stage holds at once (1F1B: pp - stage; GPipe: all of them)."""
-    if layout.pp == 1:
-        return 1
-    m = layout.n_microbatches
-    if layout.pp_schedule == "GPipe":
-        return m
-    return min(m, layout.pp - stage)
+        if layout.selective_ops:
+            return "ops"
+        return "full" if (layer_id + 1) % layout.selective_every == 0 else "none"
+    return "none"
 
 
 def loss_bytes(job: Job, layout: Layout, micro_batch: int) -> int:
-    """Logits and loss buffers at their peak (backward of the loss): logits (c) + fp32 log-softmax, its grads."""
+    """Logits and loss buffers at their peak (backward of the loss): logits (c), fp32 log-softmax, two fp32 grads."""
     vocab = job.args.vocab_size // layout.tp if (layout.tp > 1 and layout.loss_parallel) else job.args.vocab_size
     return micro_batch * job.seq_len * vocab * (job.compute_bytes + 12)
 
 
-def stage_activation_bytes(job: Job, layout: Layout, stage: int, device_type: str = "cpu") -> int:
-    """Saved activations of one pipeline stage at the start of backward, all in-flight micro-batches included."""
+def logits_bytes(job: Job, layout: Layout, micro_batch: int) -> int:
+    """The logits the training step holds through backward."""
+    vocab = job.args.vocab_size // layout.tp if (layout.tp > 1 and layout.loss_parallel) else job.args.vocab_size
+    return micro_batch * job.seq_len * vocab * job.compute_bytes
+
+
+@dataclass(frozen=True)
+class ActivationPeak:
+    """A rank's activations at the start of backward and the extra it needs at its backward peak."""
+
+    saved: int  # saved tensors of every in-flight micro-batch
+    extra: int  # loss buffers, or a recomputed block with its gradients, at the worst moment of backward
+
+
+def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str = "cpu") -> ActivationPeak:
+    """One micro-batch through one stage: its saved bytes and the peak over a block-by-block walk of backward."""
     mb = layout.micro_batch
-    n_blocks = len(stage_layer_ids(job.args.n_layers, layout.pp)[stage])
-    block = block_activation_bytes(job, layout, mb, device_type)
-    n_ckpt = checkpointed_blocks(n_blocks, layout)
-    per_microbatch = (n_blocks - n_ckpt) * block + n_ckpt * block_input_bytes(job, layout, mb)
     tokens = mb * job.seq_len
-    if stage == 0:
-        per_microbatch += 8 * tokens  # int64 token ids kept by the embedding
-    if stage == layout.pp - 1:
-        sp = layout.tp if (layout.tp > 1 and layout.sequence_parallel) else 1
-        per_microbatch += tokens * ((8 * job.args.dim + 4) // sp + job.compute_bytes * job.args.dim)  # final norm
-    recompute = block if n_ckpt else 0  # one checkpointed block re-runs its forward at a time
-    return in_flight_microbatches(layout, stage) * per_microbatch + recompute
+    b = block_bytes(job, layout, mb, device_type)
+    saved_by, recompute_by = [], []
+    for layer in part.layers:
+        kind = checkpoint_kind(layer, layout)
+        saved_by.append({"none": b.full, "full": b.block_input, "ops": b.op_saves}[kind])
+        recompute_by.append({"none": 0, "full": b.full, "ops": max(0, b.full - b.op_saves)}[kind])
+    saved = sum(saved_by)
+    if part.first:
+        saved += 8 * tokens  # int64 token ids kept by the embedding
+    if part.last:
+        sp = layout.tp if layout.sequence_parallel else 1
+        saved += tokens * ((8 * job.args.dim + 4) // sp + job.compute_bytes * job.args.dim)  # final norm, output
+    c = job.compute_bytes
+    # Backward starts at the loss (last stage) or with the gradient the next stage sent (others).
+    held = logits_bytes(job, layout, mb) if part.last else tokens * job.args.dim * c
+    extra = loss_bytes(job, layout, mb) if part.last else held
+    freed = 0  # saved bytes of the blocks whose backward already ran
+    for block_saved, recompute in zip(reversed(saved_by), reversed(recompute_by)):
+        extra = max(extra, held + recompute + b.backward_transient - freed)
+        freed += block_saved
+    return ActivationPeak(saved, extra)
+
+
+def in_flight_forwards(layout: Layout, pp_rank: int) -> int:
+    """Stage forwards whose activations a pipeline rank holds at its peak (torch.distributed.pipelining's order).
+
+    1F1B: pp - pp_rank micro-batches; GPipe: all of them; interleaved: the schedule's warm-up forwards plus one.
+    """
+    if layout.pp == 1:
+        return 1
+    m, pp, v = layout.n_microbatches, layout.pp, layout.stages_per_rank
+    if layout.pp_schedule == "GPipe":
+        return m * v
+    if v == 1:
+        return min(m, pp - pp_rank)
+    per_round = m // max(1, m // pp)
+    warmup = (v - 1) * per_round + 2 * (pp - 1 - pp_rank)
+    return min(warmup + 1, m * v)
+
+
+def rank_activations(job: Job, layout: Layout, pp_rank: int, device_type: str = "cpu") -> ActivationPeak:
+    """Activations of a pipeline rank: its in-flight forwards' saved tensors, plus one backward's peak extra."""
+    peaks = [part_activations(job, layout, part, device_type) for part in rank_parts(job.args, layout, pp_rank)]
+    largest = max(p.saved for p in peaks)
+    return ActivationPeak(in_flight_forwards(layout, pp_rank) * largest, max(p.extra for p in peaks))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Temporary and communication buffers, and the per-rank total
 
 
 @dataclass(frozen=True)
 class TemporaryBytes:
     """Buffers that live only during forward/backward (or the optimizer step)."""
 
-    loss: int  # logits and loss on the last stage
+    backward: int  # loss buffers or a block's recomputation (ActivationPeak.extra)
     fsdp: int  # unsharded parameters and gradients of the blocks being computed
     autocast: int  # low-precision weight copies autocast keeps for backward (no FSDP mixed precision)
     optimizer_step: int  # foreach optimizer intermediates (after backward, when activations are gone)
 
     @property
     def during_backward(self) -> int:
-        return self.loss + self.fsdp + self.autocast
+        return self.backward + self.fsdp + self.autocast
 
 
-def temporary_bytes(job: Job, layout: Layout, stage: int, device_type: str = "cpu",
+def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int, device_type: str = "cpu",
                     local_param_bytes: int = 0) -> TemporaryBytes:
-    """Temporary buffers of a stage's rank; local_param_bytes sizes the optimizer step's intermediates."""
+    """Temporary buffers of a pipeline rank; local_param_bytes sizes the optimizer step's intermediates."""
     kinds = parameter_kinds(job.args)
     tp, c = layout.tp, job.compute_bytes
-    n_blocks = len(stage_layer_ids(job.args.n_layers, layout.pp)[stage])
+    parts = rank_parts(job.args, layout, pp_rank)
+    n_blocks = sum(len(p.layers) for p in parts)
     block = sum(_numel(kinds[k]) for k in BLOCK_KINDS) // tp
-    root_kinds = stage_root_kinds(layout.pp, stage)
-    root = sum(_numel(kinds[k]) for k in root_kinds) // tp
-    loss = loss_bytes(job, layout, layout.micro_batch) if stage == layout.pp - 1 else 0
+    root = sum(_numel(kinds[k]) for p in parts for k in p.root_kinds()) // tp
     fsdp = autocast = 0
-    if layout.fsdp_wrapped:
-        # Unsharded copies in the compute dtype: the block being computed and the one prefetched, plus the root
-        # (embedding, norm, output), which FSDP2 keeps unsharded between forward and backward. In backward, the
-        # block's unsharded gradient (compute dtype) and its fp32 copy for the reduce-scatter.
+    if layout.fsdp_wrapped and layout.pp > 1:
+        # Under pipelining the schedule skips FSDP's resharding and gradient reduction until the last micro-batch:
+        # every block of the rank stays unsharded (compute dtype) and accumulates an unsharded fp32 gradient.
+        fsdp = (n_blocks * block + root) * (c + 4)
+    elif layout.fsdp_wrapped:
+        # Unsharded copies in the compute dtype: the block being computed and the one prefetched (the last block
+        # is never resharded after forward), and the root (embedding, norm, output); in backward, the block's
+        # unsharded gradient and its fp32 copy for the reduce-scatter.
         grad_copy = 4 if c < 4 else 0
         fsdp = min(n_blocks, 2) * block * c + (block * (c + grad_copy) if n_blocks else 0) + root * c
         if not layout.reshard_after_forward:
             fsdp += max(0, n_blocks - 2) * block * c
     elif c < 4:
         # autocast caches one low-precision copy of every matmul weight for backward (not the embedding table).
-        matmuls = n_blocks * sum(_numel(kinds[k]) for k in BLOCK_KINDS if len(kinds[k]) == 2)
-        matmuls += _numel(kinds["output.weight"]) if "output.weight" in root_kinds else 0
-        autocast = matmuls // tp * c
+        autocast = n_blocks * sum(_numel(kinds[k]) for k in BLOCK_KINDS if len(kinds[k]) == 2) // tp * c
+        if any(p.last for p in parts):
+            autocast += _numel(kinds["output.weight"]) // tp * c
     # foreach AdamW (the NPU default) materialises sqrt(exp_avg_sq) for every parameter at once; fused kernels
     # (cuda, cpu) need no such buffer.
     optimizer_step = local_param_bytes if device_type == "npu" and optimizer_state_multiplier(job) == 2 else 0
-    return TemporaryBytes(loss, fsdp, autocast, optimizer_step)
+    return TemporaryBytes(backward_extra, fsdp, autocast, optimizer_step)
 
 
 def communicators(layout: Layout) -> int:
@@ -487,7 +571,7 @@ def communication_bytes(layout: Layout, device_type: str, hccl_buffsize_mb: int 
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Per-rank device memory of a layout, in bytes, for the busiest pipeline stage."""
+    """Per-rank device memory of a layout, in bytes."""
 
     parameters: int
     gradients: int
@@ -496,9 +580,9 @@ class MemoryBreakdown:
     temporary: int
     communication: int
     runtime: int
-    stage: int
     rank: int
-    host_offload: int = 0  # bytes moved to host memory by cpu_offload
+    pp_rank: int
+    host_offload: int = 0  # bytes cpu_offload keeps in host memory instead
 
     @property
     def total(self) -> int:
@@ -509,58 +593,48 @@ class MemoryBreakdown:
         return {
             "parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
             "activations": self.activations, "temporary": self.temporary, "communication": self.communication,
-            "runtime": self.runtime, "total": self.total, "stage": self.stage, "rank": self.rank,
+            "runtime": self.runtime, "total": self.total, "rank": self.rank, "pp_rank": self.pp_rank,
             "host_offload": self.host_offload,
         }
 
 
-def stage_rank(layout: Layout, stage: int) -> int:
-    """The rank of a stage with coordinate 0 elsewhere: it holds the largest tp/FSDP chunks of that stage."""
-    stride = layout.dp_replicate * layout.dp_shard * layout.tp
-    return stage * stride
-
-
 def estimate_memory(job: Job, layout: Layout, device_type: str = "cpu", hccl_buffsize_mb: int = 0,
                     rank: int | None = None) -> MemoryBreakdown:
-    """Peak device memory of `rank` (default: the rank with the largest peak over the pipeline stages).
+    """Peak device memory of `rank` (default: the rank with the largest peak among the pipeline ranks).
 
     Peak = state (parameters, gradients, optimizer) + max(activations + backward temporaries, optimizer-step
     temporaries) + collective buffers + runtime reserve. Gradients are counted whole: they exist at the peak
-    whenever gradient accumulation runs more than one micro-batch, and a plan must survive that case.
+    whenever a step runs more than one forward/backward, and a plan must survive that case.
     """
     if rank is not None:
-        stages = [rank_coordinates(layout, rank)["pp"]]
+        candidates = [rank]
     else:
-        stages = list(range(layout.pp))
+        # Coordinate 0 on every other dim holds the largest tp and FSDP chunks of its pipeline rank.
+        candidates = [coordinates_rank(layout, {"pp": r}) for r in range(layout.pp)]
     best: MemoryBreakdown | None = None
-    for stage in stages:
-        r = stage_rank(layout, stage) if rank is None else rank
+    for r in candidates:
+        pp_rank = rank_coordinates(layout, r)["pp"]
         state = state_bytes(job, layout, r)
-        acts = stage_activation_bytes(job, layout, stage, device_type)
-        temp = temporary_bytes(job, layout, stage, device_type, state.parameters)
-        during = max(temp.during_backward, temp.optimizer_step - acts)
-        offloaded = state.parameters + state.gradients + state.optimizer if layout.cpu_offload else 0
+        acts = rank_activations(job, layout, pp_rank, device_type)
+        temp = temporary_bytes(job, layout, pp_rank, acts.extra, device_type, state.parameters)
+        during = max(temp.during_backward, temp.optimizer_step - acts.saved)
+        offload = layout.cpu_offload
         breakdown = MemoryBreakdown(
-            parameters=0 if layout.cpu_offload else state.parameters,
-            gradients=0 if layout.cpu_offload else state.gradients,
-            optimizer=0 if layout.cpu_offload else state.optimizer,
-            activations=acts,
+            parameters=0 if offload else state.parameters,
+            gradients=0 if offload else state.gradients,
+            optimizer=0 if offload else state.optimizer,
+            activations=acts.saved,
             temporary=during,
             communication=communication_bytes(layout, device_type, hccl_buffsize_mb),
             runtime=RUNTIME_RESERVE_BYTES.get(device_type, 0),
-            stage=stage,
             rank=r,
-            host_offload=offloaded,
+            pp_rank=pp_rank,
+            host_offload=state.parameters + state.gradients + state.optimizer if offload else 0,
         )
         if best is None or breakdown.total > best.total:
             best = breakdown
     assert best is not None
     return best
-
-
-def with_batch(layout: Layout, batch_size: int, grad_accum: int) -> Layout:
-    """The same layout with another per-rank batch split."""
-    return replace(layout, batch_size=batch_size, grad_accum=grad_accum)
 
 
 def checkpoint_bytes(job: Job) -> int:

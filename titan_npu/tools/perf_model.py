@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from titan_npu.device.flops import lookup_peak_flops
 from titan_npu.errors import ConfigError
 from titan_npu.metrics.throughput import flops_per_token
-from titan_npu.tools.memory_model import GiB, Job, Layout, local_numel, stage_layer_ids
+from titan_npu.tools.memory_model import GiB, Job, Layout, local_numel, rank_parts
 
 GB = 1e9
 # Parameters per second one rank's host-side AdamW updates when the node's ranks share the host (cpu_offload).
@@ -104,21 +104,29 @@ def _bandwidth(hw: Hardware, crosses: bool) -> float:
     return hw.inter_node_bw if crosses else hw.intra_node_bw
 
 
+# Op-level selective checkpointing recomputes only element-wise ops (norms, rotary, SwiGLU): few FLOPs, but
+# memory-bound passes over the activations; a small fixed cost stands for them.
+SELECTIVE_OPS_RECOMPUTE = 0.03
+
+
 def recompute_factor(layout: Layout) -> float:
     """Extra compute from activation checkpointing: a recomputed block runs its forward (1/3 of its FLOPs) twice."""
     if layout.ac == "full":
         return 4 / 3
     if layout.ac == "selective":
+        if layout.selective_ops:
+            return 1 + SELECTIVE_OPS_RECOMPUTE
         return 1 + 1 / (3 * layout.selective_every)
     return 1.0
 
 
 def pipeline_bubble(layout: Layout) -> float:
-    """Fraction of a pipelined step the average stage idles: (pp - 1) / (m + pp - 1), halved when interleaved."""
+    """Fraction of a pipelined step a rank idles: (pp - 1) / (m + pp - 1), the idle part divided by the stages
+    per rank for interleaved schedules."""
     if layout.pp == 1:
         return 0.0
     m, pp = layout.n_microbatches, layout.pp
-    idle = (pp - 1) / 2 if layout.pp_schedule == "Interleaved1F1B" else pp - 1
+    idle = (pp - 1) / layout.stages_per_rank
     return idle / (m + idle)
 
 
@@ -146,52 +154,58 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
     """Step time of a layout: compute at `efficiency` x peak, plus exposed communication, pipeline bubble, offload."""
     a, c = job.args, job.compute_bytes
     fpt = flops_per_token(a.num_params(exclude_embedding=True), a.n_layers, a.dim, job.seq_len)
-    tokens_per_rank = layout.batch_size * layout.grad_accum * job.seq_len  # per data-parallel rank, per step
+    tokens_per_rank = layout.local_batch * job.seq_len  # per data-parallel rank, per step
     tokens_per_step = tokens_per_rank * layout.dp
     flops = fpt * tokens_per_rank * recompute_factor(layout) / (layout.tp * layout.pp)
     compute = flops / (hw.peak_flops * efficiency)
 
-    # Tensor parallel: every block all-reduces (or reduce-scatters + all-gathers) its attention and MLP output in
-    # forward and their input gradients in backward; recomputed blocks repeat the forward pair.
+    # Tensor parallel: every block all-gathers its input and reduce-scatters its output (sequence parallel) for
+    # attention and the MLP, in forward and again for the gradients in backward; recomputation repeats forward.
     tp_comm = 0.0
-    blocks = max(len(s) for s in stage_layer_ids(a.n_layers, layout.pp))
+    blocks = max(sum(len(p.layers) for p in rank_parts(a, layout, r)) for r in range(layout.pp))
     if layout.tp > 1:
-        per_block = 4 + 2 * (recompute_factor(layout) - 1) * 3
+        # 4 collectives per block in forward, 4 in backward, 4 more per recomputed forward (op-level selective
+        # checkpointing keeps the reduce-scatters' outputs and repeats only the 2 all-gathers).
+        if layout.ac == "selective" and layout.selective_ops:
+            per_block = 10
+        else:
+            per_block = 8 + 12 * (recompute_factor(layout) - 1)
         volume = tokens_per_rank * a.dim * c * per_block * blocks
-        tp_comm = volume * 2 * (layout.tp - 1) / layout.tp / _bandwidth(hw, group_crosses_nodes(layout, "tp",
-                                                                                                  devices_per_node))
+        bw = _bandwidth(hw, group_crosses_nodes(layout, "tp", devices_per_node))
+        tp_comm = volume * (layout.tp - 1) / layout.tp / bw
 
     # Pipeline: activations and their gradients cross each stage boundary once per micro-batch.
     pp_comm = 0.0
     if layout.pp > 1:
-        volume = 2 * tokens_per_rank * a.dim * c / layout.tp
+        volume = 2 * tokens_per_rank * a.dim * c / layout.tp * layout.stages_per_rank
         pp_comm = volume / _bandwidth(hw, group_crosses_nodes(layout, "pp", devices_per_node))
     bubble_frac = pipeline_bubble(layout)
     busy = compute + tp_comm + pp_comm
     bubble = busy * bubble_frac / (1 - bubble_frac)
 
-    # FSDP: all-gather parameters in forward (and again in backward when resharded) and reduce-scatter fp32
-    # gradients on every accumulation step; HSDP adds an all-reduce over the replicas. Overlapped with compute.
+    # FSDP: parameters are all-gathered for forward (and again for backward when resharded) and fp32 gradients
+    # reduce-scattered after every forward/backward pass; under pipelining gradients are reduced once per step.
+    # HSDP adds an all-reduce over the replicas. Overlapped with compute: only the excess is exposed.
     fsdp_comm = 0.0
     local = local_numel(a, layout, 0)
+    reductions = 1 if layout.pp > 1 else layout.passes
     if layout.shards_parameters:
         s = layout.dp_shard
-        gathers = 2 if layout.reshard_after_forward else 1
+        gathers = (2 if layout.reshard_after_forward else 1) * layout.passes
         bw = _bandwidth(hw, group_crosses_nodes(layout, "dp_shard", devices_per_node))
-        per_pass = local * s * (gathers * c + 4) * (s - 1) / s / bw
-        fsdp_comm += per_pass * layout.grad_accum
+        fsdp_comm += local * s * (gathers * c + reductions * 4) * (s - 1) / s / bw
     if layout.dp_replicate > 1:
         r = layout.dp_replicate
         bw = _bandwidth(hw, group_crosses_nodes(layout, "dp_replicate", devices_per_node))
-        fsdp_comm += local * 4 * 2 * (r - 1) / r / bw * layout.grad_accum
+        fsdp_comm += local * 4 * 2 * (r - 1) / r / bw * reductions
     fsdp_exposed = max(0.0, fsdp_comm - compute)
 
-    # cpu_offload: fp32 parameter shards go up before each all-gather and fp32 gradient shards come down on every
-    # accumulation step, not overlapped; AdamW then runs on the host, shared by the node's ranks.
+    # cpu_offload: fp32 parameter shards go up before each all-gather and fp32 gradient shards come down after
+    # each reduction, not overlapped; AdamW then runs on the host, shared by the node's ranks.
     offload = 0.0
     if layout.cpu_offload:
-        gathers = 2 if layout.reshard_after_forward else 1
-        offload = local * 4 * (gathers + 1) * layout.grad_accum / hw.host_bw + local / HOST_ADAMW_PARAMS_PER_S
+        gathers = (2 if layout.reshard_after_forward else 1) * layout.passes
+        offload = local * 4 * (gathers + reductions) / hw.host_bw + local / HOST_ADAMW_PARAMS_PER_S
 
     step = compute + tp_comm + pp_comm + bubble + fsdp_exposed + offload
     tokens_per_s = tokens_per_step / step

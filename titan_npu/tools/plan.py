@@ -5,12 +5,14 @@
     titan-npu plan --config configs/llama2_7b.toml --nodes 1 --devices-per-node 4 --verify --rank 3
 
 Every candidate keeps the config's global batch (sequences per optimizer step): a plan that silently changed it
-would change the training run, not only its speed.
+would change the training run, not only its speed. Candidates pass the same layout checks as the trainer
+(parallel/layout.py). Exit code 0 when the config's own layout fits (and --verify agrees), 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from dataclasses import dataclass, replace
@@ -18,7 +20,6 @@ from dataclasses import dataclass, replace
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import ConfigError, LayoutError
 from titan_npu.tools.memory_model import (
-    AC_MODES,
     GiB,
     Job,
     Layout,
@@ -29,9 +30,10 @@ from titan_npu.tools.memory_model import (
 )
 from titan_npu.tools.perf_model import DEVICES, Hardware, StepEstimate, estimate_step, hardware
 
-# Fraction of usable memory a plan may fill: the allocator's fragmentation needs the rest.
+# Fraction of device memory a plan may fill: the allocator's fragmentation needs the rest.
 FIT_FRACTION = 0.95
 MICRO_BATCHES = (1, 2, 4, 8, 16)
+MAX_TP, MAX_PP = 8, 16
 # Llama 2 and 3 pretrained with ~4M-token batches; far larger global batches at the same lr are a common cause of
 # loss oscillation in the guides' runs.
 LARGE_GLOBAL_BATCH_TOKENS = 4 * 1024 * 1024
@@ -56,13 +58,14 @@ class Candidate:
             "layout": {
                 "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp,
                 "fsdp": lay.fsdp, "activation_checkpoint": lay.ac, "selective_every": lay.selective_every,
-                "batch_size": lay.batch_size, "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum,
-                "pp_microbatches": lay.n_microbatches if lay.pp > 1 else 0, "pp_schedule": lay.pp_schedule,
-                "cpu_offload": lay.cpu_offload,
+                "selective_ops": lay.selective_ops, "batch_size": lay.batch_size, "grad_accum": lay.grad_accum,
+                "micro_batch": lay.micro_batch, "pp_microbatches": lay.n_microbatches if lay.pp > 1 else 0,
+                "pp_schedule": lay.pp_schedule, "cpu_offload": lay.cpu_offload, "overrides": config_overrides(lay),
             },
             "memory_bytes": self.memory.as_dict(),
             "memory_gib": {k: round(v / GiB, 2) for k, v in self.memory.as_dict().items()
-                           if k not in ("stage", "rank")},
+                           if k not in ("rank", "pp_rank")},
+            "usable_gib": round(self.usable_bytes / GiB, 2),
             "fits": self.fits,
             "estimate": self.step.as_dict(),
         }
@@ -80,44 +83,93 @@ def evaluate(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, effi
     return Candidate(layout, memory, step, int(hw.memory_bytes * FIT_FRACTION))
 
 
-def candidate_layouts(job: Job, base: Layout, world_size: int, devices_per_node: int,
-                      global_batch: int) -> list[Layout]:
-    """Layouts of `world_size` ranks that keep `global_batch` sequences per step and divide the model evenly.
+def config_for_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
+    """A copy of the config that selects `layout` (what config_overrides says on the command line)."""
+    new = copy.deepcopy(cfg)
+    p, ac, t = new.parallel, new.activation_checkpoint, new.training
+    p.dp_replicate, p.dp_shard, p.tp_degree, p.pp_degree = layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp
+    p.pp_microbatches, p.cpu_offload = layout.pp_microbatches, layout.cpu_offload
+    ac.mode, ac.selective_ops, ac.selective_every = layout.ac, layout.selective_ops, layout.selective_every
+    t.batch_size, t.gradient_accumulation_steps = layout.batch_size, layout.grad_accum
+    return new
 
-    tp stays inside a node and divides both head counts; pp divides the layer count; dp_replicate > 1 only
-    replicates across nodes (HSDP: shard inside, replicate across); activation checkpointing none/selective/full;
-    a micro-batch from 1 to 16 with gradient accumulation making up the rest; CPU offload as a last resort.
+
+def config_overrides(layout: Layout) -> str:
+    """The command-line overrides that select a layout."""
+    parts = [f"--parallel.dp_replicate {layout.dp_replicate}", f"--parallel.dp_shard {layout.dp_shard}",
+             f"--parallel.tp_degree {layout.tp}", f"--parallel.pp_degree {layout.pp}",
+             f"--activation_checkpoint.mode {layout.ac}"]
+    if layout.ac == "selective":
+        parts.append(f"--activation_checkpoint.selective_ops {str(layout.selective_ops).lower()}")
+    parts += [f"--training.batch_size {layout.batch_size}",
+              f"--training.gradient_accumulation_steps {layout.grad_accum}"]
+    if layout.pp > 1:
+        parts.append(f"--parallel.pp_microbatches {layout.n_microbatches}")
+    if layout.cpu_offload:
+        parts.append("--parallel.cpu_offload true")
+    return " ".join(parts)
+
+
+def check_layout(cfg: JobConfig, job: Job, world_size: int) -> None:
+    """The trainer's own layout checks (head, vocab, sequence and micro-batch splits); raises LayoutError."""
+    from titan_npu.parallel.dims import ParallelDims
+    from titan_npu.parallel.layout import validate_layout
+
+    validate_layout(ParallelDims.from_config(cfg.parallel, world_size), job.args, cfg)
+
+
+def is_valid(cfg: JobConfig, job: Job, layout: Layout) -> bool:
+    """Whether the trainer would accept `layout` for this config."""
+    try:
+        check_layout(config_for_layout(cfg, layout), job, layout.world_size)
+    except LayoutError:
+        return False
+    return True
+
+
+def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, devices_per_node: int,
+                      global_batch: int) -> list[Layout]:
+    """Layouts of `world_size` ranks that keep `global_batch` sequences per step and pass the layout checks.
+
+    tp stays inside a node; pp up to 16 stages; dp_replicate > 1 only as HSDP whose shard group stays inside a
+    node; activation checkpointing none / selective every Nth block / selective ops / full; a micro-batch from 1 to
+    16 with accumulation (or, under pipelining, micro-batches) making up the rest; CPU offload as a last resort.
     """
     a = job.args
+    acs = [("none", False), ("selective", False), ("selective", True), ("full", False)]
     out = []
     for tp in _divisors(devices_per_node):
-        if a.n_heads % tp or a.n_kv_heads % tp or tp > 8:
+        if tp > MAX_TP or a.n_heads % tp or a.n_kv_heads % tp:
             continue
         for pp in _divisors(world_size // tp):
-            if pp > a.n_layers or a.n_layers % pp or pp > 16:
+            if pp > min(MAX_PP, a.n_layers):
                 continue
             dp = world_size // (tp * pp)
             if global_batch % dp:
                 continue
             local = global_batch // dp
-            # HSDP: replicate across nodes while the shard group (dp_shard x tp ranks) stays inside one.
             replicas = [1] + [r for r in _divisors(dp) if r > 1 and (dp // r) * tp <= devices_per_node]
             for dp_replicate in replicas:
                 dp_shard = dp // dp_replicate
-                n_micro = (base.pp_microbatches or 2 * pp) if pp > 1 else 1
                 for mb in MICRO_BATCHES:
-                    per_pass = mb * n_micro
-                    if local % per_pass:
+                    if local % mb:
                         continue
-                    for ac in AC_MODES:
+                    if pp == 1:
+                        split = {"batch_size": mb, "grad_accum": local // mb, "pp_microbatches": 0}
+                    else:
+                        # Under pipelining the whole local batch is one pipeline step of local / mb micro-batches.
+                        split = {"batch_size": local, "grad_accum": 1, "pp_microbatches": local // mb}
+                    for ac, ops in acs:
                         for offload in (False, True):
                             if offload and not (base.fsdp and dp_shard > 1):
                                 continue
-                            out.append(replace(
-                                base, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, ac=ac,
-                                batch_size=per_pass, grad_accum=local // per_pass,
-                                pp_microbatches=n_micro if pp > 1 else base.pp_microbatches, cpu_offload=offload,
-                            ))
+                            try:
+                                layout = replace(base, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp,
+                                                 ac=ac, selective_ops=ops, cpu_offload=offload, **split)
+                            except LayoutError:
+                                continue
+                            if is_valid(cfg, job, layout):
+                                out.append(layout)
     return out
 
 
@@ -134,7 +186,7 @@ def rank_candidates(candidates: list[Candidate]) -> list[Candidate]:
     seen, ranked = set(), []
     for c in fitting:
         lay = c.layout
-        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.ac, lay.cpu_offload)
+        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.ac, lay.selective_ops, lay.cpu_offload)
         if key not in seen:
             seen.add(key)
             ranked.append(c)
@@ -143,6 +195,8 @@ def rank_candidates(candidates: list[Candidate]) -> list[Candidate]:
 
 @dataclass(frozen=True)
 class Plan:
+    """The config's layout evaluated, and the ranked alternatives."""
+
     job: Job
     hw: Hardware
     nodes: int
@@ -188,17 +242,19 @@ def make_plan(cfg: JobConfig, nodes: int, devices_per_node: int, hw: Hardware, e
     config_candidate, config_error = None, None
     try:
         base = layout_from_config(cfg, world)
+        check_layout(cfg, job, world)
         config_candidate = evaluate(job, base, hw, devices_per_node, efficiency, buffsize)
+        global_batch = base.local_batch * base.dp
     except LayoutError as e:
         config_error = str(e)
-        base = Layout(fsdp=cfg.parallel.fsdp, selective_every=cfg.activation_checkpoint.selective_every,
-                      pp_schedule=cfg.parallel.pp_schedule, loss_parallel=cfg.parallel.loss_parallel,
-                      reshard_after_forward=cfg.parallel.reshard_after_forward)
-    global_batch = (config_candidate.layout.batch_size * config_candidate.layout.grad_accum
-                    * config_candidate.layout.dp) if config_candidate else (
-        cfg.training.batch_size * cfg.training.gradient_accumulation_steps * world)
+        p, ac = cfg.parallel, cfg.activation_checkpoint
+        base = Layout(fsdp=p.fsdp, selective_every=ac.selective_every, pp_schedule=p.pp_schedule,
+                      pp_virtual_stages=p.pp_virtual_stages, loss_parallel=p.loss_parallel,
+                      reshard_after_forward=p.reshard_after_forward)
+        # Without a valid layout the global batch is the config's per-rank batch over pure data parallelism.
+        global_batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps * world
     candidates = [evaluate(job, lay, hw, devices_per_node, efficiency, buffsize)
-                  for lay in candidate_layouts(job, base, world, devices_per_node, global_batch)]
+                  for lay in candidate_layouts(cfg, job, base, world, devices_per_node, global_batch)]
     return Plan(job, hw, nodes, devices_per_node, config_candidate, config_error, rank_candidates(candidates)[:top],
                 global_batch, efficiency)
 
@@ -207,46 +263,51 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f}"
 
 
+def _ac_label(layout: Layout) -> str:
+    if layout.ac == "selective":
+        return "sel-ops" if layout.selective_ops else f"sel/{layout.selective_every}"
+    return layout.ac
+
+
 def format_breakdown(c: Candidate) -> list[str]:
     """Per-rank memory lines of one candidate."""
     m, lay = c.memory, c.layout
-    shard = f"sharded over {lay.dp_shard}" if lay.shards_parameters else "replicated"
+    shard = f"sharded over {lay.dp_shard}" if lay.shards_parameters else "not sharded"
     if lay.tp > 1:
         shard += f", tp {lay.tp}"
-    where = f"rank {m.rank}" + (f", pipeline stage {m.stage} of {lay.pp}" if lay.pp > 1 else "")
-    ac = {"none": "no checkpointing", "full": "full checkpointing",
-          "selective": f"1 block in {lay.selective_every} checkpointed"}[lay.ac]
+    where = f"rank {m.rank}" + (f", pipeline rank {m.pp_rank} of {lay.pp}" if lay.pp > 1 else "")
+    ac = {"none": "no checkpointing", "full": "full checkpointing"}.get(lay.ac) or (
+        "selective ops" if lay.selective_ops else f"1 block in {lay.selective_every} checkpointed")
     rows = [
         (f"parameters (fp32, {shard})", m.parameters),
         ("gradients (fp32)", m.gradients),
         ("optimizer state", m.optimizer),
         (f"activations (micro-batch {lay.micro_batch}, {ac})", m.activations),
-        ("temporary (logits/loss, unsharded FSDP or autocast copies)", m.temporary),
+        ("temporary (loss/recompute, unsharded FSDP or autocast copies)", m.temporary),
         ("communication buffers", m.communication),
         ("runtime reserve", m.runtime),
     ]
-    lines = [f"per-rank memory ({where}):"]
-    lines += [f"  {label:<62} {_gib(value):>7} GiB" for label, value in rows]
+    lines = [f"per-rank memory ({where}, the busiest):"]
+    lines += [f"  {label:<64} {_gib(value):>7} GiB" for label, value in rows]
     if lay.cpu_offload:
-        lines.append(f"  {'(offloaded to host memory: parameters, gradients, optimizer)':<62} "
+        lines.append(f"  {'(in host memory instead: parameters, gradients, optimizer)':<64} "
                      f"{_gib(m.host_offload):>7} GiB")
     verdict = "fits" if c.fits else "DOES NOT FIT"
-    lines.append(f"  {'total':<62} {_gib(m.total):>7} GiB of {_gib(c.usable_bytes)} usable -> {verdict}")
+    lines.append(f"  {'total':<64} {_gib(m.total):>7} GiB of {_gib(c.usable_bytes)} usable -> {verdict}")
     return lines
 
 
 def format_table(ranked: list[Candidate]) -> list[str]:
-    """The ranked layouts as a fixed-width table."""
-    header = (f"{'#':>2}  {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3}  {'AC':<9} {'mb':>3} {'accum':>5} "
+    """The ranked layouts as a fixed-width table ('passes': accumulation steps or pipeline micro-batches)."""
+    header = (f"{'#':>2}  {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3}  {'AC':<8} {'mb':>3} {'passes':>6} "
               f"{'offload':>7}  {'mem/rank':>9}  {'tokens/s':>10}  {'MFU':>5}")
     lines = [header, "-" * len(header)]
     for i, c in enumerate(ranked, 1):
         lay = c.layout
-        ac = f"sel/{lay.selective_every}" if lay.ac == "selective" else lay.ac
         lines.append(
-            f"{i:>2}  {lay.dp_replicate:>6} {lay.dp_shard:>8} {lay.tp:>3} {lay.pp:>3}  {ac:<9} {lay.micro_batch:>3} "
-            f"{lay.grad_accum:>5} {('yes' if lay.cpu_offload else 'no'):>7}  {_gib(c.memory.total):>5} GiB  "
-            f"{c.step.tokens_per_s:>10,.0f}  {100 * c.step.mfu:>4.1f}%"
+            f"{i:>2}  {lay.dp_replicate:>6} {lay.dp_shard:>8} {lay.tp:>3} {lay.pp:>3}  {_ac_label(lay):<8} "
+            f"{lay.micro_batch:>3} {lay.passes:>6} {('yes' if lay.cpu_offload else 'no'):>7}  "
+            f"{_gib(c.memory.total):>5} GiB  {c.step.tokens_per_s:>10,.0f}  {100 * c.step.mfu:>4.1f}%"
         )
     return lines
 
@@ -266,7 +327,7 @@ def format_plan(plan: Plan) -> str:
     ]
     if tokens > LARGE_GLOBAL_BATCH_TOKENS:
         lines.append(f"note: {tokens / 2**20:.1f}M tokens per step is above the ~4M Llama 2/3 pretrained with; "
-                     "raise the lr warm-up or lower gradient_accumulation_steps if the loss oscillates")
+                     "if the loss oscillates, lower gradient_accumulation_steps or the peak lr")
     lines.append("")
     if plan.config_candidate is not None:
         c = plan.config_candidate
@@ -274,7 +335,7 @@ def format_plan(plan: Plan) -> str:
         lines += format_breakdown(c)
         s = c.step
         lines.append(f"estimate: {s.tokens_per_s:,.0f} tokens/s, MFU {100 * s.mfu:.1f}%, step {s.step_time:.2f}s "
-                     f"(compute {s.compute:.2f}s, tp {s.tp_comm:.2f}s, bubble {s.bubble:.2f}s, "
+                     f"(compute {s.compute:.2f}s, tp {s.tp_comm:.2f}s, pp {s.pp_comm + s.bubble:.2f}s, "
                      f"exposed fsdp {s.fsdp_exposed:.2f}s, offload {s.offload:.2f}s)")
     else:
         lines.append(f"config layout does not apply to {plan.nodes * plan.devices_per_node} ranks: {plan.config_error}")
@@ -282,25 +343,10 @@ def format_plan(plan: Plan) -> str:
     if plan.ranked:
         lines.append("layouts that fit, fastest first:")
         lines += format_table(plan.ranked)
-        best = plan.ranked[0].layout
-        lines.append("")
-        lines.append("to use #1: " + config_overrides(best))
+        lines += ["", "to use #1: " + config_overrides(plan.ranked[0].layout)]
     else:
         lines.append("no layout fits: use more devices, a shorter training.seq_len, or a smaller global batch")
     return "\n".join(lines)
-
-
-def config_overrides(layout: Layout) -> str:
-    """The command-line overrides that select a layout."""
-    parts = [f"--parallel.dp_replicate {layout.dp_replicate}", f"--parallel.dp_shard {layout.dp_shard}",
-             f"--parallel.tp_degree {layout.tp}", f"--parallel.pp_degree {layout.pp}",
-             f"--activation_checkpoint.mode {layout.ac}", f"--training.batch_size {layout.batch_size}",
-             f"--training.gradient_accumulation_steps {layout.grad_accum}"]
-    if layout.pp > 1:
-        parts.append(f"--parallel.pp_microbatches {layout.n_microbatches}")
-    if layout.cpu_offload:
-        parts.append("--parallel.cpu_offload true")
-    return " ".join(parts)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -337,20 +383,22 @@ def main(argv: list[str]) -> int:
     hw = hardware(args.device, args.device_memory, args.intra_node_bw, args.inter_node_bw)
     plan = make_plan(cfg, args.nodes, args.devices_per_node, hw, args.efficiency, args.top)
     report = plan.as_dict()
-    ok = True
+    agree = True
     verify_text = ""
     if args.verify:
+        if plan.config_candidate is None:
+            raise LayoutError(f"--verify needs a valid config layout: {plan.config_error}")
         from titan_npu.tools.dry_run import compare_with_plan, dry_run
 
         result = dry_run(cfg, args.nodes * args.devices_per_node, args.rank, device_type=hw.device_type)
         comparison = compare_with_plan(result, cfg)
-        ok = comparison["match"]
+        agree = comparison["match"]
         report["verify"] = {"dry_run": result.as_dict(), "comparison": comparison}
-        verify_text = "\n" + result.format() + "\n" + comparison["text"]
+        verify_text = "\n\n" + result.format() + "\n" + comparison["text"]
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
     else:
         print(format_plan(plan) + verify_text)
     fits = plan.config_candidate is not None and plan.config_candidate.fits
-    return 0 if ok and fits else 1
+    return 0 if agree and fits else 1
