@@ -24,15 +24,15 @@ from titan_npu.errors import CheckpointError
 from titan_npu.reliability.faults import Faults
 from titan_npu.reliability.guards import StepGuard, TrainingHalted
 from titan_npu.reliability.preemption import PreemptionHandler
-from titan_npu.reliability.settings import check_reliability_config
+from titan_npu.reliability.preflight import preflight
 from titan_npu.reliability.watchdog import Watchdog, enable_flight_recorder
 
 log = logging.getLogger("titan_npu")
 
 
 def prepare_reliability(cfg: JobConfig, device_type: str) -> None:
-    """Before the process group exists: check [reliability] and switch the flight recorder on."""
-    check_reliability_config(cfg)
+    """Before the process group exists: refuse unusable settings, switch the flight recorder on."""
+    preflight(cfg, device_type)
     if cfg.reliability.watchdog:
         enable_flight_recorder(cfg.reliability.flight_recorder_size, device_type)
 

@@ -48,7 +48,10 @@ def enable_flight_recorder(entries: int, device_type: str) -> list[str]:
 
 
 def flight_recorder_json(device_type: str) -> bytes | None:
-    """This process's flight-recorder trace as JSON (None when the backend keeps none)."""
+    """This process's flight-recorder trace as JSON (None when the backend keeps none or no process group exists)."""
+    dist = sys.modules.get("torch.distributed")  # never import torch from a firing watchdog: it may take seconds
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
     dumpers = []
     if device_type == "npu":
         try:
