@@ -45,8 +45,12 @@ def copy_checkpoint(tmp: Path, source: str, step: int, target: str) -> None:
     shutil.copytree(tmp / source / "ckpt" / f"step-{step}", dst / f"step-{step}")
 
 
-def run_here(args: list[str], probe_out: Path | None = None):
-    """Train in this process; returns the Trainer (closed) after writing probe logits (rank 0) if asked."""
+def run_here(args: list[str], probe_out: Path | None = None, compare_to: tuple[Path, Path] | None = None):
+    """Train in this process; returns the Trainer (closed).
+
+    probe_out: rank 0 writes the model's logits on PROBE there. compare_to: (checkpoint, report): the checkpoint
+    whose model and optimizer tensors this rank's parts must equal; the mismatches go to <report>.rank<R>.json.
+    """
     from titan_npu import ops
     from titan_npu.config import load_config
     from titan_npu.trainer import Trainer
@@ -57,38 +61,68 @@ def run_here(args: list[str], probe_out: Path | None = None):
         trainer.train()
         if probe_out is not None:
             write_probe(trainer.model, probe_out)
+        if compare_to is not None:
+            checkpoint, report = compare_to
+            rank = int(os.environ.get("RANK", "0"))
+            Path(f"{report}.rank{rank}.json").write_text(json.dumps(mismatches_with_checkpoint(trainer, checkpoint)))
     finally:
         trainer.close()
     return trainer
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+
+
+def mismatches_with_checkpoint(trainer, checkpoint: Path) -> dict:
+    """Names of this rank's parameters / optimizer moments that differ from the checkpoint's (and counts)."""
+    from titan_npu.checkpoint.dcp_io import load_tensors, read_metadata
+
+    metadata = read_metadata(checkpoint)
+    saved = load_tensors(checkpoint, metadata, [k for k in metadata.state_dict_metadata
+                                                if k.startswith(("model.", "optimizer.state."))
+                                                and hasattr(metadata.state_dict_metadata[k], "size")])
+    optimizers = getattr(trainer.optimizer, "optimizers", [trainer.optimizer])
+    bad, checked = [], 0
+    for part, optimizer in zip(trainer.model_parts, optimizers):
+        for name, param in part.named_parameters():
+            checked += 1
+            if not torch.equal(_full(param), saved[f"model.{name}"]):
+                bad.append(name)
+            for slot, value in optimizer.state[param].items():
+                checked += 1
+                if not torch.equal(_full(value), saved[f"optimizer.state.{name}.{slot}"]):
+                    bad.append(f"{name}.{slot}")
+    return {"checked": checked, "mismatched": bad}
+
+
 def write_probe(model: torch.nn.Module, out: Path) -> None:
-    # Every rank runs the forward (FSDP gathers parameters collectively); rank 0 writes.
+    # Every rank runs the forward (FSDP / TP gather collectively); rank 0 writes.
     with torch.no_grad():
-        out_logits = model(PROBE).detach().clone()
+        out_logits = _full(model(PROBE)).clone()
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(out_logits, out)
 
 
-def _worker(rank: int, world: int, ports: list[int], jobs: list[tuple]) -> None:
+def _worker(rank: int, world: int, ports: list[int], jobs: list[dict]) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       TITAN_DEVICE="cpu")
     torch.set_num_threads(1)  # two processes on two cores
-    for port, (args, probe_out, before) in zip(ports, jobs):
-        if before is not None and rank == 0:
+    for port, job in zip(ports, jobs):
+        if job.get("copy") is not None and rank == 0:
             # The other ranks wait in the next run's rendezvous, which rank 0 hosts, until this is done.
-            copy_checkpoint(*before)
+            copy_checkpoint(*job["copy"])
         os.environ["MASTER_PORT"] = str(port)
-        run_here(args, Path(probe_out) if probe_out else None)
+        run_here(job["args"], job.get("probe"), job.get("compare_to"))
 
 
-def run_distributed(world: int, jobs: list[tuple[list[str], Path | None, tuple | None]]) -> None:
+def run_distributed(world: int, jobs: list[dict]) -> None:
     """Run training jobs one after another in the same `world` gloo processes (spawned once); raises on failure.
 
-    A job is (overrides, probe_out or None, copy_checkpoint arguments to apply first or None).
+    A job: {"args": overrides, "probe": path, "compare_to": (checkpoint, report), "copy": copy_checkpoint arguments
+    to apply first}; all but args optional.
     """
     from .conftest import free_port
 
     ports = [free_port() for _ in jobs]
-    mp.spawn(_worker, args=(world, ports, [(a, str(p) if p else None, b) for a, p, b in jobs]), nprocs=world,
-             join=True)
+    mp.spawn(_worker, args=(world, ports, jobs), nprocs=world, join=True)

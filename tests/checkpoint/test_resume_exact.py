@@ -40,13 +40,20 @@ def test_a_finished_run_resumed_again_does_nothing(tmp_path):
 
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
-    """FSDP over 2 gloo ranks: 6 steps with checkpoints at 3 and 6 (async), then a run resumed from step 3."""
+    """FSDP over 2 gloo ranks: 6 steps with checkpoints at 3 and 6 (async), a run resumed from step 3, then the
+    step-6 checkpoint loaded under TP 2 and under PP 2 (no further steps)."""
     tmp = tmp_path_factory.mktemp("fsdp")
+    step6 = tmp / "full" / "ckpt" / "step-6"
+    load_only = dict(training__max_steps=6, checkpoint__resume=str(step6))
     run_distributed(2, [
-        (overrides(tmp, "full", training__max_steps=6, checkpoint__save_interval=3, checkpoint__async_save=True),
-         tmp / "probe.pt", None),
-        (overrides(tmp, "resumed", training__max_steps=6, checkpoint__save_interval=3), None,
-         (tmp, "full", 3, "resumed")),
+        {"args": overrides(tmp, "full", training__max_steps=6, checkpoint__save_interval=3,
+                           checkpoint__async_save=True), "probe": tmp / "probe.pt"},
+        {"args": overrides(tmp, "resumed", training__max_steps=6, checkpoint__save_interval=3),
+         "copy": (tmp, "full", 3, "resumed")},
+        {"args": overrides(tmp, "tp2", parallel__tp_degree=2, **load_only), "probe": tmp / "probe_tp2.pt",
+         "compare_to": (step6, tmp / "tp2")},
+        {"args": overrides(tmp, "pp2", parallel__pp_degree=2, parallel__pp_microbatches=2, **load_only),
+         "compare_to": (step6, tmp / "pp2")},
     ])
     return tmp
 
@@ -85,3 +92,22 @@ def test_fsdp_checkpoint_loads_on_one_process_with_equal_logits_and_optimizer_st
             assert torch.equal(trainer.optimizer.state[params[fqn]][slot], value), key
     finally:
         trainer.close()
+
+
+@pytest.mark.distributed
+def test_fsdp_checkpoint_loads_under_tensor_parallel_with_equal_logits(fsdp_runs):
+    reference = torch.load(fsdp_runs / "probe.pt", weights_only=True)
+    tp = torch.load(fsdp_runs / "probe_tp2.pt", weights_only=True)
+    assert (tp - reference).abs().max().item() < 1e-5
+    for rank in (0, 1):
+        report = json.loads((fsdp_runs / f"tp2.rank{rank}.json").read_text())
+        assert report["checked"] > 0 and report["mismatched"] == []
+
+
+@pytest.mark.distributed
+def test_fsdp_checkpoint_loads_under_pipeline_parallel_with_every_stage_intact(fsdp_runs):
+    reports = [json.loads((fsdp_runs / f"pp2.rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(r["mismatched"] == [] for r in reports)
+    # Two stages of a 2-layer model: every parameter (9 per layer + embedding, norm, output) and its AdamW state
+    # (step, exp_avg, exp_avg_sq) is checked on exactly one rank.
+    assert sum(r["checked"] for r in reports) == 4 * (2 * 9 + 3)

@@ -130,6 +130,8 @@ class CheckpointManager:
         self._published.set()
         self._publish_error: BaseException | None = None
         self._last_saved_step: int | None = None
+        self._stager = None  # host buffers of async saves, kept across saves: later snapshots only copy into them
+        self._staged_sources: list[Any] = []
         # With checkpoint.overwrite: checkpoints of a previous run above this step are replaced by this run's.
         self._stale_above: int | None = None
         self.last_save_blocking_s = 0.0
@@ -250,12 +252,17 @@ class CheckpointManager:
             return {k[len(prefix):]: (v[1] if v[0] == "tensor" else ()) for k, v in table.items()
                     if k.startswith(prefix)}
 
-        problem = describe_mismatch(section("model.", expected), section("model.", found))
+        # The whole model, not this rank's pipeline stage: a checkpoint holds every stage.
+        model_expected = self._full_model_shapes() or section("model.", expected)
+        problem = describe_mismatch(model_expected, section("model.", found))
         if problem:
             raise CheckpointError(f"checkpoint {path} does not fit the model: {problem}")
         if "optimizer" in state:
             exp_opt = {k: v for k, v in section("optimizer.", expected).items() if k.startswith("state.")}
             got_opt = {k: v for k, v in section("optimizer.", found).items() if k.startswith("state.")}
+            # Entries of other stages' parameters are not this rank's concern.
+            stage_params = {k.rsplit(".", 1)[0] for k in exp_opt}
+            got_opt = {k: v for k, v in got_opt.items() if k.rsplit(".", 1)[0] in stage_params}
             problem = describe_mismatch(exp_opt, got_opt)
             if problem:
                 raise CheckpointError(
@@ -267,6 +274,15 @@ class CheckpointManager:
             if key in state and not any(k.startswith(f"{key}.") for k in found):
                 raise CheckpointError(f"checkpoint {path} has no '{key}' state; it was not written by the trainer, "
                                       f"start from its weights with checkpoint.initial_load={path}")
+
+    def _full_model_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        from titan_npu.models.llama.args import LlamaArgs
+
+        if not isinstance(self.model_args, LlamaArgs):
+            return None
+        from titan_npu.checkpoint.initial_load import full_model_shapes
+
+        return {k: tuple(v) for k, v in full_model_shapes(self.model_args).items()}
 
     def _restore_rank_state(self, path: Path, info: dict[str, Any]) -> None:
         saved = info.get("ranks") or [{"dp_rank": 0, "dp_degree": 1}]
@@ -353,7 +369,10 @@ class CheckpointManager:
             self.last_save_blocking_s = time.perf_counter() - t0
         else:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg,
-                                    no_dist=not self.distributed)
+                                    async_stager=self._async_stager(), no_dist=not self.distributed)
+            # The stager finds its host buffer by the source storage's Python object (weakly held): keep those
+            # alive, or every save allocates (and page-faults) a fresh copy of the whole state.
+            self._staged_sources = _storages(state)
             self._pending, self._pending_step = future, step
             future.add_done_callback(lambda f: self._on_async_done(f, step, tmp, info, t0))
             self.last_save_blocking_s = time.perf_counter() - t0
@@ -431,8 +450,25 @@ class CheckpointManager:
             self._last_saved_step = None
 
     def close(self) -> None:
-        """Finish an async save in flight (call before the process group goes away)."""
-        self.wait()
+        """Finish an async save in flight (call before the process group goes away) and free its host buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+                self._staged_sources = []
+
+    def _async_stager(self):
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # Synchronous snapshot (the step after the save may update the parameters in place); pinned host memory
+            # speeds up the device-to-host copy where CUDA provides it.
+            pinned = self.device_type == "cuda"
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+        return self._stager
 
     # ---------------------------------------------------------------- state
 
@@ -506,3 +542,15 @@ class CheckpointManager:
     def _barrier(self) -> None:
         if self._pg is not None:
             dist.barrier(group=self._pg)
+
+
+def _storages(obj: Any) -> list[Any]:
+    """The untyped storages of every tensor in a nested state dict (a DTensor's: its local shard's)."""
+    if isinstance(obj, dict):
+        return [s for v in obj.values() for s in _storages(v)]
+    if isinstance(obj, (list, tuple)):
+        return [s for v in obj for s in _storages(v)]
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return [local.untyped_storage()]
+    return []
