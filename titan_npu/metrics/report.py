@@ -34,6 +34,9 @@ def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     os.close(fd)
     try:
         write(Path(tmp))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a report is as readable as any file the user writes
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -257,7 +260,7 @@ def render_markdown(log_dir: Path, run: RunMetrics, config: dict[str, Any], info
     if info.get("layout"):
         rows.append(("layout", info["layout"]))
     if info.get("device"):
-        rows.append(("device", f"{info['device']}, peak {_fmt(info.get('peak_tflops'), '.1f')} TFLOP/s per device"))
+        rows.append(("device", f"{info['device']}, peak {_fmt(info.get('peak_tflops'), '.3g')} TFLOP/s per device"))
     if info.get("tokens_per_step"):
         rows.append(("tokens per step", f"{info['tokens_per_step']:,} (global)"))
     if "last_step" in s:
@@ -280,7 +283,7 @@ def render_markdown(log_dir: Path, run: RunMetrics, config: dict[str, Any], info
                                           f"(first logged window left out)"))
         mfu = s["median_mfu"]
         rows.append(("median MFU", f"{_fmt(None if mfu is None else 100 * mfu, '.1f')}% "
-                                   f"({_fmt(s['median_tflops_per_device'], '.2f')} TFLOP/s per device)"))
+                                   f"({_fmt(s['median_tflops_per_device'], '.3g')} TFLOP/s per device)"))
         rows.append(("median step time", f"{_fmt(s['median_step_time_s'], '.3f')} s "
                                          f"(data loading {_fmt(s['median_data_time_s'], '.3f')} s)"))
         rows.append(("peak memory", f"{_fmt(s['peak_mem_gb'], '.2f')} GB of {_fmt(s['mem_total_gb'], '.1f')} GB"))
@@ -319,8 +322,8 @@ def _require_matplotlib():
     return plt
 
 
-def plot_report(run: RunMetrics, out_png: Path, title: str = "") -> Path:
-    """A 2x2 figure: loss (train, validation, flagged steps), learning rate, throughput/MFU, memory; against step."""
+def build_figure(run: RunMetrics, title: str = ""):
+    """A 2x2 matplotlib figure: loss (train, validation, flagged steps), learning rate, throughput/MFU, memory."""
     plt = _require_matplotlib()
     fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), dpi=110)
     (ax_loss, ax_lr), (ax_tp, ax_mem) = axes
@@ -381,9 +384,18 @@ def plot_report(run: RunMetrics, out_png: Path, title: str = "") -> Path:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot_report(run: RunMetrics, out_png: Path, title: str = "") -> Path:
+    """Save build_figure's plots as a PNG (atomically)."""
+    plt = _require_matplotlib()
+    fig = build_figure(run, title)
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out_png, lambda p: fig.savefig(p, format="png"))
-    plt.close(fig)
+    try:
+        _atomic_write(out_png, lambda p: fig.savefig(p, format="png"))
+    finally:
+        plt.close(fig)
     return out_png
 
 
