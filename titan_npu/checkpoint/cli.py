@@ -44,10 +44,10 @@ def _export_parser() -> argparse.ArgumentParser:
 
 def export_main(argv: list[str]) -> int:
     """Entry of `titan-npu export`."""
+    args = _export_parser().parse_args(argv)
     from titan_npu.checkpoint import storage
     from titan_npu.checkpoint.export import DTYPES, export_checkpoint, resolve_source
 
-    args = _export_parser().parse_args(argv)
     ref = resolve_source(args.checkpoint, args.step)
     dtype_name = args.dtype or storage.read_info(ref.path).get("export_dtype") or "bf16"
     if dtype_name not in DTYPES:
@@ -97,12 +97,12 @@ def _own_storage(t):
 
 def import_main(argv: list[str]) -> int:
     """Entry of `titan-npu import`."""
+    args = _import_parser().parse_args(argv)
     import torch
 
     from titan_npu.checkpoint.export import DTYPES
     from titan_npu.checkpoint.formats import read_weights
 
-    args = _import_parser().parse_args(argv)
     output = Path(args.output)
     if output.exists() and not args.overwrite:
         raise CheckpointError(f"--output {output} already exists; remove it, choose another path or pass --overwrite")

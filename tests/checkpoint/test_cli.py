@@ -1,0 +1,84 @@
+"""`titan-npu export` / `titan-npu import`: one-line errors, nothing half-written, the latest checkpoint by default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titan_npu.checkpoint.cli import parse_size
+from titan_npu.cli import main
+
+from .conftest import TINY, job_config, model_manager, random_model
+
+ARGS = TINY["llama3-gqa"]
+
+
+def _run(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err.strip()
+
+
+def test_export_of_a_directory_that_is_not_a_checkpoint_is_one_line(tmp_path, capsys):
+    (tmp_path / "nothing").mkdir()
+    code, err = _run(capsys, "export", "--checkpoint", str(tmp_path / "nothing"), "--output", str(tmp_path / "x.pt"))
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith("CheckpointError:") and "is not a checkpoint" in err
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_export_of_an_incomplete_checkpoint_says_so(tmp_path, capsys):
+    (tmp_path / "ckpt" / "step-9.tmp").mkdir(parents=True)
+    code, err = _run(capsys, "export", "--checkpoint", str(tmp_path / "ckpt"), "--step", "9",
+                     "--output", str(tmp_path / "x.pt"))
+    assert code == 2 and "step 9" in err and "is incomplete (its save did not finish)" in err
+
+
+def test_export_takes_the_latest_checkpoint_and_refuses_to_overwrite_its_output(tmp_path, capsys):
+    model = random_model(ARGS, seed=0)
+    manager, *_ = model_manager(job_config(tmp_path), model, ARGS)
+    manager.save(1)
+    with torch.no_grad():
+        model.norm.weight.add_(1.0)
+    manager.save(2)
+    out = tmp_path / "latest.pt"
+    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--output", str(out), "--dtype", "fp32"]) == 0
+    assert "exported step 2" in capsys.readouterr().out
+    assert torch.equal(torch.load(out, weights_only=True)["norm.weight"], model.norm.weight)
+    code, err = _run(capsys, "export", "--checkpoint", str(tmp_path / "ckpt"), "--output", str(out))
+    assert code == 2 and "already exists" in err and "--overwrite" in err
+
+
+def test_export_default_dtype_is_the_checkpoint_export_dtype(tmp_path, capsys):
+    manager, *_ = model_manager(job_config(tmp_path, export_dtype="bf16"), random_model(ARGS, seed=1), ARGS)
+    manager.save(1)
+    assert main(["export", "--checkpoint", str(tmp_path / "ckpt" / "step-1"), "--output", str(tmp_path / "o.pt")]) == 0
+    assert {v.dtype for v in torch.load(tmp_path / "o.pt", weights_only=True).values()} == {torch.bfloat16}
+
+
+def test_import_of_a_missing_input_is_one_line(tmp_path, capsys):
+    code, err = _run(capsys, "import", "--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o.pt"))
+    assert code == 2 and len(err.splitlines()) == 1 and "does not exist" in err
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_import_of_a_step_checkpoint_writes_its_weights_and_prints_the_model_section(tmp_path, capsys):
+    model = random_model(ARGS, seed=2)
+    manager, *_ = model_manager(job_config(tmp_path), model, ARGS)
+    manager.save(3)
+    assert main(["import", "--input", str(tmp_path / "ckpt" / "step-3"), "--output", str(tmp_path / "w.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "[model]" in out and "n_kv_heads = 2" in out and 'initial_load = "' in out
+    loaded = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("text, size", [("5GB", 5 * 10**9), ("500MiB", 500 * 2**20), ("1000", 1000)])
+def test_shard_sizes_parse(text, size):
+    assert parse_size(text) == size
+
+
+def test_the_commands_are_wired_into_titan_npu(capsys):
+    for command, option in (("export", "--max-shard-size"), ("import", "--input")):
+        with pytest.raises(SystemExit) as exit_:
+            main([command, "--help"])
+        assert exit_.value.code == 0 and option in capsys.readouterr().out
