@@ -1,5 +1,5 @@
 """Every parallel layout trains exactly like one process: same seed weights, same global batch, per-step losses
-equal to 1e-5 relative over 10 fp32 steps (gloo, deterministic mode)."""
+equal to 1e-5 relative (and gradient norms to 1e-4) over 10 fp32 steps (gloo, deterministic mode)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ from .harness import STEPS, losses
 pytestmark = pytest.mark.distributed
 
 RTOL = 1e-5
+# The gradient norm (global over shards, tensor-parallel slices and pipeline stages) of small late-step gradients
+# carries the reduction-order noise of the layout a little further.
+GRAD_NORM_RTOL = 1e-4
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -19,6 +22,8 @@ def test_layout_losses_match_single_process(layout_runs, name):
     got, want = losses(layout_runs, name), losses(layout_runs, case.reference)
     assert len(want) == STEPS and len(got) == STEPS, f"{name}: logged {len(got)} steps, reference {len(want)}"
     assert got == pytest.approx(want, rel=RTOL), f"{name} vs {case.reference}:\n{got}\n{want}"
+    norms, want_norms = losses(layout_runs, name, "grad_norm"), losses(layout_runs, case.reference, "grad_norm")
+    assert norms == pytest.approx(want_norms, rel=GRAD_NORM_RTOL), f"{name} grad_norm:\n{norms}\n{want_norms}"
 
 
 def test_references_differ_by_batch(parallel_workspace):
