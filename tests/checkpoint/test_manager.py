@@ -198,3 +198,36 @@ def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint_loadable(tmp
     manager, _, _, state = model_manager(job_config(tmp_path), restored, ARGS)
     assert manager.load() and state.step == 2
     assert not (tmp_path / "ckpt" / "step-4.tmp").exists()
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = state["count"]
+
+
+def test_extra_states_round_trip_and_a_checkpoint_without_one_still_loads(tmp_path):
+    from types import SimpleNamespace
+
+    from titan_npu.checkpoint.manager import CheckpointManager
+
+    def manager_with(extra, root):
+        model = random_model(ARGS, seed=14)
+        optimizer = torch.optim.AdamW(model.parameters())
+        return CheckpointManager(job_config(root), [model], optimizer, None, None,
+                                 SimpleNamespace(step=0, tokens_seen=0), model_args=ARGS, extra=extra)
+
+    counter = _Counter()
+    counter.count = 7
+    manager_with({"counter": counter}, tmp_path / "with").save(1)
+    restored = _Counter()
+    assert manager_with({"counter": restored}, tmp_path / "with").load() and restored.count == 7
+
+    manager_with(None, tmp_path / "without").save(1)
+    fresh = _Counter()
+    assert manager_with({"counter": fresh}, tmp_path / "without").load() and fresh.count == 0

@@ -244,7 +244,10 @@ class CheckpointManager:
                         "; ".join(changed))
 
     def _check_fits(self, path: Path, state: dict[str, Any]) -> None:
-        """Compare what the run expects with what the checkpoint holds, before DCP reads anything."""
+        """Compare what the run expects with what the checkpoint holds, before DCP reads anything.
+
+        Extra states the checkpoint lacks are dropped from `state` (they keep their fresh values).
+        """
         found = checkpoint_entries(read_metadata(path))
         expected = expected_entries(state)
 
@@ -274,6 +277,12 @@ class CheckpointManager:
             if key in state and not any(k.startswith(f"{key}.") for k in found):
                 raise CheckpointError(f"checkpoint {path} has no '{key}' state; it was not written by the trainer, "
                                       f"start from its weights with checkpoint.initial_load={path}")
+        for key in self.extra:
+            # State added to the trainer after the checkpoint was written starts fresh instead of refusing it.
+            if key in state and not any(k.startswith(f"{key}.") for k in found):
+                state.pop(key)
+                if self.rank == 0:
+                    log.warning("checkpoint: %s holds no '%s' state; it starts fresh", path, key)
 
     def _full_model_shapes(self) -> dict[str, tuple[int, ...]] | None:
         from titan_npu.models.llama.args import LlamaArgs
