@@ -12,7 +12,6 @@ would change the training run, not only its speed. Candidates pass the same layo
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from dataclasses import dataclass, replace
@@ -85,13 +84,16 @@ def evaluate(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, effi
 
 def config_for_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
     """A copy of the config that selects `layout` (what config_overrides says on the command line)."""
-    new = copy.deepcopy(cfg)
-    p, ac, t = new.parallel, new.activation_checkpoint, new.training
-    p.dp_replicate, p.dp_shard, p.tp_degree, p.pp_degree = layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp
-    p.pp_microbatches, p.cpu_offload = layout.pp_microbatches, layout.cpu_offload
-    ac.mode, ac.selective_ops, ac.selective_every = layout.ac, layout.selective_ops, layout.selective_every
-    t.batch_size, t.gradient_accumulation_steps = layout.batch_size, layout.grad_accum
-    return new
+    return replace(
+        cfg,
+        parallel=replace(cfg.parallel, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
+                         tp_degree=layout.tp, pp_degree=layout.pp, pp_microbatches=layout.pp_microbatches,
+                         cpu_offload=layout.cpu_offload),
+        activation_checkpoint=replace(cfg.activation_checkpoint, mode=layout.ac, selective_ops=layout.selective_ops,
+                                      selective_every=layout.selective_every),
+        training=replace(cfg.training, batch_size=layout.batch_size,
+                         gradient_accumulation_steps=layout.grad_accum),
+    )
 
 
 def config_overrides(layout: Layout) -> str:
