@@ -98,9 +98,14 @@ def test_step_record_has_the_metrics_jsonl_keys():
 
 
 def test_flops_per_token_of_a_llama_shape():
-    # Llama 2 7B: 6.48e9 non-embedding params, 32 layers, dim 4096, seq 4096.
-    n = 6_476_271_616
-    assert flops_per_token(n, 32, 4096, 4096) == pytest.approx(6 * n + 12 * 32 * 4096 * 4096)
+    # Llama 2 7B: 6.61e9 non-embedding params (output projection included), 32 layers, dim 4096, seq 4096.
+    from titan_npu.config.schema import ModelConfig
+    from titan_npu.models.llama import build_model_args
+
+    args = build_model_args(ModelConfig(name="llama2", flavor="7B"))
+    n = args.num_params(exclude_embedding=True)
+    assert n == 6_607_343_616
+    assert flops_per_token(n, 32, 4096, 4096) == 4.6086512640e10 == args.num_flops_per_token(4096)
 
 
 def test_perplexity_is_exp_of_loss_and_saturates():
