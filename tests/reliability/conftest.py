@@ -1,0 +1,95 @@
+"""Helpers of the reliability tests: a tiny run's arguments, free ports, torchrun launches, a checkpoint's weights."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A ~0.2M-parameter Llama on the built-in corpus: a step takes milliseconds, a whole run a few seconds.
+TINY = [
+    "--model.name", "llama3", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
+    "--model.n_kv_heads", "2", "--model.vocab_size", "512", "--model.max_seq_len", "64",
+    "--training.seq_len", "32", "--training.batch_size", "2", "--training.dtype", "fp32",
+    "--training.deterministic", "true", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
+    "--data.tokenizer", "byte", "--data.num_workers", "0",
+    "--metrics.log_interval", "1", "--metrics.tensorboard", "false", "--metrics.report", "false",
+    "--metrics.progress", "lines",
+]
+
+
+def tiny_args(run_dir: Path, **extra: object) -> list[str]:
+    """TINY logging to run_dir/logs and checkpointing to run_dir/ckpt, plus --section.key extras (a__b = a.b)."""
+    out = TINY + ["--metrics.log_dir", str(run_dir / "logs"), "--checkpoint.dir", str(run_dir / "ckpt")]
+    for key, value in extra.items():
+        out += [f"--{key.replace('__', '.')}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return out
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without distributed / fault variables, on the CPU, plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TITAN_FAULT_", "TORCHELASTIC_", "MASTER_", "TORCH_FR_"))
+           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env.update(TITAN_DEVICE="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def torchrun(args: list[str], nproc: int = 2, max_restarts: int = 0, timeout: float = 240,
+             **env: str) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node N --max-restarts K train.py ARGS` in the repository root."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "train.py", *args]
+    return subprocess.run(cmd, cwd=REPO, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def run_train(args: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+    """`python train.py ARGS` in a fresh process."""
+    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=clean_env(**env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    from titan_npu.checkpoint import storage
+
+    return [ref.step for ref in storage.list_checkpoints(run_dir / "ckpt")]
+
+
+def model_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The full model tensors of a checkpoint directory, read in this process."""
+    from titan_npu.checkpoint.dcp_io import load_tensors, read_metadata
+
+    metadata = read_metadata(checkpoint)
+    keys = [k for k in metadata.state_dict_metadata if k.startswith("model.")]
+    return load_tensors(checkpoint, metadata, keys)
+
+
+def records(run_dir: Path) -> list[dict]:
+    """The training records of a run's metrics.jsonl (every attempt appends to it)."""
+    lines = (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, filter(None, lines)) if "loss" in r]
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file and folder under `folder` with a digest of its bytes (folders: 'dir')."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = str(p.relative_to(folder))
+        out[rel] = "dir" if p.is_dir() else hashlib.sha1(p.read_bytes()).hexdigest()
+    return out
