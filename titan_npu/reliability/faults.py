@@ -7,8 +7,9 @@
     TITAN_FAULT_KILL_IN_SAVE_AT_STEP=k  SIGKILL while step k's checkpoint is being written
     TITAN_FAULT_RANK=r                  only rank r misbehaves (default: every rank)
 
-Faults fire in the first attempt of a job only (TORCHELASTIC_RESTART_COUNT unset or 0), so that a run restarted
-by torchrun --max-restarts shows the recovery instead of failing again. Never set these in a real run.
+Kills, signals and hangs fire in the first attempt of a job only (TORCHELASTIC_RESTART_COUNT unset or 0), so that
+a run restarted by torchrun --max-restarts shows the recovery instead of failing again. A NaN fires in every attempt,
+like a bad batch that is bad each time it is read. Never set these in a real run.
 """
 
 from __future__ import annotations
@@ -50,16 +51,19 @@ class Faults:
 
     @classmethod
     def from_env(cls, rank: int) -> Faults:
-        """The faults the environment asks of this rank in this attempt (none in a restarted attempt)."""
+        """The faults the environment asks of this rank in this attempt (only the NaN in a restarted attempt)."""
         steps = {kind: _step_from_env(f"{ENV_PREFIX}{kind}_AT_STEP") for kind in _KINDS}
         target = os.environ.get(f"{ENV_PREFIX}RANK", "").strip()
         if target and not target.isdigit():
             raise ConfigError(f"{ENV_PREFIX}RANK={target!r} is not a rank number; unset it")
-        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() not in ("", "0")
-        if restarted or (target and int(target) != rank) or not any(steps.values()):
+        if (target and int(target) != rank) or not any(steps.values()):
             return cls()
-        faults = cls(steps["NAN"], steps["KILL"], steps["SIGNAL"], steps["HANG"], steps["KILL_IN_SAVE"])
-        log.warning("rank %d: fault injection is on (%s); this run will fail on purpose", rank, faults)
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() not in ("", "0"):
+            faults = cls(nan_at=steps["NAN"])
+        else:
+            faults = cls(steps["NAN"], steps["KILL"], steps["SIGNAL"], steps["HANG"], steps["KILL_IN_SAVE"])
+        if faults != cls():
+            log.warning("rank %d: fault injection is on (%s); this run will fail on purpose", rank, faults)
         return faults
 
     def at_step_start(self, step: int) -> None:

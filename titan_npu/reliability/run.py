@@ -149,21 +149,21 @@ class Reliability:
         where = self._where(step)
         if halt:
             raise TrainingHalted(
-                f"{halt}; the weights of step {self.guard.last_applied_step} (the last update applied) {where}; "
+                f"{halt}; the weights of step {self.guard.last_applied_step} (the last update applied) are {where}; "
                 "lower optimizer.lr or look at the data of these steps, then run the same command to resume"
             )
         if self.rank == 0 and self.preempted is not None and step < self.cfg.training.max_steps:
             signum, rank = self.preempted
-            log.warning("preempted by %s on rank %d after step %d: the run %s; run the same command to resume",
+            log.warning("preempted by %s on rank %d after step %d: the run is %s; run the same command to resume",
                         signal.Signals(signum).name, rank, step, where)
 
     def _where(self, step: int) -> str:
         c = self.cfg.checkpoint
         if not c.enable:
-            return "was not saved (checkpoint.enable = false)"
+            return "not saved (checkpoint.enable = false)"
         path = Path(c.dir) / f"step-{step}"
         how = "" if c.resume == "auto" else f" (pass --checkpoint.resume {path})"
-        return f"is saved in {path}{how}"
+        return f"saved in {path}{how}"
 
     # ------------------------------------------------------------------ Stateful (saved with every checkpoint)
 

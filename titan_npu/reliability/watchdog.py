@@ -22,6 +22,8 @@ from pathlib import Path
 log = logging.getLogger("titan_npu")
 
 HANG_EXIT_CODE = 124  # as timeout(1) reports a command that ran out of time
+# faulthandler writes to a file descriptor; sys.stderr may be an object without one (captured, redirected).
+STDERR_FD = 2
 MIN_STEP_SAMPLES = 10  # step times known before watchdog_step_factor applies
 STEP_FACTOR_FLOOR_S = 60.0  # a factor-based limit never goes below this (or the base limit, if lower)
 
@@ -133,7 +135,7 @@ class Watchdog:
             self._label, self._began, self._is_step, self._armed = label, now, step, True
             self._limit = step_limit(self.limit_s, self.step_factor, list(self.step_times)) if step else self.limit_s
             limit = self._limit
-        faulthandler.dump_traceback_later(limit + self.backstop_s, exit=True, file=sys.stderr)
+        faulthandler.dump_traceback_later(limit + self.backstop_s, exit=True, file=STDERR_FD)
 
     def pause(self) -> None:
         """Nothing is timed until the next beat() (e.g. after the last step)."""
@@ -156,7 +158,7 @@ class Watchdog:
                   f"(reliability.watchdog_timeout_s / comm.timeout_s); stacks follow, then exit {HANG_EXIT_CODE} "
                   "so the launcher can restart the job")
         os.write(2, (header + "\n").encode())
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        faulthandler.dump_traceback(file=STDERR_FD, all_threads=True)
         written = self._write_dump(header)
         if written:
             os.write(2, f"watchdog: rank {self.rank}: wrote {', '.join(written)}\n".encode())
