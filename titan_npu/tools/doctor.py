@@ -233,6 +233,69 @@ def _run(cmd: list[str], timeout: float = 10.0) -> str | None:
         return None
 
 
+def release_for(table: dict[str, str], version: str | None) -> str | None:
+    """The table's entry for a version, matching releases by prefix ('8.0.RC2.alpha003' finds '8.0.RC2')."""
+    if not version:
+        return None
+    parsed = parse_release(version)
+    for key, value in table.items():
+        k = parse_release(key)
+        if parsed[: len(k)] == k:
+            return value
+    return None
+
+
+def stack_findings(versions: dict[str, str | None], cann_home: str | None = None) -> list[tuple[str, str]]:
+    """(level, message) for each component of the stack and each pair of versions that must belong together.
+
+    versions: torch, torch_cuda, torch_npu, cann, npu_driver, nvidia_driver, nvidia_cuda (None = not present).
+    """
+    out: list[tuple[str, str]] = []
+    torch_v, npu, cann, driver = (versions.get(k) for k in ("torch", "torch_npu", "cann", "npu_driver"))
+    torch_cuda = versions.get("torch_cuda")
+    out.append(("ok", f"torch {torch_v}" + (f" (CUDA {torch_cuda})" if torch_cuda else "")))
+    if npu is None:
+        out.append(("info", "torch_npu not installed (needed only for Ascend NPUs)"))
+    elif base_version(npu) != base_version(torch_v or ""):
+        out.append(("fail", f"torch_npu {npu} is built for torch {base_version(npu)} but torch is {torch_v}; "
+                            f"install torch=={base_version(npu)} or the torch_npu release for torch "
+                            f"{base_version(torch_v or '')}"))
+    else:
+        out.append(("ok", f"torch_npu {npu} matches torch {base_version(torch_v or '')}"))
+    if cann_home is None:
+        if npu is not None:
+            out.append(("fail", "CANN toolkit not found: source /usr/local/Ascend/ascend-toolkit/set_env.sh "
+                                "(it sets ASCEND_TOOLKIT_HOME) before training"))
+    else:
+        out.append(("ok" if cann else "warn", f"CANN {cann or 'version unknown'} at {cann_home}"))
+    if npu and cann:
+        expected = TORCH_NPU_CANN.get(npu)
+        if expected is None:
+            out.append(("info", f"torch_npu {npu} is not in the compatibility table; check Ascend's table for the "
+                                "CANN it needs"))
+        elif release_for({expected: expected}, cann) is None:
+            out.append(("warn", f"torch_npu {npu} was released for CANN {expected}, installed is CANN {cann}; "
+                                f"mismatches fail at import or inside HCCL -- install CANN {expected} or the "
+                                f"torch_npu release for CANN {cann}"))
+        else:
+            out.append(("ok", f"torch_npu {npu} belongs to CANN {cann}"))
+    if driver:
+        out.append(("ok", f"NPU driver {driver}"))
+        needed = release_for(CANN_DRIVER, cann)
+        if needed and parse_release(driver) < parse_release(needed):
+            out.append(("fail", f"NPU driver {driver} is older than {needed}, which CANN {cann} needs; upgrade "
+                                f"firmware and driver to {needed} or later (HCCL/RDMA init errors otherwise)"))
+    elif npu is not None:
+        out.append(("warn", "NPU driver version unknown (no /usr/local/Ascend/driver/version.info, no npu-smi)"))
+    nv_driver, nv_cuda = versions.get("nvidia_driver"), versions.get("nvidia_cuda")
+    if nv_driver:
+        out.append(("ok", f"NVIDIA driver {nv_driver} (supports CUDA up to {nv_cuda})"))
+        if torch_cuda and nv_cuda and parse_release(torch_cuda) > parse_release(nv_cuda):
+            out.append(("fail", f"torch is built for CUDA {torch_cuda} but the driver supports CUDA up to "
+                                f"{nv_cuda}; upgrade the driver or install a torch built for CUDA <= {nv_cuda}"))
+    return out
+
+
 def check_versions(report: Report) -> dict[str, str | None]:
     """Versions of the stack and whether they belong together; returns them for the cross-rank comparison."""
     import torch
@@ -241,64 +304,22 @@ def check_versions(report: Report) -> dict[str, str | None]:
     py = platform.python_version()
     report.add("ok" if sys.version_info >= (3, 10) else "fail", s,
                f"python {py}" + ("" if sys.version_info >= (3, 10) else " (titan-npu needs 3.10 or later)"))
-    report.add("ok", s, f"torch {torch.__version__}" + (f" (CUDA {torch.version.cuda})" if torch.version.cuda else ""))
-    versions: dict[str, str | None] = {"python": py, "torch": torch.__version__, "torch_npu": None, "cann": None,
-                                       "npu_driver": None, "nvidia_driver": None}
-
-    npu_version = package_version("torch_npu")
-    versions["torch_npu"] = npu_version
     home = ascend_toolkit_home()
-    cann = read_cann_version(home) if home else None
-    versions["cann"] = cann
-    driver = read_npu_driver_version()
-    versions["npu_driver"] = driver
-    if npu_version is None:
-        report.add("info", s, "torch_npu not installed (needed only for Ascend NPUs)")
-    else:
-        if base_version(npu_version) != base_version(torch.__version__):
-            report.add("fail", s, f"torch_npu {npu_version} is built for torch {base_version(npu_version)} but torch "
-                                  f"is {torch.__version__}; install torch=={base_version(npu_version)} or the "
-                                  f"torch_npu release for torch {base_version(torch.__version__)}")
-        else:
-            report.add("ok", s, f"torch_npu {npu_version} matches torch {base_version(torch.__version__)}")
+    nv_driver, nv_cuda = read_nvidia_driver()
+    versions: dict[str, str | None] = {
+        "python": py, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+        "torch_npu": package_version("torch_npu"), "cann": read_cann_version(home) if home else None,
+        "npu_driver": read_npu_driver_version(), "nvidia_driver": nv_driver, "nvidia_cuda": nv_cuda,
+    }
+    for level, message in stack_findings(versions, str(home) if home else None):
+        report.add(level, s, message)
+    if versions["torch_npu"] is not None:
         try:
             from titan_npu.device import import_torch_npu
 
             import_torch_npu()
-        except Exception as e:  # the message of DeviceError already says what to do
+        except Exception as e:  # a broken CANN install fails in many ways; the message says which
             report.add("fail", s, f"torch_npu does not import: {e}")
-    if home is None:
-        if npu_version is not None:
-            report.add("fail", s, "CANN toolkit not found: source /usr/local/Ascend/ascend-toolkit/set_env.sh "
-                                  "(it sets ASCEND_TOOLKIT_HOME) before training")
-    else:
-        report.add("ok" if cann else "warn", s, f"CANN {cann or 'version unknown'} at {home}")
-    if npu_version and cann:
-        expected = TORCH_NPU_CANN.get(npu_version)
-        if expected is None:
-            report.add("info", s, f"torch_npu {npu_version} is not in the compatibility table; check Ascend's "
-                                  "table for the CANN it needs")
-        elif parse_release(expected) != parse_release(cann)[: len(parse_release(expected))]:
-            report.add("warn", s, f"torch_npu {npu_version} was released for CANN {expected}, installed is CANN {cann}"
-                                  f"; mismatches fail at import or inside HCCL -- install CANN {expected} or the "
-                                  f"torch_npu release for CANN {cann}")
-        else:
-            report.add("ok", s, f"torch_npu {npu_version} belongs to CANN {cann}")
-    if driver:
-        report.add("ok", s, f"NPU driver {driver}")
-        needed = CANN_DRIVER.get(cann or "")
-        if needed and parse_release(driver) < parse_release(needed):
-            report.add("fail", s, f"NPU driver {driver} is older than {needed}, which CANN {cann} needs; upgrade "
-                                  f"firmware and driver to {needed} or later (HCCL/RDMA init errors otherwise)")
-    elif npu_version is not None:
-        report.add("warn", s, "NPU driver version unknown (no /usr/local/Ascend/driver/version.info, no npu-smi)")
-    nv_driver, nv_cuda = read_nvidia_driver()
-    versions["nvidia_driver"] = nv_driver
-    if nv_driver:
-        report.add("ok", s, f"NVIDIA driver {nv_driver} (supports CUDA up to {nv_cuda})")
-        if torch.version.cuda and nv_cuda and parse_release(torch.version.cuda) > parse_release(nv_cuda):
-            report.add("fail", s, f"torch is built for CUDA {torch.version.cuda} but the driver supports CUDA up to "
-                                  f"{nv_cuda}; upgrade the driver or install a torch built for CUDA <= {nv_cuda}")
     return versions
 
 
