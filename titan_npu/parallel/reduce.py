@@ -27,22 +27,14 @@ def mean_loss(loss: torch.Tensor | None, dims: ParallelDims) -> float:
     `loss` is None on ranks without the last pipeline stage; every tp rank of the last stage holds the same value,
     so the world sum of the holders' losses divided by dp x tp is the data-parallel mean.
     """
+    # On the host in float64: the groups always include gloo for host tensors (process_group.py), and this runs on
+    # log steps only, where the value is read anyway.
     value = torch.zeros((), dtype=torch.float64) if loss is None else plain_tensor(loss.detach()).double().cpu()
     if dims.world_size == 1:
         return float(value)
-    device = _collective_device()
-    total = value.reshape(1).to(device)
+    total = value.reshape(1)
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return float(total) / (dims.dp * dims.tp)
-
-
-def _collective_device() -> torch.device:
-    """Where the default group's collectives run: the accelerator for nccl/hccl, the host for gloo."""
-    backend = dist.get_backend()
-    if "gloo" in backend and ":" not in backend:
-        return torch.device("cpu")
-    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    return torch.device(accel.type, torch.accelerator.current_device_index()) if accel else torch.device("cpu")
 
 
 def grad_norm(parameters: Iterable[torch.Tensor], dims: ParallelDims, foreach: bool = True) -> torch.Tensor:
@@ -58,10 +50,11 @@ def grad_norm(parameters: Iterable[torch.Tensor], dims: ParallelDims, foreach: b
         norm = plain_tensor(torch.nn.utils.get_total_norm(group, 2.0, foreach=foreach)).float()
         total_sq = total_sq.to(norm.device) + norm.pow(2)
     if dims.pp_enabled:
-        # Each pipeline rank holds different layers: the squares add up over the pp group.
-        pp_sq = total_sq.reshape(1).to(_collective_device())
-        dist.all_reduce(pp_sq, op=dist.ReduceOp.SUM, group=dims.pp_mesh.get_group())
-        total_sq = pp_sq.reshape(())
+        # Each pipeline rank holds different layers: the squares add up over the pp group (on the gradients'
+        # device, so the step does not wait for a copy to the host).
+        total_sq = total_sq.reshape(1)
+        dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=dims.pp_mesh.get_group())
+        total_sq = total_sq.reshape(())
     return total_sq.sqrt()
 
 
