@@ -295,11 +295,11 @@ class Trainer:
             if self.validator is not None and self.validator.due(self.step, max_steps):
                 with self.meter.excluded(), self.reliability.phase("validation"):
                     self.metrics.log_validation(self.validator.run(self.model, self.step, self.autocast))
-            with self.meter.excluded():
-                self.reliability.maybe_save(self.checkpointer, self.step, last_step=self.step == max_steps)
-                if self.reliability.stop_requested:  # a signal (exit 0 after the save) or too many skips (raises)
-                    self.reliability.stop(self.checkpointer, self.step)
-                    break
+            # Saves count as training time (like the outside clock): a blocking save shows as a dip in its window.
+            self.reliability.maybe_save(self.checkpointer, self.step, last_step=self.step == max_steps)
+            if self.reliability.stop_requested:  # a signal (exit 0 after the save) or too many skips (raises)
+                self.reliability.stop(self.checkpointer, self.step)
+                break
             self.profiler.step()
             for callback in self.step_callbacks:
                 callback(self.step)
