@@ -72,7 +72,7 @@ def test_bar_draws_in_place_with_eta_and_loss():
     assert text.startswith("\r\x1b[K")
     last = text.split("\r\x1b[K")[-1]
     assert last.startswith("step 5/10 [############------------]  50%")
-    assert "eta 5s" in last and "loss 2.5000" in last
+    assert "1 s/it eta 5s loss 2.5000" in last
     prog.close()
     assert term.getvalue().endswith("\n")
 

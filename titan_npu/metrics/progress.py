@@ -66,7 +66,7 @@ class EtaEstimator:
 
 
 class ProgressBar:
-    """`step 120/1000 [#####-----] 12% 3.1 s/it eta 45m10s loss 3.214` redrawn in place on a terminal.
+    """`step 120/1000 [###------] 12% 3.1 s/it eta 45m10s loss 3.2140` redrawn in place on a terminal.
 
     While the bar is shown, every record of the `titan_npu` logger first erases it (so log lines never mix with
     it); the next update draws it again.
@@ -106,7 +106,7 @@ class ProgressBar:
         parts = [f"step {self._step}/{self.total_steps} [{bar}] {100 * frac:3.0f}%"]
         per_step = self.eta.seconds_per_step()
         if per_step:
-            parts.append(f"{per_step:.2f} s/it" if per_step >= 0.1 else f"{1 / per_step:.1f} it/s")
+            parts.append(f"{per_step:.3g} s/it")
         eta = self.eta.eta_seconds()
         parts.append(f"eta {format_duration(eta) if eta is not None else '?'}")
         if self._loss is not None:
