@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from titan_npu.checkpoint import storage
 from titan_npu.checkpoint.dcp_io import (
@@ -132,6 +133,10 @@ class CheckpointManager:
         self._last_saved_step: int | None = None
         self._stager = None  # host buffers of async saves, kept across saves: later snapshots only copy into them
         self._staged_sources: list[Any] = []
+        self._staging: Future | None = None  # the snapshot of an async save, until it is in host memory
+        self.last_staging_wait_s = 0.0
+        for optimizer in self.optimizers:
+            optimizer.register_step_pre_hook(self._finish_staging)
         # With checkpoint.overwrite: checkpoints of a previous run above this step are replaced by this run's.
         self._stale_above: int | None = None
         self.last_save_blocking_s = 0.0
@@ -377,8 +382,11 @@ class CheckpointManager:
             self._raise_if_any_failed(step, error)
             self.last_save_blocking_s = time.perf_counter() - t0
         else:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg,
-                                    async_stager=self._async_stager(), no_dist=not self.distributed)
+            response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg,
+                                      async_stager=self._async_stager(), no_dist=not self.distributed)
+            future = response
+            if isinstance(response, AsyncSaveResponse):
+                self._staging, future = response.staging_completion, response.upload_completion
             # The stager finds its host buffer by the source storage's Python object (weakly held): keep those
             # alive, or every save allocates (and page-faults) a fresh copy of the whole state.
             self._staged_sources = _storages(state)
@@ -386,8 +394,8 @@ class CheckpointManager:
             future.add_done_callback(lambda f: self._on_async_done(f, step, tmp, info, t0))
             self.last_save_blocking_s = time.perf_counter() - t0
             if self.rank == 0:
-                log.info("checkpoint: step %d staged in %.2fs, writing in the background",
-                         step, self.last_save_blocking_s)
+                log.info("checkpoint: step %d is being copied to host memory and written in the background "
+                         "(the loop waited %.2fs)", step, self.last_save_blocking_s)
         self._last_saved_step = step
 
     def _on_async_done(self, future: Future, step: int, tmp: Path, info: dict[str, Any], t0: float) -> None:
@@ -417,11 +425,23 @@ class CheckpointManager:
         log.info("checkpoint: saved step %d to %s (%.2f GB, %.1fs)%s", step, final, size_gb,
                  time.perf_counter() - t0, f"; removed steps {dropped}" if dropped else "")
 
+    def _finish_staging(self, *_: Any) -> None:
+        """Before an optimizer step changes the parameters in place: the async snapshot must be complete."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            t0 = time.perf_counter()
+            try:
+                staging.result()
+            except Exception:  # the upload fails with it; wait() reports that
+                pass
+            self.last_staging_wait_s = time.perf_counter() - t0
+
     def wait(self) -> None:
         """Block until an async save in flight is written and published; raise if it failed (collective)."""
         future, step = self._pending, self._pending_step
         if future is None:
             return
+        self._staging = None
         self._pending = self._pending_step = None
         error: BaseException | None = None
         try:
@@ -472,11 +492,12 @@ class CheckpointManager:
         if self._stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            # Synchronous snapshot (the step after the save may update the parameters in place); pinned host memory
-            # speeds up the device-to-host copy where CUDA provides it.
-            pinned = self.device_type == "cuda"
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=False))
+            # The snapshot is copied in a background thread while the next forward/backward run (they only read the
+            # parameters); the next optimizer step waits for it (_finish_staging). Pinned host memory and a side
+            # stream speed up the device-to-host copy where CUDA provides them.
+            cuda = self.device_type == "cuda"
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=True, use_non_blocking_copy=cuda))
         return self._stager
 
     # ---------------------------------------------------------------- state
