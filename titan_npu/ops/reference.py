@@ -41,9 +41,8 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in fp32, returned in x.dtype."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * weight.float()).to(x.dtype)
+    # torch's own rms_norm: one fused pass forward instead of five element-wise ops (same math, fp32 inputs).
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
 def apply_rotary_emb(
@@ -55,10 +54,11 @@ def apply_rotary_emb(
 
 def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # Meta's convention: dims (2i, 2i+1) form the pair rotated by angle pos * theta_i, so Meta weights load as-is.
-    x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each [B, S, H, D/2]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    # Read as complex numbers x_2i + i x_2i+1, the rotation is one complex product with cos + i sin: a single
+    # element-wise kernel each way, where the real form takes six forward and more backward.
+    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))  # [B, S, H, D/2]
+    rotation = torch.complex(cos.float(), sin.float())[None, :, None, :]
+    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
