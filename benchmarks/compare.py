@@ -17,6 +17,9 @@ Candidates (--candidates, or a --study):
   titan:V[,V...]    the same with variants (see VARIANTS below), e.g. titan:compile or titan:ac_full,foreach
   bare              a plain loop over our Transformer (benchmarks/bare_loop.py); bare:compile compiles its blocks
   hf                the same plain loop over transformers' LlamaForCausalLM (attn_implementation="sdpa")
+  NAME@DIR          candidate NAME running the titan_npu package found in source tree DIR (for before/after
+                    measurements of a code change: `git archive HEAD | tar -x -C /tmp/before`, then
+                    --candidates bare bare@/tmp/before)
 Peak memory is each worker process's peak RSS on cpu (peak allocated on accelerators).
 """
 
@@ -180,6 +183,7 @@ class Candidate:
     name: str
     kind: str
     variants: list[str]
+    source: str = ""  # a source tree whose titan_npu this candidate imports ("" = the installed one)
     proc: subprocess.Popen | None = None
     log_path: str = ""
     windows: list[dict] = field(default_factory=list)
@@ -187,8 +191,11 @@ class Candidate:
 
 
 def parse_candidate(name: str) -> Candidate:
-    """'titan', 'titan:compile,foreach', 'bare', 'bare:compile', 'hf' -> Candidate."""
-    kind, _, rest = name.partition(":")
+    """'titan', 'titan:compile,foreach', 'bare', 'bare:compile', 'hf', 'bare@/tmp/before' -> Candidate."""
+    spec, _, source = name.partition("@")
+    if source and not (Path(source) / "titan_npu" / "__init__.py").is_file():
+        raise SystemExit(f"compare: candidate {name!r}: {source} holds no titan_npu package")
+    kind, _, rest = spec.partition(":")
     variants = [v for v in rest.split(",") if v]
     if kind not in ("titan", "bare", "hf"):
         raise SystemExit(f"compare: candidate {name!r}: kind must be titan, bare or hf")
@@ -196,7 +203,7 @@ def parse_candidate(name: str) -> Candidate:
     unknown = [v for v in variants if v not in allowed]
     if unknown:
         raise SystemExit(f"compare: candidate {name!r}: unknown variants {unknown} (choose from {sorted(allowed)})")
-    return Candidate(name, kind, variants)
+    return Candidate(name, kind, variants, source=os.path.abspath(source) if source else "")
 
 
 def _read_message(c: Candidate, timeout_s: float) -> dict:
@@ -249,14 +256,17 @@ def run_group(shape_name: str, dtype: str, names: list[str], reference: str, arg
     peaks: list[float] = []
     started = time.monotonic()
     try:
-        for c in candidates:  # one at a time, so that no build or warm-up (or compile) overlaps another
+        for i, c in enumerate(candidates):  # one at a time: no build, warm-up or compile overlaps another
             spec = {"kind": c.kind, "variants": c.variants, "shape": shape_name, "dtype": dtype,
                     "warmup": args.warmup, "steps": args.steps, "windows": args.windows,
-                    "log_dir": os.path.join(tmp, f"{shape_name}-{dtype}-{c.name.replace(':', '_')}")}
-            c.log_path = os.path.join(tmp, f"{shape_name}-{dtype}-{c.name.replace(':', '_')}.log")
+                    "log_dir": os.path.join(tmp, f"{shape_name}-{dtype}-{i}")}
+            c.log_path = os.path.join(tmp, f"{shape_name}-{dtype}-{i}.log")
             log = open(c.log_path, "w")  # noqa: SIM115 -- lives as long as the worker
+            env = dict(os.environ)
+            if c.source:
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [c.source, env.get("PYTHONPATH", "")]))
             c.proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
+                                      stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1, env=env)
             _read_message(c, args.timeout)  # ready
             print(f"  {shape_name} {dtype}: {c.name} ready", flush=True)
         for r in range(args.windows):
