@@ -67,3 +67,65 @@ def test_two_ranks_log_dp_mean_loss_and_global_throughput(tmp_path):
         assert r["tokens_seen"] == r["step"] * 2 * BATCH * SEQ
     assert [(v["step"], v["val_batches"], v["val_tokens"]) for v in val] == [(STEPS, 2, 2 * 2 * BATCH * SEQ)]
     assert json.loads((tmp_path / "logs" / "run_info.json").read_text())["layout"].startswith("world=2")
+
+
+def tp_worker(rank: int, world: int, port: int, tmp: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TITAN_DEVICE="cpu")
+    torch.set_num_threads(1)
+    from titan_npu.checkpoint.initial_load import load_initial_weights
+    from titan_npu.config import load_config
+    from titan_npu.data import build_tokenizer
+    from titan_npu.device import setup_device
+    from titan_npu.models.llama import Transformer, build_model_args
+    from titan_npu.parallel import ParallelDims, destroy_process_group, init_process_group
+    from titan_npu.parallel.parallelize import materialize, parallelize_model
+    from titan_npu.parallel.reduce import loss_parallel_context
+    from titan_npu.trainer.validate import Validator
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "debug.toml",
+                      ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads",
+                       "2", "--model.max_seq_len", "64", "--training.seq_len", str(SEQ), "--training.batch_size",
+                       str(BATCH), "--data.val_fraction", "0.05", "--validation.steps", "2",
+                       "--parallel.tp_degree", "2", "--parallel.dp_shard", "1", "--parallel.loss_parallel", "true"])
+    device = setup_device()
+    init_process_group(device, cfg.comm)
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    dims.build_mesh("cpu", cfg.comm.timeout_s)
+    args = build_model_args(cfg.model)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = parallelize_model(model, dims, cfg)
+    materialize(model, device.torch_device, cfg)
+    load_initial_weights(model, f"{tmp}/weights.pt", args)
+    v = Validator(cfg, build_tokenizer("byte"), 0, 1, device, args.vocab_size, dims.mesh["dp"].get_group())
+    record = v.run(model, 1, loss_context=lambda: loss_parallel_context(dims, True))
+    if rank == 0:
+        Path(f"{tmp}/tp.json").write_text(json.dumps(record))
+    destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_validation_with_vocab_sharded_logits_matches_one_process(tmp_path):
+    from titan_npu.config import load_config
+    from titan_npu.data import build_tokenizer
+    from titan_npu.device import setup_device
+    from titan_npu.models.llama import Transformer, build_model_args
+    from titan_npu.trainer.validate import Validator
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "debug.toml",
+                      ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads",
+                       "2", "--model.max_seq_len", "64", "--training.seq_len", str(SEQ), "--training.batch_size",
+                       str(BATCH), "--data.val_fraction", "0.05", "--validation.steps", "2"])
+    args = build_model_args(cfg.model)
+    torch.manual_seed(3)
+    model = Transformer(args)
+    model.init_weights()
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    reference = Validator(cfg, build_tokenizer("byte"), 0, 1, setup_device(), args.vocab_size).run(model, 1)
+
+    mp.start_processes(tp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    tp = json.loads((tmp_path / "tp.json").read_text())
+    assert tp["val_tokens"] == reference["val_tokens"] == 2 * BATCH * SEQ
+    # Same weights and batches; TP only reorders the matmul sums (fp32).
+    assert tp["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)

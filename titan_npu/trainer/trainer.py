@@ -294,7 +294,8 @@ class Trainer:
                 last = self._log_step(loss, grad_norm)
             if self.validator is not None and self.validator.due(self.step, max_steps):
                 with self.meter.excluded(), self.reliability.phase("validation"):
-                    self.metrics.log_validation(self.validator.run(self.model, self.step, self.autocast))
+                    record = self.validator.run(self.model, self.step, self.autocast, self.loss_context)
+                    self.metrics.log_validation(record)
             # Saves count as training time (like the outside clock): a blocking save shows as a dip in its window.
             self.reliability.maybe_save(self.checkpointer, self.step, last_step=self.step == max_steps)
             if self.reliability.stop_requested:  # a signal (exit 0 after the save) or too many skips (raises)

@@ -57,8 +57,14 @@ class Validator:
 
     @torch.no_grad()
     def run(self, model: nn.Module, step: int,
-            autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> dict[str, Any]:
-        """Evaluate `model` (left in train mode afterwards); a metrics record with val_loss and val_ppl."""
+            autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+            loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+            ) -> dict[str, Any]:
+        """Evaluate `model` (left in train mode afterwards); a metrics record with val_loss and val_ppl.
+
+        `loss_context` is the training loss's context: torch's loss_parallel when TP leaves the logits sharded
+        by vocabulary, so the loss is computed on the shards as in training.
+        """
         t0 = time.perf_counter()
         self.loader.load_state_dict(self._start)
         was_training = model.training
@@ -72,8 +78,10 @@ class Validator:
                 labels = labels.to(self.device.torch_device, non_blocking=True)
                 with autocast():
                     logits = model(inputs)
-                loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                                            ignore_index=IGNORE_INDEX)
+                with loss_context():
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                                           ignore_index=IGNORE_INDEX)
+                loss_sum += loss.full_tensor() if hasattr(loss, "full_tensor") else loss
                 count += (labels != IGNORE_INDEX).sum()
         finally:
             model.train(was_training)
