@@ -12,6 +12,7 @@ over the sharded parameters. Byte counts come from the local shards of the resul
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -53,19 +54,6 @@ class DryRunResult:
             "n_parameters": len(self.parameters), "seconds": round(self.seconds, 2),
             "parameters": self.parameters,
         }
-
-    @classmethod
-    def from_dict(cls, data: dict) -> DryRunResult:
-        """The inverse of as_dict."""
-        shape = data.get("output_shape")
-        return cls(
-            world_size=data["world_size"], rank=data["rank"], layout=data["layout"],
-            coordinates=data["coordinates"], parameters=data["parameters"],
-            parameter_bytes=data["parameter_bytes"], gradient_bytes=data["gradient_bytes"],
-            optimizer_bytes=data["optimizer_bytes"], optimizer=data["optimizer"],
-            forward_checked=data["forward_checked"], output_shape=tuple(shape) if shape else None,
-            seconds=data["seconds"],
-        )
 
     def format(self) -> str:
         """A short report: where the rank sits, what it holds, whether forward/backward ran."""
@@ -227,24 +215,20 @@ def _build_and_measure(cfg: JobConfig, dims, result: DryRunResult, device_type: 
     result.optimizer_bytes = int(result.parameter_bytes * optimizer_state_bytes_per_param_byte(cfg))
 
 
-# Whether this process already ran a dry run: DTensor and DeviceMesh keep caches keyed by mesh shape, not by rank
-# or process group, so a second dry run (another rank or layout) in the same process would read stale entries.
-_ran_in_process = False
+_ONE_AT_A_TIME = threading.Lock()
 
 
 def dry_run(cfg: JobConfig, world_size: int | None = None, rank: int = 0, device_type: str = "npu",
-            forward: bool = True, isolate: bool | None = None) -> DryRunResult:
+            forward: bool = True) -> DryRunResult:
     """Build `rank` of a `world_size`-rank job on meta with a fake process group and measure what it holds.
 
-    isolate: run in a fresh Python process (default: only when this process already ran a dry run).
+    The work runs in a thread of its own: DTensor's sharding cache and DeviceMesh's registry are thread-local and
+    keyed by mesh shape, not by rank or process group, so a thread that ends with the dry run takes them along and
+    dry runs of other ranks or layouts (in the same process, one after another) start clean.
     """
-    global _ran_in_process
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from titan_npu.models.llama import build_model_args
     from titan_npu.parallel.dims import ParallelDims
     from titan_npu.parallel.layout import validate_layout
-    from titan_npu.tools.memory_model import layout_from_config, rank_coordinates
 
     world_size = resolve_world_size(cfg, world_size)
     if not 0 <= rank < world_size:
@@ -252,14 +236,37 @@ def dry_run(cfg: JobConfig, world_size: int | None = None, rank: int = 0, device
     if dist.is_initialized():
         raise DeviceError("a dry run sets up its own fake process group; run it as a plain process, not under "
                           "torchrun")
-    layout = layout_from_config(cfg, world_size)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     validate_layout(dims, build_model_args(cfg.model), cfg)
-    if _ran_in_process if isolate is None else isolate:
-        return _dry_run_in_subprocess(cfg, world_size, rank, device_type, forward)
-    _ran_in_process = True
+    outcome: dict = {}
+
+    def work() -> None:
+        try:
+            outcome["result"] = _dry_run_in_this_thread(cfg, dims, world_size, rank, device_type, forward)
+        except BaseException as e:  # re-raised in the caller's thread
+            outcome["error"] = e
+
+    with _ONE_AT_A_TIME:  # the fake process group is the process's default group: one dry run at a time
+        thread = threading.Thread(target=work, name=f"titan-dry-run-rank{rank}")
+        thread.start()
+        thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def _dry_run_in_this_thread(cfg: JobConfig, dims, world_size: int, rank: int, device_type: str,
+                            forward: bool) -> DryRunResult:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titan_npu.tools.memory_model import layout_from_config, rank_coordinates
+
+    layout = layout_from_config(cfg, world_size)
     t0 = time.perf_counter()
     result = DryRunResult(world_size, rank, layout.describe(), rank_coordinates(layout, rank))
+    # Fake tensors' dispatch cache is process-wide; entries of another rank's shards must not be reused.
+    FakeTensorMode.cache_clear()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         with warnings.catch_warnings():
@@ -268,34 +275,19 @@ def dry_run(cfg: JobConfig, world_size: int | None = None, rank: int = 0, device
             _build_and_measure(cfg, dims, result, device_type, forward)
     finally:
         dist.destroy_process_group()
+        FakeTensorMode.cache_clear()
+        _clear_redistribute_cache()
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _dry_run_in_subprocess(cfg: JobConfig, world_size: int, rank: int, device_type: str,
-                           forward: bool) -> DryRunResult:
-    """The same dry run in a fresh interpreter (python -m titan_npu.tools.dry_run), its result read back as JSON."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    from titan_npu.config import save_config
-    from titan_npu.errors import TitanError
-
-    with tempfile.TemporaryDirectory(prefix="titan-dry-run-") as tmp:
-        path = Path(tmp) / "config.toml"
-        save_config(cfg, path)
-        cmd = [sys.executable, "-m", "titan_npu.tools.dry_run", "--config", str(path), "--world-size",
-               str(world_size), "--rank", str(rank), "--device-type", device_type]
-        if not forward:
-            cmd.append("--no-forward")
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-        raise TitanError(f"dry run of rank {rank} failed in its own process: {lines[-1] if lines else proc.returncode}")
-    return DryRunResult.from_dict(json.loads(proc.stdout))
+def _clear_redistribute_cache() -> None:
+    """DTensor's redistribution planners are cached process-wide by mesh; drop those of the fake mesh."""
+    try:
+        from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    except ImportError:  # older torch: no such cache
+        return
+    clear_redistribute_planner_cache()
 
 
 def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
@@ -374,33 +366,3 @@ def run(cfg: JobConfig, world_size: int | None, rank: int, device_type: str = "n
         print(comparison["text"])
     return 0 if comparison["match"] else 1
 
-
-def _child_main(argv: list[str]) -> int:
-    """`python -m titan_npu.tools.dry_run --config C --world-size N --rank R`: one dry run, its result as JSON."""
-    import argparse
-    import json
-    import warnings
-
-    from titan_npu.config import load_config
-
-    p = argparse.ArgumentParser(prog="python -m titan_npu.tools.dry_run")
-    p.add_argument("--config", required=True)
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--device-type", default="npu")
-    p.add_argument("--no-forward", action="store_true")
-    args = p.parse_args(argv)
-    # Keep stdout for the JSON result: torch's warnings about the fake backend go to stderr anyway.
-    warnings.simplefilter("ignore")
-    result = dry_run(load_config(args.config), args.world_size, args.rank, args.device_type,
-                     forward=not args.no_forward, isolate=False)
-    print(json.dumps(result.as_dict()))
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    from titan_npu.cli import run_command
-
-    sys.exit(run_command(_child_main, sys.argv[1:]))
