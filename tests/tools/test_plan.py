@@ -302,3 +302,10 @@ def test_parameter_kinds_cover_the_model():
         ("tok_", "norm.", "output.")))
     root = sum(int(torch.tensor(kinds[k]).prod()) for k in ("tok_embeddings.weight", "norm.weight", "output.weight"))
     assert args.n_layers * per_block + root == args.num_params()
+
+
+def test_a_memory_fraction_cap_shrinks_what_a_plan_may_use():
+    capped = load_config(CONFIGS / "llama_7b.toml", ["--training.memory_fraction", "0.5"])
+    plan = plan_cli.make_plan(capped, 1, 4, hardware("910B2"))
+    assert plan.config_candidate.usable_bytes == 32 * GiB
+    assert all(c.memory.total <= 32 * GiB for c in plan.ranked)

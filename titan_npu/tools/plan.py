@@ -74,12 +74,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def usable_fraction(cfg: JobConfig) -> float:
+    """Share of device memory a plan may fill: FIT_FRACTION, or less when training.memory_fraction caps it."""
+    cap = cfg.training.memory_fraction
+    return min(FIT_FRACTION, cap) if cap > 0 else FIT_FRACTION
+
+
 def evaluate(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, efficiency: float,
-             hccl_buffsize_mb: int = 0) -> Candidate:
+             hccl_buffsize_mb: int = 0, fraction: float = FIT_FRACTION) -> Candidate:
     """Memory and speed of one layout."""
     memory = estimate_memory(job, layout, hw.device_type, hccl_buffsize_mb)
     step = estimate_step(job, layout, hw, devices_per_node, efficiency)
-    return Candidate(layout, memory, step, int(hw.memory_bytes * FIT_FRACTION))
+    return Candidate(layout, memory, step, int(hw.memory_bytes * fraction))
 
 
 def config_for_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
@@ -208,6 +214,7 @@ class Plan:
     ranked: list[Candidate]
     global_batch: int
     efficiency: float
+    fraction: float = FIT_FRACTION
 
     def as_dict(self) -> dict:
         a = self.job.args
@@ -220,7 +227,7 @@ class Plan:
                          "global_batch_tokens": self.global_batch * self.job.seq_len},
             "cluster": {"nodes": self.nodes, "devices_per_node": self.devices_per_node, "device": self.hw.name,
                         "device_type": self.hw.device_type, "memory_gib": self.hw.memory_bytes / GiB,
-                        "usable_gib": self.hw.memory_bytes * FIT_FRACTION / GiB,
+                        "usable_gib": self.hw.memory_bytes * self.fraction / GiB,
                         "peak_tflops": self.hw.peak_flops / 1e12,
                         "intra_node_gbs": self.hw.intra_node_bw / 1e9, "inter_node_gbs": self.hw.inter_node_bw / 1e9,
                         "assumed_efficiency": self.efficiency},
@@ -241,11 +248,12 @@ def make_plan(cfg: JobConfig, nodes: int, devices_per_node: int, hw: Hardware, e
         raise ConfigError(f"training.seq_len={cfg.training.seq_len} exceeds model.max_seq_len={job.args.max_seq_len}"
                           "; lower training.seq_len or raise model.max_seq_len")
     buffsize = cfg.comm.hccl_buffsize_mb
+    fraction = usable_fraction(cfg)
     config_candidate, config_error = None, None
     try:
         base = layout_from_config(cfg, world)
         check_layout(cfg, job, world)
-        config_candidate = evaluate(job, base, hw, devices_per_node, efficiency, buffsize)
+        config_candidate = evaluate(job, base, hw, devices_per_node, efficiency, buffsize, fraction)
         global_batch = base.local_batch * base.dp
     except LayoutError as e:
         config_error = str(e)
@@ -255,10 +263,10 @@ def make_plan(cfg: JobConfig, nodes: int, devices_per_node: int, hw: Hardware, e
                       reshard_after_forward=p.reshard_after_forward)
         # Without a valid layout the global batch is the config's per-rank batch over pure data parallelism.
         global_batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps * world
-    candidates = [evaluate(job, lay, hw, devices_per_node, efficiency, buffsize)
+    candidates = [evaluate(job, lay, hw, devices_per_node, efficiency, buffsize, fraction)
                   for lay in candidate_layouts(cfg, job, base, world, devices_per_node, global_batch)]
     return Plan(job, hw, nodes, devices_per_node, config_candidate, config_error, rank_candidates(candidates)[:top],
-                global_batch, efficiency)
+                global_batch, efficiency, fraction)
 
 
 def _gib(n: float) -> str:
