@@ -680,7 +680,7 @@ def _ranks(ranks: list[int]) -> str:
 
 def collective_check(report: Report, versions: dict, timeout_s: float, sizes: list[int], iters: int,
                      backend: str | None = None) -> int:
-    """Check-in, then collectives on the job's backend; rank-0-style reporting by the lowest rank. Returns 0 or 1."""
+    """Check-in, then collectives on the job's backend; rank 0 reports the table. Returns 0 or 1."""
     import torch.distributed as dist
 
     from titan_npu.device import setup_device
@@ -711,12 +711,19 @@ def collective_check(report: Report, versions: dict, timeout_s: float, sizes: li
         _finish(store, rank, world_size, timeout_s)
         return 0
     except RanksMissing as e:
-        report.add("fail", s, f"{e}; their hosts/logs show why (crashed, not launched, unreachable network)")
+        hint = "" if e.arrived_all else "; their hosts/logs show why (crashed, not launched, unreachable network)"
+        report.add("fail", s, f"{e}{hint}")
         report.facts["missing_ranks"] = e.missing
         # A collective that timed out leaves the backend's threads waiting: leave without tearing the group down.
         report.facts["hung"] = dist.is_initialized()
         if store is not None and not report.facts["hung"]:
             _finish(store, rank, world_size, 1.0)
+        return 1
+    except Exception as e:  # the backend's own errors (HCCL/NCCL init, transport): one line, then leave
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        report.add("fail", s, f"rank {rank}: {device.backend} failed: {type(e).__name__}: {first}; check the "
+                              "versions and variables above, and that every node reaches the others")
+        report.facts["hung"] = dist.is_initialized()
         return 1
 
 

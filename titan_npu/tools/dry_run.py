@@ -16,6 +16,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,9 @@ from torch import nn
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import ConfigError, DeviceError, LayoutError
+
+if TYPE_CHECKING:
+    from titan_npu.parallel.dims import ParallelDims
 
 GiB = 1024**3
 
@@ -119,7 +123,7 @@ def resolve_world_size(cfg: JobConfig, world_size: int | None) -> int:
     return p.dp_replicate * p.dp_shard * p.tp_degree * p.pp_degree
 
 
-def build_parallel_model(cfg: JobConfig, dims) -> list[nn.Module]:
+def build_parallel_model(cfg: JobConfig, dims: ParallelDims) -> list[nn.Module]:
     """The model parts this rank holds, on meta: pipeline split, then each part parallelized as the trainer does."""
     from titan_npu.models.llama import Transformer, build_model_args
     from titan_npu.parallel.parallelize import parallelize_model
@@ -135,7 +139,7 @@ def build_parallel_model(cfg: JobConfig, dims) -> list[nn.Module]:
     return [parallelize_model(model, dims, cfg)]
 
 
-def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims) -> tuple[int, ...]:
+def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims) -> tuple[int, ...]:
     """One forward/backward of every part with fake tensors; returns the output shape of the last part run.
 
     A pipeline stage without the embedding takes the hidden states its predecessor would send: the local
@@ -178,7 +182,8 @@ def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims) -> tuple[int
     return shape
 
 
-def _build_and_measure(cfg: JobConfig, dims, result: DryRunResult, device_type: str, forward: bool) -> None:
+def _build_and_measure(cfg: JobConfig, dims: ParallelDims, result: DryRunResult, device_type: str,
+                       forward: bool) -> None:
     """Build this rank's parallelized model and optimizer, run forward/backward, and fill in `result`."""
     from titan_npu.trainer.optimizer import build_optimizer
 
@@ -255,8 +260,9 @@ def dry_run(cfg: JobConfig, world_size: int | None = None, rank: int = 0, device
     return outcome["result"]
 
 
-def _dry_run_in_this_thread(cfg: JobConfig, dims, world_size: int, rank: int, device_type: str,
+def _dry_run_in_this_thread(cfg: JobConfig, dims: ParallelDims, world_size: int, rank: int, device_type: str,
                             forward: bool) -> DryRunResult:
+    """The dry run proper: fake process group up, build and measure, everything torn down again."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
