@@ -309,3 +309,12 @@ def test_a_memory_fraction_cap_shrinks_what_a_plan_may_use():
     plan = plan_cli.make_plan(capped, 1, 4, hardware("910B2"))
     assert plan.config_candidate.usable_bytes == 32 * GiB
     assert all(c.memory.total <= 32 * GiB for c in plan.ranked)
+
+
+def test_replicated_data_parallelism_pays_for_its_gradient_all_reduce():
+    cfg = load_config(CONFIGS / "llama_7b.toml", [])
+    job = job_from_config(cfg)
+    layout = Layout(dp_shard=16, fsdp=False, batch_size=1, grad_accum=1)
+    across = estimate_step(job, layout, hardware("910B2"), devices_per_node=8)
+    inside = estimate_step(job, layout, hardware("910B2"), devices_per_node=16)
+    assert across.fsdp_exposed > 0 and across.step_time > inside.step_time

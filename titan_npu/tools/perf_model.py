@@ -194,10 +194,15 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
         gathers = (2 if layout.reshard_after_forward else 1) * layout.passes
         bw = _bandwidth(hw, group_crosses_nodes(layout, "dp_shard", devices_per_node))
         fsdp_comm += local * s * (gathers * c + reductions * 4) * (s - 1) / s / bw
-    if layout.dp_replicate > 1:
-        r = layout.dp_replicate
-        bw = _bandwidth(hw, group_crosses_nodes(layout, "dp_replicate", devices_per_node))
-        fsdp_comm += local * 4 * 2 * (r - 1) / r / bw * reductions
+        if layout.dp_replicate > 1:
+            r = layout.dp_replicate
+            bw = _bandwidth(hw, group_crosses_nodes(layout, "dp_replicate", devices_per_node))
+            fsdp_comm += local * 4 * 2 * (r - 1) / r / bw * reductions
+    elif layout.dp > 1:
+        # Replicated data parallelism (fsdp = false, or HSDP with one shard): fp32 gradients all-reduced over dp.
+        d = layout.dp
+        crosses = layout.dp * layout.tp > devices_per_node
+        fsdp_comm += local * 4 * 2 * (d - 1) / d / _bandwidth(hw, crosses) * reductions
     fsdp_exposed = max(0.0, fsdp_comm - compute)
 
     # cpu_offload: fp32 parameter shards go up before each all-gather and fp32 gradient shards come down after
