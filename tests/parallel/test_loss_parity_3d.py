@@ -1,0 +1,30 @@
+"""3-D parallelism (FSDP 2 x TP 2 x PP 2 on 8 gloo ranks) trains like one process. Eight processes on a small
+machine take minutes, so this runs with `pytest -m slow tests/parallel`, not in the default suite."""
+
+from __future__ import annotations
+
+import pytest
+
+from .harness import STEPS, losses, run_pool, tiny_run
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+LAYOUTS = {
+    "fsdp2_tp2_pp2": ["--parallel.tp_degree=2", "--parallel.pp_degree=2"],
+    "fsdp2_tp2_pp2_interleaved_ac_compile": ["--parallel.tp_degree=2", "--parallel.pp_degree=2",
+                                             "--parallel.pp_schedule=Interleaved1F1B",
+                                             "--activation_checkpoint.mode=full", "--compile.enable=true"],
+}
+
+
+@pytest.fixture(scope="module")
+def three_d_runs(parallel_workspace):
+    run_pool(8, [tiny_run(parallel_workspace, name) + overrides for name, overrides in LAYOUTS.items()])
+    return parallel_workspace
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_three_d_layout_losses_match_single_process(three_d_runs, name):
+    got, want = losses(three_d_runs, name), losses(three_d_runs, "ref_b8")
+    assert len(got) == STEPS
+    assert got == pytest.approx(want, rel=1e-5)
