@@ -97,11 +97,6 @@ def _check_tensor_parallel(dims: ParallelDims, a: LlamaArgs, cfg: JobConfig) -> 
             f"are split by vocabulary); pad it: set model.vocab_size = {padded} (token ids stay below "
             f"{a.vocab_size}, the {padded - a.vocab_size} extra rows are never used)"
         )
-    if cfg.validation.enable and cfg.parallel.loss_parallel:
-        raise LayoutError(
-            "validation.enable=true with tensor parallelism needs parallel.loss_parallel=false (validation computes "
-            "its loss on whole logits); set loss_parallel = false, or validation.enable = false"
-        )
     if cfg.training.seq_len % tp:
         raise LayoutError(
             f"training.seq_len={cfg.training.seq_len} is not divisible by parallel.tp_degree={tp} (sequence "
