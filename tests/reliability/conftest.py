@@ -53,7 +53,12 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def torchrun(args: list[str], nproc: int = 2, max_restarts: int = 0, timeout: float = 240,
              **env: str) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node N --max-restarts K train.py ARGS` in the repository root."""
+    """`torchrun --standalone --nproc_per_node N --max-restarts K train.py ARGS` in the repository root.
+
+    Launched as examples/restart_single_node.sh does: with a rendezvous store of its own per attempt, without which
+    a restart cannot re-form the process group (pytorch/pytorch#135712).
+    """
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "train.py", *args]
     return subprocess.run(cmd, cwd=REPO, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)

@@ -97,7 +97,7 @@ _HANG = textwrap.dedent("""
             pass  # stands for a Python thread that cannot run (a stuck call holding the interpreter lock)
 
     cls = Quiet if sys.argv[2] == "backstop" else Watchdog
-    dog = cls(0.5, dump_dir=sys.argv[1], rank=3, poll_s=0.05, backstop_s=1.0)
+    dog = cls(0.5, dump_dir=sys.argv[1], rank=3, poll_s=0.05, backstop_s=1.0, exit_delay_s=0.1)
     dog.start()
     def stuck_in_a_collective():
         dog.beat("step 12")

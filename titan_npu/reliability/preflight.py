@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import ConfigError
 from titan_npu.reliability.settings import check_reliability_config
+
+log = logging.getLogger("titan_npu")
 
 
 def check_dtype_support(dtype: str, device_type: str) -> None:
@@ -26,7 +31,22 @@ def check_dtype_support(dtype: str, device_type: str) -> None:
             )
 
 
+def restart_problem(env: dict[str, str] | os._Environ = os.environ) -> str:
+    """Why torchrun's restarts would fail to re-form the process group here ("" when they will not)."""
+    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0").strip()
+    if not restarts.isdigit() or int(restarts) == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return ""
+    # The workers share torchrun's rendezvous store, which keeps the previous attempt's addresses: a restarted
+    # worker can read a dead peer's address and fail to connect (pytorch/pytorch#135712).
+    return (f"torchrun --max-restarts {restarts} shares its rendezvous store with the workers, and a restart then "
+            "fails to re-form the process group; export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun "
+            "(as examples/restart_*.sh do)")
+
+
 def preflight(cfg: JobConfig, device_type: str) -> None:
     """Every check of this module for one run on `device_type`."""
     check_reliability_config(cfg)
     check_dtype_support(cfg.training.dtype, device_type)
+    problem = restart_problem()
+    if problem and os.environ.get("RANK", "0") == "0":
+        log.warning("restarts: %s", problem)

@@ -89,15 +89,19 @@ class Watchdog:
     """Fires when the phase begun by the last beat() outlasts its limit; `fire` is replaceable for tests."""
 
     def __init__(self, limit_s: float, step_factor: float = 0.0, dump_dir: str | Path = "logs", rank: int = 0,
-                 device_type: str = "cpu", poll_s: float | None = None, backstop_s: float | None = None) -> None:
+                 device_type: str = "cpu", poll_s: float | None = None, backstop_s: float | None = None,
+                 exit_delay_s: float | None = None) -> None:
         self.limit_s = float(limit_s)
         self.step_factor = step_factor
         self.dump_dir = Path(dump_dir)
         self.rank = rank
         self.device_type = device_type
         self.poll_s = poll_s if poll_s is not None else min(1.0, self.limit_s / 10)
+        # After its dump the firing thread waits this long before exiting, so that the peers can dump too.
+        self.exit_delay_s = exit_delay_s if exit_delay_s is not None else min(10.0, max(3.0, 0.01 * self.limit_s))
         # The C-level timer waits this much longer, so the Python thread normally gets to dump the trace first.
-        self.backstop_s = backstop_s if backstop_s is not None else min(60.0, max(5.0, 0.1 * self.limit_s))
+        self.backstop_s = backstop_s if backstop_s is not None else min(60.0, max(self.exit_delay_s + 5,
+                                                                                   0.1 * self.limit_s))
         self.step_times: deque[float] = deque(maxlen=50)
         self._label = ""
         self._began = 0.0
@@ -157,14 +161,16 @@ class Watchdog:
         header = (f"watchdog: rank {self.rank}: {label} has run {elapsed:.0f}s, over its limit of {limit:.0f}s "
                   f"(reliability.watchdog_timeout_s / comm.timeout_s); stacks follow, then exit {HANG_EXIT_CODE} "
                   "so the launcher can restart the job")
+        # The C-level timer stays armed, later, in case writing the dump itself gets stuck on the hung state.
+        faulthandler.dump_traceback_later(self.exit_delay_s + 30, exit=True, file=STDERR_FD)
         os.write(2, (header + "\n").encode())
         faulthandler.dump_traceback(file=STDERR_FD, all_threads=True)
         written = self._write_dump(header)
         if written:
             os.write(2, f"watchdog: rank {self.rank}: wrote {', '.join(written)}\n".encode())
-        # The peers' watchdogs fire within a poll interval; exiting first would break their collectives and turn
-        # their dumps into plain errors.
-        time.sleep(min(5.0, max(2 * self.poll_s, 0.5)))
+        # The peers' watchdogs fire a little later (their step began later, their thread wakes later); exiting first
+        # would break their collectives and turn their dumps into plain errors.
+        time.sleep(self.exit_delay_s)
         os._exit(HANG_EXIT_CODE)
 
     def _write_dump(self, header: str) -> list[str]:
