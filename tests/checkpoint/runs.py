@@ -45,8 +45,9 @@ def copy_checkpoint(tmp: Path, source: str, step: int, target: str) -> None:
     shutil.copytree(tmp / source / "ckpt" / f"step-{step}", dst / f"step-{step}")
 
 
-def run_here(args: list[str], probe_out: Path | None = None, compare_to: tuple[Path, Path] | None = None):
-    """Train in this process; returns the Trainer (closed).
+def run_here(args: list[str], probe_out: Path | None = None, compare_to: tuple[Path, Path] | None = None,
+             train: bool = True):
+    """Train in this process (train=False: only build the Trainer, i.e. resume / initial_load); returns it (closed).
 
     probe_out: rank 0 writes the model's logits on PROBE there. compare_to: (checkpoint, report): the checkpoint
     whose model and optimizer tensors this rank's parts must equal; the mismatches go to <report>.rank<R>.json.
@@ -58,7 +59,8 @@ def run_here(args: list[str], probe_out: Path | None = None, compare_to: tuple[P
     ops.set_kernels("reference")
     trainer = Trainer(load_config(None, args))
     try:
-        trainer.train()
+        if train:
+            trainer.train()
         if probe_out is not None:
             write_probe(trainer.model, probe_out)
         if compare_to is not None:
@@ -109,18 +111,25 @@ def _worker(rank: int, world: int, ports: list[int], jobs: list[dict]) -> None:
                       TITAN_DEVICE="cpu")
     torch.set_num_threads(1)  # two processes on two cores
     for port, job in zip(ports, jobs):
-        if job.get("copy") is not None and rank == 0:
+        if rank == 0:
             # The other ranks wait in the next run's rendezvous, which rank 0 hosts, until this is done.
-            copy_checkpoint(*job["copy"])
+            if job.get("copy") is not None:
+                copy_checkpoint(*job["copy"])
+            if job.get("export") is not None:
+                from titan_npu.checkpoint.export import export_checkpoint
+
+                source, output = job["export"]
+                export_checkpoint(source, output, "pt", torch.float32)
         os.environ["MASTER_PORT"] = str(port)
-        run_here(job["args"], job.get("probe"), job.get("compare_to"))
+        run_here(job["args"], job.get("probe"), job.get("compare_to"), job.get("train", True))
 
 
 def run_distributed(world: int, jobs: list[dict]) -> None:
     """Run training jobs one after another in the same `world` gloo processes (spawned once); raises on failure.
 
     A job: {"args": overrides, "probe": path, "compare_to": (checkpoint, report), "copy": copy_checkpoint arguments
-    to apply first}; all but args optional.
+    to apply first, "export": (checkpoint, .pt) to write first, "train": False to only build the Trainer}; all but
+    args optional.
     """
     from .conftest import free_port
 

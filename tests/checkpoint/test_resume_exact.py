@@ -41,7 +41,8 @@ def test_a_finished_run_resumed_again_does_nothing(tmp_path):
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
     """FSDP over 2 gloo ranks: 6 steps with checkpoints at 3 and 6 (async), a run resumed from step 3, then the
-    step-6 checkpoint loaded under TP 2 and under PP 2 (no further steps)."""
+    step-6 checkpoint loaded under TP 2 and under PP 2 (no further steps), and its exported .pt as the
+    initial_load of a new FSDP run."""
     tmp = tmp_path_factory.mktemp("fsdp")
     step6 = tmp / "full" / "ckpt" / "step-6"
     load_only = dict(training__max_steps=6, checkpoint__resume=str(step6))
@@ -54,6 +55,8 @@ def fsdp_runs(tmp_path_factory):
          "compare_to": (step6, tmp / "tp2")},
         {"args": overrides(tmp, "pp2", parallel__pp_degree=2, parallel__pp_microbatches=2, **load_only),
          "compare_to": (step6, tmp / "pp2")},
+        {"args": overrides(tmp, "init", checkpoint__initial_load=str(tmp / "step6.pt")), "train": False,
+         "export": (step6, tmp / "step6.pt"), "probe": tmp / "probe_init.pt"},
     ])
     return tmp
 
@@ -111,3 +114,10 @@ def test_fsdp_checkpoint_loads_under_pipeline_parallel_with_every_stage_intact(f
     # Two stages of a 2-layer model: every parameter (9 per layer + embedding, norm, output) and its AdamW state
     # (step, exp_avg, exp_avg_sq) is checked on exactly one rank.
     assert sum(r["checked"] for r in reports) == 4 * (2 * 9 + 3)
+
+
+@pytest.mark.distributed
+def test_an_exported_pt_starts_a_sharded_run_with_the_same_logits(fsdp_runs):
+    reference = torch.load(fsdp_runs / "probe.pt", weights_only=True)
+    started = torch.load(fsdp_runs / "probe_init.pt", weights_only=True)
+    assert (started - reference).abs().max().item() < 1e-5

@@ -193,8 +193,9 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 result[0] = ("ok", decide(), self._stale_above)
-            except CheckpointError as e:
-                result[0] = ("error", str(e), None)
+            except Exception as e:  # every rank raises it, none waits for a decision that never comes
+                message = str(e) if isinstance(e, CheckpointError) else f"{self.root}: {type(e).__name__}: {e}"
+                result[0] = ("error", message, None)
         if self._pg is not None:
             dist.broadcast_object_list(result, src=0, group=self._pg)
         kind, value, stale = result[0]
