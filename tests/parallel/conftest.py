@@ -41,6 +41,22 @@ FOUR_RANKS = [
 
 CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 
+# Checkpoint and resume under the interleaved schedule (two stages, so two optimizers, per rank): 10 steps straight,
+# and 5 steps saved then resumed to 10, with a constant lr so both halves follow the same schedule.
+RESUME_BASE = ["--parallel.pp_degree=2", "--parallel.pp_schedule=Interleaved1F1B",
+               "--lr_scheduler.decay_type=constant"]
+
+
+def resume_runs(workdir: Path) -> list[list[str]]:
+    """The straight run, the first half (saving at step 5) and the resumed second half, in that order."""
+    ckpt = [f"--checkpoint.dir={workdir / 'pp_ckpt'}", "--checkpoint.enable=true", "--checkpoint.async_save=false"]
+    return [
+        tiny_run(workdir, "pp_straight") + RESUME_BASE,
+        tiny_run(workdir, "pp_first_half") + RESUME_BASE + ckpt + ["--training.max_steps=5",
+                                                                   "--checkpoint.save_interval=5"],
+        tiny_run(workdir, "pp_resumed") + RESUME_BASE + ckpt,
+    ]
+
 
 @pytest.fixture(scope="session")
 def parallel_workspace(tmp_path_factory) -> Path:
@@ -54,7 +70,8 @@ def parallel_workspace(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def layout_runs(parallel_workspace: Path) -> Path:
-    """Every layout of CASES trained for 10 steps: one 2-rank pool and one 4-rank pool."""
-    for world, cases in ((2, TWO_RANKS), (4, FOUR_RANKS)):
-        run_pool(world, [tiny_run(parallel_workspace, case.name) + case.overrides for case in cases])
+    """Every layout of CASES trained for 10 steps (and the resume runs): one 2-rank pool and one 4-rank pool."""
+    two = [tiny_run(parallel_workspace, case.name) + case.overrides for case in TWO_RANKS]
+    run_pool(2, two + resume_runs(parallel_workspace))
+    run_pool(4, [tiny_run(parallel_workspace, case.name) + case.overrides for case in FOUR_RANKS])
     return parallel_workspace

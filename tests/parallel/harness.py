@@ -77,9 +77,14 @@ def tiny_run(workdir: Path, name: str, batch_size: int = BATCH) -> list[str]:
 
 def losses(workdir: Path, name: str, key: str = "loss") -> list[float]:
     """The per-step losses (or another logged number, e.g. grad_norm) of a run, from its metrics.jsonl."""
+    return list(losses_by_step(workdir, name, key).values())
+
+
+def losses_by_step(workdir: Path, name: str, key: str = "loss") -> dict[int, float]:
+    """step -> loss (or `key`) of a run, from its metrics.jsonl."""
     lines = (workdir / name / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines if line.strip()]
-    return [r[key] for r in records if "loss" in r and "step" in r]
+    return {r["step"]: r[key] for r in records if "loss" in r and "step" in r}
 
 
 def _train(args: list[str]) -> None:
