@@ -58,9 +58,6 @@ class Pipeline:
         return torch.stack([plain_tensor(loss.detach()) for loss in losses]).mean()
 
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
-
-
 def build_pipeline(
     parts: list[nn.Module],
     stage_ids: list[int],
