@@ -46,11 +46,12 @@ def copy_checkpoint(tmp: Path, source: str, step: int, target: str) -> None:
 
 
 def run_here(args: list[str], probe_out: Path | None = None, compare_to: tuple[Path, Path] | None = None,
-             train: bool = True):
-    """Train in this process (train=False: only build the Trainer, i.e. resume / initial_load); returns it (closed).
+             train: bool = True, then_compare_to: tuple[Path, Path] | None = None, then_probe_out: Path | None = None):
+    """Build a Trainer in this process (it resumes / initial_loads), check it, train, check again; returns it.
 
-    probe_out: rank 0 writes the model's logits on PROBE there. compare_to: (checkpoint, report): the checkpoint
-    whose model and optimizer tensors this rank's parts must equal; the mismatches go to <report>.rank<R>.json.
+    probe_out / then_probe_out: rank 0 writes the model's logits on PROBE there before / after training.
+    compare_to / then_compare_to: (checkpoint, report) before / after training: the checkpoint whose model and
+    optimizer tensors this rank's parts must equal; the mismatches go to <report>.rank<R>.json.
     """
     from titan_npu import ops
     from titan_npu.config import load_config
@@ -58,15 +59,17 @@ def run_here(args: list[str], probe_out: Path | None = None, compare_to: tuple[P
 
     ops.set_kernels("reference")
     trainer = Trainer(load_config(None, args))
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        if train:
-            trainer.train()
-        if probe_out is not None:
-            write_probe(trainer.model, probe_out)
-        if compare_to is not None:
-            checkpoint, report = compare_to
-            rank = int(os.environ.get("RANK", "0"))
-            Path(f"{report}.rank{rank}.json").write_text(json.dumps(mismatches_with_checkpoint(trainer, checkpoint)))
+        for when, probe, target in (("start", probe_out, compare_to), ("end", then_probe_out, then_compare_to)):
+            if when == "end" and train:
+                trainer.train()
+            if probe is not None:
+                write_probe(trainer.model, probe)
+            if target is not None:
+                checkpoint, report = target
+                Path(f"{report}.rank{rank}.json").write_text(json.dumps(mismatches_with_checkpoint(trainer,
+                                                                                                   checkpoint)))
     finally:
         trainer.close()
     return trainer
@@ -121,15 +124,16 @@ def _worker(rank: int, world: int, ports: list[int], jobs: list[dict]) -> None:
                 source, output = job["export"]
                 export_checkpoint(source, output, "pt", torch.float32)
         os.environ["MASTER_PORT"] = str(port)
-        run_here(job["args"], job.get("probe"), job.get("compare_to"), job.get("train", True))
+        run_here(job["args"], job.get("probe"), job.get("compare_to"), job.get("train", True),
+                 job.get("then_compare_to"), job.get("then_probe"))
 
 
 def run_distributed(world: int, jobs: list[dict]) -> None:
     """Run training jobs one after another in the same `world` gloo processes (spawned once); raises on failure.
 
-    A job: {"args": overrides, "probe": path, "compare_to": (checkpoint, report), "copy": copy_checkpoint arguments
-    to apply first, "export": (checkpoint, .pt) to write first, "train": False to only build the Trainer}; all but
-    args optional.
+    A job: {"args": overrides, "probe" / "then_probe": path, "compare_to" / "then_compare_to": (checkpoint, report),
+    before / after training, "copy": copy_checkpoint arguments to apply first, "export": (checkpoint, .pt) to
+    write first, "train": False to only build the Trainer}; all but args optional. See run_here.
     """
     from .conftest import free_port
 

@@ -40,21 +40,21 @@ def test_a_finished_run_resumed_again_does_nothing(tmp_path):
 
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
-    """FSDP over 2 gloo ranks: 6 steps with checkpoints at 3 and 6 (async), a run resumed from step 3, then the
-    step-6 checkpoint loaded under TP 2 and under PP 2 (no further steps), and its exported .pt as the
-    initial_load of a new FSDP run."""
+    """FSDP over 2 gloo ranks: 6 steps with checkpoints at 3 and 6 (async) and a run resumed from step 3; then the
+    step-6 checkpoint continued for one step under TP 2 and under PP 2 (checked on load and against their own
+    step-7 checkpoints), and its exported .pt as the initial_load of a new FSDP run."""
     tmp = tmp_path_factory.mktemp("fsdp")
     step6 = tmp / "full" / "ckpt" / "step-6"
-    load_only = dict(training__max_steps=6, checkpoint__resume=str(step6))
+    one_more = dict(training__max_steps=7, checkpoint__resume=str(step6), checkpoint__async_save=True)
     run_distributed(2, [
         {"args": overrides(tmp, "full", training__max_steps=6, checkpoint__save_interval=3,
-                           checkpoint__async_save=True), "probe": tmp / "probe.pt"},
+                           checkpoint__async_save=True), "then_probe": tmp / "probe.pt"},
         {"args": overrides(tmp, "resumed", training__max_steps=6, checkpoint__save_interval=3),
          "copy": (tmp, "full", 3, "resumed")},
-        {"args": overrides(tmp, "tp2", parallel__tp_degree=2, **load_only), "probe": tmp / "probe_tp2.pt",
-         "compare_to": (step6, tmp / "tp2")},
-        {"args": overrides(tmp, "pp2", parallel__pp_degree=2, parallel__pp_microbatches=2, **load_only),
-         "compare_to": (step6, tmp / "pp2")},
+        {"args": overrides(tmp, "tp2", parallel__tp_degree=2, **one_more), "probe": tmp / "probe_tp2.pt",
+         "compare_to": (step6, tmp / "tp2"), "then_compare_to": (tmp / "tp2" / "ckpt" / "step-7", tmp / "tp2_7")},
+        {"args": overrides(tmp, "pp2", parallel__pp_degree=2, parallel__pp_microbatches=2, **one_more),
+         "compare_to": (step6, tmp / "pp2"), "then_compare_to": (tmp / "pp2" / "ckpt" / "step-7", tmp / "pp2_7")},
         {"args": overrides(tmp, "init", checkpoint__initial_load=str(tmp / "step6.pt")), "train": False,
          "export": (step6, tmp / "step6.pt"), "probe": tmp / "probe_init.pt"},
     ])
@@ -121,3 +121,24 @@ def test_an_exported_pt_starts_a_sharded_run_with_the_same_logits(fsdp_runs):
     reference = torch.load(fsdp_runs / "probe.pt", weights_only=True)
     started = torch.load(fsdp_runs / "probe_init.pt", weights_only=True)
     assert (started - reference).abs().max().item() < 1e-5
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_a_checkpoint_saved_under_tensor_or_pipeline_parallel_holds_the_full_state(fsdp_runs, layout):
+    # Read back offline in one process, the step-7 checkpoint equals what each rank held when it was saved.
+    reports = [json.loads((fsdp_runs / f"{layout}_7.rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(r["checked"] > 0 and r["mismatched"] == [] for r in reports)
+    assert storage.read_info(fsdp_runs / layout / "ckpt" / "step-7")["layout"].startswith("world=2")
+
+
+@pytest.mark.distributed
+def test_fsdp_two_rank_checkpoint_loads_on_four_ranks_intact(fsdp_runs):
+    step6 = fsdp_runs / "full" / "ckpt" / "step-6"
+    run_distributed(4, [{"args": overrides(fsdp_runs, "fsdp4", training__max_steps=6, checkpoint__resume=str(step6)),
+                         "train": False, "probe": fsdp_runs / "probe_fsdp4.pt",
+                         "compare_to": (step6, fsdp_runs / "fsdp4")}])
+    reference = torch.load(fsdp_runs / "probe.pt", weights_only=True)
+    assert (torch.load(fsdp_runs / "probe_fsdp4.pt", weights_only=True) - reference).abs().max().item() < 1e-5
+    reports = [json.loads((fsdp_runs / f"fsdp4.rank{rank}.json").read_text()) for rank in range(4)]
+    assert all(r["checked"] > 0 and r["mismatched"] == [] for r in reports)
