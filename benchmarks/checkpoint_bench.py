@@ -5,8 +5,8 @@ steps while an async save copies and writes in the background. Reported per mode
   blocking  - how long save() held the loop (sync: the whole save; async: collecting the state, starting the copy)
   snapshot  - async: how long the next optimizer step waited for the copy to host memory to finish
   stall     - blocking + snapshot: how long the save held the step loop
-  slowdown  - async: extra time of the following steps over the baseline step time, the background threads'
-              share of the CPU (noisy where other processes share the cores)
+  slowdown  - async: extra time of the following steps over the same steps without a save in that round (the
+              background threads' share of the CPU); noisy where other processes share the cores
   write     - from the save call until the checkpoint was published
 
   python benchmarks/checkpoint_bench.py                 # ~370 MB of weights, ~1.1 GB checkpoint
@@ -98,11 +98,15 @@ def main() -> None:
         run = (model, optimizer, scheduler, state, tokens)
         weights_mb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 1e6
         timed_steps(3, *run)  # warm-up; creates the AdamW moments
-        base = statistics.median(timed_steps(1, *run) for _ in range(2 * args.steps_after))
         columns = ("blocking", "snapshot", "stall", "slowdown", "write")
         results = {mode: {c: [] for c in columns} for mode in ("sync", "async")}
-        # Rounds alternate the modes, so a change in the machine's load affects both alike.
+        baseline = []
+        # Each round times the same steps without a save, after a sync save and after an async save: a change in
+        # the machine's load between rounds affects all three alike.
         for _ in range(args.rounds):
+            train_step(*run)
+            plain = timed_steps(args.steps_after, *run)
+            baseline.append(plain / args.steps_after)
             for mode, rows in results.items():
                 train_step(*run)
                 manager.last_staging_wait_s = 0.0
@@ -113,10 +117,11 @@ def main() -> None:
                 manager.wait()
                 write = time.perf_counter() - t0 if mode == "async" else blocking
                 snapshot = manager.last_staging_wait_s
-                # Not clipped at 0: a negative value is the noise of the baseline, and the median should show it.
-                slowdown = after - snapshot - args.steps_after * base if mode == "async" else 0.0
+                # Not clipped at 0: a negative value is noise, and the median should show it.
+                slowdown = after - snapshot - plain if mode == "async" else 0.0
                 for key, value in zip(columns, (blocking, snapshot, blocking + snapshot, slowdown, write)):
                     rows[key].append(value)
+        base = statistics.median(baseline)
         manager.close()
         ckpt = next((root / "ckpt").glob("step-*"))
         size_gb = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / 1e9
