@@ -175,3 +175,12 @@ def test_compare_alternates_candidates_in_paired_rounds_on_a_tiny_model(tmp_path
         assert len(r["windows_tokens_per_s"]) == 2 and min(r["windows_tokens_per_s"]) > 0
         assert r["peak_memory_gb"] > 0.05
     assert "| titan |" in md.read_text() and "tiny bf16" in capsys.readouterr().out
+
+
+def test_cpu_bf16_support_is_read_from_the_instruction_flags():
+    from titan_npu.trainer.precision import cpu_has_native_bf16
+
+    assert cpu_has_native_bf16("processor: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni\n") is False
+    assert cpu_has_native_bf16("flags\t\t: fpu avx512f avx512_bf16 amx_tile\n") is True
+    assert cpu_has_native_bf16("Features\t: fp asimd bf16 sve\n") is True  # Arm
+    assert cpu_has_native_bf16("model name: unknown\n") is None

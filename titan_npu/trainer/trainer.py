@@ -46,7 +46,13 @@ from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, me
 from titan_npu.profiling import build_profiler
 from titan_npu.reliability import Reliability, prepare_reliability
 from titan_npu.trainer.optimizer import build_lr_scheduler, build_optimizer
-from titan_npu.trainer.precision import autocast_context, build_grad_scaler, pure_param_dtype, to_torch_dtype
+from titan_npu.trainer.precision import (
+    autocast_context,
+    build_grad_scaler,
+    dtype_advice,
+    pure_param_dtype,
+    to_torch_dtype,
+)
 
 log = logging.getLogger("titan_npu")
 
@@ -197,6 +203,9 @@ class Trainer:
         kernels = ", ".join(f"{op}={backend}" for op, backend in current_kernels(self.device.type).items())
         eager = "" if a.use_flash_attention else " (use_flash_attention=false: eager attention)"
         log.info("kernels: %s%s", kernels, eager)
+        advice = dtype_advice(self.device.type, t.dtype)
+        if advice and self.rank == 0:
+            log.warning(advice)
         log.info(
             "global batch: %d sequences x %d tokens = %d tokens/step (batch_size=%d x grad_accum=%d x dp=%d), "
             "dtype=%s, peak %.3g TFLOP/s per device",
