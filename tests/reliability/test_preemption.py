@@ -72,3 +72,18 @@ def test_install_outside_the_main_thread_changes_nothing():
     thread.start()
     thread.join()
     assert result == [False] and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_signal_after_the_training_loop_ended_exits_like_the_default_handler():
+    code = textwrap.dedent("""
+        import os, signal, threading
+        from titan_npu.reliability.preemption import PreemptionHandler
+        handler = PreemptionHandler()
+        handler.loop_running = lambda: False  # the loop raised and nobody called uninstall()
+        handler.install()
+        os.kill(os.getpid(), signal.SIGTERM)
+        threading.Event().wait(30)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "received SIGTERM after training ended: exiting" in proc.stderr

@@ -123,3 +123,42 @@ def test_when_no_python_thread_can_run_faulthandler_still_dumps_and_exits(tmp_pa
                           timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert "Timeout (0:00:01.500000)!" in proc.stderr and "stuck_in_a_collective" in proc.stderr
+
+
+_LOOP = textwrap.dedent("""
+    import sys, threading, time
+    from titan_npu.config.schema import JobConfig
+    from titan_npu.reliability.run import Reliability
+
+    cfg = JobConfig()
+    cfg.metrics.log_dir = sys.argv[1]
+    cfg.reliability.watchdog_timeout_s = 0.5
+    cfg.reliability.handle_signals = False
+    rel = Reliability(cfg, rank=0, world_size=1, device_type="cpu")
+
+    def loop_that_raises():
+        rel.start()
+        rel.begin_step(1)
+        raise RuntimeError("a failed step, and nobody calls finish()")
+
+    try:
+        loop_that_raises()
+    except RuntimeError:
+        pass
+    threading.Event().wait(2.0)
+    print("still alive after the loop died", flush=True)
+
+    def loop_that_hangs():
+        rel.start()
+        rel.begin_step(2)
+        threading.Event().wait(60)
+
+    loop_that_hangs()
+""")
+
+
+def test_the_watchdog_stands_down_when_its_loop_has_ended_but_still_fires_inside_a_hung_one(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _LOOP, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert "still alive after the loop died" in proc.stdout
+    assert proc.returncode == HANG_EXIT_CODE, proc.stderr
+    assert "watchdog: rank 0: step 2 has run" in proc.stderr and "step 1 has run" not in proc.stderr

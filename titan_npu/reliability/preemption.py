@@ -14,6 +14,7 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger("titan_npu")
 
@@ -34,6 +35,7 @@ class PreemptionHandler:
         self._previous_wakeup_fd = -1
         self._pipe: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
+        self.loop_running: Callable[[], bool] | None = None  # False once the training loop is gone
 
     @property
     def installed(self) -> bool:
@@ -85,6 +87,10 @@ class PreemptionHandler:
     def _received(self, signum: int) -> None:
         now = time.monotonic()
         name = signal.Signals(signum).name
+        if self.loop_running is not None and not self.loop_running():
+            # The training loop ended without uninstall(): nobody will checkpoint, so act like the default handler.
+            os.write(2, f"received {name} after training ended: exiting\n".encode())
+            os._exit(128 + signum)
         if not self.signum:
             self._first_at = now
             self.signum = signum

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -59,15 +61,34 @@ class Reliability:
         self.step = 0
         self.preempted: tuple[int, int] | None = None  # (signal number, first rank that received it)
         self.failed_saves = 0
+        self._loop = (0, 0)  # (thread, frame) of the training loop, set by start()
 
     # ------------------------------------------------------------------ the loop
 
     def start(self) -> None:
-        """Before the first step: take over SIGTERM/SIGINT and start the watchdog."""
+        """Called by the training loop before its first step: take over SIGTERM/SIGINT and start the watchdog.
+
+        Both stand down by themselves once the calling function has returned or raised, should finish() be missed
+        (a loop that raised inside a long-lived process must not be judged a hang, nor keep the signals).
+        """
+        loop = sys._getframe(1)
+        self._loop = (threading.get_ident(), id(loop))
+        del loop  # only its identity is kept, not the frame and everything it references
         if self.signals is not None:
+            self.signals.loop_running = self._loop_running
             self.signals.install()
         if self.watchdog is not None:
+            self.watchdog.loop_running = self._loop_running
             self.watchdog.start()
+
+    def _loop_running(self) -> bool:
+        thread_id, frame_id = self._loop
+        frame = sys._current_frames().get(thread_id)
+        while frame is not None:
+            if id(frame) == frame_id:
+                return True
+            frame = frame.f_back
+        return False
 
     def finish(self) -> None:
         """After the loop, or on the way out of an error: stop the watchdog, give the signals back (idempotent)."""

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("titan_npu")
@@ -103,6 +104,7 @@ class Watchdog:
         self.backstop_s = backstop_s if backstop_s is not None else min(60.0, max(self.exit_delay_s + 5,
                                                                                    0.1 * self.limit_s))
         self.step_times: deque[float] = deque(maxlen=50)
+        self.loop_running: Callable[[], bool] | None = None  # False once the watched loop is gone
         self._label = ""
         self._began = 0.0
         self._limit = self.limit_s
@@ -114,7 +116,7 @@ class Watchdog:
 
     def start(self) -> None:
         """Start watching (the first beat() arms it)."""
-        if self._thread is not None:
+        if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="titan-watchdog", daemon=True)
@@ -153,6 +155,9 @@ class Watchdog:
                 late = self._armed and time.monotonic() - self._began > self._limit
                 label, limit, began = self._label, self._limit, self._began
             if late:
+                if self.loop_running is not None and not self.loop_running():
+                    self.pause()  # the loop that armed it ended without stop(): nothing is hung
+                    return
                 self.fire(label, time.monotonic() - began, limit)
                 return
 
