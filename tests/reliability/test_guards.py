@@ -49,6 +49,7 @@ def test_max_consecutive_skips_sets_the_halt_message_with_the_step_range():
     assert guard.halt_message.startswith("steps 2-4: 3 updates in a row were skipped")
     assert "reliability.max_skipped_steps=3" in guard.halt_message
     assert guard.last_applied_step == 1
+    assert guard.consecutive == 0 and guard.total == 3  # what the halting checkpoint keeps: a fresh budget
 
 
 def _steady(guard: StepGuard, n: int, start: int = 1) -> int:

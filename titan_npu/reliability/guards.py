@@ -77,6 +77,7 @@ class StepGuard:
                 f"steps {self.first_skipped_step}-{step}: {self.consecutive} updates in a row were skipped "
                 f"(last: {verdict.reason}; reliability.max_skipped_steps={self.max_skipped_steps})"
             )
+            self.consecutive = 0  # before this step's checkpoint: a relaunch gets a fresh budget of skips
         return verdict
 
     def _judge(self, losses: list[float], grad_norm: float) -> Verdict:

@@ -163,8 +163,6 @@ class Reliability:
     def stop(self, checkpointer: Any, step: int) -> None:
         """End the run at `step`: save synchronously, then return (signal) or raise TrainingHalted (numerics)."""
         halt = self.guard.halt_message
-        if halt:
-            self.guard.consecutive = 0  # a relaunch gets a fresh budget of skips
         with self.phase("checkpoint save"):
             checkpointer.save(step, sync=True)
         where = self._where(step)
