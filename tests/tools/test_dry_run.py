@@ -21,6 +21,7 @@ LAYOUTS = {
     "FSDP over 3 ranks (uneven shards), full checkpointing": (
         3, 2, ["--activation_checkpoint.mode", "full"]),
     "HSDP 2 x 2": (4, 3, ["--parallel.dp_replicate", "2"]),
+    "TP 2 alone (no data parallelism), the second rank": (2, 1, ["--parallel.tp_degree", "2"]),
     "TP 2 x FSDP 2, op-level selective checkpointing": (
         4, 3, ["--parallel.tp_degree", "2", "--activation_checkpoint.mode", "selective",
                "--activation_checkpoint.selective_ops", "true"]),

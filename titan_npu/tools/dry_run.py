@@ -149,6 +149,7 @@ def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from titan_npu.models.llama import build_model_args
+    from titan_npu.parallel.tp_grads import install_requested_grad_hooks
     from titan_npu.trainer.precision import to_torch_dtype
 
     args = build_model_args(cfg.model)
@@ -164,6 +165,8 @@ def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims
         for part in parts:
             # Fake storage on the host: FSDP refuses to run with meta parameters, and fake tensors cost nothing.
             part.to_empty(device="cpu")
+            # As materialize does: pure tensor parallelism's gradient layout hooks go on the real parameters.
+            install_requested_grad_hooks(part)
         for part in parts:
             if part.tok_embeddings is not None:
                 x = torch.randint(0, args.vocab_size, (batch, t.seq_len))
@@ -334,6 +337,11 @@ def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
         if grad is not None and grad != want:
             placements = ", ".join(result.parameters[name].get("grad_placements", [])) or "plain tensor"
             problems.append(f"{name}: gradient is {grad} ({placements}) but the parameter shard is {want}")
+        grad_placements = result.parameters[name].get("grad_placements")
+        if grad_placements is not None and grad_placements != result.parameters[name]["placements"]:
+            # Same local shape, different layout (e.g. a pending Partial sum): the optimizer would redo that work.
+            problems.append(f"{name}: gradient placements {grad_placements} differ from the parameter's "
+                            f"{result.parameters[name]['placements']}")
     rows = [("parameters", planned.parameters, result.parameter_bytes),
             ("gradients", planned.gradients, result.gradient_bytes),
             ("optimizer", planned.optimizer, result.optimizer_bytes)]

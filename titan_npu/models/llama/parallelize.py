@@ -19,6 +19,7 @@ from titan_npu.parallel.activation_checkpoint import apply_activation_checkpoint
 from titan_npu.parallel.compile import apply_compile
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.fsdp import apply_data_parallel
+from titan_npu.parallel.tp_grads import request_grads_in_param_layout
 
 
 def _rope_for_full_sequence(model: nn.Module):
@@ -102,4 +103,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> n
         apply_compile(model, cfg.compile, inside_checkpoint=dims.tp_enabled)
     if dims.dp_enabled:
         apply_data_parallel(model, dims, cfg)
+    elif dims.tp_enabled:
+        # FSDP / replicate bring each gradient into its parameter's TP placements; without them, hooks do (installed
+        # by materialize on the real parameters).
+        request_grads_in_param_layout(model)
     return model
