@@ -183,6 +183,25 @@ def test_attention_runs_with_column_sharded_projections_like_tensor_parallel():
         torch.testing.assert_close(partial_sum, full(x, cos, sin), atol=1e-6, rtol=1e-6)
 
 
+def test_attention_uses_the_first_rows_of_longer_rope_tables():
+    # Under sequence parallelism the blocks' residual input holds S / tp positions while attention sees all S, so
+    # attention is given the whole tables and takes the rows of its own sequence length.
+    args = _tiny()
+    torch.manual_seed(0)
+    attention = Attention(args)
+    cos, sin = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta)
+    x = torch.randn(2, 10, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(attention(x, cos, sin), attention(x, cos[:10], sin[:10]), atol=0, rtol=0)
+
+
+def test_attention_refuses_a_sequence_longer_than_its_rope_tables():
+    args = _tiny(max_seq_len=16)
+    cos, sin = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta)
+    with pytest.raises(ConfigError, match=r"sequence length 17 exceeds model.max_seq_len=16"):
+        Attention(args)(torch.randn(1, 17, 64), cos, sin)
+
+
 def test_backward_reaches_every_parameter():
     model = _initialised(_tiny())
     tokens = torch.randint(0, 256, (2, 12))

@@ -83,7 +83,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, S, dim]; cos/sin: RoPE tables from position 0 with at least S rows (the first S are used)."""
         bs, seqlen, _ = x.shape
+        # Sliced here, by the sequence attention actually sees: under sequence parallelism the residual stream the
+        # model holds has S / tp positions, and the tensor-parallel plan gathers all S only at attention's input.
+        if seqlen > cos.shape[0]:
+            raise ConfigError(
+                f"sequence length {seqlen} exceeds model.max_seq_len={cos.shape[0]}; "
+                f"raise model.max_seq_len or lower training.seq_len"
+            )
+        cos, sin = cos[:seqlen], sin[:seqlen]
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # [B, S, Hq, D]
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # [B, S, Hkv, D]
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
@@ -130,6 +139,7 @@ class TransformerBlock(nn.Module):
         self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, S, dim] (S / tp positions under sequence parallelism); cos/sin: the model's whole RoPE tables."""
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -187,16 +197,10 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, S] (or hidden states [B, S, dim] when tok_embeddings is None) -> logits [B, S, vocab]."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seqlen = h.shape[1]
-        if seqlen > self.freqs_cos.shape[0]:
-            raise ConfigError(
-                f"sequence length {seqlen} exceeds model.max_seq_len={self.freqs_cos.shape[0]}; "
-                f"raise model.max_seq_len or lower training.seq_len"
-            )
-        cos, sin = self.freqs_cos[:seqlen], self.freqs_sin[:seqlen]
+        # The whole tables: each attention takes the rows of the sequence it sees (and refuses one that is too long).
         for layer in self.layers.values():
             if layer is not None:
-                h = layer(h, cos, sin)
+                h = layer(h, self.freqs_cos, self.freqs_sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -22,23 +22,6 @@ from titan_npu.parallel.fsdp import apply_data_parallel
 from titan_npu.parallel.tp_grads import request_grads_in_param_layout
 
 
-def _rope_for_full_sequence(model: nn.Module):
-    """A pre-hook giving attention the rotary tables of its input's full sequence length.
-
-    Under sequence parallelism the residual stream between blocks holds S / tp positions, so the tables the
-    model slices by that length are too short for attention, which sees the whole (gathered) sequence.
-    """
-
-    def hook(module: nn.Module, args: tuple) -> tuple:
-        x, cos, sin = args
-        seqlen = x.shape[1]
-        if cos.shape[0] == seqlen:
-            return args
-        return x, model.freqs_cos[:seqlen], model.freqs_sin[:seqlen]
-
-    return hook
-
-
 def _fresh_output(module: nn.Module, args: tuple, output):
     return output.clone()
 
@@ -86,7 +69,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
             "feed_forward.w3": ColwiseParallel(),
         }
         parallelize_module(block, tp_mesh, plan)
-        block.attention.register_forward_pre_hook(_rope_for_full_sequence(model))
 
 
 def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
