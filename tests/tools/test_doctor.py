@@ -39,10 +39,27 @@ def test_release_versions_order_candidates_before_the_release():
     assert doctor.parse_release("24.1.rc2") < doctor.parse_release("24.1.0") < doctor.parse_release("25.0.RC1")
 
 
-def test_base_version_strips_local_and_post_tags():
-    assert doctor.base_version("2.1.0.post3") == "2.1.0"
-    assert doctor.base_version("2.13.0+cpu") == "2.13.0"
-    assert doctor.base_version("2.10.0rc2") == "2.10.0"
+@pytest.mark.parametrize("torch_version,torch_npu_version", [
+    ("2.1.0", "2.1.0.post3"), ("2.13.0+cpu", "2.13.0"), ("2.10.0", "2.10.0rc2"), ("2.1.0a0+git", "2.1.0.post17"),
+    ("2.4.0", "2.1.0.post10"), ("2.6.0+cpu", "2.5.1.post1"), ("2.1", "2.1.0.post1"), ("2.5.1", "unknown"),
+])
+def test_torch_npu_pairing_is_the_device_layers_rule(torch_version, torch_npu_version):
+    # One rule for both: what the doctor reports is what device setup would refuse, with the same message.
+    from titan_npu.device.npu import check_torch_npu_version
+    from titan_npu.errors import DeviceError
+
+    try:
+        check_torch_npu_version(torch_version, torch_npu_version)
+        refusal = None
+    except DeviceError as e:
+        refusal = str(e)
+    findings = doctor.stack_findings({"torch": torch_version, "torch_npu": torch_npu_version}, None)
+    pairing = [(level, m) for level, m in findings if m.startswith(f"torch_npu {torch_npu_version} ")]
+    assert len(pairing) == 1, findings
+    if refusal is None:
+        assert pairing[0][0] in ("ok", "info"), pairing
+    else:
+        assert pairing == [("fail", refusal)]
 
 
 def test_matching_stack_is_ok():

@@ -24,7 +24,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from importlib import metadata
 from pathlib import Path
 
 LEVELS = ("ok", "info", "warn", "fail", "table")  # "table": a row of a table, printed without a tag
@@ -152,22 +151,6 @@ def parse_release(version: str) -> tuple:
     return tuple(parts)
 
 
-def base_version(version: str) -> str:
-    """'2.1.0.post3' / '2.13.0+cpu' / '2.10.0rc2' -> '2.1.0' / '2.13.0' / '2.10.0'."""
-    m = re.match(r"(\d+\.\d+(?:\.\d+)?)", version)
-    return m.group(1) if m else version
-
-
-def package_version(name: str) -> str | None:
-    """Installed version of a distribution, without importing it (a broken torch_npu must not crash the doctor)."""
-    for candidate in (name, name.replace("_", "-")):
-        try:
-            return metadata.version(candidate)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def ascend_toolkit_home() -> Path | None:
     """Where CANN's toolkit is: ASCEND_TOOLKIT_HOME / ASCEND_HOME_PATH (set by set_env.sh), else the default path."""
     for var in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH"):
@@ -245,6 +228,21 @@ def release_for(table: dict[str, str], version: str | None) -> str | None:
     return None
 
 
+def _torch_npu_pairing(torch_version: str, torch_npu_version: str) -> tuple[str, str]:
+    """The device layer's torch / torch_npu rule (what device setup refuses, the doctor reports as a failure)."""
+    from titan_npu.device.npu import check_torch_npu_version, release
+    from titan_npu.errors import DeviceError
+
+    try:
+        check_torch_npu_version(torch_version, torch_npu_version)
+    except DeviceError as e:
+        return "fail", str(e)
+    if not release(torch_version) or not release(torch_npu_version):
+        return "info", (f"torch_npu {torch_npu_version} and torch {torch_version}: no X.Y.Z release in one of "
+                        "them, so their pairing is not checked")
+    return "ok", f"torch_npu {torch_npu_version} matches torch {release(torch_version)}"
+
+
 def stack_findings(versions: dict[str, str | None], cann_home: str | None = None) -> list[tuple[str, str]]:
     """(level, message) for each component of the stack and each pair of versions that must belong together.
 
@@ -256,12 +254,8 @@ def stack_findings(versions: dict[str, str | None], cann_home: str | None = None
     out.append(("ok", f"torch {torch_v}" + (f" (CUDA {torch_cuda})" if torch_cuda else "")))
     if npu is None:
         out.append(("info", "torch_npu not installed (needed only for Ascend NPUs)"))
-    elif base_version(npu) != base_version(torch_v or ""):
-        out.append(("fail", f"torch_npu {npu} is built for torch {base_version(npu)} but torch is {torch_v}; "
-                            f"install torch=={base_version(npu)} or the torch_npu release for torch "
-                            f"{base_version(torch_v or '')}"))
     else:
-        out.append(("ok", f"torch_npu {npu} matches torch {base_version(torch_v or '')}"))
+        out.append(_torch_npu_pairing(torch_v or "", npu))
     if cann_home is None:
         if npu is not None:
             out.append(("fail", "CANN toolkit not found: source /usr/local/Ascend/ascend-toolkit/set_env.sh "
@@ -300,6 +294,9 @@ def check_versions(report: Report) -> dict[str, str | None]:
     """Versions of the stack and whether they belong together; returns them for the cross-rank comparison."""
     import torch
 
+    # Package metadata, not an import: a broken torch_npu must not crash the doctor (it is imported below).
+    from titan_npu.device.npu import installed_torch_npu_version
+
     s = "versions"
     py = platform.python_version()
     report.add("ok" if sys.version_info >= (3, 10) else "fail", s,
@@ -308,7 +305,7 @@ def check_versions(report: Report) -> dict[str, str | None]:
     nv_driver, nv_cuda = read_nvidia_driver()
     versions: dict[str, str | None] = {
         "python": py, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-        "torch_npu": package_version("torch_npu"), "cann": read_cann_version(home) if home else None,
+        "torch_npu": installed_torch_npu_version(), "cann": read_cann_version(home) if home else None,
         "npu_driver": read_npu_driver_version(), "nvidia_driver": nv_driver, "nvidia_cuda": nv_cuda,
     }
     for level, message in stack_findings(versions, str(home) if home else None):
