@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 log = logging.getLogger("titan_npu")
@@ -79,7 +79,7 @@ def flight_recorder_json(device_type: str) -> bytes | None:
     return None
 
 
-def step_limit(base_s: float, factor: float, step_times: list[float]) -> float:
+def step_limit(base_s: float, factor: float, step_times: Collection[float]) -> float:
     """The limit of one training step: base_s, or factor x the median step time once enough steps are known."""
     if factor <= 0 or len(step_times) < MIN_STEP_SAMPLES:
         return base_s
@@ -139,9 +139,7 @@ class Watchdog:
             if self._armed and self._is_step:
                 self.step_times.append(now - self._began)
             self._label, self._began, self._is_step, self._armed = label, now, step, True
-            self._limit = step_limit(self.limit_s, self.step_factor, list(self.step_times)) if step else self.limit_s
-            limit = self._limit
-        faulthandler.dump_traceback_later(limit + self.backstop_s, exit=True, file=STDERR_FD)
+            self._limit = step_limit(self.limit_s, self.step_factor, self.step_times) if step else self.limit_s
 
     def pause(self) -> None:
         """Nothing is timed until the next beat() (e.g. after the last step)."""
@@ -150,10 +148,17 @@ class Watchdog:
         faulthandler.cancel_dump_traceback_later()
 
     def _run(self) -> None:
+        armed_for = None  # the beat the C-level timer was last armed for
         while not self._stop.wait(self.poll_s):
             with self._lock:
-                late = self._armed and time.monotonic() - self._began > self._limit
+                now = time.monotonic()
+                late = self._armed and now - self._began > self._limit
                 label, limit, began = self._label, self._limit, self._began
+                if self._armed and not late and armed_for != began:
+                    # Armed from this thread, once per poll at most, so that a step costs the loop only beat().
+                    faulthandler.dump_traceback_later(max(began + limit + self.backstop_s - now, 0.1), exit=True,
+                                                      file=STDERR_FD)
+                    armed_for = began
             if late:
                 if self.loop_running is not None and not self.loop_running():
                     self.pause()  # the loop that armed it ended without stop(): nothing is hung
