@@ -350,24 +350,32 @@ class CheckpointManager:
         # Refuse before writing anything when the disk cannot hold one more checkpoint; the older ones stay.
         check_free_space(self.root, self.model_parts, self.optimizers, self.job.reliability.disk_margin, self._pg)
         tmp = storage.tmp_path(self.root, step)
+        error = None
         if self.rank == 0:
-            if tmp.exists():
-                import shutil
+            try:
+                if tmp.exists():
+                    import shutil
 
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        self._barrier()
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                error = e
+        self._raise_if_any_failed(step, error)  # also the barrier: the directory exists for every rank after it
         state = self._state_dict(for_load=False)
         state["train_state"]["step"] = step  # the step named, even when train_state lags (e.g. a signal path)
-        write_rank_state(tmp, self.rank, {
-            "rank": self.rank, "dp_rank": self.dp_rank, "dp_degree": self.dp_degree,
-            "dataloader": self.dataloader.state_dict() if self.dataloader is not None else None,
-            "rng": capture_rng(self.device_type),
-        })
-        if self.rank == 0:
-            from titan_npu.config import save_config
+        try:
+            write_rank_state(tmp, self.rank, {
+                "rank": self.rank, "dp_rank": self.dp_rank, "dp_degree": self.dp_degree,
+                "dataloader": self.dataloader.state_dict() if self.dataloader is not None else None,
+                "rng": capture_rng(self.device_type),
+            })
+            if self.rank == 0:
+                from titan_npu.config import save_config
 
-            save_config(self.job, tmp / storage.CONFIG_FILE)
+                save_config(self.job, tmp / storage.CONFIG_FILE)
+        except Exception as e:
+            error = e
+        self._raise_if_any_failed(step, error)
         info = self._info(step, state, sync)
         self._published.clear()
         self._publish_error = None
@@ -569,10 +577,6 @@ class CheckpointManager:
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self._pg)
         return everyone
-
-    def _barrier(self) -> None:
-        if self._pg is not None:
-            dist.barrier(group=self._pg)
 
 
 def _storages(obj: Any) -> list[Any]:
