@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,13 +27,6 @@ def _reference_kernels():
     ops.set_kernels("reference")
     yield
     ops.set_kernels("auto")
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (for MASTER_PORT)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def random_model(args: LlamaArgs, seed: int) -> Transformer:

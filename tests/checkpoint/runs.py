@@ -135,7 +135,7 @@ def run_distributed(world: int, jobs: list[dict]) -> None:
     before / after training, "copy": copy_checkpoint arguments to apply first, "export": (checkpoint, .pt) to
     write first, "train": False to only build the Trainer}; all but args optional. See run_here.
     """
-    from .conftest import free_port
+    from titan_npu.parallel.process_group import free_port
 
     ports = [free_port() for _ in jobs]
     mp.spawn(_worker, args=(world, ports, jobs), nprocs=world, join=True)

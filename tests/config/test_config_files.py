@@ -46,14 +46,14 @@ def test_debug_config_is_the_tiny_cpu_run():
     cfg = load_config(CONFIGS / "debug.toml")
     m, t = cfg.model, cfg.training
     assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.vocab_size) == (256, 4, 8, 4, 512)
-    assert (t.seq_len, t.batch_size, t.max_steps, t.dtype) == (256, 16, 600, "fp32")
+    assert (t.seq_len, t.batch_size, t.max_steps, t.dtype) == (256, 8, 200, "fp32")
     assert cfg.optimizer.lr == 3e-3
     s = cfg.lr_scheduler
-    assert (s.warmup_steps, s.decay_type, s.min_lr_ratio) == (50, "cosine", 0.1)
+    assert (s.warmup_steps, s.decay_type, s.min_lr_ratio) == (20, "cosine", 0.1)
     assert (cfg.data.path, cfg.data.tokenizer, cfg.data.num_workers) == ("", "byte", 0)
     c = cfg.checkpoint
-    assert (c.save_interval, c.keep_last_n, c.async_save) == (200, 2, False)
-    assert (cfg.metrics.log_interval, cfg.metrics.tensorboard) == (20, False)
+    assert (c.save_interval, c.keep_last_n, c.async_save) == (100, 2, False)
+    assert (cfg.metrics.log_interval, cfg.metrics.tensorboard) == (10, False)
 
 
 @pytest.mark.parametrize(

@@ -3,20 +3,15 @@ device, validation sums over ranks, and only rank 0 writes."""
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from titan_npu.parallel.process_group import free_port
+
 STEPS, BATCH, SEQ = 4, 2, 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(rank: int, world: int, port: int, tmp: str) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.multiprocessing as mp
+
+from titan_npu.parallel.process_group import free_port
 
 STEPS = 10
 BATCH = 4  # per data-parallel rank
@@ -26,13 +27,6 @@ class Case:
     name: str
     overrides: list[str] = field(default_factory=list)
     reference: str = "ref_b4"
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_tokens(path: Path, n_docs: int = 120, seed: int = 0) -> Path:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,13 +31,6 @@ def tiny_args(run_dir: Path, **extra: object) -> list[str]:
     for key, value in extra.items():
         out += [f"--{key.replace('__', '.')}", str(value).lower() if isinstance(value, bool) else str(value)]
     return out
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

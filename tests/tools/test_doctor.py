@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,10 @@ from pathlib import Path
 import pytest
 
 from titan_npu.config import load_config
+from titan_npu.parallel.process_group import free_port
 from titan_npu.tools import doctor
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _levels(report: doctor.Report, section: str) -> list[tuple[str, str]]:
@@ -230,6 +223,7 @@ def test_a_rank_that_never_joins_is_named_within_the_timeout():
 STALL_SCRIPT = """
 import os, sys, json
 from titan_npu.device import setup_device
+from titan_npu.parallel.process_group import free_port
 from titan_npu.tools import doctor
 import torch.distributed as dist
 rank, world = int(os.environ["RANK"]), 2

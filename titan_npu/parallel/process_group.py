@@ -56,3 +56,20 @@ def destroy_process_group() -> None:
     """Leave the process group if one was joined."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now, below the kernel's ephemeral range so gloo's own connections cannot take it."""
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise DeviceError(f"no free TCP port found on {host} between 20000 and 32000; free some or pass --master_port")
