@@ -29,3 +29,15 @@ def test_replicated_dp_without_fsdp():
 def test_fsdp_false_with_both_dp_dims_is_refused_as_ambiguous():
     with pytest.raises(LayoutError, match="ambiguous"):
         ParallelDims.from_config(ParallelConfig(fsdp=False, dp_replicate=2, dp_shard=2), world_size=4)
+
+
+def test_a_single_process_runs_a_data_parallel_config_on_one_rank_and_warns(caplog):
+    with caplog.at_level("WARNING", logger="titan_npu"):
+        dims = ParallelDims.from_config(ParallelConfig(dp_shard=4), world_size=1)
+    assert (dims.dp, dims.tp, dims.pp, dims.world_size) == (1, 1, 1, 1)
+    assert "asks for 4 data-parallel ranks but this is a single process" in caplog.text
+
+
+def test_a_single_process_still_refuses_tensor_or_pipeline_degrees():
+    with pytest.raises(LayoutError, match="world size is 1"):
+        ParallelDims.from_config(ParallelConfig(dp_shard=2, tp_degree=2), world_size=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -50,6 +51,15 @@ class ParallelDims:
         if dp_shard < 1:
             raise LayoutError(f"parallel.dp_shard={dp_shard} must be -1 (all remaining ranks) or >= 1")
         product = fixed * dp_shard
+        if product != world_size and world_size == 1 and cfg.tp_degree == cfg.pp_degree == 1:
+            # A single process asked for data parallelism only: a smoke test of a cluster config. Every rank would
+            # run the same per-rank math, so train on one and say how the global batch differs.
+            logging.getLogger("titan_npu").warning(
+                "parallel: the config asks for %d data-parallel ranks but this is a single process; training on 1 "
+                "(global batch %dx smaller). Launch `torchrun --nproc_per_node %d ...` for the configured layout.",
+                product, product, product,
+            )
+            return cls(1, 1, 1, 1, 1, cfg.fsdp)
         if product != world_size:
             raise LayoutError(
                 f"parallel degrees multiply to {product} (dp_replicate={cfg.dp_replicate} x dp_shard={dp_shard} x "
