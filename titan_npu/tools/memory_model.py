@@ -1,7 +1,7 @@
 """Analytic per-rank memory of a Llama training job: what `titan-npu plan` reports before anything is launched.
 
 Parameters, gradients and optimizer state are exact: the planner walks the same parameter shapes, tensor-parallel
-placements (models/llama/parallelize.py), pipeline split (models/llama/pipeline.py) and FSDP2 dim-0 chunking as
+placements (models/llama/sharding.py), pipeline split (models/llama/pipeline.py) and FSDP2 dim-0 chunking as
 the real parallelized model; the dry run checks that they are equal. Activations count the tensors autograd saves
 for backward in titan_npu.models.llama with the reference ops, per token, and walk backward block by block to find
 the peak (loss buffers, a checkpointed block's recomputation); tests/tools/test_plan_calibration.py holds them to
@@ -16,34 +16,15 @@ from titan_npu.config.schema import JobConfig
 from titan_npu.errors import LayoutError
 from titan_npu.models.llama.args import LlamaArgs, build_model_args
 from titan_npu.models.llama.pipeline import split_layers
+from titan_npu.models.llama.sharding import LAYER_SHARD_DIM, SHARD_DIM
+from titan_npu.parallel.dims import MESH_DIMS
 
 GiB = 1024**3
 MiB = 1024**2
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 AC_MODES = ("none", "selective", "full")
-# Mesh dimension order of ParallelDims.build_mesh: a rank's coordinates are its row-major index in this mesh.
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-
-# Tensor-parallel placement of each parameter kind (models/llama/parallelize.py): the dim its local shard cuts,
-# None = replicated. Column-wise projections (wq/wk/wv, w1/w3, output) cut their output rows, row-wise ones
-# (wo, w2) their input columns, the vocabulary-parallel embedding its rows; norms are replicated.
-TP_SHARD_DIM: dict[str, int | None] = {
-    "tok_embeddings.weight": 0,
-    "attention.wq.weight": 0,
-    "attention.wk.weight": 0,
-    "attention.wv.weight": 0,
-    "attention.wo.weight": 1,
-    "feed_forward.w1.weight": 0,
-    "feed_forward.w3.weight": 0,
-    "feed_forward.w2.weight": 1,
-    "attention_norm.weight": None,
-    "ffn_norm.weight": None,
-    "norm.weight": None,
-    "output.weight": 0,
-}
-BLOCK_KINDS = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight",
-               "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight",
-               "attention_norm.weight", "ffn_norm.weight")
+# Parameter kinds inside a block, in the model's order (a rank's parameter names follow it).
+BLOCK_KINDS = tuple(LAYER_SHARD_DIM)
 
 # Per-parameter optimizer state, in parameter-sized tensors (the dry run measures the real optimizer's).
 OPTIMIZER_STATE_MULTIPLIER = {"adamw": 2, "adam": 2, "sgd": 1}
@@ -310,7 +291,7 @@ def coordinates_rank(layout: Layout, coords: dict[str, int]) -> int:
 def local_shape(kind: str, shape: tuple[int, ...], layout: Layout, coords: dict[str, int]) -> tuple[int, ...]:
     """The shape of a parameter's local shard on a rank: tensor-parallel cut first, then FSDP's dim-0 chunk of it."""
     local = list(shape)
-    tp_dim = TP_SHARD_DIM[kind]
+    tp_dim = SHARD_DIM[kind]
     if layout.tp > 1 and tp_dim is not None:
         local[tp_dim] = chunk_size(local[tp_dim], layout.tp, coords["tp"])
     if layout.shards_parameters:

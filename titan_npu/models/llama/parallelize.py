@@ -7,6 +7,8 @@ Tensor parallel (Megatron-style, with sequence parallelism):
   attention.wq/wk/wv, feed_forward.w1/w3   column-wise (each rank holds whole heads / a slice of the FFN)
   attention.wo, feed_forward.w2            row-wise, reduce-scattered back onto the sequence
   output          column-wise over the vocabulary; with loss parallel the logits stay sharded into the loss
+The dim each parameter ends up split along is models/llama/sharding.py's table, which the memory planner and the
+Meta checkpoint reader use; the dry run (tools/dry_run.py) checks the planner's shards against this plan's.
 """
 
 from __future__ import annotations

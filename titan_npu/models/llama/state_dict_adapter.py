@@ -21,6 +21,7 @@ from titan_npu.models.llama.args import (
     LlamaArgs,
     ffn_hidden_dim,
 )
+from titan_npu.models.llama.sharding import LAYER_SHARD_DIM, ROOT_SHARD_DIM
 
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -46,19 +47,6 @@ _HF_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Buffers some Hugging Face checkpoints carry; the model recomputes them.
 _HF_IGNORED_SUFFIX = "self_attn.rotary_emb.inv_freq"
 
-# Meta's model-parallel shards (consolidated.00.pth, .01, ...): the dim each layer parameter is split along
-# (None = replicated), following Meta's ColumnParallelLinear (dim 0) / RowParallelLinear (dim 1).
-_META_LAYER_SHARD_DIM = {
-    "attention.wq.weight": 0,
-    "attention.wk.weight": 0,
-    "attention.wv.weight": 0,
-    "attention.wo.weight": 1,
-    "feed_forward.w1.weight": 0,
-    "feed_forward.w3.weight": 0,
-    "feed_forward.w2.weight": 1,
-    "attention_norm.weight": None,
-    "ffn_norm.weight": None,
-}
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
     """Rename our state dict to Hugging Face LlamaForCausalLM keys, permuting wq/wk into HF's RoPE layout."""
@@ -260,14 +248,13 @@ def _hf_to_meta_rope_rows(w: torch.Tensor, n_heads: int, args: LlamaArgs, key: s
 
 
 def _meta_shard_dim(key: str, args: LlamaArgs | None) -> int | None:
-    if key == "tok_embeddings.weight":
-        # Llama 2 splits the embedding by channel (ParallelEmbedding), Llama 3 by vocabulary.
-        return 0 if args is not None and args.family == "llama3" else 1
-    if key == "output.weight":
-        return 0
-    if key == "norm.weight":
-        return None
+    """The dim Meta's model-parallel shards split `key` along (models/llama/sharding.py), None = replicated."""
+    if key == "tok_embeddings.weight" and (args is None or args.family != "llama3"):
+        # Llama 2's ParallelEmbedding splits the embedding by channel; Llama 3 by vocabulary, as ours is.
+        return 1
+    if key in ROOT_SHARD_DIM:
+        return ROOT_SHARD_DIM[key]
     match = _OUR_LAYER_KEY.fullmatch(key)
-    if match is None or match.group(2) not in _META_LAYER_SHARD_DIM:
+    if match is None or match.group(2) not in LAYER_SHARD_DIM:
         raise CheckpointError(f"Meta checkpoint key '{key}' is not a Llama parameter; is this a consolidated.pth?")
-    return _META_LAYER_SHARD_DIM[match.group(2)]
+    return LAYER_SHARD_DIM[match.group(2)]
