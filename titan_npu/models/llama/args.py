@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
+from titan_npu.config.aliases import split_model_name
 from titan_npu.config.schema import ModelConfig
 from titan_npu.errors import ConfigError
 
@@ -99,22 +99,15 @@ def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None)
     return multiple_of * math.ceil(hidden / multiple_of)
 
 
-def parse_model_name(name: str) -> tuple[str, str | None]:
-    """Split a model name into (family, size or None): "llama3" -> ("llama3", None), "llama_7b" -> ("llama2", "7B")."""
-    match = re.fullmatch(r"llama[-_ ]?([23])?(?:[-_ ]?(\d+b|debug))?", name.strip().lower())
-    if match is None:
-        raise ConfigError(
-            f"model.name='{name}' is not a known model (valid: llama2, llama3, optionally with a size like llama3_8b)"
-        )
-    version, size = match.groups()
-    # The Ascend guides' plain "llama_7b" is Llama 2.
-    family = f"llama{version or 2}"
-    return family, None if size is None else _canonical_flavor(family, size)
-
-
 def build_model_args(model_cfg: ModelConfig) -> LlamaArgs:
     """Resolve [model] into LlamaArgs: the family's flavor preset, then every explicit (non-None) field on top."""
-    family, size_in_name = parse_model_name(model_cfg.name)
+    family, size = split_model_name(model_cfg.name)
+    if family is None:
+        raise ConfigError(
+            f"model.name='{model_cfg.name}' is not a known model (valid: llama2, llama3, optionally with a size like "
+            f"llama3_8b)"
+        )
+    size_in_name = None if size is None else _canonical_flavor(family, size)
     flavor = _canonical_flavor(family, model_cfg.flavor or "debug")
     if size_in_name is not None:
         # A size in the name (llama2_13b) selects the flavor; only a different explicit size conflicts with it.
