@@ -15,33 +15,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MASTER_ADDR:?set MASTER_ADDR to the address of the node that hosts the rendezvous (reachable from all nodes)}"
 NODES=${NODES:-2}
-CARDS=${CARDS:-8}
 PORT=${PORT:-29500}
-MAX_RESTARTS=${MAX_RESTARTS:-3}
-SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-600}
 JOIN_TIMEOUT=${JOIN_TIMEOUT:-1800}  # seconds the nodes wait for a missing one (a rebooting node) at each rendezvous
 CONFIG=${CONFIG:-configs/llama2_70b.toml}
-NAME=$(basename "${CONFIG%.*}")
+source examples/restart_common.sh  # CARDS, MAX_RESTARTS, SHUTDOWN_TIMEOUT, DATA, CKPT, LOGS -> TORCHRUN_ARGS, TRAIN_ARGS
 
-# A rendezvous store of its own for every restart (pytorch/pytorch#135712): see restart_single_node.sh.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-
-SHUTDOWN=()
-if torchrun --help 2>/dev/null | grep -q -- '--shutdown-timeout'; then  # torch >= 2.6
-  SHUTDOWN=(--shutdown-timeout "$SHUTDOWN_TIMEOUT")
-fi
-DATA_ARGS=()
-if [ -n "${DATA:-}" ]; then
-  DATA_ARGS=(--data_dir "$DATA")
-fi
-
-torchrun --nnodes "$NODES" --nproc_per_node "$CARDS" --max-restarts "$MAX_RESTARTS" ${SHUTDOWN[@]+"${SHUTDOWN[@]}"} \
+torchrun --nnodes "$NODES" "${TORCHRUN_ARGS[@]}" \
     --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$PORT" --rdzv_id "${RDZV_ID:-titan-npu-$NAME}" \
     --rdzv_conf "join_timeout=$JOIN_TIMEOUT" \
-    train.py \
-    --config "$CONFIG" \
-    ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} \
-    --checkpoint_dir "${CKPT:-checkpoints/$NAME}" \
-    --log_dir "${LOGS:-logs/$NAME}" \
-    --checkpoint.resume auto \
-    "$@"
+    train.py "${TRAIN_ARGS[@]}" "$@"

@@ -13,30 +13,7 @@
 # docs/reliability.md says what survives what and how to size timeouts and disk.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CARDS=${CARDS:-8}
-MAX_RESTARTS=${MAX_RESTARTS:-3}
-SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-600}
 CONFIG=${CONFIG:-configs/llama2_7b.toml}
-NAME=$(basename "${CONFIG%.*}")
+source examples/restart_common.sh  # CARDS, MAX_RESTARTS, SHUTDOWN_TIMEOUT, DATA, CKPT, LOGS -> TORCHRUN_ARGS, TRAIN_ARGS
 
-# A rendezvous store of its own for every restart: with the store torchrun shares by default, a restarted process
-# can read a dead peer's address and the process group never forms again (pytorch/pytorch#135712).
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-
-SHUTDOWN=()
-if torchrun --help 2>/dev/null | grep -q -- '--shutdown-timeout'; then  # torch >= 2.6
-  SHUTDOWN=(--shutdown-timeout "$SHUTDOWN_TIMEOUT")
-fi
-DATA_ARGS=()
-if [ -n "${DATA:-}" ]; then
-  DATA_ARGS=(--data_dir "$DATA")
-fi
-
-torchrun --standalone --nproc_per_node "$CARDS" --max-restarts "$MAX_RESTARTS" ${SHUTDOWN[@]+"${SHUTDOWN[@]}"} \
-    train.py \
-    --config "$CONFIG" \
-    ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} \
-    --checkpoint_dir "${CKPT:-checkpoints/$NAME}" \
-    --log_dir "${LOGS:-logs/$NAME}" \
-    --checkpoint.resume auto \
-    "$@"
+torchrun --standalone "${TORCHRUN_ARGS[@]}" train.py "${TRAIN_ARGS[@]}" "$@"
