@@ -10,7 +10,10 @@ warm-up steps and then waits. The parent runs measuring windows in turn, A B C A
 optimizer steps of one worker while the others sit idle, so slow drifts of a shared machine's load hit every
 candidate alike. Figures are medians over windows; ratios are paired: candidate / reference within the same
 round, then the median (and range) over rounds. On cpu the matmul peak (torch.mm 2048^3 in the compute dtype)
-is measured once per round as well and MFU uses that round's peak.
+is measured once per round as well and MFU uses that round's peak. On Linux each window also records how much of
+the machine other processes used meanwhile (from /proc: all busy time minus the worker's process tree); a round
+is clean when every window in it saw at most --clean of the machine taken, and the tables use the clean rounds
+when there are at least 3 of them (the JSON holds both).
 
 Candidates (--candidates, or a --study):
   titan             our Trainer's full path: data loader, metrics log, checks -- `titan-npu train` as configured
@@ -58,6 +61,8 @@ VARIANTS: dict[str, list[str]] = {
     "loader2": ["--data.num_workers", "2"],
     "tb_off": ["--metrics.tensorboard", "false"],
     "log1": ["--metrics.log_interval", "1"],
+    "watchdog_off": ["--reliability.watchdog", "false"],
+    "guard_off": ["--reliability.skip_nonfinite", "false", "--reliability.handle_signals", "false"],
 }
 STUDIES = {
     "frameworks": (["titan", "bare", "hf"], "bare"),
@@ -234,6 +239,56 @@ def measure_peak(dtype: torch.dtype, device_type: str, n: int = 2048) -> float:
     return peak_flops(setup_device(), dtype)
 
 
+def busy_jiffies() -> int | None:
+    """CPU time (clock ticks) the whole machine has been busy, steal included; None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return user + nice + system + irq + softirq + steal
+
+
+def tree_jiffies(pid: int) -> int:
+    """CPU time (clock ticks) of process `pid` and all its descendants (a worker and its data-loader workers)."""
+    stats: dict[int, tuple[int, int]] = {}  # pid -> (parent pid, utime + stime)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        stats[int(entry)] = (int(rest[1]), int(rest[11]) + int(rest[12]))
+    children: dict[int, list[int]] = {}
+    for child, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(child)
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        total += stats.get(current, (0, 0))[1]
+        todo += children.get(current, [])
+    return total
+
+
+class Interference:
+    """The share of the machine that processes other than one worker's tree used during a window."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.busy0, self.tree0, self.t0 = busy_jiffies(), tree_jiffies(pid), time.monotonic()
+
+    def share(self) -> float | None:
+        busy = busy_jiffies()
+        if busy is None or self.busy0 is None:
+            return None
+        foreign = (busy - self.busy0) - (tree_jiffies(self.pid) - self.tree0)
+        capacity = (time.monotonic() - self.t0) * os.sysconf("SC_CLK_TCK") * (os.cpu_count() or 1)
+        return max(0.0, foreign / capacity) if capacity > 0 else None
+
+
 def paired_ratios(values: dict[str, list[float]], reference: str) -> dict[str, list[float]]:
     """Per round, each candidate's value / the reference's value in the same round."""
     ref = values[reference]
@@ -272,12 +327,16 @@ def run_group(shape_name: str, dtype: str, names: list[str], reference: str, arg
         for r in range(args.windows):
             for c in candidates:
                 time.sleep(args.pause)  # let the previous worker's threads go idle
+                watch = Interference(c.proc.pid)
                 _command(c, "run")
                 c.windows.append(_read_message(c, args.timeout))
+                c.windows[-1]["interference"] = watch.share()
             time.sleep(args.pause)
             peaks.append(measure_peak(compute, device_type, args.peak_n))
             line = "  ".join(f"{c.name} {c.windows[-1]['tokens_per_s']:,.0f}" for c in candidates)
-            print(f"  {shape_name} {dtype} round {r + 1}/{args.windows}: tokens/s {line}", flush=True)
+            shares = [c.windows[-1]["interference"] for c in candidates]
+            other = "" if None in shares else f"  (others used up to {max(shares) * 100:.0f}% of the machine)"
+            print(f"  {shape_name} {dtype} round {r + 1}/{args.windows}: tokens/s {line}{other}", flush=True)
         for c in candidates:
             _command(c, "exit")
             c.done = _read_message(c, args.timeout)
@@ -288,44 +347,62 @@ def run_group(shape_name: str, dtype: str, names: list[str], reference: str, arg
                 c.proc.kill()
                 c.proc.wait()
     fpt = flops_per_token(shape)
-    tps = {c.name: [w["tokens_per_s"] for w in c.windows] for c in candidates}
-    ratios = paired_ratios(tps, reference)
+    clean = [r for r in range(args.windows)
+             if all((c.windows[r].get("interference") or 0.0) <= args.clean for c in candidates)]
+    if all(c.windows[0].get("interference") is None for c in candidates):
+        clean = []  # no /proc: nothing is known about the other processes
+    used = clean if len(clean) >= 3 else list(range(args.windows))
     mem = {c.name: c.done.get("peak_memory_gb", float("nan")) for c in candidates}
+    tps_all = {c.name: [w["tokens_per_s"] for w in c.windows] for c in candidates}
     results = []
     for c in candidates:
-        mfu = [t * fpt / p for t, p in zip(tps[c.name], peaks)]
-        step_times = sorted(s for w in c.windows for s in w["step_times"])
-        results.append({
-            "candidate": c.name,
-            "tokens_per_s": summary(tps[c.name]),
-            "mfu": summary(mfu),
-            "ratio": summary(ratios[c.name]),
+        entry = {"candidate": c.name}
+        for label, rounds in (("all", list(range(args.windows))), ("clean", clean)):
+            if not rounds:
+                continue
+            tps = {n: [v[r] for r in rounds] for n, v in tps_all.items()}
+            ratios = paired_ratios(tps, reference)
+            entry[label] = {
+                "tokens_per_s": summary(tps[c.name]),
+                "mfu": summary([tps[c.name][i] * fpt / peaks[r] for i, r in enumerate(rounds)]),
+                "ratio": summary(ratios[c.name]),
+            }
+        entry.update(entry["clean" if used is clean else "all"])
+        step_times = sorted(s for r in used for s in c.windows[r]["step_times"])
+        entry.update({
+            "best_tokens_per_s": max(tps_all[c.name]),
             "step_time_median_s": statistics.median(step_times),
             "peak_memory_gb": mem[c.name],
             "memory_ratio": mem[c.name] / mem[reference] if mem.get(reference) else float("nan"),
             "rss_base_gb": c.done.get("rss_base_gb"),
-            "windows_tokens_per_s": tps[c.name],
+            "windows_tokens_per_s": tps_all[c.name],
+            "windows_interference": [w.get("interference") for w in c.windows],
         })
+        results.append(entry)
     return {"shape": shape_name, "dtype": dtype, "reference": reference, "peak_tflops": summary(peaks),
             "peaks_tflops_per_round": [p / 1e12 for p in peaks], "flops_per_token": fpt,
+            "clean_rounds": clean, "rounds_used": "clean" if used is clean else "all",
             "seconds": time.monotonic() - started, "results": results}
 
 
 def format_group(g: dict) -> str:
     """A markdown table of one (shape, dtype) group."""
     pk = g["peak_tflops"]
+    n = len(g["peaks_tflops_per_round"])
+    rounds = (f"medians of the {len(g['clean_rounds'])} clean rounds of {n}" if g["rounds_used"] == "clean"
+              else f"medians of all {n} rounds, {len(g['clean_rounds'])} clean")
     lines = [
         f"**{g['shape']} {g['dtype']}** (matmul peak {pk[0] / 1e9:.1f} GFLOP/s, range {pk[1] / 1e9:.1f}-"
-        f"{pk[2] / 1e9:.1f}; {len(g['peaks_tflops_per_round'])} rounds; ratios vs {g['reference']})",
+        f"{pk[2] / 1e9:.1f}; {rounds}; ratios vs {g['reference']})",
         "",
-        "| candidate | tokens/s | MFU | step ms | ratio (median) | ratio range | peak mem GB | mem ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| candidate | tokens/s | best | MFU | step ms | ratio | ratio range | peak mem GB | mem ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in g["results"]:
         lines.append(
-            f"| {r['candidate']} | {r['tokens_per_s'][0]:,.0f} | {r['mfu'][0] * 100:.1f}% | "
-            f"{r['step_time_median_s'] * 1e3:.0f} | {r['ratio'][0]:.3f} | {r['ratio'][1]:.3f}-{r['ratio'][2]:.3f} | "
-            f"{r['peak_memory_gb']:.2f} | {r['memory_ratio']:.2f} |"
+            f"| {r['candidate']} | {r['tokens_per_s'][0]:,.0f} | {r['best_tokens_per_s']:,.0f} | "
+            f"{r['mfu'][0] * 100:.1f}% | {r['step_time_median_s'] * 1e3:.0f} | {r['ratio'][0]:.3f} | "
+            f"{r['ratio'][1]:.3f}-{r['ratio'][2]:.3f} | {r['peak_memory_gb']:.2f} | {r['memory_ratio']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -358,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="steps before the first window")
     p.add_argument("--pause", type=float, default=0.3, help="seconds between windows")
     p.add_argument("--peak-n", type=int, default=2048, help="size of the n^3 matmul that measures the cpu peak")
+    p.add_argument("--clean", type=float, default=0.05,
+                   help="a round is clean when other processes used at most this share of the machine")
     p.add_argument("--timeout", type=float, default=1800, help="seconds to wait for any one worker message")
     p.add_argument("--json", dest="json_path", help="write every raw figure to this file")
     p.add_argument("--markdown", help="append the tables to this file")
