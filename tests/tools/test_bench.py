@@ -7,6 +7,7 @@ import importlib.util
 import io
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -184,3 +185,23 @@ def test_cpu_bf16_support_is_read_from_the_instruction_flags():
     assert cpu_has_native_bf16("flags\t\t: fpu avx512f avx512_bf16 amx_tile\n") is True
     assert cpu_has_native_bf16("Features\t: fp asimd bf16 sve\n") is True  # Arm
     assert cpu_has_native_bf16("model name: unknown\n") is None
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc")
+def test_interference_counts_cpu_used_outside_the_watched_process_tree():
+    import subprocess
+    import time
+
+    compare = _load("compare")
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        watch = compare.Interference(idle.pid)
+        burner = subprocess.run([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1: pass"])
+        assert burner.returncode == 0
+        time.sleep(0.1)
+        # One core of the machine busy for ~1 s of the window, none of it in the watched (sleeping) tree.
+        assert watch.share() >= 0.25 / (os.cpu_count() or 1)
+        assert compare.tree_jiffies(os.getpid()) > 0  # this test process has run
+    finally:
+        idle.kill()
+        idle.wait()
