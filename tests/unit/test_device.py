@@ -74,3 +74,17 @@ def test_hccl_variables_come_from_comm_config_unless_the_environment_sets_them(m
     assert "HCCL_EXEC_TIMEOUT" not in env  # the user's value wins
     assert env["HCCL_BUFFSIZE"] == "200"
     assert communication_env("cpu", CommConfig()) == {}
+
+
+def test_cpu_peak_remembers_the_best_reading_so_a_loaded_start_does_not_inflate_mfu(monkeypatch, tmp_path):
+    from titan_npu.device import flops
+
+    monkeypatch.setenv("TITAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda dtype: 5e10)
+    assert flops.cpu_peak_flops(torch.float32) == 5e10
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda dtype: 1e10)  # a start on a busy machine
+    assert flops.cpu_peak_flops(torch.float32) == 5e10
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda dtype: 8e10)
+    assert flops.cpu_peak_flops(torch.float32) == 8e10
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda dtype: 2e10)
+    assert flops.cpu_peak_flops(torch.bfloat16) == 2e10  # each dtype has its own entry

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -66,7 +69,7 @@ def peak_flops(device: DeviceInfo, dtype: torch.dtype = torch.bfloat16, override
     if override_tflops > 0:
         return override_tflops * 1e12
     if device.type == "cpu":
-        return measure_matmul_flops(dtype)
+        return cpu_peak_flops(dtype)
     flops = lookup_peak_flops(device.name)
     if flops is None:
         return measure_accelerator_flops(device, dtype)
@@ -86,3 +89,43 @@ def measure_accelerator_flops(device: DeviceInfo, dtype: torch.dtype, n: int = 8
         torch.mm(a, b)
     synchronize(device)
     return 5 * 2 * n**3 / (time.perf_counter() - t0)
+
+
+def _peak_cache_path() -> Path:
+    root = os.environ.get("TITAN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "titan-npu")
+    return Path(root) / "cpu_peak_flops.json"
+
+
+def _cpu_key(dtype: torch.dtype) -> str:
+    import platform
+
+    return f"{platform.processor() or platform.machine()}|threads={torch.get_num_threads()}|{dtype}"
+
+
+def cpu_peak_flops(dtype: torch.dtype = torch.float32) -> float:
+    """The cpu matmul peak: this start's measurement or the best one this machine has recorded, whichever is higher.
+
+    A reading taken while other processes share the cores comes out low and would inflate MFU; remembering the best
+    reading per (cpu, threads, dtype) keeps the reference stable across runs.
+    """
+    measured = measure_matmul_flops(dtype)
+    path, key = _peak_cache_path(), _cpu_key(dtype)
+    try:
+        cache = json.loads(path.read_text())
+        if not isinstance(cache, dict):
+            cache = {}
+    except (OSError, ValueError):
+        cache = {}
+    previous = cache.get(key)
+    previous = float(previous) if isinstance(previous, (int, float)) else 0.0
+    best = max(measured, previous)
+    if best > previous:
+        cache[key] = best
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only home only loses the memory of the best reading
+    return best
