@@ -9,26 +9,15 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from tiny_run import tiny_args
 
-TINY_RUN = [
-    "--model.name", "llama3", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
-    "--model.n_kv_heads", "2", "--model.vocab_size", "512", "--model.max_seq_len", "64",
-    "--training.seq_len", "32", "--training.batch_size", "2", "--training.dtype", "fp32",
-    "--training.deterministic", "true", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
-    "--data.tokenizer", "byte", "--data.num_workers", "0",
-    "--metrics.log_interval", "1", "--metrics.tensorboard", "false", "--metrics.report", "false",
-    "--metrics.progress", "lines",
-]
 # Fixed tokens to compare models by their logits.
 PROBE = torch.arange(64).remainder(512).reshape(2, 32)
 
 
 def overrides(tmp: Path, name: str, **extra: object) -> list[str]:
-    """TINY_RUN logging to tmp/<name>/logs and checkpointing to tmp/<name>/ckpt, plus --section.key extras."""
-    out = TINY_RUN + ["--metrics.log_dir", str(tmp / name / "logs"), "--checkpoint.dir", str(tmp / name / "ckpt")]
-    for key, value in extra.items():
-        out += [f"--{key.replace('__', '.')}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return out
+    """The tiny run logging to tmp/<name>/logs and checkpointing to tmp/<name>/ckpt, plus --section.key extras."""
+    return tiny_args(tmp / name, **extra)
 
 
 def losses(tmp: Path, name: str) -> dict[int, float]:

@@ -1,0 +1,27 @@
+"""The tiny training run that the checkpoint and reliability tests launch, as train.py arguments.
+
+Imported as `tiny_run`: pytest puts tests/ on sys.path for the test packages (tests/checkpoint, tests/reliability).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# A ~0.2M-parameter Llama on the built-in corpus: a step takes milliseconds, a whole run a few seconds.
+TINY_RUN = [
+    "--model.name", "llama3", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
+    "--model.n_kv_heads", "2", "--model.vocab_size", "512", "--model.max_seq_len", "64",
+    "--training.seq_len", "32", "--training.batch_size", "2", "--training.dtype", "fp32",
+    "--training.deterministic", "true", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
+    "--data.tokenizer", "byte", "--data.num_workers", "0",
+    "--metrics.log_interval", "1", "--metrics.tensorboard", "false", "--metrics.report", "false",
+    "--metrics.progress", "lines",
+]
+
+
+def tiny_args(run_dir: Path, **extra: object) -> list[str]:
+    """TINY_RUN logging to run_dir/logs and checkpointing to run_dir/ckpt, plus --section.key extras (a__b = a.b)."""
+    out = TINY_RUN + ["--metrics.log_dir", str(run_dir / "logs"), "--checkpoint.dir", str(run_dir / "ckpt")]
+    for key, value in extra.items():
+        out += [f"--{key.replace('__', '.')}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return out
