@@ -13,15 +13,6 @@ EXTRA_KEYS = ["mem_peak_gb", "tokens_seen", "window_steps", "eta_s"]
 VAL_KEYS = {"step", "val_loss", "val_ppl", "val_batches", "val_tokens", "val_time_s"}
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models on 2 shared cores: one intra-op thread avoids OpenMP spinning against other processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tiny_run(tmp_path: Path, monkeypatch) -> Path:
     from titan_npu.config import load_config
     from titan_npu.trainer import Trainer

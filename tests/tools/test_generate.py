@@ -135,15 +135,6 @@ def text_scores(text: str) -> tuple[float, float]:
     return printable, common
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models on 2 shared cores: one intra-op thread avoids OpenMP spinning against other processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def debug_run(tmp_path: Path, steps: int) -> tuple[Path, Path]:
     """Train the debug config shrunk to seconds on the built-in corpus (steps=0: untrained).
 
