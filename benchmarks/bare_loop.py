@@ -1,6 +1,7 @@
 """Plain PyTorch training loops over the benchmark shapes: our Transformer, and transformers' LlamaForCausalLM.
 
     python benchmarks/bare_loop.py --shape S2 --dtype bf16 --model ours --steps 10 --warmup 2
+    python benchmarks/bare_loop.py --shape S1 --kernels-from /tmp/before/titan_npu/ops/reference.py --steps 20
 
 A step is the least a training step can be: forward, fp32 cross entropy, backward, gradient-norm clipping, AdamW
 (fused where the device has it), zero_grad -- on batches made once up front, with no data loader, logging,
@@ -196,6 +197,47 @@ def build_loop(model_kind: str, shape: Shape, dtype: str, device: torch.device, 
     return PlainLoop(model, shape, dtype, device, implementation=implementation)
 
 
+def compare_kernels(shape: Shape, dtype: str, other_reference: str, reps: int, device: torch.device) -> dict:
+    """Forward + backward of our model with another file's reference kernels (A) and the current ones (B), in
+    turns A B A B ... in this one process: paired ratios resolve differences of a percent or two."""
+    import importlib.util
+    import statistics
+
+    from titan_npu import ops
+
+    spec = importlib.util.spec_from_file_location("other_reference", other_reference)
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    model = build_ours(shape, dtype, device)
+    loop = PlainLoop(model, shape, dtype, device)
+    inputs, labels = loop.batches[0]
+    # The other file's ops become the device's backend ("auto"); "reference" is the current code.
+    ops.register_backend(device.type, {name: getattr(other, name) for name in ops.OP_NAMES if hasattr(other, name)})
+
+    def forward_backward(kernels: str) -> float:
+        ops.set_kernels(kernels)
+        synchronize(device)
+        t0 = time.perf_counter()
+        with loop.autocast():
+            logits = model(inputs)
+        F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).backward()
+        model.zero_grad(set_to_none=True)
+        synchronize(device)
+        return time.perf_counter() - t0
+
+    try:
+        for kernels in ("auto", "reference") * 2:
+            forward_backward(kernels)
+        times = [(forward_backward("auto"), forward_backward("reference")) for _ in range(reps)]
+    finally:
+        ops.set_kernels("auto")
+    ratios = sorted(b / a for a, b in times)
+    return {"other_ms": statistics.median(a for a, _ in times) * 1e3,
+            "current_ms": statistics.median(b for _, b in times) * 1e3,
+            "ratio_median": statistics.median(ratios), "ratio_q1": ratios[len(ratios) // 4],
+            "ratio_q3": ratios[(3 * len(ratios)) // 4]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="S1")
@@ -203,9 +245,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=("ours", "hf"), default="ours")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--kernels-from", metavar="REFERENCE_PY",
+                   help="time forward+backward with this file's reference kernels against the current ones")
     args = p.parse_args(argv)
     device = default_device()
     shape = SHAPES[args.shape]
+    if args.kernels_from:
+        r = compare_kernels(shape, args.dtype, args.kernels_from, args.steps, device)
+        print(f"{args.shape} {args.dtype} forward+backward on {device}: {args.kernels_from} {r['other_ms']:.1f} ms, "
+              f"current {r['current_ms']:.1f} ms; current/other paired median {r['ratio_median']:.3f} "
+              f"(quartiles {r['ratio_q1']:.3f}-{r['ratio_q3']:.3f}, {args.steps} pairs)")
+        return 0
     loop = build_loop(args.model, shape, args.dtype, device)
     for _ in range(args.warmup):
         loop.step()

@@ -41,8 +41,39 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in fp32, returned in x.dtype."""
-    # torch's own rms_norm: one fused pass forward instead of five element-wise ops (same math, fp32 inputs).
+    if x.device.type == "cpu" and type(x) is torch.Tensor and not _is_dtensor(weight):
+        return _CpuRMSNorm.apply(x, weight, eps)
+    # torch's rms_norm: fused kernels forward and backward on accelerators; DTensors (sequence parallel) know it.
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "device_mesh")
+
+
+class _CpuRMSNorm(torch.autograd.Function):
+    """RMSNorm with a hand-written backward: torch has no fused rms_norm backward on cpu, and autograd through
+    its decomposition runs about 20 element-wise passes per norm where this one runs 7 (0.5-0.8x the time)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32, w32 = x.float(), weight.float()
+        mean_sq = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_().div_(x.shape[-1])
+        rstd = mean_sq.add_(eps).rsqrt_()  # [..., 1]
+        ctx.save_for_backward(x, weight, rstd)
+        return (x32 * rstd * w32).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x.float() * rstd
+        g32 = grad.float()
+        gw = g32 * weight.float()
+        # d/dx of x_hat * w: rstd * (gw - x_hat * mean(gw * x_hat)) over the last dim.
+        mean_dot = torch.linalg.vecdot(gw, x_hat).unsqueeze(-1).div_(x.shape[-1])
+        grad_x = torch.addcmul(gw, x_hat, mean_dot, value=-1).mul_(rstd)
+        grad_w = (g32 * x_hat).flatten(0, -2).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x.to(x.dtype), grad_w, None
 
 
 def apply_rotary_emb(
