@@ -369,7 +369,8 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     """Saved-tensor bytes of one transformer block for one micro-batch (the reference ops).
 
     Per token, with c the compute dtype's bytes and sizes local to a tensor-parallel rank: each RMSNorm keeps its
-    fp32 input and normalised value (8 D) and the projections after it keep the normalised output (c D; with
+    fp32 input and normalised value (8 D; the cpu reference without TP keeps only its input) and the
+    projections after it keep the normalised output (c D; with
     autocast each projection keeps its own low-precision copy); attention keeps q, k, v and its output
     (c (2 q + 2 kv)) plus the kernel's softmax statistics; SwiGLU keeps gate, silu(gate), up and their product
     (4 c F). Eager attention keeps its output copy, repeated k/v and the B H S^2 probabilities instead.
@@ -382,7 +383,10 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     autocast = c < 4 and not layout.fsdp_wrapped
     residual = 4 if autocast else c  # the residual stream stays fp32 under autocast
     stats = heads * ATTENTION_STAT_BYTES.get(device_type, 4)
-    norms = 2 * (8 * d + 4) // sp  # fp32 input + normalised value + rstd; split over the sequence under SP
+    if device_type == "cpu" and tp == 1:
+        norms = 2 * (residual * d + 4)  # the cpu reference norm (hand-written backward) keeps its input + rstd
+    else:
+        norms = 2 * (8 * d + 4) // sp  # fp32 input + normalised value + rstd; split over the sequence under SP
     per_token = norms + (5 if autocast else 2) * c * d + 4 * c * f
     if a.use_flash_attention:
         full = tokens * (per_token + c * (2 * q + 2 * kv) + stats)
