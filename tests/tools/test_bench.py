@@ -179,7 +179,7 @@ def test_compare_alternates_candidates_in_paired_rounds_on_a_tiny_model(tmp_path
 
 
 def test_cpu_bf16_support_is_read_from_the_instruction_flags():
-    from titan_npu.trainer.precision import cpu_has_native_bf16
+    from titan_npu.trainer.advice import cpu_has_native_bf16
 
     assert cpu_has_native_bf16("processor: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni\n") is False
     assert cpu_has_native_bf16("flags\t\t: fpu avx512f avx512_bf16 amx_tile\n") is True
@@ -205,3 +205,13 @@ def test_interference_counts_cpu_used_outside_the_watched_process_tree():
     finally:
         idle.kill()
         idle.wait()
+
+
+def test_cpu_speed_hints_name_the_faster_setting():
+    from titan_npu.config import load_config
+    from titan_npu.trainer.advice import speed_hints
+
+    assert speed_hints(load_config(None, ["--data.num_workers", "0", "--training.dtype", "fp32"]), "cpu") == []
+    hints = speed_hints(load_config(None, ["--data.num_workers", "2", "--training.dtype", "fp32"]), "cpu")
+    assert len(hints) == 1 and "data.num_workers=0" in hints[0]
+    assert speed_hints(load_config(None, ["--data.num_workers", "2"]), "cuda") == []

@@ -12,32 +12,6 @@ from titan_npu.errors import ConfigError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool | None:
-    """Whether this CPU has bf16 matmul instructions (x86 AVX512-BF16 / AMX, Arm BF16); None when unknown."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return None
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features"):
-            flags.update(value.split())
-    if not flags:
-        return None
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
-def dtype_advice(device_type: str, dtype_name: str) -> str | None:
-    """A one-line hint when the chosen dtype is slow on this device (bf16 on a CPU that only emulates it)."""
-    if device_type == "cpu" and dtype_name == "bf16" and cpu_has_native_bf16() is False:
-        return ("training.dtype=bf16 on a CPU without bf16 instructions (AVX512-BF16 / AMX): its matmuls are "
-                "emulated, several times slower than fp32; training.dtype=fp32 trains faster here")
-    return None
-
-
 def to_torch_dtype(name: str) -> torch.dtype:
     """'bf16' -> torch.bfloat16 and so on."""
     return DTYPES[name]

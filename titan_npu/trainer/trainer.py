@@ -45,14 +45,9 @@ from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline, s
 from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, mean_loss, plain_tensor
 from titan_npu.profiling import build_profiler
 from titan_npu.reliability import Reliability, prepare_reliability
+from titan_npu.trainer.advice import speed_hints
 from titan_npu.trainer.optimizer import build_lr_scheduler, build_optimizer
-from titan_npu.trainer.precision import (
-    autocast_context,
-    build_grad_scaler,
-    dtype_advice,
-    pure_param_dtype,
-    to_torch_dtype,
-)
+from titan_npu.trainer.precision import autocast_context, build_grad_scaler, pure_param_dtype, to_torch_dtype
 
 log = logging.getLogger("titan_npu")
 
@@ -203,9 +198,8 @@ class Trainer:
         kernels = ", ".join(f"{op}={backend}" for op, backend in current_kernels(self.device.type).items())
         eager = "" if a.use_flash_attention else " (use_flash_attention=false: eager attention)"
         log.info("kernels: %s%s", kernels, eager)
-        advice = dtype_advice(self.device.type, t.dtype)
-        if advice and self.rank == 0:
-            log.warning(advice)
+        for hint in speed_hints(self.cfg, self.device.type) if self.rank == 0 else []:
+            log.warning(hint)
         log.info(
             "global batch: %d sequences x %d tokens = %d tokens/step (batch_size=%d x grad_accum=%d x dp=%d), "
             "dtype=%s, peak %.3g TFLOP/s per device",
