@@ -18,7 +18,8 @@ machine taken, and the tables use the clean rounds when there are at least 3 of 
 Candidates (--candidates, or a --study):
   titan             our Trainer's full path: data loader, metrics log, checks -- `titan-npu train` as configured
   titan:V[,V...]    the same with variants (see VARIANTS below), e.g. titan:compile or titan:ac_full,foreach
-  bare              a plain loop over our Transformer (benchmarks/bare_loop.py); bare:compile compiles its blocks
+  bare              a plain loop over our Transformer (benchmarks/bare_loop.py); bare:compile compiles its blocks,
+                    bare:torch_ops runs plain torch for every op instead of our kernels (ops.set_kernels("reference"))
   hf                the same plain loop over transformers' LlamaForCausalLM (attn_implementation="sdpa")
   NAME@DIR          candidate NAME running the titan_npu package found in source tree DIR (for before/after
                     measurements of a code change: `git archive HEAD | tar -x -C /tmp/before`, then
@@ -65,7 +66,7 @@ VARIANTS: dict[str, list[str]] = {
     "guard_off": ["--reliability.skip_nonfinite", "false", "--reliability.handle_signals", "false"],
 }
 STUDIES = {
-    "frameworks": (["titan", "bare", "hf"], "bare"),
+    "frameworks": (["titan", "bare", "bare:torch_ops", "hf"], "bare"),
     "options": (["titan", "titan:flash_off", "titan:ac_full", "titan:ac_selective", "titan:compile",
                  "titan:foreach"], "titan"),
 }
@@ -165,6 +166,10 @@ def run_worker(spec: dict) -> int:
         finally:
             trainer.close()
     else:
+        if "torch_ops" in variants:  # plain torch for every op: the loop as anyone would write it
+            from titan_npu import ops
+
+            ops.set_kernels("reference")
         loop = build_loop("ours" if kind == "bare" else "hf", shape, dtype, device,
                           implementation="foreach" if "foreach" in variants else "fused")
         if "compile" in variants:
@@ -204,7 +209,7 @@ def parse_candidate(name: str) -> Candidate:
     variants = [v for v in rest.split(",") if v]
     if kind not in ("titan", "bare", "hf"):
         raise SystemExit(f"compare: candidate {name!r}: kind must be titan, bare or hf")
-    allowed = VARIANTS if kind == "titan" else {"compile": [], "foreach": []}
+    allowed = VARIANTS if kind == "titan" else {"compile": [], "foreach": [], "torch_ops": []}
     unknown = [v for v in variants if v not in allowed]
     if unknown:
         raise SystemExit(f"compare: candidate {name!r}: unknown variants {unknown} (choose from {sorted(allowed)})")
@@ -309,6 +314,7 @@ def run_group(shape_name: str, dtype: str, names: list[str], reference: str, arg
 
     device_type = detect_device_type()
     peaks: list[float] = []
+    fp32_peaks: list[float] = []  # bf16 on cpu: also the fp32 peak, the units widened bf16 matmuls run on
     started = time.monotonic()
     try:
         for i, c in enumerate(candidates):  # one at a time: no build, warm-up or compile overlaps another
@@ -333,6 +339,8 @@ def run_group(shape_name: str, dtype: str, names: list[str], reference: str, arg
                 c.windows[-1]["interference"] = watch.share()
             time.sleep(args.pause)
             peaks.append(measure_peak(compute, device_type, args.peak_n))
+            if device_type == "cpu" and compute != torch.float32:
+                fp32_peaks.append(measure_peak(torch.float32, device_type, args.peak_n))
             line = "  ".join(f"{c.name} {c.windows[-1]['tokens_per_s']:,.0f}" for c in candidates)
             shares = [c.windows[-1]["interference"] for c in candidates]
             other = "" if None in shares else f"  (others used up to {max(shares) * 100:.0f}% of the machine)"
@@ -365,6 +373,8 @@ def run_group(shape_name: str, dtype: str, names: list[str], reference: str, arg
             entry[label] = {
                 "tokens_per_s": summary(tps[c.name]),
                 "mfu": summary([t * fpt / max(peaks) for t in tps[c.name]]),
+                **({"mfu_fp32_peak": summary([t * fpt / max(fp32_peaks) for t in tps[c.name]])} if fp32_peaks
+                   else {}),
                 "ratio": summary(ratios[c.name]),
             }
         entry.update(entry["clean" if used is clean else "all"])
@@ -380,7 +390,8 @@ def run_group(shape_name: str, dtype: str, names: list[str], reference: str, arg
         })
         results.append(entry)
     return {"shape": shape_name, "dtype": dtype, "reference": reference, "peak_tflops": summary(peaks),
-            "peaks_tflops_per_round": [p / 1e12 for p in peaks], "flops_per_token": fpt,
+            "peaks_tflops_per_round": [p / 1e12 for p in peaks],
+            "fp32_peak_tflops": summary(fp32_peaks) if fp32_peaks else None, "flops_per_token": fpt,
             "clean_rounds": clean, "rounds_used": "clean" if used is clean else "all",
             "seconds": time.monotonic() - started, "results": results}
 
@@ -391,17 +402,21 @@ def format_group(g: dict) -> str:
     n = len(g["peaks_tflops_per_round"])
     rounds = (f"medians of the {len(g['clean_rounds'])} clean rounds of {n}" if g["rounds_used"] == "clean"
               else f"medians of all {n} rounds, {len(g['clean_rounds'])} clean")
+    fp32 = g.get("fp32_peak_tflops")
+    extra = f"; MFU fp32: against the fp32 peak, {fp32[2] / 1e9:.1f} GFLOP/s" if fp32 else ""
     lines = [
-        f"**{g['shape']} {g['dtype']}** (MFU against the best matmul peak reading, {pk[2] / 1e9:.1f} GFLOP/s "
-        f"(median {pk[0] / 1e9:.1f}); {rounds}; ratios vs {g['reference']})",
+        f"**{g['shape']} {g['dtype']}** (MFU against the best matmul peak reading of the compute dtype, "
+        f"{pk[2] / 1e9:.1f} GFLOP/s (median {pk[0] / 1e9:.1f}){extra}; {rounds}; ratios vs {g['reference']})",
         "",
-        "| candidate | tokens/s | best | MFU | step ms | ratio | ratio range | peak mem GB | mem ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| candidate | tokens/s | best | MFU |" + (" MFU fp32 |" if fp32 else "")
+        + " step ms | ratio | ratio range | peak mem GB | mem ratio |",
+        "|---|---:|---:|---:|" + ("---:|" if fp32 else "") + "---:|---:|---:|---:|---:|",
     ]
     for r in g["results"]:
+        mfu32 = f" {r['mfu_fp32_peak'][0] * 100:.1f}% |" if fp32 else ""
         lines.append(
             f"| {r['candidate']} | {r['tokens_per_s'][0]:,.0f} | {r['best_tokens_per_s']:,.0f} | "
-            f"{r['mfu'][0] * 100:.1f}% | {r['step_time_median_s'] * 1e3:.0f} | {r['ratio'][0]:.3f} | "
+            f"{r['mfu'][0] * 100:.1f}% |{mfu32} {r['step_time_median_s'] * 1e3:.0f} | {r['ratio'][0]:.3f} | "
             f"{r['ratio'][1]:.3f}-{r['ratio'][2]:.3f} | {r['peak_memory_gb']:.2f} | {r['memory_ratio']:.2f} |"
         )
     return "\n".join(lines)

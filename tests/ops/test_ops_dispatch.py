@@ -24,8 +24,9 @@ def _doubling_swiglu(gate, up):
     return 2 * reference.swiglu(gate, up)
 
 
-def test_cpu_uses_the_reference_for_every_op_by_default():
-    assert ops.current_kernels("cpu") == {op: "reference" for op in ops.OP_NAMES}
+def test_cpu_uses_its_backend_for_linear_and_attention_and_the_reference_for_the_rest():
+    assert ops.current_kernels("cpu") == {op: "cpu" if op in ("linear", "attention") else "reference"
+                                          for op in ops.OP_NAMES}
 
 
 def test_a_device_without_a_registered_backend_falls_back_to_the_reference():
@@ -36,7 +37,8 @@ def test_a_device_without_a_registered_backend_falls_back_to_the_reference():
 def test_auto_picks_the_backend_named_after_the_device_type_for_the_ops_it_provides():
     ops.register_backend("testdev", {"swiglu": _doubling_swiglu})
     assert ops.current_kernels("testdev") == {
-        "attention": "reference", "rms_norm": "reference", "apply_rotary_emb": "reference", "swiglu": "testdev"
+        "attention": "reference", "rms_norm": "reference", "apply_rotary_emb": "reference", "swiglu": "testdev",
+        "linear": "reference",
     }
     assert ops.current_kernels("cpu")["swiglu"] == "reference"
 

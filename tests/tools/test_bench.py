@@ -179,7 +179,7 @@ def test_compare_alternates_candidates_in_paired_rounds_on_a_tiny_model(tmp_path
 
 
 def test_cpu_bf16_support_is_read_from_the_instruction_flags():
-    from titan_npu.trainer.advice import cpu_has_native_bf16
+    from titan_npu.ops.cpu import cpu_has_native_bf16
 
     assert cpu_has_native_bf16("processor: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni\n") is False
     assert cpu_has_native_bf16("flags\t\t: fpu avx512f avx512_bf16 amx_tile\n") is True

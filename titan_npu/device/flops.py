@@ -69,6 +69,10 @@ def peak_flops(device: DeviceInfo, dtype: torch.dtype = torch.bfloat16, override
     if override_tflops > 0:
         return override_tflops * 1e12
     if device.type == "cpu":
+        from titan_npu.ops.cpu import widen_bf16
+
+        if dtype == torch.bfloat16 and widen_bf16():
+            dtype = torch.float32  # the model's bf16 matmuls run on the fp32 units here (titan_npu/ops/cpu.py)
         return cpu_peak_flops(dtype)
     flops = lookup_peak_flops(device.name)
     if flops is None:

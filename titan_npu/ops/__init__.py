@@ -1,4 +1,4 @@
-"""The model's compute ops (attention, rms_norm, rotary embedding, swiglu) behind one dispatch point per op.
+"""The model's compute ops (attention, rms_norm, rotary embedding, swiglu, linear) behind one dispatch point per op.
 
 Every op has a plain-torch reference (ops/reference.py); vendor backends (ops/npu.py, ops/cuda.py) register
 faster kernels per op with register_backend, and set_kernels chooses between them (see docs/model.md).
@@ -10,6 +10,7 @@ from titan_npu.ops.dispatch import (
     attention,
     available_backends,
     current_kernels,
+    linear,
     register_backend,
     rms_norm,
     set_kernels,
@@ -22,6 +23,7 @@ __all__ = [
     "attention",
     "available_backends",
     "current_kernels",
+    "linear",
     "register_backend",
     "rms_norm",
     "set_kernels",

@@ -16,17 +16,18 @@ import torch
 from titan_npu.errors import ConfigError
 from titan_npu.ops import reference
 
-OP_NAMES: tuple[str, ...] = ("attention", "rms_norm", "apply_rotary_emb", "swiglu")
+OP_NAMES: tuple[str, ...] = ("attention", "rms_norm", "apply_rotary_emb", "swiglu", "linear")
 
 REFERENCE: dict[str, Callable] = {
     "attention": reference.attention,
     "rms_norm": reference.rms_norm,
     "apply_rotary_emb": reference.apply_rotary_emb,
     "swiglu": reference.swiglu,
+    "linear": reference.linear,
 }
 
 # Modules that register a vendor backend when imported; a module that does not exist (yet) is skipped.
-BUILTIN_BACKEND_MODULES: tuple[str, ...] = ("titan_npu.ops.npu", "titan_npu.ops.cuda")
+BUILTIN_BACKEND_MODULES: tuple[str, ...] = ("titan_npu.ops.npu", "titan_npu.ops.cuda", "titan_npu.ops.cpu")
 
 _backends: dict[str, dict[str, Callable]] = {"reference": dict(REFERENCE)}
 _mode: str = "auto"
@@ -112,6 +113,11 @@ def apply_rotary_emb(
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up."""
     return _table(gate.device.type)["swiglu"][1](gate, up)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T, the projection every Linear of the model runs."""
+    return _table(x.device.type)["linear"][1](x, weight)
 
 
 def _table(device_type: str) -> dict[str, tuple[str, Callable]]:

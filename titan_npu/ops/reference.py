@@ -76,6 +76,11 @@ class _CpuRMSNorm(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_w, None
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T (no bias)."""
+    return F.linear(x, weight)
+
+
 def apply_rotary_emb(
     xq: torch.Tensor, xk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,24 +3,7 @@
 from __future__ import annotations
 
 from titan_npu.config.schema import JobConfig
-
-
-def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool | None:
-    """Whether this CPU has bf16 matmul instructions (x86 AVX512-BF16 / AMX, Arm BF16); None when unknown."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return None
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features"):
-            flags.update(value.split())
-    if not flags:
-        return None
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+from titan_npu.ops.cpu import BF16_MATMUL_ENV, cpu_has_native_bf16, widen_bf16
 
 
 def speed_hints(cfg: JobConfig, device_type: str) -> list[str]:
@@ -29,8 +12,13 @@ def speed_hints(cfg: JobConfig, device_type: str) -> list[str]:
     if device_type != "cpu":
         return hints
     if cfg.training.dtype == "bf16" and cpu_has_native_bf16() is False:
-        hints.append("training.dtype=bf16 on a CPU without bf16 instructions (AVX512-BF16 / AMX): its matmuls are "
-                     "emulated, several times slower than fp32; training.dtype=fp32 trains faster here")
+        if widen_bf16():
+            hints.append("training.dtype=bf16 on a CPU without bf16 instructions (AVX512-BF16 / AMX): matmuls and "
+                         "attention run widened to fp32 with bf16 rounding, which adds conversions fp32 training does "
+                         "not pay; training.dtype=fp32 trains faster here")
+        else:
+            hints.append(f"training.dtype=bf16 with {BF16_MATMUL_ENV}=native on a CPU without bf16 instructions: its "
+                         f"matmuls are emulated, several times slower; unset {BF16_MATMUL_ENV} (or use fp32)")
     if cfg.data.num_workers > 0:
         # A batch is a read of already tokenised windows (well under a millisecond in-process); worker processes
         # only add inter-process copies and compete with the training threads for the same cores.

@@ -51,6 +51,16 @@ def scale_rope_frequencies(inv_freq: torch.Tensor, factor: float) -> torch.Tenso
     return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
 
 
+class Linear(nn.Linear):
+    """A bias-free nn.Linear whose matmul goes through ops.linear, the device's fastest correct kernel."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned per-channel scale."""
 
@@ -77,10 +87,10 @@ class Attention(nn.Module):
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
         self.use_flash = args.use_flash_attention
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.wq = Linear(args.dim, args.n_heads * self.head_dim)
+        self.wk = Linear(args.dim, args.n_kv_heads * self.head_dim)
+        self.wv = Linear(args.dim, args.n_kv_heads * self.head_dim)
+        self.wo = Linear(args.n_heads * self.head_dim, args.dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, S, dim]; cos/sin: RoPE tables from position 0 with at least S rows (the first S are used)."""
@@ -111,9 +121,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
+        self.w1 = Linear(dim, hidden_dim)  # gate
+        self.w2 = Linear(hidden_dim, dim)  # down
+        self.w3 = Linear(dim, hidden_dim)  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(ops.swiglu(self.w1(x), self.w3(x)))
@@ -168,7 +178,7 @@ class Transformer(nn.Module):
         # A dict keyed "0".."N-1" rather than a list, so a pipeline stage can delete layers and keep FQNs stable.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Linear(args.dim, args.vocab_size)
 
     def _precompute_rope(self, device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
         args = self.args
