@@ -104,13 +104,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return _WidenedLinear.apply(x, weight)
 
 
+class _WidenedAttention(torch.autograd.Function):
+    """Causal/full flash attention of bf16 q, k, v [B, H, S, D] on the fp32 kernel; keeps only bf16 tensors (and the
+    fp32 log-sum-exp) for the backward, the memory torch's bf16 kernel keeps."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.float(), k.float(), v.float(), 0.0, causal)
+        out = out.to(q.dtype)
+        ctx.causal = causal
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0, ctx.causal)
+        return (*(g.to(q.dtype) for g in grads), None)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
     """SDPA; bf16 q/k/v widened to fp32 on CPUs without bf16 instructions, the output rounded back to bf16."""
     if _compute_dtype(q) != torch.bfloat16 or not _plain(q, k, v) or not widen_bf16():
         return reference.attention(q, k, v, causal=causal)
-    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))  # autocast's rounding, when it is what asked for bf16
+    n_rep = q.shape[2] // k.shape[2]
+    # Autocast's rounding when it is what asked for bf16; grouped key/value heads repeated for the kernel.
+    q, k, v = q.to(torch.bfloat16), *(reference.repeat_kv(t.to(torch.bfloat16), n_rep) for t in (k, v))
     with torch.autocast("cpu", enabled=False):
-        return reference.attention(q.float(), k.float(), v.float(), causal=causal).to(torch.bfloat16)
+        out = _WidenedAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
+    return out.transpose(1, 2)
 
 
 register_backend("cpu", {"linear": linear, "attention": attention})
