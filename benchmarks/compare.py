@@ -17,6 +17,7 @@ machine taken, and the tables use the clean rounds when there are at least 3 of 
 
 Candidates (--candidates, or a --study):
   titan             our Trainer's full path: data loader, metrics log, checks -- `titan-npu train` as configured
+                    (on cpu with data.num_workers = 0, as configs/debug.toml; titan:loader2 measures 2 workers)
   titan:V[,V...]    the same with variants (see VARIANTS below), e.g. titan:compile or titan:ac_full,foreach
   bare              a plain loop over our Transformer (benchmarks/bare_loop.py); bare:compile compiles its blocks,
                     bare:torch_ops runs plain torch for every op instead of our kernels (ops.set_kernels("reference"))
@@ -156,6 +157,8 @@ def run_worker(spec: dict) -> int:
             "--training.max_steps", str(warmup + steps * windows), "--checkpoint.enable", "false",
             "--metrics.report", "false", "--metrics.log_dir", spec["log_dir"], "--metrics.progress", "lines",
         ]
+        if device.type == "cpu":  # what configs/debug.toml and the start-up hint use on cpu (variant loader2: not)
+            overrides += VARIANTS["loader0"]
         for v in variants:
             overrides += VARIANTS[v]
         trainer = Trainer(load_config(None, overrides))

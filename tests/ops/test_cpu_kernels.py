@@ -137,3 +137,14 @@ def test_widened_bf16_mfu_is_against_the_fp32_peak(widen, monkeypatch):
 def test_reference_linear_is_torch_linear():
     x, w = torch.randn(3, 5), torch.randn(2, 5)
     assert torch.equal(reference.linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_widened_kernels_are_well_formed_custom_ops_for_torch_compile(layout):
+    """Fake kernels, autograd registration and schemas agree with the real kernels (what compiled graphs rely on)."""
+    q = torch.randn(2, 16, 4, 8).bfloat16()
+    q = q.transpose(1, 2) if layout == "bshd" else q.permute(0, 2, 1, 3).contiguous()
+    qkv = [q.clone().requires_grad_() for _ in range(3)]
+    torch.library.opcheck(cpu._widened_attention, (*qkv, True))
+    x, w = torch.randn(3, 4, 8).bfloat16().requires_grad_(), torch.randn(5, 8).bfloat16().requires_grad_()
+    torch.library.opcheck(cpu._widened_linear, (x, w))

@@ -74,23 +74,45 @@ def _plain(*tensors: torch.Tensor) -> bool:
     return all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
 
 
-class _WidenedLinear(torch.autograd.Function):
-    """y = x W^T for bf16 x, W: fp32 products and sums, one rounding to bf16; same for both gradients."""
+# The widened kernels are custom ops, so torch.compile keeps them whole (as external kernels) instead of tracing
+# the casts and matmuls inside and handing inductor a bf16 matmul to lower.
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)  # bf16: the memory a bf16 matmul would keep
-        return F.linear(x.float(), weight.float()).to(x.dtype)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        x, weight = ctx.saved_tensors
-        g32 = grad.float()
-        grad_x = (g32 @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = (g32.flatten(0, -2).t() @ x.float().flatten(0, -2)).to(weight.dtype)
-        return grad_x, grad_w
+@torch.library.custom_op("titan_npu::widened_linear", mutates_args=())
+def _widened_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y = x W^T for bf16 x, W: fp32 products and sums, one rounding to bf16."""
+    return F.linear(x.float(), weight.float()).to(x.dtype)
+
+
+@_widened_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("titan_npu::widened_linear_backward", mutates_args=())
+def _widened_linear_backward(grad: torch.Tensor, x: torch.Tensor,
+                             weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both gradients of the widened linear, each an fp32 GEMM rounded once to its input's dtype."""
+    g32 = grad.float()
+    grad_x = (g32 @ weight.float()).to(x.dtype)
+    grad_w = (g32.flatten(0, -2).t() @ x.float().flatten(0, -2)).to(weight.dtype)
+    return grad_x, grad_w
+
+
+@_widened_linear_backward.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _linear_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)  # bf16: the memory a bf16 matmul would keep
+
+
+def _linear_backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _widened_linear_backward(grad, *ctx.saved_tensors)
+
+
+_widened_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -101,28 +123,51 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # for fp32 weights: the casts are on the autograd tape).
     x, weight = x.to(torch.bfloat16), weight.to(torch.bfloat16)
     with torch.autocast("cpu", enabled=False):
-        return _WidenedLinear.apply(x, weight)
+        return _widened_linear(x, weight)
 
 
-class _WidenedAttention(torch.autograd.Function):
-    """Causal/full flash attention of bf16 q, k, v [B, H, S, D] on the fp32 kernel; keeps only bf16 tensors (and the
-    fp32 log-sum-exp) for the backward, the memory torch's bf16 kernel keeps."""
+@torch.library.custom_op("titan_npu::widened_attention", mutates_args=())
+def _widened_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash attention of bf16 q, k, v [B, H, S, D] on the fp32 kernel: (bf16 output, fp32 log-sum-exp)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.float(), k.float(), v.float(), 0.0, causal)
+    # The output follows q's layout; the log-sum-exp comes laid out [B, S, H]: made plain [B, H, S] (tiny) so that
+    # compiled graphs see the layout the fake kernel promises.
+    return out.to(q.dtype), lse.contiguous()
 
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.float(), k.float(), v.float(), 0.0, causal)
-        out = out.to(q.dtype)
-        ctx.causal = causal
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0, ctx.causal)
-        return (*(g.to(q.dtype) for g in grads), None)
+@_widened_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("titan_npu::widened_attention_backward", mutates_args=())
+def _widened_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor,
+                                causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of q, k, v from the fp32 kernel, rounded once to bf16."""
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0, causal)
+    return tuple(g.to(q.dtype) for g in grads)
+
+
+@_widened_attention_backward.register_fake
+def _(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+      causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attention_setup(ctx, inputs: tuple, output: tuple) -> None:
+    q, k, v, causal = inputs
+    ctx.causal = causal
+    ctx.save_for_backward(q, k, v, *output)  # bf16 q, k, v, out and the fp32 log-sum-exp: what torch's kernel keeps
+
+
+def _attention_backward(ctx, grad: torch.Tensor, _grad_lse: torch.Tensor) -> tuple:
+    return (*_widened_attention_backward(grad, *ctx.saved_tensors, ctx.causal), None)
+
+
+_widened_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
@@ -133,7 +178,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     # Autocast's rounding when it is what asked for bf16; grouped key/value heads repeated for the kernel.
     q, k, v = q.to(torch.bfloat16), *(reference.repeat_kv(t.to(torch.bfloat16), n_rep) for t in (k, v))
     with torch.autocast("cpu", enabled=False):
-        out = _WidenedAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
+        out, _ = _widened_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
     return out.transpose(1, 2)
 
 
