@@ -82,3 +82,60 @@ def test_the_commands_are_wired_into_titan_npu(capsys):
         with pytest.raises(SystemExit) as exit_:
             main([command, "--help"])
         assert exit_.value.code == 0 and option in capsys.readouterr().out
+
+
+def _tokenizer_json(path):
+    """A small real tokenizers file (word level) at path."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+def test_export_hf_puts_the_training_tokenizer_beside_the_weights(tmp_path, capsys):
+    cfg = job_config(tmp_path)
+    cfg.data.tokenizer = str(_tokenizer_json(tmp_path / "my-bpe.json"))
+    manager, *_ = model_manager(cfg, random_model(ARGS, seed=2), ARGS)
+    manager.save(1)
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--format", "hf", "--output", str(out)]) == 0
+    assert (out / "tokenizer.json").read_bytes() == (tmp_path / "my-bpe.json").read_bytes()
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
+    assert tok("hello world")["input_ids"] == [1, 2]
+
+    # Weights only on request; a tokenizer moved since training is a one-line error and nothing is written.
+    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--format", "hf", "--output",
+                 str(tmp_path / "bare"), "--tokenizer", "none"]) == 0
+    assert not list((tmp_path / "bare").glob("tokenizer*"))
+    (tmp_path / "my-bpe.json").unlink()
+    code, err = _run(capsys, "export", "--checkpoint", str(tmp_path / "ckpt"), "--format", "hf",
+                     "--output", str(tmp_path / "moved"))
+    assert code == 2 and len(err.splitlines()) == 1 and "my-bpe.json does not exist" in err and "--tokenizer" in err
+    assert not (tmp_path / "moved").exists()
+
+
+def test_export_hf_of_a_byte_tokenizer_run_writes_weights_only(tmp_path):
+    manager, *_ = model_manager(job_config(tmp_path), random_model(ARGS, seed=3), ARGS)
+    manager.save(1)
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--format", "hf", "--output", str(out)]) == 0
+    assert (out / "config.json").is_file() and not list(out.glob("tokenizer*"))
+
+
+def test_tokenizer_files_of_a_directory_and_their_hugging_face_names(tmp_path):
+    from titan_npu.checkpoint.export import _hf_tokenizer_name, tokenizer_files
+    from titan_npu.errors import CheckpointError
+
+    (tmp_path / "tok").mkdir()
+    for name in ("tokenizer.model", "tokenizer_config.json", "README.md"):
+        (tmp_path / "tok" / name).write_text("x")
+    assert [f.name for f in tokenizer_files(str(tmp_path / "tok"))] == ["tokenizer.model", "tokenizer_config.json"]
+    assert tokenizer_files("byte") == [] and tokenizer_files("none") == []
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="holds none of"):
+        tokenizer_files(str(tmp_path / "empty"))
+    names = [_hf_tokenizer_name(tmp_path / n) for n in ("spm.model", "bpe.json", "tokenizer_config.json", "vocab.txt")]
+    assert names == ["tokenizer.model", "tokenizer.json", "tokenizer_config.json", "vocab.txt"]

@@ -38,6 +38,8 @@ def _export_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="the .pt file (pt) or directory (hf) to write")
     p.add_argument("--max-shard-size", default="5GB", help="hf: largest safetensors file (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    p.add_argument("--tokenizer", help="hf: tokenizer file or directory to copy beside the weights (default: the "
+                   "data.tokenizer the checkpoint was trained with; 'none': weights only)")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     return p
 
@@ -53,7 +55,7 @@ def export_main(argv: list[str]) -> int:
     if dtype_name not in DTYPES:
         raise CheckpointError(f"export dtype {dtype_name!r} is unknown; pass --dtype bf16, fp16 or fp32")
     files = export_checkpoint(ref.path, args.output, args.format, DTYPES[dtype_name],
-                              parse_size(args.max_shard_size), overwrite=args.overwrite)
+                              parse_size(args.max_shard_size), overwrite=args.overwrite, tokenizer=args.tokenizer)
     total = sum(f.stat().st_size for f in files) / 1e9
     print(f"exported step {ref.step} of {ref.path} as {args.format} ({dtype_name}, {len(files)} file(s), "
           f"{total:.2f} GB) to {args.output}")

@@ -90,6 +90,36 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return n * dtype.itemsize
 
 
+# Files of a tokenizer directory that a Hugging Face directory carries beside the weights.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tokenizer_files(spec: str | None) -> list[Path]:
+    """The tokenizer files to put beside exported weights: data.tokenizer's file, or the known files of its
+    directory; [] for "byte" / none. A path that does not exist is a CheckpointError."""
+    if not spec or spec in ("byte", "bytes", "none"):
+        return []
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        found = [path / name for name in HF_TOKENIZER_FILES if (path / name).is_file()]
+        if found:
+            return found
+        raise CheckpointError(f"tokenizer directory {path} holds none of {', '.join(HF_TOKENIZER_FILES)}; pass "
+                              "--tokenizer with the file, or --tokenizer none")
+    raise CheckpointError(f"tokenizer {spec} does not exist (moved since training?); pass --tokenizer PATH, or "
+                          "--tokenizer none to export the weights alone")
+
+
+def _hf_tokenizer_name(f: Path) -> str:
+    """The name a Hugging Face directory gives the file: a tokenizers JSON is tokenizer.json, a SentencePiece or
+    tiktoken file tokenizer.model."""
+    if f.name in HF_TOKENIZER_FILES:
+        return f.name
+    return {".json": "tokenizer.json", ".model": "tokenizer.model"}.get(f.suffix, f.name)
+
+
 def export_checkpoint(
     source: str | Path,
     output: str | Path,
@@ -97,8 +127,13 @@ def export_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    tokenizer: str | None = None,
 ) -> list[Path]:
-    """Write a checkpoint's model weights as `fmt` (pt | hf) in `dtype` to `output`; returns the files written."""
+    """Write a checkpoint's model weights as `fmt` (pt | hf) in `dtype` to `output`; returns the files written.
+
+    For hf, the tokenizer's files (`tokenizer`, or by default the data.tokenizer the checkpoint records) are
+    copied beside the weights.
+    """
     source, output = Path(source), Path(output)
     if fmt not in ("pt", "hf"):
         raise CheckpointError(f"--format {fmt!r} is unknown; use pt (one full state dict file) or hf (Hugging Face)")
@@ -111,10 +146,13 @@ def export_checkpoint(
     model = tensor_entries(metadata, "model.")
     if not model:
         raise CheckpointError(f"{source} holds no model weights (no 'model.' entries); is it a titan-npu checkpoint?")
-    output.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "pt":
+        output.parent.mkdir(parents=True, exist_ok=True)
         return [_export_pt(source, metadata, list(model), output, dtype)]
-    return _export_hf(source, metadata, model, output, dtype, checkpoint_model_args(source), max_shard_bytes)
+    args = checkpoint_model_args(source)
+    extra = tokenizer_files(storage.read_info(source).get("tokenizer") if tokenizer is None else tokenizer)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    return _export_hf(source, metadata, model, output, dtype, args, max_shard_bytes, extra)
 
 
 def _load_group(source: Path, metadata, keys: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -155,7 +193,7 @@ def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
 
 
 def _export_hf(source: Path, metadata, model: dict, output: Path, dtype: torch.dtype, args: LlamaArgs,
-               max_shard_bytes: int) -> list[Path]:
+               max_shard_bytes: int, tokenizer: list[Path]) -> list[Path]:
     from safetensors.torch import save_file
 
     from titan_npu.models.llama.state_dict_adapter import hf_config, to_hf
@@ -176,6 +214,8 @@ def _export_hf(source: Path, metadata, model: dict, output: Path, dtype: torch.d
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         config = {**hf_config(args), "torch_dtype": HF_DTYPE_NAMES[dtype]}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for f in tokenizer:
+            shutil.copyfile(f, tmp / _hf_tokenizer_name(f))
         if output.exists():
             shutil.rmtree(output) if output.is_dir() else output.unlink()
         os.replace(tmp, output)

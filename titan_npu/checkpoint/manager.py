@@ -565,6 +565,7 @@ class CheckpointManager:
             "ranks": self._ranks,
             "model_args": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None,
             "export_dtype": self.cfg.export_dtype,
+            "tokenizer": _tokenizer_path(self.job.data.tokenizer),
             "async": not sync,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "torch": torch.__version__,
@@ -589,3 +590,9 @@ def _storages(obj: Any) -> list[Any]:
         local = obj.to_local() if hasattr(obj, "to_local") else obj
         return [local.untyped_storage()]
     return []
+
+
+def _tokenizer_path(spec: str) -> str:
+    """data.tokenizer as export finds it later: an absolute path for a file or directory, else the name ("byte")."""
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if path.exists() else spec
