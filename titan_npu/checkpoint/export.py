@@ -20,6 +20,7 @@ import torch
 
 from titan_npu.checkpoint import storage
 from titan_npu.checkpoint.dcp_io import load_tensors, read_metadata, tensor_entries
+from titan_npu.data.tokenizer import BYTE_TOKENIZER_NAMES
 from titan_npu.errors import CheckpointError
 from titan_npu.models.llama.args import LlamaArgs
 
@@ -46,9 +47,9 @@ def resolve_source(checkpoint: str | Path, step: int | None = None) -> storage.C
     return storage.CheckpointRef(storage.read_info(path)["step"], path)
 
 
-def checkpoint_model_args(path: Path) -> LlamaArgs:
-    """The model shapes a checkpoint was trained with (from its checkpoint.json)."""
-    model_args = storage.read_info(path).get("model_args")
+def checkpoint_model_args(path: Path, info: dict | None = None) -> LlamaArgs:
+    """The model shapes a checkpoint was trained with (from its checkpoint.json, or `info` already read from it)."""
+    model_args = (storage.read_info(path) if info is None else info).get("model_args")
     if not model_args:
         raise CheckpointError(f"{path}/{storage.INFO_FILE} records no model shapes; cannot write a Hugging Face "
                               "config for it (export --format pt works)")
@@ -97,7 +98,7 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.jso
 def tokenizer_files(spec: str | None) -> list[Path]:
     """The tokenizer files to put beside exported weights: data.tokenizer's file, or the known files of its
     directory; [] for "byte" / none. A path that does not exist is a CheckpointError."""
-    if not spec or spec in ("byte", "bytes", "none"):
+    if not spec or spec == "none" or spec in BYTE_TOKENIZER_NAMES:
         return []
     path = Path(spec).expanduser()
     if path.is_file():
@@ -149,8 +150,9 @@ def export_checkpoint(
     if fmt == "pt":
         output.parent.mkdir(parents=True, exist_ok=True)
         return [_export_pt(source, metadata, list(model), output, dtype)]
-    args = checkpoint_model_args(source)
-    extra = tokenizer_files(storage.read_info(source).get("tokenizer") if tokenizer is None else tokenizer)
+    info = storage.read_info(source)
+    args = checkpoint_model_args(source, info)
+    extra = tokenizer_files(info.get("tokenizer") if tokenizer is None else tokenizer)
     output.parent.mkdir(parents=True, exist_ok=True)
     return _export_hf(source, metadata, model, output, dtype, args, max_shard_bytes, extra)
 

@@ -307,9 +307,13 @@ def _find_in_dir(folder: Path) -> Path:
     )
 
 
+# data.tokenizer values that name the built-in byte tokenizer (no file).
+BYTE_TOKENIZER_NAMES = ("byte", "bytes")
+
+
 def build_tokenizer(spec: str) -> Tokenizer:
     """'byte', a tokenizer.json, a tokenizer.model (SentencePiece or tiktoken format) or a directory holding one."""
-    if spec in ("byte", "bytes"):
+    if spec in BYTE_TOKENIZER_NAMES:
         return ByteTokenizer()
     path = Path(spec).expanduser()
     if path.is_dir():
