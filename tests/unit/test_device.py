@@ -45,10 +45,26 @@ def test_peak_flops_table_knows_the_910b_skus_and_gpus():
     assert lookup_peak_flops("Ascend910B2") == 353.9e12
     assert lookup_peak_flops("Ascend910B3") == 294.9e12
     assert lookup_peak_flops("Ascend910B4") == 245.8e12
+    assert lookup_peak_flops("Ascend910_9392") == 353.9e12
     assert lookup_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert lookup_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert lookup_peak_flops("NVIDIA H200") == 989e12
     assert lookup_peak_flops("a mystery chip") is None
+
+
+@pytest.mark.parametrize("name,tflops", [
+    ("NVIDIA H100 NVL", 835), ("NVIDIA H200 NVL", 835), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 80GB HBM3", 989),
+    ("NVIDIA L40", 181), ("NVIDIA L40S", 362), ("NVIDIA L4", 121), ("NVIDIA A10", 125), ("NVIDIA A10G", 70),
+    ("NVIDIA GH200 480GB", 989), ("NVIDIA H20", 148), ("Tesla V100-SXM2-32GB", 125),
+    ("NVIDIA GeForce RTX 4090", 165),
+])
+def test_a_device_name_takes_its_own_peak_not_one_whose_name_it_contains(name, tflops):
+    assert lookup_peak_flops(name) == tflops * 1e12
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H100 MIG 1g.10gb", "NVIDIA L40X", "Ascend910C9"])
+def test_a_name_the_table_does_not_hold_exactly_is_unknown(name):
+    assert lookup_peak_flops(name) is None
 
 
 def test_cpu_peak_is_measured_and_config_override_wins(monkeypatch):

@@ -5,49 +5,99 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from titan_npu.device.detect import DeviceInfo
 
-# bf16 dense peak FLOP/s by (lower-case) device-name fragment; the first match wins, so specific names come first.
-PEAK_BF16_FLOPS: list[tuple[str, float]] = [
-    ("910b1", 373.9e12),
-    ("910b2c", 353.9e12),
-    ("910b2", 353.9e12),
-    ("910b3", 294.9e12),
-    ("910b4", 245.8e12),
-    ("910_93", 353.9e12),  # Atlas A3 (910C die)
-    ("910b", 294.9e12),  # unknown 910B SKU: the conservative common figure
-    ("910", 256.0e12),
-    ("h200", 989e12),
-    ("h100 pcie", 756e12),
-    ("h100", 989e12),
-    ("h800", 989e12),
-    ("h20", 148e12),
-    ("gh200", 989e12),
-    ("b200", 2250e12),
-    ("a100", 312e12),
-    ("a800", 312e12),
-    ("l40s", 362e12),
-    ("a10g", 70e12),
-    ("a10", 125e12),
-    ("l4", 121e12),
-    ("v100", 125e12),  # fp16 tensor cores (no bf16)
-    ("4090", 165e12),
-    ("3090", 71e12),
-]
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Dense peak FLOP/s of one device: bf16/fp16 tensor cores, fp32 matmuls on TF32 (or HF32) units, plain fp32."""
+
+    bf16: float
+    tf32: float
+    fp32: float
+
+
+def _npu(bf16_tflops: float) -> Peak:
+    # Ascend cubes run fp32 matmuls at half the bf16 rate at best (HF32-class).
+    half = bf16_tflops / 2 * TFLOPS
+    return Peak(bf16_tflops * TFLOPS, half, half)
+
+
+def _gpu(bf16_tflops: float, tf32_tflops: float, fp32_tflops: float) -> Peak:
+    return Peak(bf16_tflops * TFLOPS, tf32_tflops * TFLOPS, fp32_tflops * TFLOPS)
+
+
+# Dense peaks (datasheet figures without sparsity) keyed by the canonical device name (canonical_device_name);
+# a name is looked up exactly, so variants with their own figures (H100 NVL / PCIe, L40 / L40S / L4) never borrow
+# another's.
+PEAKS: dict[str, Peak] = {
+    "910b1": _npu(373.9),
+    "910b2c": _npu(353.9),
+    "910b2": _npu(353.9),
+    "910b3": _npu(294.9),
+    "910b4": _npu(245.8),
+    "910_93": _npu(353.9),  # Atlas A3 (910C die)
+    "910b": _npu(294.9),  # unknown 910B SKU: the conservative common figure
+    "910a": _npu(256.0),
+    "910": _npu(256.0),
+    "h200": _gpu(989, 494.5, 67),
+    "h200 nvl": _gpu(835, 417.5, 60),
+    "h100": _gpu(989, 494.5, 67),
+    "h100 pcie": _gpu(756, 378, 51),
+    "h100 nvl": _gpu(835, 417.5, 60),
+    "h800": _gpu(989, 494.5, 67),
+    "h800 pcie": _gpu(756, 378, 51),
+    "h20": _gpu(148, 74, 44),
+    "gh200": _gpu(989, 494.5, 67),
+    "b200": _gpu(2250, 1100, 75),
+    "a100": _gpu(312, 156, 19.5),
+    "a100 pcie": _gpu(312, 156, 19.5),
+    "a800": _gpu(312, 156, 19.5),
+    "a800 pcie": _gpu(312, 156, 19.5),
+    "l40s": _gpu(362, 183, 91.6),
+    "l40": _gpu(181, 90.5, 90.5),
+    "l4": _gpu(121, 60, 30.3),
+    "a10g": _gpu(70, 35, 31.2),
+    "a10": _gpu(125, 62.5, 31.2),
+    "v100": _gpu(125, 15.7, 15.7),  # fp16 tensor cores (no bf16, no TF32)
+    "4090": _gpu(165, 82.6, 82.6),
+    "3090": _gpu(71, 35.6, 35.6),
+}
+
+# Words of a device name that say nothing about its peak: vendor and brand words, memory size and type, form factor.
+_NOISE = re.compile(r"nvidia|tesla|geforce|rtx|\d+gb|hbm\d*e?|sxm\d*")
+
+
+def canonical_device_name(device_name: str) -> str:
+    """The PEAKS key of a device name: "NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA H100 NVL" -> "h100 nvl",
+    "NVIDIA A100-SXM4-80GB" -> "a100", "Ascend910B3" -> "910b3", "Ascend910_9392" -> "910_93"."""
+    name = device_name.strip().lower()
+    ascend = re.fullmatch(r"ascend\s*(910\w*)", name)
+    if ascend:
+        model = ascend.group(1)
+        return "910_93" if model.startswith("910_93") else model
+    words = [w for w in re.split(r"[\s\-_]+", name) if w and not _NOISE.fullmatch(w)]
+    return " ".join(words)
+
+
+def lookup_peak(device_name: str) -> Peak | None:
+    """The dense peaks of a device from the table, or None if the name is not in it."""
+    return PEAKS.get(canonical_device_name(device_name))
 
 
 def lookup_peak_flops(device_name: str) -> float | None:
     """bf16 dense peak for a device name from the table, or None if unknown."""
-    name = device_name.lower()
-    for fragment, flops in PEAK_BF16_FLOPS:
-        if fragment in name:
-            return flops
-    return None
+    peak = lookup_peak(device_name)
+    return peak.bf16 if peak is not None else None
 
 
 @functools.lru_cache(maxsize=8)
@@ -64,8 +114,12 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 2048, repe
     return 2 * n**3 / best
 
 
-def peak_flops(device: DeviceInfo, dtype: torch.dtype = torch.bfloat16, override_tflops: float = 0.0) -> float:
-    """Peak FLOP/s of one device for `dtype`: config override, else table (accelerators), else measured (cpu)."""
+def peak_flops(device: DeviceInfo, dtype: torch.dtype = torch.bfloat16, override_tflops: float = 0.0,
+               tf32: bool = False) -> float:
+    """Peak FLOP/s of one device for `dtype`: config override, else table (accelerators), else measured (cpu).
+
+    fp32 is scored against the TF32 (HF32) peak when tf32 says fp32 matmuls run on those units, else plain fp32.
+    """
     if override_tflops > 0:
         return override_tflops * 1e12
     if device.type == "cpu":
@@ -74,10 +128,12 @@ def peak_flops(device: DeviceInfo, dtype: torch.dtype = torch.bfloat16, override
         if dtype == torch.bfloat16 and widen_bf16():
             dtype = torch.float32  # the model's bf16 matmuls run on the fp32 units here (titan_npu/ops/cpu.py)
         return cpu_peak_flops(dtype)
-    flops = lookup_peak_flops(device.name)
-    if flops is None:
+    peak = lookup_peak(device.name)
+    if peak is None:
         return measure_accelerator_flops(device, dtype)
-    return flops if dtype in (torch.bfloat16, torch.float16) else flops / 2  # fp32 uses TF32-class rates at best
+    if dtype in (torch.bfloat16, torch.float16):
+        return peak.bf16
+    return peak.tf32 if tf32 else peak.fp32
 
 
 def measure_accelerator_flops(device: DeviceInfo, dtype: torch.dtype, n: int = 8192) -> float:
