@@ -36,6 +36,7 @@ class TrainingConfig:
     max_norm: float = 1.0
     seed: int = 42
     deterministic: bool = False
+    tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores (10-bit mantissa products); off when deterministic
     memory_fraction: float = 0.0  # cap of this process's share of device memory, (0, 1]; 0 = no cap
     # bf16/fp16: fp32 parameters and optimizer state, compute cast to dtype (true); false = "pure": parameters,
     # gradients and optimizer state held in dtype itself (bf16 only)

@@ -30,6 +30,16 @@ def pure_param_dtype(dtype_name: str, mixed_precision: bool) -> torch.dtype | No
     return to_torch_dtype(dtype_name)
 
 
+def set_fp32_matmul_precision(device_type: str, tf32: bool, deterministic: bool) -> bool:
+    """On CUDA, let fp32 matmuls run on TF32 tensor cores (training.tf32, never when deterministic); returns
+    whether they do, which decides the peak an fp32 run's MFU is scored against."""
+    if device_type != "cuda":
+        return False
+    enabled = tf32 and not deterministic
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if enabled else "ieee"
+    return enabled
+
+
 def autocast_context(
     device_type: str, dtype_name: str, sharded_mixed_precision: bool, pure: bool = False
 ) -> Callable[[], contextlib.AbstractContextManager]:

@@ -47,7 +47,13 @@ from titan_npu.profiling import build_profiler
 from titan_npu.reliability import Reliability, prepare_reliability
 from titan_npu.trainer.advice import speed_hints
 from titan_npu.trainer.optimizer import build_lr_scheduler, build_optimizer
-from titan_npu.trainer.precision import autocast_context, build_grad_scaler, pure_param_dtype, to_torch_dtype
+from titan_npu.trainer.precision import (
+    autocast_context,
+    build_grad_scaler,
+    pure_param_dtype,
+    set_fp32_matmul_precision,
+    to_torch_dtype,
+)
 
 log = logging.getLogger("titan_npu")
 
@@ -84,6 +90,7 @@ class Trainer:
         if self.world_size > 1:
             self.dims.build_mesh(self.device.type, cfg.comm.timeout_s)
         set_determinism(t.seed, t.deterministic)
+        self.tf32 = set_fp32_matmul_precision(self.device.type, t.tf32, t.deterministic)
         # A missing optional package (wandb) stops the run before any real work; the sinks themselves open once
         # every check has passed, so that a refused run leaves nothing on disk.
         if cfg.metrics.wandb and self.rank == 0:
@@ -158,7 +165,7 @@ class Trainer:
             t.seq_len,
         )
         compute_dtype = to_torch_dtype(t.dtype)
-        self.peak_flops = peak_flops(self.device, compute_dtype, cfg.metrics.peak_tflops)
+        self.peak_flops = peak_flops(self.device, compute_dtype, cfg.metrics.peak_tflops, tf32=self.tf32)
         self.metrics = MetricsLogger(cfg.metrics.log_dir, self.rank, tensorboard=cfg.metrics.tensorboard,
                                      wandb=cfg.metrics.wandb, run_config=config_to_dict(cfg))
         if self.rank == 0:
