@@ -1,4 +1,4 @@
-"""The CUDA backend: SDPA limited to the flash and memory-efficient kernels, held to the reference.
+"""The CUDA backend: SDPA on the fused kernels in an order chosen by the GPU's capability, held to the reference.
 
 The wrapper's own logic (layout, GQA, causal flag) is checked on the CPU, whose SDPA has a flash kernel too; the
 GPU kernels themselves are checked where a GPU is present (and by examples/gpu_smoke.sh).
@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from op_compare import assert_same_forward_and_backward, qkv
+from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends
 
+from titan_npu.config import load_config
+from titan_npu.config.validate import ATTENTION_BACKENDS
+from titan_npu.errors import ConfigError
 from titan_npu.ops import cuda as cuda_ops
 from titan_npu.ops import current_kernels, reference
 
@@ -43,3 +48,72 @@ def test_gpu_fused_attention_matches_the_eager_reference(dtype, tol, heads, kv_h
     got = cuda_ops.attention(q.to(dtype), k.to(dtype), v.to(dtype))
     want = reference.eager_attention(q, k, v)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.fixture
+def attention_order():
+    """The kernel order is a per-run global: each test's choice is undone after it."""
+    before = cuda_ops.current_priority()
+    yield
+    cuda_ops._priority[:] = before
+
+
+@pytest.mark.parametrize("capability,order", [
+    ((9, 0), ["cudnn", "flash", "efficient"]), ((10, 0), ["cudnn", "flash", "efficient"]),
+    ((8, 0), ["flash", "cudnn", "efficient"]), ((8, 9), ["flash", "cudnn", "efficient"]),
+    ((7, 5), ["efficient"]), (None, ["efficient"]),
+])
+def test_the_kernel_order_follows_the_gpu_capability(capability, order):
+    assert cuda_ops.attention_priority(capability) == order
+
+
+def test_a_forced_kernel_is_the_only_one_and_an_unknown_name_is_refused():
+    assert cuda_ops.attention_priority((9, 0), "flash") == ["flash"]
+    with pytest.raises(ConfigError, match="attention_backend = 'math' is not one of auto, cudnn, flash, efficient"):
+        cuda_ops.attention_priority((9, 0), "math")
+
+
+def test_the_config_accepts_the_kernels_the_cuda_backend_knows():
+    assert set(ATTENTION_BACKENDS) == set(cuda_ops.ATTENTION_BACKENDS)
+    assert load_config(None, ["--model.attention_backend", "cuDNN"]).model.attention_backend == "cudnn"
+    with pytest.raises(ConfigError, match="model.attention_backend"):
+        load_config(None, ["--model.attention_backend", "math"])
+
+
+@pytest.mark.usefixtures("attention_order")
+def test_sdpa_runs_with_the_configured_order_as_its_priority(monkeypatch):
+    """Checked on CPU with a mocked Hopper capability: the order SDPA sees inside the wrapper is the one chosen."""
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(_cur_sdpa_kernel_backends(with_priority=True))
+        return sdpa(*args, **kwargs)
+
+    cuda_ops.configure_attention((9, 0))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    cuda_ops.attention(*qkv(1, 8, 2, 2))
+    assert seen == [[SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]]
+
+
+@pytest.mark.usefixtures("attention_order")
+@pytest.mark.parametrize("usable,expected", [
+    ({"cudnn", "flash", "efficient"}, "cudnn (order cudnn > flash > efficient)"),
+    ({"flash", "efficient"}, "flash (order cudnn > flash > efficient)"),
+    ({"efficient"}, "efficient (order cudnn > flash > efficient)"),
+])
+def test_the_log_names_the_first_kernel_whose_checks_pass(monkeypatch, usable, expected):
+    """SDPA's own checks (torch.backends.cuda.can_use_*) are mocked, and so is an sm90 GPU: the CPU has neither."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    for name in cuda_ops.CAN_USE:
+        monkeypatch.setitem(cuda_ops.CAN_USE, name, lambda params, name=name: name in usable)
+    got = cuda_ops.choose_attention_kernel(torch.device("cpu"), "auto", torch.bfloat16, 4, 2, 16, 32)
+    assert got == expected
+
+
+@pytest.mark.usefixtures("attention_order")
+def test_a_forced_kernel_that_cannot_run_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setitem(cuda_ops.CAN_USE, "cudnn", lambda params: False)
+    with pytest.raises(ConfigError, match=r"no fused attention kernel \(cudnn\) takes torch.float32 heads of size 16"):
+        cuda_ops.choose_attention_kernel(torch.device("cpu"), "cudnn", torch.float32, 4, 4, 16, 32)

@@ -24,6 +24,7 @@ class ModelConfig:
     rope_scaling_factor: float | None = None  # Llama 3.1 frequency scaling; None/0 = off
     max_seq_len: int | None = None
     use_flash_attention: bool = True
+    attention_backend: str = "auto"  # CUDA SDPA kernel: auto (by GPU capability) | cudnn | flash | efficient
 
 
 @dataclass

@@ -22,6 +22,7 @@ OPTIMIZERS = ("AdamW", "Adam", "SGD")
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 PROGRESS_STYLES = ("auto", "bar", "lines")
 PROFILER_LEVELS = ("Level0", "Level1", "Level2")
+ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient")
 
 # Model sizes that must be positive when given; None means "take the flavor's value".
 _POSITIVE_MODEL_FIELDS = (
@@ -84,6 +85,8 @@ def _check_model(m: ModelConfig) -> None:
             f"such as llama2_7b or llama3_8b)",
         )
     m.name = family
+    m.attention_backend = _choice("model.attention_backend", m.attention_backend, ATTENTION_BACKENDS,
+                                  "attention kernel")
     # A sized name set in code picks its flavor unless a flavor other than the default was chosen.
     if size is not None and m.flavor == ModelConfig.flavor:
         m.flavor = size

@@ -39,6 +39,7 @@ from titan_npu.metrics.logger import import_wandb
 from titan_npu.metrics.report import final_report, run_info, write_run_info
 from titan_npu.models.llama import Transformer, build_model_args
 from titan_npu.ops import current_kernels
+from titan_npu.ops.cuda import choose_attention_kernel
 from titan_npu.parallel import ParallelDims, init_process_group, validate_layout
 from titan_npu.parallel.parallelize import materialize, parallelize_model
 from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline, split_for_pipeline
@@ -165,6 +166,10 @@ class Trainer:
             t.seq_len,
         )
         compute_dtype = to_torch_dtype(t.dtype)
+        self.attention_kernel = choose_attention_kernel(
+            self.device.torch_device, cfg.model.attention_backend, compute_dtype, self.model_args.n_heads,
+            self.model_args.n_kv_heads, self.model_args.head_dim, t.seq_len,
+        ) if self.device.type == "cuda" and self.model_args.use_flash_attention else ""
         self.peak_flops = peak_flops(self.device, compute_dtype, cfg.metrics.peak_tflops, tf32=self.tf32)
         self.metrics = MetricsLogger(cfg.metrics.log_dir, self.rank, tensorboard=cfg.metrics.tensorboard,
                                      wandb=cfg.metrics.wandb, run_config=config_to_dict(cfg))
@@ -204,7 +209,8 @@ class Trainer:
                      // self.pipeline.n_microbatches)
         kernels = ", ".join(f"{op}={backend}" for op, backend in current_kernels(self.device.type).items())
         eager = "" if a.use_flash_attention else " (use_flash_attention=false: eager attention)"
-        log.info("kernels: %s%s", kernels, eager)
+        sdpa = f" (sdpa: {self.attention_kernel})" if self.attention_kernel else ""
+        log.info("kernels: %s%s%s", kernels, eager, sdpa)
         for hint in speed_hints(self.cfg, self.device.type) if self.rank == 0 else []:
             log.warning(hint)
         log.info(
