@@ -160,3 +160,48 @@ def test_swiglu_matches_naive_forward_and_backward():
     torch.manual_seed(8)
     gate, up = torch.randn(3, 4, 24) * 4, torch.randn(3, 4, 24)
     _assert_same_forward_and_grads(ops.swiglu, lambda g, u: g / (1 + torch.exp(-g)) * u, (gate, up))
+
+
+def _complex_rope(x, cos, sin):
+    """The complex-product form the reference used before: x_2i + i x_2i+1 times cos + i sin, in fp32."""
+    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * torch.complex(cos, sin)[None, :, None, :]).flatten(-2).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_real_rotary_embedding_equals_the_complex_form_within_fp32_rounding(dtype):
+    torch.manual_seed(9)
+    angles = torch.arange(33)[:, None] * (500000.0 ** (-torch.arange(0, 64, 2) / 64))[None, :]
+    cos, sin = angles.cos(), angles.sin()
+    x = torch.randn(2, 33, 4, 64).to(dtype)
+    ours, theirs = _leaves(x)[0], _leaves(x)[0]
+    out, want = ops.apply_rotary_emb(ours, ours, cos, sin)[0], _complex_rope(theirs, cos, sin)
+    # fp32: each output is a*c -/+ b*s, two products and a sum either way: within a few ulps of 1 (|x| ~ 4).
+    # bf16: the same fp32 value rounded once, so at most one bf16 ulp apart where rounding ties differ.
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2**-8 * 4, rtol=2**-8)
+    torch.testing.assert_close(out, want, **tol)
+    cot = torch.randn_like(want)
+    (out * cot).sum().backward()
+    (want * cot).sum().backward()
+    torch.testing.assert_close(ours.grad, theirs.grad, **tol)
+
+
+def test_compiled_rotary_embedding_is_generated_code_without_graph_breaks_or_eager_fallbacks():
+    from torch._dynamo.utils import counters
+    from torch._inductor import metrics
+
+    torch.manual_seed(10)
+    angles = torch.rand(16, 4) * 6
+    xq, xk = _leaves(torch.randn(2, 16, 4, 8), torch.randn(2, 16, 2, 8))
+    explained = torch._dynamo.explain(ops.reference.apply_rotary_emb)(xq, xk, angles.cos(), angles.sin())
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    torch._dynamo.reset()
+    metrics.reset()
+    counters.clear()
+    rq, rk = torch.compile(ops.reference.apply_rotary_emb, backend="inductor")(xq, xk, angles.cos(), angles.sin())
+    (rq.sum() + rk.sum()).backward()
+    # Eager kernels called from the compiled graph count as extern calls (a complex product is one per op).
+    assert counters["inductor"]["extern_calls"] == 0
+    # One fused kernel per rotated tensor, forward and backward.
+    assert 0 < metrics.generated_kernel_count <= 4
+    torch._dynamo.reset()

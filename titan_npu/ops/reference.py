@@ -85,16 +85,36 @@ def apply_rotary_emb(
     xq: torch.Tensor, xk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k ([B,S,H,D]) by position; cos/sin are [S, D/2] fp32, one angle per interleaved pair."""
-    return _rotate_pairs(xq, cos, sin), _rotate_pairs(xk, cos, sin)
+    return _RotatePairs.apply(xq, cos, sin), _RotatePairs.apply(xk, cos, sin)
 
 
-def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Meta's convention: dims (2i, 2i+1) form the pair rotated by angle pos * theta_i, so Meta weights load as-is.
-    # Read as complex numbers x_2i + i x_2i+1, the rotation is one complex product with cos + i sin: a single
-    # element-wise kernel each way, where the real form takes six forward and more backward.
-    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))  # [B, S, H, D/2]
-    rotation = torch.complex(cos.float(), sin.float())[None, :, None, :]
-    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x_2i, x_2i+1) of [B,S,H,D] x by the angle whose cos/sin [S, D/2] give, in fp32.
+
+    Meta's convention: dims (2i, 2i+1) form the pair rotated by angle pos * theta_i, so Meta weights load as-is
+    (the Hugging Face adapter permutes wq/wk rows between this and HF's half-split layout). Real arithmetic only:
+    inductor generates no code for complex tensors and would call eager kernels for a complex product; these
+    element-wise products fuse into one kernel.
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))  # [B, S, H, D/2, 2]
+    even, odd = pairs[..., 0], pairs[..., 1]
+    c, s = cos.float()[None, :, None, :], sin.float()[None, :, None, :]
+    return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).to(x.dtype)
+
+
+class _RotatePairs(torch.autograd.Function):
+    """rotate_pairs with its backward written as the inverse rotation (by -angle) of the gradient: one pass each
+    way where autograd through the products would take several."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return rotate_pairs(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return rotate_pairs(grad, cos, -sin), None, None
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
