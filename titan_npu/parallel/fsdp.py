@@ -15,11 +15,17 @@ from titan_npu.parallel.dims import ParallelDims
 from titan_npu.trainer.precision import to_torch_dtype
 
 
-def mixed_precision_policy(dtype_name: str):
-    """Parameters (and so compute) in the training dtype; gradient reduction always in fp32."""
+def mixed_precision_policy(dtype_name: str, cast_forward_inputs: bool = True):
+    """Parameters (and so compute) in the training dtype; gradient reduction always in fp32.
+
+    cast_forward_inputs=False for the transformer blocks: they take the fp32 RoPE tables as inputs, which must
+    reach the rotation unrounded (as on one device); their hidden-state input is already in the training dtype,
+    produced by the root's embedding (or cast by the root of a pipeline stage that receives it).
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=to_torch_dtype(dtype_name), reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=to_torch_dtype(dtype_name), reduce_dtype=torch.float32,
+                                cast_forward_inputs=cast_forward_inputs)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -30,27 +36,28 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> None:
     """fully_shard each transformer block and the root over dp_shard (or dp_replicate x dp_shard for HSDP)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    kwargs = {"mesh": dims.dp_mesh, "mp_policy": mixed_precision_policy(cfg.training.dtype)}
+    kwargs = {"mesh": dims.dp_mesh}
     if cfg.parallel.cpu_offload:
         # Pinned host memory needs an accelerator; on a cpu-only run the parameters are host memory already.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
     blocks = _blocks(model)
+    block_policy = mixed_precision_policy(cfg.training.dtype, cast_forward_inputs=False)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keeping them gathered saves an
         # all-gather per step at no extra peak memory.
         reshard = cfg.parallel.reshard_after_forward and i < len(blocks) - 1
-        fully_shard(block, reshard_after_forward=reshard, **kwargs)
-    fully_shard(model, reshard_after_forward=cfg.parallel.reshard_after_forward, **kwargs)
+        fully_shard(block, reshard_after_forward=reshard, mp_policy=block_policy, **kwargs)
+    fully_shard(model, reshard_after_forward=cfg.parallel.reshard_after_forward,
+                mp_policy=mixed_precision_policy(cfg.training.dtype), **kwargs)
 
 
 def apply_replicate(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> None:
     """Plain data parallelism (fsdp = false): full parameters on every rank, gradients all-reduced per block."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    kwargs = {"mesh": dims.dp_mesh, "mp_policy": mixed_precision_policy(cfg.training.dtype)}
     for block in _blocks(model):
-        replicate(block, **kwargs)
-    replicate(model, **kwargs)
+        replicate(block, mesh=dims.dp_mesh, mp_policy=mixed_precision_policy(cfg.training.dtype, False))
+    replicate(model, mesh=dims.dp_mesh, mp_policy=mixed_precision_policy(cfg.training.dtype))
 
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> None:
