@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,6 +75,17 @@ def test_train_py_dry_run_reports_and_agrees(capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "dry run: rank 1 of 2" in out and "every local shard matches the plan" in out
+
+
+def test_a_compiled_config_dry_runs_uncompiled_and_says_so():
+    # In a child process: compiled blocks on fake tensors used to kill the process (exit 139, a segfault).
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(DEBUG), "--dry-run", "--world-size", "2", *TINY,
+           "--compile.enable", "true"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "compile.enable is on: the dry run builds and runs the model uncompiled" in proc.stdout
+    assert "every local shard matches the plan" in proc.stdout
 
 
 def test_llama_70b_on_64_cards_dry_run_finishes_on_cpu_and_matches():

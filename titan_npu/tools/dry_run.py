@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,6 +47,7 @@ class DryRunResult:
     forward_checked: bool = False
     output_shape: tuple[int, ...] | None = None
     seconds: float = 0.0
+    uncompiled: bool = False  # compile.enable was on: the model was built and run without torch.compile
 
     def as_dict(self) -> dict:
         return {
@@ -55,7 +56,7 @@ class DryRunResult:
             "gradient_bytes": self.gradient_bytes, "optimizer_bytes": self.optimizer_bytes,
             "optimizer": self.optimizer, "forward_checked": self.forward_checked,
             "output_shape": list(self.output_shape) if self.output_shape else None,
-            "n_parameters": len(self.parameters), "seconds": round(self.seconds, 2),
+            "n_parameters": len(self.parameters), "seconds": round(self.seconds, 2), "uncompiled": self.uncompiled,
             "parameters": self.parameters,
         }
 
@@ -64,13 +65,17 @@ class DryRunResult:
         coords = " ".join(f"{k}={v}" for k, v in self.coordinates.items())
         fwd = (f"forward/backward checked (output {list(self.output_shape)})" if self.forward_checked
                else "forward/backward not run")
-        return "\n".join([
+        lines = [
             f"dry run: rank {self.rank} of {self.world_size} ({coords}); layout {self.layout}",
             f"  parameters  {_size(self.parameter_bytes):>10} in {len(self.parameters)} local shards",
             f"  gradients   {_size(self.gradient_bytes):>10}",
             f"  optimizer   {_size(self.optimizer_bytes):>10} ({self.optimizer})",
             f"  {fwd}; {self.seconds:.1f}s",
-        ])
+        ]
+        if self.uncompiled:
+            lines.append("  compile.enable is on: the dry run builds and runs the model uncompiled (compiled graphs "
+                         "cannot run on fake tensors); compile changes no shard or byte count")
+        return "\n".join(lines)
 
 
 def clean_name(name: str) -> str:
@@ -246,6 +251,11 @@ def dry_run(cfg: JobConfig, world_size: int | None = None, rank: int = 0, device
                           "torchrun")
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     validate_layout(dims, build_model_args(cfg.model), cfg)
+    uncompiled = cfg.compile.enable
+    if uncompiled:
+        # Compiled blocks run on fake tensors crash the process (segfault); compiling wraps the blocks but changes
+        # no parameter, shard or placement, so the uncompiled model measures the same.
+        cfg = replace(cfg, compile=replace(cfg.compile, enable=False))
     outcome: dict = {}
 
     def work() -> None:
@@ -260,6 +270,7 @@ def dry_run(cfg: JobConfig, world_size: int | None = None, rank: int = 0, device
         thread.join()
     if "error" in outcome:
         raise outcome["error"]
+    outcome["result"].uncompiled = uncompiled
     return outcome["result"]
 
 
