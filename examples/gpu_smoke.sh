@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Smoke test on NVIDIA GPUs: the fused-kernel checks (SDPA flash / memory-efficient) on one GPU, then the debug
+# Smoke test on NVIDIA GPUs: the fused-kernel checks (SDPA cuDNN / flash / memory-efficient) on one GPU, then the debug
 # model on 1 GPU (fused and eager attention) and on GPUS GPUs (default: all, at most 4) with torchrun + NCCL.
 # Prints PASS/FAIL per stage.
 #
@@ -7,7 +7,8 @@
 #   GPUS=2 STEPS=50 bash examples/gpu_smoke.sh
 #   EXTRA_ARGS="--data_dir /data/tokens" OP_CHECK_ARGS=--quick bash examples/gpu_smoke.sh
 #
-# Logs go to $OUT (default /tmp/titan_gpu_smoke).
+# Logs go to $OUT (default /tmp/titan_gpu_smoke; a non-empty folder an earlier smoke run did not make is refused).
+# The checkout is put on PYTHONPATH: nothing needs installing or fetching.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/titan_gpu_smoke}

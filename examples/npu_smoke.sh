@@ -7,7 +7,8 @@
 #   EXTRA_ARGS="--data_dir /data/tokens" OP_CHECK_ARGS=--quick bash examples/npu_smoke.sh
 #
 # Needs CANN's environment (source /usr/local/Ascend/ascend-toolkit/set_env.sh) and torch + torch_npu of one
-# version (docs/npu.md). Logs go to $OUT (default /tmp/titan_npu_smoke).
+# version (docs/npu.md). Logs go to $OUT (default /tmp/titan_npu_smoke; a non-empty folder an earlier smoke run
+# did not make is refused).
 set -u
 cd "$(dirname "$0")/.."
 NPUS=${NPUS:-4}

@@ -3,7 +3,18 @@
 STEPS=${STEPS:-30}
 OP_CHECK_ARGS=${OP_CHECK_ARGS:---bench}  # --quick for small shapes only
 EXTRA_ARGS=${EXTRA_ARGS:-}              # more train.py overrides for every run
-rm -rf "$OUT" && mkdir -p "$OUT"
+# Every stage imports this checkout's titan_npu (examples/op_check.py too, whose own folder is not the root),
+# installed or not: nothing is fetched from a network.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# $OUT is emptied only if a smoke test made it (it holds SMOKE_MARKER); any other non-empty path is left alone.
+SMOKE_MARKER=.titan_smoke_logs
+if [ -e "$OUT/$SMOKE_MARKER" ]; then
+  rm -rf "$OUT"
+elif [ -e "$OUT" ] && { [ ! -d "$OUT" ] || [ -n "$(ls -A "$OUT")" ]; }; then
+  echo "OUT=$OUT exists and was not made by a smoke test; set OUT to a new or empty directory" >&2
+  exit 2
+fi
+mkdir -p "$OUT" && touch "$OUT/$SMOKE_MARKER"
 FAILED=0
 
 stage() {  # stage <name> <command...>: run, keep the log, print PASS/FAIL and the log's tail on failure

@@ -13,9 +13,14 @@ from titan_npu.device import (
 from titan_npu.errors import DeviceError
 
 
-def test_cpu_machine_detects_cpu_and_gloo(monkeypatch):
+def test_a_machine_without_accelerators_detects_cpu_and_gloo(monkeypatch):
+    from titan_npu.device import detect
+
     monkeypatch.delenv("TITAN_DEVICE", raising=False)
     monkeypatch.setenv("LOCAL_RANK", "0")
+    # Whatever this machine has: no torch_npu and no accelerator reported available.
+    monkeypatch.setattr(detect, "import_torch_npu", lambda: None)
+    monkeypatch.setattr(detect, "_available", lambda device_type: device_type == "cpu")
     dev = setup_device()
     assert dev.type == "cpu" and dev.backend == "gloo"
     assert dev.torch_device == torch.device("cpu")
@@ -29,10 +34,17 @@ def test_titan_device_forces_a_type_and_rejects_an_unknown_one(monkeypatch):
         detect_device_type()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device: forcing cuda succeeds")
 def test_forcing_an_absent_accelerator_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TITAN_DEVICE", "cuda")
     with pytest.raises(DeviceError, match="no cuda device is available"):
         detect_device_type()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_forcing_a_present_cuda_device_selects_it(monkeypatch):
+    monkeypatch.setenv("TITAN_DEVICE", "cuda")
+    assert detect_device_type() == "cuda"
 
 
 def test_explicit_backend_overrides_the_device_default(monkeypatch):
@@ -68,7 +80,7 @@ def test_a_name_the_table_does_not_hold_exactly_is_unknown(name):
 
 
 def test_cpu_peak_is_measured_and_config_override_wins(monkeypatch):
-    monkeypatch.delenv("TITAN_DEVICE", raising=False)
+    monkeypatch.setenv("TITAN_DEVICE", "cpu")
     dev = setup_device()
     measured = peak_flops(dev, torch.float32)
     assert 1e8 < measured < 1e14
@@ -76,7 +88,7 @@ def test_cpu_peak_is_measured_and_config_override_wins(monkeypatch):
 
 
 def test_cpu_memory_reports_process_rss_and_machine_ram(monkeypatch):
-    monkeypatch.delenv("TITAN_DEVICE", raising=False)
+    monkeypatch.setenv("TITAN_DEVICE", "cpu")
     mem = memory_stats(setup_device())
     assert 0 < mem.used_gb < mem.total_gb
     assert mem.peak_gb > 0
