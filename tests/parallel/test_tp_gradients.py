@@ -41,7 +41,7 @@ def _check_case(name: str, extra: list[str], seed_path: Path) -> list[str]:
     from titan_npu.parallel.dims import ParallelDims
     from titan_npu.parallel.parallelize import materialize, parallelize_model
     from titan_npu.parallel.reduce import loss_parallel_context
-    from titan_npu.trainer.trainer import cross_entropy_loss
+    from titan_npu.trainer.loss import cross_entropy_loss
 
     cfg = load_config(None, _overrides(extra))
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())

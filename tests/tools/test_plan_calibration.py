@@ -34,7 +34,7 @@ def _reference_kernels():
     ops.set_kernels("auto")
 
 
-def _peak_step_bytes(model: torch.nn.Module, autocast: bool) -> int:
+def _peak_step_bytes(model: torch.nn.Module, autocast: bool, loss_chunk: int = 0) -> int:
     """Peak bytes one forward/backward allocates beyond what existed before it (parameters, gradients)."""
     torch.manual_seed(0)
     tokens = torch.randint(0, model.args.vocab_size, (BATCH, SEQ))
@@ -43,6 +43,9 @@ def _peak_step_bytes(model: torch.nn.Module, autocast: bool) -> int:
     def step() -> None:
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         with ctx:
+            if loss_chunk:
+                model(tokens, labels=labels, loss_chunk_tokens=loss_chunk).backward()
+                return
             logits = model(tokens)
         F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).backward()
 
@@ -87,6 +90,32 @@ def test_activation_estimate_matches_measured_cpu_peak(name):
     # dp_shard=2 marks parameters held (and cast) by FSDP, as in the bf16 case; the rest run on one device.
     layout = Layout(ac=mode, selective_every=every, selective_ops=op_level, batch_size=BATCH,
                     dp_shard=2 if held == "bf16" else 1)
+    job = Job(args, SEQ, dtype)
+    acts = rank_activations(job, layout, 0, "cpu")
+    temp = temporary_bytes(job, layout, 0, acts.extra, "cpu")
+    estimate = acts.saved + temp.backward + temp.autocast
+    assert estimate == pytest.approx(measured, rel=TOLERANCE), (
+        f"{name}: estimate {estimate / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
+
+
+CHUNKED = {
+    # name: (dtype, how the parameters are held, tokens per loss chunk); a vocabulary large enough to dominate
+    "fp32, chunked loss": ("fp32", "plain", 32),
+    "bf16 parameters (FSDP mixed precision), chunked loss": ("bf16", "bf16", 32),
+    "bf16 autocast (single device), chunked loss": ("bf16", "autocast", 48),
+}
+
+
+@pytest.mark.parametrize("name", list(CHUNKED))
+def test_chunked_loss_estimate_matches_measured_cpu_peak(name):
+    dtype, held, chunk = CHUNKED[name]
+    args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, ffn_dim=192, max_seq_len=SEQ)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    if held == "bf16":
+        model = model.to(torch.bfloat16)
+    measured = _peak_step_bytes(model, autocast=held == "autocast", loss_chunk=chunk)
+    layout = Layout(batch_size=BATCH, dp_shard=2 if held == "bf16" else 1, loss_chunk_tokens=chunk)
     job = Job(args, SEQ, dtype)
     acts = rank_activations(job, layout, 0, "cpu")
     temp = temporary_bytes(job, layout, 0, acts.extra, "cpu")

@@ -37,6 +37,9 @@ class TrainingConfig:
     max_norm: float = 1.0
     seed: int = 42
     deterministic: bool = False
+    # tokens whose logits the loss computes at a time (the output projection and cross entropy, chunk by chunk);
+    # 0 = the whole micro-batch's logits at once. Tensor and pipeline parallel runs always take the whole logits.
+    loss_chunk_tokens: int = 2048
     tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores (10-bit mantissa products); off when deterministic
     memory_fraction: float = 0.0  # cap of this process's share of device memory, (0, 1]; 0 = no cap
     # bf16/fp16: fp32 parameters and optimizer state, compute cast to dtype (true); false = "pure": parameters,

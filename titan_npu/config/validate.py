@@ -133,6 +133,7 @@ def _check_training(cfg: JobConfig) -> None:
         raise fail("training.dtype", f"training.dtype = {show(t.dtype)} is not a known dtype (use bf16, fp16 or fp32)")
     t.dtype = dtype
     _at_least("training.max_norm", t.max_norm, 0, "the gradient-norm clipping threshold")
+    _at_least("training.loss_chunk_tokens", t.loss_chunk_tokens, 0, "0 computes the whole logits at once")
     if not 0 <= t.memory_fraction <= 1:
         raise fail(
             "training.memory_fraction",

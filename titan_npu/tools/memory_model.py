@@ -60,6 +60,7 @@ class Layout:
     cpu_offload: bool = False
     reshard_after_forward: bool = True
     loss_parallel: bool = True
+    loss_chunk_tokens: int = 0  # training.loss_chunk_tokens; 0 = the whole logits at once
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "batch_size", "grad_accum", "selective_every"):
@@ -90,6 +91,12 @@ class Layout:
     def fsdp_wrapped(self) -> bool:
         """FSDP2 (fully_shard or replicate) holds the parameters: it casts them, so no autocast weight copies."""
         return self.dp > 1
+
+    @property
+    def loss_chunk(self) -> int:
+        """Tokens per chunk of the loss's output projection; 0 = whole logits (always so under TP or PP, as the
+        trainer does: titan_npu/trainer/loss.py)."""
+        return self.loss_chunk_tokens if self.tp == 1 and self.pp == 1 else 0
 
     @property
     def sequence_parallel(self) -> bool:
@@ -197,6 +204,7 @@ def layout_from_config(cfg: JobConfig, world_size: int) -> Layout:
         cpu_offload=p.cpu_offload,
         reshard_after_forward=p.reshard_after_forward,
         loss_parallel=p.loss_parallel,
+        loss_chunk_tokens=cfg.training.loss_chunk_tokens,
     )
 
 
@@ -424,6 +432,29 @@ def logits_bytes(job: Job, layout: Layout, micro_batch: int) -> int:
     return micro_batch * job.seq_len * vocab * job.compute_bytes
 
 
+def chunked_loss_bytes(job: Job, layout: Layout, micro_batch: int) -> tuple[int, int]:
+    """(held, peak) of the chunked loss (trainer/loss.py): it takes both gradients in the forward, so backward
+    starts holding the output weight's gradient (the hidden states' one replaces the output's saved input, counted
+    with the activations); the peak is a chunk's logits with the fp32 weight-gradient sum, or backward's scaling."""
+    a, c = job.args, job.compute_bytes
+    tokens, vocab, dim = micro_batch * job.seq_len, a.vocab_size, a.dim
+    chunk = min(layout.loss_chunk, tokens)
+    autocast = c < 4 and not layout.fsdp_wrapped
+    narrow = c if c < 4 else 0  # the low-precision copies the fp32 path does not make
+    casts = (tokens + vocab) * dim * c if autocast else 0  # autocast's rounding of the hidden states and weight
+    weight_grad = vocab * dim * c
+    if narrow:
+        # fp32 logits beside the low-precision ones; then the low-precision softmax gradient beside the weight
+        # gradient's chunk product, widened to fp32 as it is added to the fp32 sum.
+        chunk_peak = max(chunk * vocab * (4 + narrow), chunk * vocab * narrow + vocab * dim * (narrow + 4))
+    else:
+        chunk_peak = chunk * vocab * 4 + vocab * dim * 4  # the softmax gradient (the logits, in place) and a product
+    forward = casts + vocab * dim * 4 + max(chunk_peak, vocab * dim * narrow)
+    # Backward of the loss: the held gradients, their scaled copies, and autocast's widening back to fp32.
+    backward = 2 * weight_grad + tokens * dim * c + ((vocab + tokens) * dim * 4 if autocast else 0)
+    return weight_grad, max(forward, backward)
+
+
 @dataclass(frozen=True)
 class ActivationPeak:
     """A rank's activations at the start of backward and the extra it needs at its backward peak."""
@@ -450,8 +481,11 @@ def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str
         saved += tokens * ((8 * job.args.dim + 4) // sp + job.compute_bytes * job.args.dim)  # final norm, output
     c = job.compute_bytes
     # Backward starts at the loss (last stage) or with the gradient the next stage sent (others).
-    held = logits_bytes(job, layout, mb) if part.last else tokens * job.args.dim * c
-    extra = loss_bytes(job, layout, mb) if part.last else held
+    if part.last and layout.loss_chunk:
+        held, extra = chunked_loss_bytes(job, layout, mb)
+    else:
+        held = logits_bytes(job, layout, mb) if part.last else tokens * job.args.dim * c
+        extra = loss_bytes(job, layout, mb) if part.last else held
     freed = 0  # saved bytes of the blocks whose backward already ran
     for block_saved, recompute in zip(reversed(saved_by), reversed(recompute_by)):
         extra = max(extra, held + recompute + b.backward_transient - freed)
@@ -526,7 +560,7 @@ def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int,
     elif c < 4:
         # autocast caches one low-precision copy of every matmul weight for backward (not the embedding table).
         autocast = n_blocks * sum(_numel(kinds[k]) for k in BLOCK_KINDS if len(kinds[k]) == 2) // tp * c
-        if any(p.last for p in parts):
+        if any(p.last for p in parts) and not layout.loss_chunk:  # the chunked loss rounds it itself, briefly
             autocast += _numel(kinds["output.weight"]) // tp * c
     # foreach AdamW (the NPU default) materialises sqrt(exp_avg_sq) for every parameter at once; fused kernels
     # (cuda, cpu) need no such buffer.

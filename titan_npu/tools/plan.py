@@ -260,7 +260,8 @@ def make_plan(cfg: JobConfig, nodes: int, devices_per_node: int, hw: Hardware, e
         p, ac = cfg.parallel, cfg.activation_checkpoint
         base = Layout(fsdp=p.fsdp, selective_every=ac.selective_every, pp_schedule=p.pp_schedule,
                       pp_virtual_stages=p.pp_virtual_stages, loss_parallel=p.loss_parallel,
-                      reshard_after_forward=p.reshard_after_forward)
+                      reshard_after_forward=p.reshard_after_forward,
+                      loss_chunk_tokens=cfg.training.loss_chunk_tokens)
         # Without a valid layout the global batch is the config's per-rank batch over pure data parallelism.
         global_batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps * world
     candidates = [evaluate(job, lay, hw, devices_per_node, efficiency, buffsize, fraction)

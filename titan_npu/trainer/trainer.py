@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titan_npu.checkpoint.manager import CheckpointManager
@@ -47,6 +46,7 @@ from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, me
 from titan_npu.profiling import build_profiler
 from titan_npu.reliability import Reliability, prepare_reliability
 from titan_npu.trainer.advice import speed_hints
+from titan_npu.trainer.loss import cross_entropy_loss, loss_chunk_tokens, model_loss
 from titan_npu.trainer.optimizer import build_lr_scheduler, build_optimizer
 from titan_npu.trainer.precision import (
     autocast_context,
@@ -57,11 +57,6 @@ from titan_npu.trainer.precision import (
 )
 
 log = logging.getLogger("titan_npu")
-
-
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy, computed in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
 def set_determinism(seed: int, deterministic: bool) -> None:
@@ -140,6 +135,7 @@ class Trainer:
                                          pure=self.pure_dtype is not None)
         self.grad_scaler = build_grad_scaler(self.device.type, t.dtype, self.dims.params_are_sharded)
         self.loss_context = lambda: loss_parallel_context(self.dims, cfg.parallel.loss_parallel)
+        self.loss_chunk_tokens = loss_chunk_tokens(t.loss_chunk_tokens, self.dims.tp, self.dims.pp)
 
         # Metrics.
         self.step = 0
@@ -211,6 +207,8 @@ class Trainer:
         eager = "" if a.use_flash_attention else " (use_flash_attention=false: eager attention)"
         sdpa = f" (sdpa: {self.attention_kernel})" if self.attention_kernel else ""
         log.info("kernels: %s%s%s", kernels, eager, sdpa)
+        log.info("loss: %s", f"output projection + cross entropy in chunks of {self.loss_chunk_tokens} tokens"
+                 if self.loss_chunk_tokens else "whole logits (tensor/pipeline parallel, or loss_chunk_tokens = 0)")
         for hint in speed_hints(self.cfg, self.device.type) if self.rank == 0 else []:
             log.warning(hint)
         log.info(
@@ -222,10 +220,9 @@ class Trainer:
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
         """One micro-batch: forward, loss, backward; returns the unscaled loss (detached)."""
-        with self.autocast():
-            logits = self.model(inputs)
         with self.loss_context():  # vocab-sharded logits under TP: the loss and its backward run sharded
-            loss = self.reliability.corrupt_loss(cross_entropy_loss(logits, labels))
+            loss = self.reliability.corrupt_loss(
+                model_loss(self.model, inputs, labels, self.autocast, self.loss_chunk_tokens))
             scaled = loss * scale
             if self.grad_scaler is not None:
                 scaled = self.grad_scaler.scale(scaled)

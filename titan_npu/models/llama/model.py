@@ -204,13 +204,24 @@ class Transformer(nn.Module):
             std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] (or hidden states [B, S, dim] when tok_embeddings is None) -> logits [B, S, vocab]."""
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_chunk_tokens: int = 0) -> torch.Tensor:
+        """tokens [B, S] (or hidden states [B, S, dim] when tok_embeddings is None) -> logits [B, S, vocab].
+
+        With labels [B, S] (and the output projection on this part): the mean cross entropy instead of the logits,
+        projected loss_chunk_tokens tokens at a time (titan_npu/trainer/loss.py), so the logits are never whole.
+        """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # The whole tables: each attention takes the rows of the sequence it sees (and refuses one that is too long).
         for layer in self.layers.values():
             if layer is not None:
                 h = layer(h, self.freqs_cos, self.freqs_sin)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        if labels is not None:
+            from titan_npu.trainer.loss import chunked_linear_cross_entropy
+
+            return chunked_linear_cross_entropy(h, self.output.weight, labels, loss_chunk_tokens)
+        return self.output(h)
 
