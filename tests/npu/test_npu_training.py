@@ -85,6 +85,7 @@ def test_every_op_of_every_step_ran_a_torch_npu_kernel(npu_and_cpu_runs):
         "npu_rms_norm": (2 * N_LAYERS + 1) * STEPS,  # two per block and the final norm
         "npu_rotary_mul": 2 * N_LAYERS * STEPS,  # q and k
         "npu_swiglu": N_LAYERS * STEPS,
+        "_fused_adamw_": 2 * STEPS,  # torch's fused AdamW (a call per parameter group), on torch_npu's kernel
     }
 
 

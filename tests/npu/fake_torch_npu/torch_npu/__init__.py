@@ -302,8 +302,14 @@ def _npu_swiglu(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return (F.silu(a) * b).to(self.dtype)
 
 
+def _get_npu_format(self: torch.Tensor) -> int:
+    """The storage format of a tensor: ND (2) for every tensor the fake makes."""
+    return 2
+
+
 # The torch_npu ops the project calls, each with its CPU kernel. Adding one is a line here (and its kernel).
 KERNELS = {
+    "get_npu_format": _get_npu_format,  # the fused optimizers of torch_npu.optim call it
     "npu_fusion_attention": _npu_fusion_attention,
     "npu_rms_norm": _npu_rms_norm,
     "npu_rotary_mul": _npu_rotary_mul,
