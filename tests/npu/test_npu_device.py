@@ -50,7 +50,8 @@ NPU_SMI_OUTPUT = """\
 def clean_env(monkeypatch):
     """A private copy of os.environ, so variables the code under test sets do not leak into other tests."""
     monkeypatch.setattr(os, "environ", os.environ.copy())
-    for var in ("TITAN_DEVICE", "ASCEND_RT_VISIBLE_DEVICES", "LOCAL_RANK", "FAKE_NPU_NAME", "FAKE_NPU_COUNT"):
+    for var in ("TITAN_DEVICE", "ASCEND_RT_VISIBLE_DEVICES", "LOCAL_RANK", "FAKE_NPU_NAME", "FAKE_NPU_COUNT",
+                "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         os.environ.pop(var, None)
     return os.environ
 
@@ -92,6 +93,39 @@ def test_hccl_variables_are_applied_on_the_npu_path_and_the_environment_wins(fak
     assert os.environ["HCCL_SOCKET_IFNAME"] == "eth0" and os.environ["GLOO_SOCKET_IFNAME"] == "eth0"
     assert os.environ["HCCL_EXEC_TIMEOUT"] == "77" and "HCCL_EXEC_TIMEOUT" not in applied
     assert os.environ["PYTORCH_NPU_ALLOC_CONF"] == "max_split_size_mb:256"
+
+
+@pytest.mark.parametrize("forced", ["npu", ""], ids=["TITAN_DEVICE=npu", "auto-detected"])
+def test_the_allocator_configuration_is_in_place_before_torch_npu_is_imported_and_the_card_bound(
+        fake_torch_npu_importable, clean_env, forced):
+    # torch_npu's caching allocator reads PYTORCH_NPU_ALLOC_CONF once, when set_device creates it.
+    if forced:
+        clean_env["TITAN_DEVICE"] = forced
+    setup_device(comm=CommConfig())
+    events = sys.modules["torch_npu"].events
+    assert [what for what, _ in events] == ["import", "set_device"]
+    assert all(env.get("PYTORCH_NPU_ALLOC_CONF") == "expandable_segments:True" for _, env in events)
+
+
+def test_the_cuda_allocator_configuration_is_in_place_before_the_device_is_bound(clean_env, monkeypatch):
+    # A recorder in place of torch.cuda: the variable must be set when set_device initialises CUDA.
+    seen: list[str | None] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+    clean_env.update(TITAN_DEVICE="cuda", LOCAL_RANK="1")
+    assert setup_device(comm=CommConfig()).index == 1
+    assert seen == ["expandable_segments:True"]
+
+
+def test_pytorch_alloc_conf_is_the_users_allocator_setting(fake_torch_npu_importable, clean_env):
+    clean_env.update(TITAN_DEVICE="npu", PYTORCH_ALLOC_CONF="expandable_segments:False")
+    setup_device(comm=CommConfig())
+    assert "PYTORCH_NPU_ALLOC_CONF" not in os.environ
+    clean_env["PYTORCH_NPU_ALLOC_CONF"] = "expandable_segments:True"  # torch_npu's allocator raises on the pair
+    with pytest.raises(DeviceError, match="both PYTORCH_ALLOC_CONF='expandable_segments:False' and "
+                                          "PYTORCH_NPU_ALLOC_CONF='expandable_segments:True' are set"):
+        setup_device(comm=CommConfig())
 
 
 def test_expandable_segments_are_the_npu_allocator_default(fake_torch_npu_importable, clean_env):

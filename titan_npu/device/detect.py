@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from titan_npu.errors import DeviceError
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import CommConfig
 
 DEVICE_TYPES = ("npu", "cuda", "xpu", "cpu")
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "xpu": "xccl", "cpu": "gloo"}
@@ -69,6 +74,18 @@ def detect_device_type() -> str:
     return "cpu"
 
 
+def planned_device_type() -> str:
+    """The device type detection will most likely pick, found without importing torch_npu or touching a device."""
+    forced = os.environ.get("TITAN_DEVICE", "").strip().lower()
+    if forced in DEVICE_TYPES:
+        return forced
+    if importlib.util.find_spec("torch_npu") is not None:
+        return "npu"
+    if torch.version.cuda or torch.version.hip:
+        return "cuda"
+    return "cpu"
+
+
 def device_module(device_type: str) -> ModuleType | None:
     """torch.npu / torch.cuda / torch.xpu for an accelerator, None for cpu."""
     return None if device_type == "cpu" else getattr(torch, device_type)
@@ -103,9 +120,20 @@ class DeviceInfo:
             return self.type
 
 
-def setup_device(backend: str = "auto") -> DeviceInfo:
-    """Detect the device, bind this process to LOCAL_RANK's device and pick the process-group backend."""
+def setup_device(backend: str = "auto", comm: CommConfig | None = None) -> DeviceInfo:
+    """Detect the device, bind this process to LOCAL_RANK's device and pick the process-group backend.
+
+    With `comm`, the run's runtime, allocator and collective variables (device/env.py) are set first: torch_npu
+    reads them at import, and each caching allocator reads its configuration once, when the device is bound.
+    """
+    from titan_npu.device.env import apply_communication_env
+
+    planned = planned_device_type()
+    if comm is not None:
+        apply_communication_env(planned, comm)  # before torch_npu is imported
     device_type = detect_device_type()
+    if comm is not None and device_type != planned:
+        apply_communication_env(device_type, comm)  # still before set_device
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     index = 0
     mod = device_module(device_type)

@@ -6,11 +6,33 @@ from __future__ import annotations
 import os
 
 from titan_npu.config.schema import CommConfig
+from titan_npu.errors import DeviceError
+
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+# The caching allocator of each device reads its variable once, when the device is first used.
+ALLOCATOR_VARS = {"npu": "PYTORCH_NPU_ALLOC_CONF", "cuda": "PYTORCH_CUDA_ALLOC_CONF"}
+
+
+def allocator_env(device_type: str) -> dict[str, str]:
+    """expandable_segments for the device's caching allocator, unless the user configured the allocator."""
+    var = ALLOCATOR_VARS.get(device_type)
+    if var is None:
+        return {}
+    unified = os.environ.get("PYTORCH_ALLOC_CONF")
+    if unified is not None:
+        if device_type == "npu" and var in os.environ:
+            raise DeviceError(
+                f"both PYTORCH_ALLOC_CONF={unified!r} and {var}={os.environ[var]!r} are set and torch_npu's "
+                f"allocator refuses the pair; unset one of them"
+            )
+        return {}  # the device-neutral setting applies
+    return {var: EXPANDABLE_SEGMENTS}
 
 
 def communication_env(device_type: str, comm: CommConfig) -> dict[str, str]:
-    """The variables this run sets for its collective library (only those the environment does not set)."""
-    wanted: dict[str, str] = {}
+    """The variables this run sets for the device runtime, its allocator and its collective library (only those
+    the environment does not set); they must be in place before the device runtime starts."""
+    wanted: dict[str, str] = dict(allocator_env(device_type))
     if device_type == "npu":
         wanted["HCCL_CONNECT_TIMEOUT"] = str(comm.init_timeout_s)
         wanted["HCCL_EXEC_TIMEOUT"] = str(comm.timeout_s)
@@ -20,10 +42,8 @@ def communication_env(device_type: str, comm: CommConfig) -> dict[str, str]:
             wanted["HCCL_IF_BASE_PORT"] = str(comm.hccl_if_base_port)
         if comm.socket_ifname:
             wanted["HCCL_SOCKET_IFNAME"] = comm.socket_ifname
-        wanted["PYTORCH_NPU_ALLOC_CONF"] = "expandable_segments:True"
     elif device_type == "cuda":
         wanted["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
-        wanted["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         if comm.socket_ifname:
             wanted["NCCL_SOCKET_IFNAME"] = comm.socket_ifname
     if comm.socket_ifname:
