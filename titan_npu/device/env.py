@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 
 from titan_npu.config.schema import CommConfig
-from titan_npu.errors import DeviceError
+from titan_npu.errors import ConfigError, DeviceError
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 # The caching allocator of each device reads its variable once, when the device is first used.
 ALLOCATOR_VARS = {"npu": "PYTORCH_NPU_ALLOC_CONF", "cuda": "PYTORCH_CUDA_ALLOC_CONF"}
+# HCCL refuses an HCCL_CONNECT_TIMEOUT outside this range (seconds).
+HCCL_CONNECT_TIMEOUT_RANGE = (120, 7200)
 
 
 def allocator_env(device_type: str) -> dict[str, str]:
@@ -34,6 +36,12 @@ def communication_env(device_type: str, comm: CommConfig) -> dict[str, str]:
     the environment does not set); they must be in place before the device runtime starts."""
     wanted: dict[str, str] = dict(allocator_env(device_type))
     if device_type == "npu":
+        low, high = HCCL_CONNECT_TIMEOUT_RANGE
+        if not low <= comm.init_timeout_s <= high:
+            raise ConfigError(
+                f"comm.init_timeout_s={comm.init_timeout_s} is outside the range HCCL accepts for "
+                f"HCCL_CONNECT_TIMEOUT ({low}..{high} s); choose a value in it"
+            )
         wanted["HCCL_CONNECT_TIMEOUT"] = str(comm.init_timeout_s)
         wanted["HCCL_EXEC_TIMEOUT"] = str(comm.timeout_s)
         if comm.hccl_buffsize_mb > 0:
