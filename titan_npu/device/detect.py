@@ -120,7 +120,7 @@ class DeviceInfo:
             return self.type
 
 
-def setup_device(backend: str = "auto", comm: CommConfig | None = None) -> DeviceInfo:
+def setup_device(backend: str = "auto", comm: CommConfig | None = None, deterministic: bool = False) -> DeviceInfo:
     """Detect the device, bind this process to LOCAL_RANK's device and pick the process-group backend.
 
     With `comm`, the run's runtime, allocator and collective variables (device/env.py) are set first: torch_npu
@@ -130,10 +130,10 @@ def setup_device(backend: str = "auto", comm: CommConfig | None = None) -> Devic
 
     planned = planned_device_type()
     if comm is not None:
-        apply_communication_env(planned, comm)  # before torch_npu is imported
+        apply_communication_env(planned, comm, deterministic)  # before torch_npu is imported
     device_type = detect_device_type()
     if comm is not None and device_type != planned:
-        apply_communication_env(device_type, comm)  # still before set_device
+        apply_communication_env(device_type, comm, deterministic)  # still before set_device
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     index = 0
     mod = device_module(device_type)

@@ -11,6 +11,9 @@ from titan_npu.errors import ConfigError, DeviceError
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 # The caching allocator of each device reads its variable once, when the device is first used.
 ALLOCATOR_VARS = {"npu": "PYTORCH_NPU_ALLOC_CONF", "cuda": "PYTORCH_CUDA_ALLOC_CONF"}
+# Deterministic mode on npu: HCCL's fixed reduction order and no K-axis shift in matmuls (what torchtitan-npu sets);
+# both are read when the runtime and the communicators start.
+NPU_DETERMINISTIC = {"HCCL_DETERMINISTIC": "true", "CLOSE_MATMUL_K_SHIFT": "1"}
 # HCCL refuses an HCCL_CONNECT_TIMEOUT outside this range (seconds).
 HCCL_CONNECT_TIMEOUT_RANGE = (120, 7200)
 
@@ -31,7 +34,7 @@ def allocator_env(device_type: str) -> dict[str, str]:
     return {var: EXPANDABLE_SEGMENTS}
 
 
-def communication_env(device_type: str, comm: CommConfig) -> dict[str, str]:
+def communication_env(device_type: str, comm: CommConfig, deterministic: bool = False) -> dict[str, str]:
     """The variables this run sets for the device runtime, its allocator and its collective library (only those
     the environment does not set); they must be in place before the device runtime starts."""
     wanted: dict[str, str] = dict(allocator_env(device_type))
@@ -50,6 +53,8 @@ def communication_env(device_type: str, comm: CommConfig) -> dict[str, str]:
             wanted["HCCL_IF_BASE_PORT"] = str(comm.hccl_if_base_port)
         if comm.socket_ifname:
             wanted["HCCL_SOCKET_IFNAME"] = comm.socket_ifname
+        if deterministic:
+            wanted.update(NPU_DETERMINISTIC)
     elif device_type == "cuda":
         wanted["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
         if comm.socket_ifname:
@@ -59,9 +64,9 @@ def communication_env(device_type: str, comm: CommConfig) -> dict[str, str]:
     return {k: v for k, v in wanted.items() if k not in os.environ}
 
 
-def apply_communication_env(device_type: str, comm: CommConfig) -> dict[str, str]:
+def apply_communication_env(device_type: str, comm: CommConfig, deterministic: bool = False) -> dict[str, str]:
     """Set the variables of communication_env in os.environ and return what was set."""
-    env = communication_env(device_type, comm)
+    env = communication_env(device_type, comm, deterministic)
     os.environ.update(env)
     return env
 

@@ -74,15 +74,15 @@ class Trainer:
         t = cfg.training
 
         # Device and process group: the runtime, allocator and collective variables are set first, then torch_npu
-        # is imported (if present) and the device decided and bound.
-        self.device = setup_device(cfg.parallel.backend, cfg.comm)
+        # is imported (if present) and the device decided and bound; determinism before any communicator exists.
+        self.device = setup_device(cfg.parallel.backend, cfg.comm, deterministic=t.deterministic)
         set_memory_fraction(self.device.type, self.device.index, t.memory_fraction)
         prepare_reliability(cfg, self.device.type)  # before the process group: it reads the flight recorder's size
+        set_determinism(t.seed, t.deterministic)
         self.rank, self.world_size = init_process_group(self.device, cfg.comm)
         self.dims = ParallelDims.from_config(cfg.parallel, self.world_size)
         if self.world_size > 1:
             self.dims.build_mesh(self.device.type, cfg.comm.timeout_s)
-        set_determinism(t.seed, t.deterministic)
         # A missing optional package (wandb) stops the run before any real work; the sinks themselves open once
         # every check has passed, so that a refused run leaves nothing on disk.
         if cfg.metrics.wandb and self.rank == 0:
