@@ -156,16 +156,31 @@ def test_import_refuses_a_torch_npu_built_for_another_torch(fake_torch_npu, clea
         import_torch_npu()
 
 
-def test_a_torch_npu_that_fails_to_import_is_a_clear_error(tmp_path, monkeypatch):
+@pytest.fixture
+def torch_npu_without_cann(tmp_path, monkeypatch, clean_env):
+    """A torch_npu whose import fails as it does when CANN's set_env.sh was not sourced."""
     pkg = tmp_path / "torch_npu"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text("raise ImportError('libhccl.so: cannot open shared object file')\n")
+    (pkg / "__init__.py").write_text(
+        "raise ImportError('libhccl.so: cannot open shared object file: No such file or directory')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    try:
-        with pytest.raises(DeviceError, match="source CANN's set_env.sh"):
-            import_torch_npu()
-    finally:
-        sys.modules.pop("torch_npu", None)
+    yield
+    sys.modules.pop("torch_npu", None)
+
+
+@pytest.mark.parametrize("ask", [{"TITAN_DEVICE": "npu"}, {"backend": "hccl"}], ids=["TITAN_DEVICE", "backend"])
+def test_an_npu_run_without_cann_sourced_says_to_source_set_env(torch_npu_without_cann, clean_env, ask):
+    clean_env.update({k: v for k, v in ask.items() if k == "TITAN_DEVICE"})
+    with pytest.raises(DeviceError) as e:
+        setup_device(ask.get("backend", "auto"))
+    message = str(e.value)
+    assert "cannot load CANN's libraries (ImportError: libhccl.so: cannot open shared object file" in message
+    assert "`source /usr/local/Ascend/ascend-toolkit/set_env.sh`" in message and "\n" not in message
+
+
+def test_auto_detection_without_cann_sourced_warns_and_falls_back(torch_npu_without_cann, clean_env):
+    with pytest.warns(RuntimeWarning, match="source CANN's environment first.*not using the NPU"):
+        assert detect_device_type() in ("cuda", "xpu", "cpu")
 
 
 def test_no_torch_npu_means_no_npu():

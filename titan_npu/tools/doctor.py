@@ -314,7 +314,7 @@ def check_versions(report: Report) -> dict[str, str | None]:
         try:
             from titan_npu.device import import_torch_npu
 
-            import_torch_npu()
+            import_torch_npu(required=True)
         except Exception as e:  # a broken CANN install fails in many ways; the message says which
             report.add("fail", s, f"torch_npu does not import: {e}")
     return versions
