@@ -10,6 +10,7 @@
 # version (docs/npu.md). Logs go to $OUT (default /tmp/titan_npu_smoke).
 set -u
 cd "$(dirname "$0")/.."
+source examples/npu_env.sh  # the standard Ascend launch environment
 NPUS=${NPUS:-4}
 OUT=${OUT:-/tmp/titan_npu_smoke}
 export TITAN_DEVICE=npu

@@ -106,6 +106,14 @@ def test_the_allocator_variable_is_in_place_before_torch_npu_is_imported_and_the
     assert all(env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True" for _, env in events)
 
 
+def test_the_standard_ascend_launch_environment_is_in_place_before_torch_npu_starts(npu_and_cpu_runs):
+    import_env = npu_and_cpu_runs[2]["events"][0][1]
+    assert {k: import_env.get(k) for k in ("TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF", "TORCH_HCCL_ENABLE_MONITORING",
+                                           "TORCH_HCCL_DUMP_ON_TIMEOUT")} == {
+        "TASK_QUEUE_ENABLE": "2", "CPU_AFFINITY_CONF": "1", "TORCH_HCCL_ENABLE_MONITORING": "1",
+        "TORCH_HCCL_DUMP_ON_TIMEOUT": "1"}
+
+
 def test_the_npu_run_binds_local_rank_caps_memory_and_empties_the_cache_after_loading(npu_and_cpu_runs):
     report = npu_and_cpu_runs[2]
     assert report["set_device_calls"] == [1]

@@ -11,6 +11,12 @@ from titan_npu.errors import ConfigError, DeviceError
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 # The caching allocator of each device reads its variable once, when the device is first used.
 ALLOCATOR_VARS = {"npu": "PYTORCH_NPU_ALLOC_CONF", "cuda": "PYTORCH_CUDA_ALLOC_CONF"}
+# The standard Ascend launch environment (MindSpeed-LLM's and torchtitan-npu's scripts export it), read by torch_npu
+# at import and device start: level-2 task-queue pipelining, each rank's host threads bound to the cores near its
+# card; and ProcessGroupHCCL's monitor (aborts a rank whose watchdog hangs) with the flight-recorder dump on a
+# collective timeout (the recorder's buffer size comes with the watchdog settings, reliability/watchdog.py).
+NPU_LAUNCH = {"TASK_QUEUE_ENABLE": "2", "CPU_AFFINITY_CONF": "1", "TORCH_HCCL_ENABLE_MONITORING": "1",
+              "TORCH_HCCL_DUMP_ON_TIMEOUT": "1"}
 # Deterministic mode on npu: HCCL's fixed reduction order and no K-axis shift in matmuls (what torchtitan-npu sets);
 # both are read when the runtime and the communicators start.
 NPU_DETERMINISTIC = {"HCCL_DETERMINISTIC": "true", "CLOSE_MATMUL_K_SHIFT": "1"}
@@ -53,6 +59,7 @@ def communication_env(device_type: str, comm: CommConfig, deterministic: bool = 
             wanted["HCCL_IF_BASE_PORT"] = str(comm.hccl_if_base_port)
         if comm.socket_ifname:
             wanted["HCCL_SOCKET_IFNAME"] = comm.socket_ifname
+        wanted.update(NPU_LAUNCH)
         if deterministic:
             wanted.update(NPU_DETERMINISTIC)
     elif device_type == "cuda":

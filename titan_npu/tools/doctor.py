@@ -65,7 +65,12 @@ ENV_MEANING: dict[str, str] = {
     "HCCL_RDMA_SL": "RoCE service level",
     "HCCL_RDMA_TIMEOUT": "RoCE retransmission timeout exponent (4.096us x 2^n)",
     "HCCL_RDMA_RETRY_CNT": "RoCE retransmissions before a link error",
-    "HCCL_ASYNC_ERROR_HANDLING": "1 = abort the process group on a collective error",
+    "TORCH_HCCL_ASYNC_ERROR_HANDLING": "1 = abort the process group on a collective error",
+    "TORCH_HCCL_ENABLE_MONITORING": "1 = a monitor thread aborts the rank when the HCCL watchdog hangs",
+    "TORCH_HCCL_DUMP_ON_TIMEOUT": "1 = dump the HCCL flight recorder when a collective times out",
+    "TASK_QUEUE_ENABLE": "torch_npu task-queue level (2 = pipelined operator launch, the standard setting)",
+    "CPU_AFFINITY_CONF": "1 = bind each rank's host threads to the cores near its card",
+    "STREAMS_PER_DEVICE": "size of torch_npu's stream pool per card",
     "NCCL_DEBUG": "NCCL logging level (INFO shows the transports chosen)",
     "NCCL_SOCKET_IFNAME": "network interface(s) for NCCL's bootstrap and socket transport",
     "NCCL_IB_DISABLE": "1 = no InfiniBand/RoCE, TCP sockets only (slow)",
@@ -86,10 +91,11 @@ ENV_MEANING: dict[str, str] = {
     "PYTORCH_NPU_ALLOC_CONF": "NPU caching-allocator options (expandable_segments:True limits fragmentation)",
     "PYTORCH_CUDA_ALLOC_CONF": "CUDA caching-allocator options",
 }
-ENV_PREFIXES = ("HCCL_", "NCCL_", "TORCH_NCCL_", "GLOO_", "TORCH_DISTRIBUTED_")
+ENV_PREFIXES = ("HCCL_", "NCCL_", "TORCH_NCCL_", "TORCH_HCCL_", "GLOO_", "TORCH_DISTRIBUTED_")
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
              "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
-             "ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH", "OMP_NUM_THREADS")
+             "ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH", "OMP_NUM_THREADS", "TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF",
+             "STREAMS_PER_DEVICE")
 IFNAME_VARS = ("HCCL_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
 
