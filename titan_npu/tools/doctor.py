@@ -28,7 +28,8 @@ from pathlib import Path
 
 LEVELS = ("ok", "info", "warn", "fail", "table")  # "table": a row of a table, printed without a tag
 
-# torch_npu release -> the CANN release it was built for (Ascend's compatibility table, main releases).
+# torch_npu release -> the CANN release it was built for (Ascend's compatibility table, main releases; the rows the
+# torch_npu wheel ships in its README are checked against this table by tests/npu/test_npu_versions.py).
 TORCH_NPU_CANN: dict[str, str] = {
     "2.12.0": "9.1.0", "2.11.0": "9.1.0", "2.10.0.post4": "9.1.0", "2.9.0.post6": "9.1.0", "2.7.1.post8": "9.1.0",
     "2.10.0": "9.0.0", "2.9.0.post2": "9.0.0", "2.8.0.post4": "9.0.0", "2.7.1.post4": "9.0.0",
@@ -39,7 +40,8 @@ TORCH_NPU_CANN: dict[str, str] = {
     "2.4.0.post2": "8.0.0", "2.3.1.post4": "8.0.0", "2.1.0.post10": "8.0.0",
     "2.4.0": "8.0.RC3", "2.3.1.post2": "8.0.RC3", "2.1.0.post8": "8.0.RC3",
     "2.3.1": "8.0.RC2", "2.2.0.post2": "8.0.RC2", "2.1.0.post6": "8.0.RC2",
-    "2.2.0": "8.0.RC1", "2.1.0.post3": "8.0.RC1",
+    "2.2.0": "8.0.RC1", "2.1.0.post4": "8.0.RC1", "2.1.0.post3": "8.0.RC1",
+    "2.1.0.post12": "8.1.RC1", "2.1.0": "7.0.0", "2.0.1.post1": "7.0.0", "2.1.0.rc1": "7.0.RC1", "2.0.1": "7.0.RC1",
 }
 
 # CANN release -> the NPU driver release it shipped with; an older driver than this is not supported by it.
@@ -257,7 +259,13 @@ def stack_findings(versions: dict[str, str | None], cann_home: str | None = None
     out: list[tuple[str, str]] = []
     torch_v, npu, cann, driver = (versions.get(k) for k in ("torch", "torch_npu", "cann", "npu_driver"))
     torch_cuda = versions.get("torch_cuda")
-    out.append(("ok", f"torch {torch_v}" + (f" (CUDA {torch_cuda})" if torch_cuda else "")))
+    from titan_npu.device.npu import MIN_TORCH
+
+    if torch_v and parse_release(torch_v)[:2] < parse_release(MIN_TORCH)[:2]:
+        out.append(("fail", f"torch {torch_v} is older than {MIN_TORCH}, the oldest titan-npu runs on; install torch "
+                            f">= {MIN_TORCH} (with the torch_npu of the same version on Ascend)"))
+    else:
+        out.append(("ok", f"torch {torch_v}" + (f" (CUDA {torch_cuda})" if torch_cuda else "")))
     if npu is None:
         out.append(("info", "torch_npu not installed (needed only for Ascend NPUs)"))
     else:

@@ -25,10 +25,12 @@ TORCH_NPU_VERSION = "2.13.0"
 WHEEL_PLATFORM = ("manylinux_2_28_x86_64", "3.11")  # any platform's wheel carries the same Python and yaml files
 SCHEMA_FILE = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 META_FILE = "torch_npu/op_plugin/meta/_meta_registrations.py"
+METADATA_FILE = f"torch_npu-{TORCH_NPU_VERSION}.dist-info/METADATA"  # the README, with the CANN pairing table
 WHEEL_FILES = (
     SCHEMA_FILE,
     META_FILE,
     "torch_npu/version.py",
+    METADATA_FILE,
     "torch_npu/npu/__init__.py",
     "torch_npu/profiler/__init__.py",
     "torch_npu/optim/__init__.py",
@@ -50,14 +52,15 @@ def wheel_dir() -> Path:
     """The extracted files of the pinned wheel, downloading it first when the cache does not hold them."""
     root = cache_root()
     done = root / ".complete"
-    if done.exists():
+    marker = "\n".join((TORCH_NPU_VERSION, *WHEEL_FILES)) + "\n"  # a longer file list fetches again
+    if done.exists() and done.read_text() == marker:
         return root
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as lock:  # concurrent test processes download once
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
+        if not done.exists() or done.read_text() != marker:
             _download_and_extract(root)
-            done.write_text(TORCH_NPU_VERSION + "\n")
+            done.write_text(marker)
     return root
 
 
