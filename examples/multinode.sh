@@ -7,7 +7,8 @@
 #   node k:  NODES=8 NODE_RANK=k MASTER_ADDR=10.0.0.1 DATA=/data/tokens bash examples/multinode.sh
 #
 # RDZV=c10d uses torch's c10d rendezvous instead of a fixed node rank (NODE_RANK is then ignored; any node may
-# start first; the same RDZV_ID on every node). HCCL_CONNECT_TIMEOUT / HCCL_EXEC_TIMEOUT follow [comm] unless set.
+# start first; the same RDZV_ID on every node). examples/npu_env.sh exports the Ascend launch environment;
+# HCCL_CONNECT_TIMEOUT / HCCL_EXEC_TIMEOUT follow [comm] unless set.
 # If HCCL cannot find the right NIC, set HCCL_SOCKET_IFNAME (and GLOO_SOCKET_IFNAME) to the interface name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,7 @@ cd "$(dirname "$0")/.."
 NODES=${NODES:-2}
 PORT=${PORT:-29500}
 PER_NODE=${PER_NODE:-8}
+source examples/npu_env.sh  # the standard Ascend launch environment
 
 if [ "${RDZV:-static}" = "c10d" ]; then
   LAUNCH=(--nnodes "$NODES" --nproc_per_node "$PER_NODE" --rdzv_backend c10d

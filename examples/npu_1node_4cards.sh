@@ -9,6 +9,7 @@
 # Needs CANN's environment (. /usr/local/Ascend/ascend-toolkit/set_env.sh) and torch + torch_npu of one version.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source examples/npu_env.sh  # the standard Ascend launch environment
 : "${DATA:?set DATA to a prepared token directory (titan-npu prepare-data)}"
 export ASCEND_RT_VISIBLE_DEVICES=${CARDS:-0,1,2,3}
 NPROC=$(awk -F, '{print NF}' <<<"$ASCEND_RT_VISIBLE_DEVICES")

@@ -8,6 +8,7 @@
 #   DATA=/data/tokens LAYOUT=3d bash examples/npu_1node_8cards.sh --training.seq_len 8192
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source examples/npu_env.sh  # the standard Ascend launch environment
 : "${DATA:?set DATA to a prepared token directory (titan-npu prepare-data)}"
 export ASCEND_RT_VISIBLE_DEVICES=${CARDS:-0,1,2,3,4,5,6,7}
 case "${LAYOUT:-fsdp}" in

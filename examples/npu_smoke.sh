@@ -11,6 +11,7 @@
 # did not make is refused).
 set -u
 cd "$(dirname "$0")/.."
+source examples/npu_env.sh  # the standard Ascend launch environment
 NPUS=${NPUS:-4}
 OUT=${OUT:-/tmp/titan_npu_smoke}
 export TITAN_DEVICE=npu

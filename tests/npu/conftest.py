@@ -1,4 +1,5 @@
-"""The fake torch_npu (tests/npu/fake_torch_npu) made importable for one test and removed after it."""
+"""The fake torch_npu (tests/npu/fake_torch_npu) made importable for one test and removed after it, and the files
+of the pinned torch_npu wheel that ground it (npu_wheel.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,24 @@ import torch
 FAKE_DIR = Path(__file__).parent / "fake_torch_npu"
 
 
+def _npu_wheel():
+    """npu_wheel, imported once per process under that name (the fake imports the same module)."""
+    if "npu_wheel" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("npu_wheel", FAKE_DIR / "npu_wheel.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["npu_wheel"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["npu_wheel"]
+
+
+@pytest.fixture(scope="session")
+def torch_npu_wheel():
+    """The pinned torch_npu wheel's files (downloaded from the package index on first use, then cached)."""
+    module = _npu_wheel()
+    module.wheel_dir()
+    return module
+
+
 def _forget_torch_npu() -> None:
     for name in [n for n in sys.modules if n == "torch_npu" or n.startswith("torch_npu.")]:
         del sys.modules[name]
@@ -20,7 +39,7 @@ def _forget_torch_npu() -> None:
 
 
 @pytest.fixture
-def fake_torch_npu_importable(monkeypatch):
+def fake_torch_npu_importable(monkeypatch, torch_npu_wheel):
     """The fake torch_npu on sys.path but not imported: the code under test imports it (attaching torch.npu).
 
     Afterwards torch_npu is unimported, torch.npu detached, the kernel choice reset to "auto" and the npu op

@@ -50,7 +50,8 @@ NPU_SMI_OUTPUT = """\
 def clean_env(monkeypatch):
     """A private copy of os.environ, so variables the code under test sets do not leak into other tests."""
     monkeypatch.setattr(os, "environ", os.environ.copy())
-    for var in ("TITAN_DEVICE", "ASCEND_RT_VISIBLE_DEVICES", "LOCAL_RANK", "FAKE_NPU_NAME", "FAKE_NPU_COUNT"):
+    for var in ("TITAN_DEVICE", "ASCEND_RT_VISIBLE_DEVICES", "LOCAL_RANK", "FAKE_NPU_NAME", "FAKE_NPU_COUNT",
+                "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         os.environ.pop(var, None)
     return os.environ
 
@@ -94,6 +95,39 @@ def test_hccl_variables_are_applied_on_the_npu_path_and_the_environment_wins(fak
     assert os.environ["PYTORCH_NPU_ALLOC_CONF"] == "max_split_size_mb:256"
 
 
+@pytest.mark.parametrize("forced", ["npu", ""], ids=["TITAN_DEVICE=npu", "auto-detected"])
+def test_the_allocator_configuration_is_in_place_before_torch_npu_is_imported_and_the_card_bound(
+        fake_torch_npu_importable, clean_env, forced):
+    # torch_npu's caching allocator reads PYTORCH_NPU_ALLOC_CONF once, when set_device creates it.
+    if forced:
+        clean_env["TITAN_DEVICE"] = forced
+    setup_device(comm=CommConfig())
+    events = sys.modules["torch_npu"].events
+    assert [what for what, _ in events] == ["import", "set_device"]
+    assert all(env.get("PYTORCH_NPU_ALLOC_CONF") == "expandable_segments:True" for _, env in events)
+
+
+def test_the_cuda_allocator_configuration_is_in_place_before_the_device_is_bound(clean_env, monkeypatch):
+    # A recorder in place of torch.cuda: the variable must be set when set_device initialises CUDA.
+    seen: list[str | None] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+    clean_env.update(TITAN_DEVICE="cuda", LOCAL_RANK="1")
+    assert setup_device(comm=CommConfig()).index == 1
+    assert seen == ["expandable_segments:True"]
+
+
+def test_pytorch_alloc_conf_is_the_users_allocator_setting(fake_torch_npu_importable, clean_env):
+    clean_env.update(TITAN_DEVICE="npu", PYTORCH_ALLOC_CONF="expandable_segments:False")
+    setup_device(comm=CommConfig())
+    assert "PYTORCH_NPU_ALLOC_CONF" not in os.environ
+    clean_env["PYTORCH_NPU_ALLOC_CONF"] = "expandable_segments:True"  # torch_npu's allocator raises on the pair
+    with pytest.raises(DeviceError, match="both PYTORCH_ALLOC_CONF='expandable_segments:False' and "
+                                          "PYTORCH_NPU_ALLOC_CONF='expandable_segments:True' are set"):
+        setup_device(comm=CommConfig())
+
+
 def test_expandable_segments_are_the_npu_allocator_default(fake_torch_npu_importable, clean_env):
     clean_env.pop("PYTORCH_NPU_ALLOC_CONF", None)
     apply_communication_env("npu", CommConfig())
@@ -122,16 +156,31 @@ def test_import_refuses_a_torch_npu_built_for_another_torch(fake_torch_npu, clea
         import_torch_npu()
 
 
-def test_a_torch_npu_that_fails_to_import_is_a_clear_error(tmp_path, monkeypatch):
+@pytest.fixture
+def torch_npu_without_cann(tmp_path, monkeypatch, clean_env):
+    """A torch_npu whose import fails as it does when CANN's set_env.sh was not sourced."""
     pkg = tmp_path / "torch_npu"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text("raise ImportError('libhccl.so: cannot open shared object file')\n")
+    (pkg / "__init__.py").write_text(
+        "raise ImportError('libhccl.so: cannot open shared object file: No such file or directory')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    try:
-        with pytest.raises(DeviceError, match="source CANN's set_env.sh"):
-            import_torch_npu()
-    finally:
-        sys.modules.pop("torch_npu", None)
+    yield
+    sys.modules.pop("torch_npu", None)
+
+
+@pytest.mark.parametrize("ask", [{"TITAN_DEVICE": "npu"}, {"backend": "hccl"}], ids=["TITAN_DEVICE", "backend"])
+def test_an_npu_run_without_cann_sourced_says_to_source_set_env(torch_npu_without_cann, clean_env, ask):
+    clean_env.update({k: v for k, v in ask.items() if k == "TITAN_DEVICE"})
+    with pytest.raises(DeviceError) as e:
+        setup_device(ask.get("backend", "auto"))
+    message = str(e.value)
+    assert "cannot load CANN's libraries (ImportError: libhccl.so: cannot open shared object file" in message
+    assert "`source /usr/local/Ascend/ascend-toolkit/set_env.sh`" in message and "\n" not in message
+
+
+def test_auto_detection_without_cann_sourced_warns_and_falls_back(torch_npu_without_cann, clean_env):
+    with pytest.warns(RuntimeWarning, match="source CANN's environment first.*not using the NPU"):
+        assert detect_device_type() in ("cuda", "xpu", "cpu")
 
 
 def test_no_torch_npu_means_no_npu():

@@ -146,15 +146,13 @@ def test_fused_rms_norm_takes_a_float_weight_with_bf16_activations(fake_torch_np
 
 def test_rms_norm_kernel_refuses_a_gamma_of_another_dtype(fake_torch_npu):
     with pytest.raises(RuntimeError, match="gamma dtype"):
-        fake_torch_npu.npu_rms_norm(torch.randn(2, 4, 8).bfloat16(), torch.ones(8), epsilon=1e-6)
+        fake_torch_npu.npu_rms_norm(torch.randn(2, 4, 8).bfloat16(), torch.ones(8).half(), epsilon=1e-6)
 
 
 # --- rotary embedding --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("interleave_supported", [True, False], ids=["interleave-mode", "half-mode-only"])
 @pytest.mark.parametrize("seq,heads,kv_heads", [(1, 4, 4), (37, 4, 2), (130, 2, 1)])
-def test_fused_rotary_matches_metas_interleaved_reference(fake_torch_npu, interleave_supported, seq, heads, kv_heads):
-    fake_torch_npu.features["rotary_mode"] = interleave_supported
+def test_fused_rotary_matches_metas_interleaved_reference(fake_torch_npu, seq, heads, kv_heads):
     g = torch.Generator().manual_seed(5)
     xq, xk = torch.randn(2, seq, heads, 16, generator=g), torch.randn(2, seq, kv_heads, 16, generator=g)
     cos, sin = rope_tables(seq, 16)
@@ -163,13 +161,6 @@ def test_fused_rotary_matches_metas_interleaved_reference(fake_torch_npu, interl
         [xq, xk],
     )
     assert fake_torch_npu.calls["npu_rotary_mul"] >= 2
-
-
-def test_rotary_falls_back_to_half_mode_once_on_a_torch_npu_without_rotary_mode(fake_torch_npu):
-    fake_torch_npu.features["rotary_mode"] = False
-    cos, sin = rope_tables(8, 16)
-    npu_ops.apply_rotary_emb(torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16), cos, sin)
-    assert npu_ops._rotary_interleave_supported is False
 
 
 def _rotary_half_without_permutation(torch_npu, xq, xk, cos, sin):

@@ -32,12 +32,14 @@ TINY = [
     "--training.max_steps", str(STEPS), "--metrics.log_interval", "1", "--checkpoint.enable", "false",
     "--metrics.report", "false", "--metrics.progress", "lines",
 ]
-HCCL_VARS = ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_BUFFSIZE", "HCCL_IF_BASE_PORT", "HCCL_SOCKET_IFNAME",
-             "PYTORCH_NPU_ALLOC_CONF", "GLOO_SOCKET_IFNAME", "TITAN_DEVICE", "ASCEND_RT_VISIBLE_DEVICES")
+# Variables of the NPU runtime and this run's settings: none may come from the calling environment.
+RUN_VARS = ("HCCL_", "TORCH_HCCL_", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "GLOO_SOCKET_IFNAME",
+            "TITAN_DEVICE", "ASCEND_RT_VISIBLE_DEVICES", "TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF",
+            "CLOSE_MATMUL_K_SHIFT")
 
 
 def start_training(log_dir: Path, extra_env: dict[str, str], *args: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in HCCL_VARS}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(RUN_VARS)}
     env.update(extra_env)
     return subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, "--metrics.log_dir", str(log_dir), *args],
                             env=env, cwd=log_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -85,6 +87,7 @@ def test_every_op_of_every_step_ran_a_torch_npu_kernel(npu_and_cpu_runs):
         "npu_rms_norm": (2 * N_LAYERS + 1) * STEPS,  # two per block and the final norm
         "npu_rotary_mul": 2 * N_LAYERS * STEPS,  # q and k
         "npu_swiglu": N_LAYERS * STEPS,
+        "_fused_adamw_": 2 * STEPS,  # torch's fused AdamW (a call per parameter group), on torch_npu's kernel
     }
 
 
@@ -95,6 +98,20 @@ def test_the_npu_run_sets_the_hccl_environment_unless_the_user_did(npu_and_cpu_r
     assert env["HCCL_BUFFSIZE"] == "200"
     assert env["HCCL_SOCKET_IFNAME"] == "eth0"
     assert env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_the_allocator_variable_is_in_place_before_torch_npu_is_imported_and_the_card_bound(npu_and_cpu_runs):
+    events = npu_and_cpu_runs[2]["events"]
+    assert [what for what, _ in events] == ["import", "set_device"]
+    assert all(env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True" for _, env in events)
+
+
+def test_the_standard_ascend_launch_environment_is_in_place_before_torch_npu_starts(npu_and_cpu_runs):
+    import_env = npu_and_cpu_runs[2]["events"][0][1]
+    assert {k: import_env.get(k) for k in ("TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF", "TORCH_HCCL_ENABLE_MONITORING",
+                                           "TORCH_HCCL_DUMP_ON_TIMEOUT")} == {
+        "TASK_QUEUE_ENABLE": "2", "CPU_AFFINITY_CONF": "1", "TORCH_HCCL_ENABLE_MONITORING": "1",
+        "TORCH_HCCL_DUMP_ON_TIMEOUT": "1"}
 
 
 def test_the_npu_run_binds_local_rank_caps_memory_and_empties_the_cache_after_loading(npu_and_cpu_runs):

@@ -56,9 +56,15 @@ def test_torch_npu_pairing_is_the_device_layers_rule(torch_version, torch_npu_ve
 
 
 def test_matching_stack_is_ok():
-    findings = doctor.stack_findings({"torch": "2.1.0", "torch_npu": "2.1.0.post10", "cann": "8.0.0",
-                                      "npu_driver": "24.1.0"}, "/usr/local/Ascend/ascend-toolkit/latest")
+    findings = doctor.stack_findings({"torch": "2.10.0", "torch_npu": "2.10.0", "cann": "9.0.0",
+                                      "npu_driver": "25.5.0"}, "/usr/local/Ascend/ascend-toolkit/latest")
     assert [level for level, _ in findings] == ["ok"] * len(findings)
+
+
+def test_a_torch_older_than_the_floor_fails():
+    findings = doctor.stack_findings({"torch": "2.9.1"}, None)
+    assert ("fail", "torch 2.9.1 is older than 2.10, the oldest titan-npu runs on; install torch >= 2.10 (with "
+                    "the torch_npu of the same version on Ascend)") in findings
 
 
 def test_torch_npu_built_for_another_torch_fails_with_the_fix():

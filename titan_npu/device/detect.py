@@ -3,23 +3,36 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import warnings
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from titan_npu.errors import DeviceError
 
+if TYPE_CHECKING:
+    from titan_npu.config.schema import CommConfig
+
 DEVICE_TYPES = ("npu", "cuda", "xpu", "cpu")
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "xpu": "xccl", "cpu": "gloo"}
 
 
-def import_torch_npu() -> ModuleType | None:
+# Shared libraries of CANN that torch_npu loads at import: not found = CANN's environment is not set in this shell.
+CANN_LIBRARIES = ("libhccl", "libascendcl", "libacl_", "libge_runner", "libgraph", "libruntime", "libascend_hal",
+                  "libmsprofiler", "libc_sec")
+SET_ENV = "source /usr/local/Ascend/ascend-toolkit/set_env.sh"
+
+
+def import_torch_npu(required: bool = False) -> ModuleType | None:
     """Import torch_npu if it is installed (it registers the 'npu' device); None when absent.
 
     The torch / torch_npu version pair is checked before the import: a mismatched pair fails inside it with
-    errors that do not name the cause.
+    errors that do not name the cause. An install that fails to import (most often CANN's environment not sourced)
+    is an error when the NPU is `required`, else a warning and no NPU.
     """
     from titan_npu.device.npu import check_installed_versions
 
@@ -29,18 +42,27 @@ def import_torch_npu() -> ModuleType | None:
     except ModuleNotFoundError as e:
         if e.name == "torch_npu":
             return None
-        raise _broken_torch_npu(e) from e
+        return _broken_torch_npu(e, required)
     except Exception as e:  # a broken CANN install raises all kinds of errors at import
-        raise _broken_torch_npu(e) from e
+        return _broken_torch_npu(e, required)
     check_installed_versions(module)  # installs without package metadata carry the version on the module
     return module
 
 
-def _broken_torch_npu(e: Exception) -> DeviceError:
-    return DeviceError(
-        f"torch_npu is installed but failed to import ({type(e).__name__}: {e}); "
-        "source CANN's set_env.sh and check that torch and torch_npu versions match (titan-npu doctor)"
-    )
+def _broken_torch_npu(e: Exception, required: bool) -> None:
+    first = str(e).splitlines()[0] if str(e) else ""
+    if any(lib in first for lib in CANN_LIBRARIES):
+        message = (f"torch_npu is installed but cannot load CANN's libraries ({type(e).__name__}: {first}); "
+                   f"source CANN's environment first: `{SET_ENV}` (the set_env.sh of your CANN install), in this "
+                   "shell and in the job's launch script on every node")
+    else:
+        message = (f"torch_npu is installed but failed to import ({type(e).__name__}: {first}); "
+                   f"source CANN's set_env.sh (`{SET_ENV}`) and check that torch and torch_npu versions match "
+                   "(titan-npu doctor)")
+    if required:
+        raise DeviceError(message) from e
+    warnings.warn(f"{message}; not using the NPU", RuntimeWarning, stacklevel=3)
+    return None
 
 
 def _available(device_type: str) -> bool:
@@ -50,22 +72,40 @@ def _available(device_type: str) -> bool:
     return bool(mod is not None and hasattr(mod, "is_available") and mod.is_available())
 
 
-def detect_device_type() -> str:
-    """The device type to use: TITAN_DEVICE if set, else the first available of npu, cuda, xpu, cpu."""
+def detect_device_type(backend: str = "auto") -> str:
+    """The device type to use: TITAN_DEVICE if set, else the first available of npu, cuda, xpu, cpu.
+
+    backend "hccl" (parallel.backend) asks for the NPU as TITAN_DEVICE=npu does.
+    """
     forced = os.environ.get("TITAN_DEVICE", "").strip().lower()
+    asked_by = f"TITAN_DEVICE={forced}"
+    if not forced and backend == "hccl":
+        forced, asked_by = "npu", "parallel.backend=hccl"
     if forced:
         if forced not in DEVICE_TYPES:
             raise DeviceError(f"TITAN_DEVICE={forced!r} is not a device type (choose one of {', '.join(DEVICE_TYPES)})")
         if forced == "npu":
-            import_torch_npu()
+            import_torch_npu(required=True)
         if not _available(forced):
-            raise DeviceError(f"TITAN_DEVICE={forced} but no {forced} device is available (unset it to auto-detect)")
+            raise DeviceError(f"{asked_by} but no {forced} device is available (unset it to auto-detect)")
         return forced
     if import_torch_npu() is not None and _available("npu"):
         return "npu"
     for device_type in ("cuda", "xpu"):
         if _available(device_type):
             return device_type
+    return "cpu"
+
+
+def planned_device_type(backend: str = "auto") -> str:
+    """The device type detection will most likely pick, found without importing torch_npu or touching a device."""
+    forced = os.environ.get("TITAN_DEVICE", "").strip().lower()
+    if forced in DEVICE_TYPES:
+        return forced
+    if backend == "hccl" or importlib.util.find_spec("torch_npu") is not None:
+        return "npu"
+    if torch.version.cuda or torch.version.hip:
+        return "cuda"
     return "cpu"
 
 
@@ -103,9 +143,20 @@ class DeviceInfo:
             return self.type
 
 
-def setup_device(backend: str = "auto") -> DeviceInfo:
-    """Detect the device, bind this process to LOCAL_RANK's device and pick the process-group backend."""
-    device_type = detect_device_type()
+def setup_device(backend: str = "auto", comm: CommConfig | None = None, deterministic: bool = False) -> DeviceInfo:
+    """Detect the device, bind this process to LOCAL_RANK's device and pick the process-group backend.
+
+    With `comm`, the run's runtime, allocator and collective variables (device/env.py) are set first: torch_npu
+    reads them at import, and each caching allocator reads its configuration once, when the device is bound.
+    """
+    from titan_npu.device.env import apply_communication_env
+
+    planned = planned_device_type(backend)
+    if comm is not None:
+        apply_communication_env(planned, comm, deterministic)  # before torch_npu is imported
+    device_type = detect_device_type(backend)
+    if comm is not None and device_type != planned:
+        apply_communication_env(device_type, comm, deterministic)  # still before set_device
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     index = 0
     mod = device_module(device_type)

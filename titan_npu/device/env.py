@@ -6,12 +6,51 @@ from __future__ import annotations
 import os
 
 from titan_npu.config.schema import CommConfig
+from titan_npu.errors import ConfigError, DeviceError
+
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+# The caching allocator of each device reads its variable once, when the device is first used.
+ALLOCATOR_VARS = {"npu": "PYTORCH_NPU_ALLOC_CONF", "cuda": "PYTORCH_CUDA_ALLOC_CONF"}
+# The standard Ascend launch environment (MindSpeed-LLM's and torchtitan-npu's scripts export it), read by torch_npu
+# at import and device start: level-2 task-queue pipelining, each rank's host threads bound to the cores near its
+# card; and ProcessGroupHCCL's monitor (aborts a rank whose watchdog hangs) with the flight-recorder dump on a
+# collective timeout (the recorder's buffer size comes with the watchdog settings, reliability/watchdog.py).
+NPU_LAUNCH = {"TASK_QUEUE_ENABLE": "2", "CPU_AFFINITY_CONF": "1", "TORCH_HCCL_ENABLE_MONITORING": "1",
+              "TORCH_HCCL_DUMP_ON_TIMEOUT": "1"}
+# Deterministic mode on npu: HCCL's fixed reduction order and no K-axis shift in matmuls (what torchtitan-npu sets);
+# both are read when the runtime and the communicators start.
+NPU_DETERMINISTIC = {"HCCL_DETERMINISTIC": "true", "CLOSE_MATMUL_K_SHIFT": "1"}
+# HCCL refuses an HCCL_CONNECT_TIMEOUT outside this range (seconds).
+HCCL_CONNECT_TIMEOUT_RANGE = (120, 7200)
 
 
-def communication_env(device_type: str, comm: CommConfig) -> dict[str, str]:
-    """The variables this run sets for its collective library (only those the environment does not set)."""
-    wanted: dict[str, str] = {}
+def allocator_env(device_type: str) -> dict[str, str]:
+    """expandable_segments for the device's caching allocator, unless the user configured the allocator."""
+    var = ALLOCATOR_VARS.get(device_type)
+    if var is None:
+        return {}
+    unified = os.environ.get("PYTORCH_ALLOC_CONF")
+    if unified is not None:
+        if device_type == "npu" and var in os.environ:
+            raise DeviceError(
+                f"both PYTORCH_ALLOC_CONF={unified!r} and {var}={os.environ[var]!r} are set and torch_npu's "
+                f"allocator refuses the pair; unset one of them"
+            )
+        return {}  # the device-neutral setting applies
+    return {var: EXPANDABLE_SEGMENTS}
+
+
+def communication_env(device_type: str, comm: CommConfig, deterministic: bool = False) -> dict[str, str]:
+    """The variables this run sets for the device runtime, its allocator and its collective library (only those
+    the environment does not set); they must be in place before the device runtime starts."""
+    wanted: dict[str, str] = dict(allocator_env(device_type))
     if device_type == "npu":
+        low, high = HCCL_CONNECT_TIMEOUT_RANGE
+        if not low <= comm.init_timeout_s <= high:
+            raise ConfigError(
+                f"comm.init_timeout_s={comm.init_timeout_s} is outside the range HCCL accepts for "
+                f"HCCL_CONNECT_TIMEOUT ({low}..{high} s); choose a value in it"
+            )
         wanted["HCCL_CONNECT_TIMEOUT"] = str(comm.init_timeout_s)
         wanted["HCCL_EXEC_TIMEOUT"] = str(comm.timeout_s)
         if comm.hccl_buffsize_mb > 0:
@@ -20,10 +59,11 @@ def communication_env(device_type: str, comm: CommConfig) -> dict[str, str]:
             wanted["HCCL_IF_BASE_PORT"] = str(comm.hccl_if_base_port)
         if comm.socket_ifname:
             wanted["HCCL_SOCKET_IFNAME"] = comm.socket_ifname
-        wanted["PYTORCH_NPU_ALLOC_CONF"] = "expandable_segments:True"
+        wanted.update(NPU_LAUNCH)
+        if deterministic:
+            wanted.update(NPU_DETERMINISTIC)
     elif device_type == "cuda":
         wanted["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
-        wanted["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         if comm.socket_ifname:
             wanted["NCCL_SOCKET_IFNAME"] = comm.socket_ifname
     if comm.socket_ifname:
@@ -31,9 +71,9 @@ def communication_env(device_type: str, comm: CommConfig) -> dict[str, str]:
     return {k: v for k, v in wanted.items() if k not in os.environ}
 
 
-def apply_communication_env(device_type: str, comm: CommConfig) -> dict[str, str]:
+def apply_communication_env(device_type: str, comm: CommConfig, deterministic: bool = False) -> dict[str, str]:
     """Set the variables of communication_env in os.environ and return what was set."""
-    env = communication_env(device_type, comm)
+    env = communication_env(device_type, comm, deterministic)
     os.environ.update(env)
     return env
 

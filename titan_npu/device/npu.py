@@ -17,6 +17,11 @@ import torch
 
 from titan_npu.errors import ConfigError, DeviceError
 
+# The oldest torch the code runs on: FSDP2's replicate (torch.distributed._composable.replicate_with_fsdp, with
+# mesh=) as parallel/fsdp.py calls it arrived in torch 2.10. pyproject.toml states the same floor.
+MIN_TORCH = "2.10"
+# The torch / torch_npu pair the NPU path is tested against (the pinned wheel of tests/npu).
+TESTED_TORCH_NPU = "2.13.0"
 _RELEASE = re.compile(r"^\s*(\d+)\.(\d+)\.(\d+)")
 # A device row of `npu-smi info`: "| 0     910B3               | OK            | ...".
 _NPU_SMI_ROW = re.compile(r"^\|\s*(\d+)\s+((?:Ascend)?9\d\d\w*)\s+\|", re.IGNORECASE)

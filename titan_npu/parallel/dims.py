@@ -111,8 +111,7 @@ class ParallelDims:
     def build_mesh(self, device_type: str, collective_timeout_s: float | None = None) -> DeviceMesh:
         """Build (once) the world mesh with named dims and the flattened 'dp' view.
 
-        collective_timeout_s, when given, is applied to every group of the mesh (gloo and nccl honour it; on npu
-        HCCL_EXEC_TIMEOUT governs).
+        collective_timeout_s, when given, is applied to every group of the mesh (gloo, nccl and hccl).
         """
         if self._mesh is not None:
             return self._mesh

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from titan_npu.config.schema import CommConfig
@@ -46,10 +47,19 @@ def init_process_group(device: DeviceInfo, comm: CommConfig) -> tuple[int, int]:
 
 
 def set_collective_timeout(group: dist.ProcessGroup, seconds: float) -> None:
-    """Set a group's collective timeout where its backend can change it (gloo, nccl); hccl takes HCCL_EXEC_TIMEOUT."""
+    """Set the collective timeout of each backend of a group (gloo, nccl, hccl).
+
+    ProcessGroupHCCL's watchdog aborts a collective after the group's timeout (only at the 30-minute default does
+    it fall back to HCCL_EXEC_TIMEOUT + 1800 s); torch's _set_pg_timeout knows gloo and nccl only, so the hccl
+    backend is set through its own binding.
+    """
     backend = dist.get_backend(group)
+    timeout = timedelta(seconds=seconds)
     if "gloo" in backend or "nccl" in backend:
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    if "hccl" in backend:
+        npu = torch.device(torch._C._get_privateuse1_backend_name())  # "npu" once torch_npu is imported
+        group._get_backend(npu)._set_default_timeout(timeout)
 
 
 def destroy_process_group() -> None:

@@ -107,20 +107,22 @@ class Profiler:
         if self.device_type == "npu":
             import torch_npu
 
-            p = torch_npu.profiler
             level = _npu_level(cfg.level)
-            experimental = p._ExperimentalConfig(
-                profiler_level=getattr(p.ProfilerLevel, level),
-                aic_metrics=p.AiCMetrics.AiCoreNone if level == "Level0" else p.AiCMetrics.PipeUtilization,
+            experimental = torch_npu.profiler._ExperimentalConfig(
+                profiler_level=getattr(torch_npu.profiler.ProfilerLevel, level),
+                aic_metrics=(torch_npu.profiler.AiCMetrics.AiCoreNone if level == "Level0"
+                             else torch_npu.profiler.AiCMetrics.PipeUtilization),
                 l2_cache=False,
                 data_simplification=False,
             )
             # The NPU handler writes <dir>/<worker>_<pid>_<time>_ascend_pt/ASCEND_PROFILER_OUTPUT/trace_view.json.
             self.trace_path = self.window_dir
-            return p.profile(
-                activities=[p.ProfilerActivity.CPU, p.ProfilerActivity.NPU],
-                schedule=p.schedule(wait=0, warmup=self.warmup, active=cfg.active_steps, repeat=1),
-                on_trace_ready=p.tensorboard_trace_handler(str(self.window_dir), worker_name=f"rank{self.rank}"),
+            activity = torch_npu.profiler.ProfilerActivity
+            return torch_npu.profiler.profile(
+                activities=[activity.CPU, activity.NPU],
+                schedule=torch_npu.profiler.schedule(wait=0, warmup=self.warmup, active=cfg.active_steps, repeat=1),
+                on_trace_ready=torch_npu.profiler.tensorboard_trace_handler(str(self.window_dir),
+                                                                           worker_name=f"rank{self.rank}"),
                 experimental_config=experimental,
                 **common,
             )

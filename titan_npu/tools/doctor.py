@@ -28,7 +28,8 @@ from pathlib import Path
 
 LEVELS = ("ok", "info", "warn", "fail", "table")  # "table": a row of a table, printed without a tag
 
-# torch_npu release -> the CANN release it was built for (Ascend's compatibility table, main releases).
+# torch_npu release -> the CANN release it was built for (Ascend's compatibility table, main releases; the rows the
+# torch_npu wheel ships in its README are checked against this table by tests/npu/test_npu_versions.py).
 TORCH_NPU_CANN: dict[str, str] = {
     "2.12.0": "9.1.0", "2.11.0": "9.1.0", "2.10.0.post4": "9.1.0", "2.9.0.post6": "9.1.0", "2.7.1.post8": "9.1.0",
     "2.10.0": "9.0.0", "2.9.0.post2": "9.0.0", "2.8.0.post4": "9.0.0", "2.7.1.post4": "9.0.0",
@@ -39,7 +40,8 @@ TORCH_NPU_CANN: dict[str, str] = {
     "2.4.0.post2": "8.0.0", "2.3.1.post4": "8.0.0", "2.1.0.post10": "8.0.0",
     "2.4.0": "8.0.RC3", "2.3.1.post2": "8.0.RC3", "2.1.0.post8": "8.0.RC3",
     "2.3.1": "8.0.RC2", "2.2.0.post2": "8.0.RC2", "2.1.0.post6": "8.0.RC2",
-    "2.2.0": "8.0.RC1", "2.1.0.post3": "8.0.RC1",
+    "2.2.0": "8.0.RC1", "2.1.0.post4": "8.0.RC1", "2.1.0.post3": "8.0.RC1",
+    "2.1.0.post12": "8.1.RC1", "2.1.0": "7.0.0", "2.0.1.post1": "7.0.0", "2.1.0.rc1": "7.0.RC1", "2.0.1": "7.0.RC1",
 }
 
 # CANN release -> the NPU driver release it shipped with; an older driver than this is not supported by it.
@@ -65,7 +67,12 @@ ENV_MEANING: dict[str, str] = {
     "HCCL_RDMA_SL": "RoCE service level",
     "HCCL_RDMA_TIMEOUT": "RoCE retransmission timeout exponent (4.096us x 2^n)",
     "HCCL_RDMA_RETRY_CNT": "RoCE retransmissions before a link error",
-    "HCCL_ASYNC_ERROR_HANDLING": "1 = abort the process group on a collective error",
+    "TORCH_HCCL_ASYNC_ERROR_HANDLING": "1 = abort the process group on a collective error",
+    "TORCH_HCCL_ENABLE_MONITORING": "1 = a monitor thread aborts the rank when the HCCL watchdog hangs",
+    "TORCH_HCCL_DUMP_ON_TIMEOUT": "1 = dump the HCCL flight recorder when a collective times out",
+    "TASK_QUEUE_ENABLE": "torch_npu task-queue level (2 = pipelined operator launch, the standard setting)",
+    "CPU_AFFINITY_CONF": "1 = bind each rank's host threads to the cores near its card",
+    "STREAMS_PER_DEVICE": "size of torch_npu's stream pool per card",
     "NCCL_DEBUG": "NCCL logging level (INFO shows the transports chosen)",
     "NCCL_SOCKET_IFNAME": "network interface(s) for NCCL's bootstrap and socket transport",
     "NCCL_IB_DISABLE": "1 = no InfiniBand/RoCE, TCP sockets only (slow)",
@@ -86,10 +93,11 @@ ENV_MEANING: dict[str, str] = {
     "PYTORCH_NPU_ALLOC_CONF": "NPU caching-allocator options (expandable_segments:True limits fragmentation)",
     "PYTORCH_CUDA_ALLOC_CONF": "CUDA caching-allocator options",
 }
-ENV_PREFIXES = ("HCCL_", "NCCL_", "TORCH_NCCL_", "GLOO_", "TORCH_DISTRIBUTED_")
+ENV_PREFIXES = ("HCCL_", "NCCL_", "TORCH_NCCL_", "TORCH_HCCL_", "GLOO_", "TORCH_DISTRIBUTED_")
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
              "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
-             "ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH", "OMP_NUM_THREADS")
+             "ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH", "OMP_NUM_THREADS", "TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF",
+             "STREAMS_PER_DEVICE")
 IFNAME_VARS = ("HCCL_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
 
@@ -251,7 +259,13 @@ def stack_findings(versions: dict[str, str | None], cann_home: str | None = None
     out: list[tuple[str, str]] = []
     torch_v, npu, cann, driver = (versions.get(k) for k in ("torch", "torch_npu", "cann", "npu_driver"))
     torch_cuda = versions.get("torch_cuda")
-    out.append(("ok", f"torch {torch_v}" + (f" (CUDA {torch_cuda})" if torch_cuda else "")))
+    from titan_npu.device.npu import MIN_TORCH
+
+    if torch_v and parse_release(torch_v)[:2] < parse_release(MIN_TORCH)[:2]:
+        out.append(("fail", f"torch {torch_v} is older than {MIN_TORCH}, the oldest titan-npu runs on; install torch "
+                            f">= {MIN_TORCH} (with the torch_npu of the same version on Ascend)"))
+    else:
+        out.append(("ok", f"torch {torch_v}" + (f" (CUDA {torch_cuda})" if torch_cuda else "")))
     if npu is None:
         out.append(("info", "torch_npu not installed (needed only for Ascend NPUs)"))
     else:
@@ -314,7 +328,7 @@ def check_versions(report: Report) -> dict[str, str | None]:
         try:
             from titan_npu.device import import_torch_npu
 
-            import_torch_npu()
+            import_torch_npu(required=True)
         except Exception as e:  # a broken CANN install fails in many ways; the message says which
             report.add("fail", s, f"torch_npu does not import: {e}")
     return versions

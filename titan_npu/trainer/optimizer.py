@@ -24,9 +24,15 @@ def param_groups(model_parts: list[nn.Module], weight_decay: float) -> list[dict
     return groups
 
 
+# Devices with torch's fused Adam/AdamW kernel (_fused_adamw_): on npu it is registered by torch_npu's op-plugin.
+# torch_npu.optim's NpuFused* optimizers are not used: they refuse zero_grad(set_to_none=True), which the trainer
+# and distributed checkpointing call, and bf16 parameters.
+FUSED_DEVICES = ("cuda", "cpu", "xpu", "npu")
+
+
 def _implementation_kwargs(implementation: str, device_type: str) -> dict:
     if implementation == "auto":
-        implementation = "fused" if device_type in ("cuda", "cpu", "xpu") else "foreach"
+        implementation = "fused" if device_type in FUSED_DEVICES else "foreach"
     if implementation == "fused":
         return {"fused": True}
     if implementation == "foreach":
@@ -36,19 +42,6 @@ def _implementation_kwargs(implementation: str, device_type: str) -> dict:
     raise ConfigError(
         f"optimizer.implementation={implementation!r} is unknown (choose auto, fused, foreach or for-loop)"
     )
-
-
-def _npu_fused_class(name: str, groups: list[dict]) -> type | None:
-    """torch_npu's NpuFusedAdamW / NpuFusedAdam when it applies: it fuses plain tensors, so not FSDP's DTensors."""
-    try:
-        from torch_npu import optim as npu_optim
-    except ImportError:
-        return None
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for group in groups for p in group["params"]):
-        return None
-    return getattr(npu_optim, "NpuFusedAdamW" if name == "adamw" else "NpuFusedAdam", None)
 
 
 def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:
@@ -61,10 +54,6 @@ def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig, device_t
         raise ConfigError(f"optimizer.name={cfg.name!r} is unknown (choose AdamW, Adam or SGD)")
     cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
     kwargs = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
-    if device_type == "npu" and cfg.implementation in ("auto", "fused"):
-        npu_fused = _npu_fused_class(name, groups)
-        if npu_fused is not None:
-            return npu_fused(groups, **kwargs)
     kwargs.update(_implementation_kwargs(cfg.implementation, device_type))
     try:
         return cls(groups, **kwargs)

@@ -15,7 +15,6 @@ from titan_npu.checkpoint.manager import CheckpointManager
 from titan_npu.config import JobConfig, config_to_dict, save_config
 from titan_npu.data import build_dataloader, build_tokenizer, check_vocab
 from titan_npu.device import (
-    apply_communication_env,
     empty_cache,
     memory_stats,
     peak_flops,
@@ -76,16 +75,16 @@ class Trainer:
         self.cfg = cfg
         t = cfg.training
 
-        # Device and process group: torch_npu is imported (if present) before the device is decided.
-        self.device = setup_device(cfg.parallel.backend)
-        apply_communication_env(self.device.type, cfg.comm)
+        # Device and process group: the runtime, allocator and collective variables are set first, then torch_npu
+        # is imported (if present) and the device decided and bound; determinism before any communicator exists.
+        self.device = setup_device(cfg.parallel.backend, cfg.comm, deterministic=t.deterministic)
         set_memory_fraction(self.device.type, self.device.index, t.memory_fraction)
         prepare_reliability(cfg, self.device.type)  # before the process group: it reads the flight recorder's size
+        set_determinism(t.seed, t.deterministic)
         self.rank, self.world_size = init_process_group(self.device, cfg.comm)
         self.dims = ParallelDims.from_config(cfg.parallel, self.world_size)
         if self.world_size > 1:
             self.dims.build_mesh(self.device.type, cfg.comm.timeout_s)
-        set_determinism(t.seed, t.deterministic)
         self.tf32 = set_fp32_matmul_precision(self.device.type, t.tf32, t.deterministic)
         # A missing optional package (wandb) stops the run before any real work; the sinks themselves open once
         # every check has passed, so that a refused run leaves nothing on disk.

@@ -1,15 +1,16 @@
 """A stand-in for torch_npu that runs on the CPU, for tests on machines without an Ascend NPU.
 
-Each kernel follows the behaviour that torch_npu's API reference documents -- argument names and order, input
-layouts, mask convention (True = masked out), sparse modes, scale, output tuples, dtype rules -- written in plain
-torch so autograd gives the backward. It is deliberately strict: an argument the real kernel would reject is
-rejected here too, so a wrapper that passes a wrong layout, mask or mode fails its tests.
+Its ops are defined with the schemas of the pinned torch_npu wheel (npu_wheel.py, fetched once and cached): a call
+with an argument name, type or default the real op does not have fails in the dispatcher exactly as it would on a
+card, and every result is checked against the wheel's meta function (arity, shapes, dtypes). The CPU kernels
+follow the API reference -- input layouts, mask convention (True = masked out), sparse modes, scale, dtype rules,
+shape limits -- in plain torch, so autograd gives the backward, and reject what the real kernel rejects.
 
 Importing it does what the real package does to torch: it attaches the `torch.npu` device namespace. Which
 kernels ran is counted in `calls` so tests can prove that the NPU path was taken. Two switches serve tests that
 run a whole program in a subprocess: FAKE_NPU_TENSORS=1 makes "npu" a real torch device (tensors backed by CPU
-memory, see _device.py) and FAKE_TORCH_NPU_REPORT=<file> writes the calls, the HCCL environment and the device
-requests to <file> at exit.
+memory, see _device.py) and FAKE_TORCH_NPU_REPORT=<file> writes the calls, the environment seen at import and at
+device binding, and the device requests to <file> at exit.
 """
 
 from __future__ import annotations
@@ -17,26 +18,43 @@ from __future__ import annotations
 import collections
 import os
 
+import npu_wheel
 import torch
 import torch.nn.functional as F
 
-from torch_npu import npu, optim, profiler  # noqa: F401  (submodules, as in the real package)
+# The environment as the real package reads it: the allocator, task queue and runtime settings at import.
+_ENV_PREFIXES = ("HCCL_", "PYTORCH_NPU_", "PYTORCH_ALLOC_CONF", "GLOO_SOCKET", "TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF",
+                 "STREAMS_PER_DEVICE", "TORCH_HCCL_", "CLOSE_MATMUL_K_SHIFT", "ASCEND_")
+events: list[tuple[str, dict[str, str]]] = []  # (what happened, the relevant environment at that moment)
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+
+
+def _record_event(what: str) -> None:
+    """Remember that `what` happened (import, set_device) and the environment the runtime saw then."""
+    events.append((what, _environment()))
+
+
+_record_event("import")
+
+from torch_npu import npu, optim, profiler  # noqa: E402, F401  (submodules, as in the real package)
 
 # The real package is versioned "<torch X.Y.Z>[.postN]"; FAKE_TORCH_NPU_VERSION lets a test pretend otherwise.
-__version__ = os.environ.get("FAKE_TORCH_NPU_VERSION") or torch.__version__.split("+")[0] + ".post1"
+__version__ = os.environ.get("FAKE_TORCH_NPU_VERSION") or npu_wheel.TORCH_NPU_VERSION
 
 calls: collections.Counter = collections.Counter()
-# Switches for behaviour that differs between torch_npu releases.
-features = {"rotary_mode": True}  # npu_rotary_mul accepts rotary_mode (newer releases)
 
 
 def _write_report(path: str) -> None:
     """What the process asked of torch_npu, for a test that ran it in a subprocess."""
     import json
 
-    env = {k: v for k, v in os.environ.items() if k.startswith(("HCCL_", "PYTORCH_NPU_", "GLOO_SOCKET"))}
-    report = {"calls": dict(calls), "env": env, "set_device_calls": npu.state["set_device_calls"],
-              "memory_fraction": npu.state["memory_fraction"], "empty_cache_calls": npu.state["empty_cache_calls"]}
+    report = {"calls": dict(calls), "env": _environment(), "events": events,
+              "set_device_calls": npu.state["set_device_calls"], "memory_fraction": npu.state["memory_fraction"],
+              "empty_cache_calls": npu.state["empty_cache_calls"],
+              "deterministic": torch.are_deterministic_algorithms_enabled()}
     with open(path, "w") as f:
         json.dump(report, f)
 
@@ -99,7 +117,7 @@ def _expand_compressed_mask(mask: torch.Tensor, sq: int, skv: int, offset: int) 
     return per_dist[index]
 
 
-def npu_fusion_attention(
+def _npu_fusion_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -119,6 +137,11 @@ def npu_fusion_attention(
     sparse_mode: int = 0,
     gen_mask_parallel: bool = True,
     sync: bool = False,
+    softmax_layout: str = "",
+    sink: torch.Tensor | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    seed: int = 0,
+    offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     """softmax(mask(scale * Q K^T)) V; returns (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset,
     numels), attention_out in the input layout."""
@@ -128,8 +151,10 @@ def npu_fusion_attention(
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (torch.float16, torch.bfloat16,
                                                                             torch.float32):
         raise RuntimeError("npu_fusion_attention: query, key and value must share one of fp16, bf16, fp32")
-    if pse is not None or padding_mask is not None or prefix is not None or actual_seq_qlen is not None:
-        raise NotImplementedError("fake npu_fusion_attention: pse / padding_mask / prefix / varlen are not modelled")
+    if (pse is not None or padding_mask is not None or prefix is not None or actual_seq_qlen is not None
+            or sink is not None or dropout_mask is not None or softmax_layout):
+        raise NotImplementedError("fake npu_fusion_attention: pse / padding_mask / prefix / varlen / sink / "
+                                  "dropout_mask / softmax_layout are not modelled")
     if keep_prob != 1.0:
         raise NotImplementedError("fake npu_fusion_attention: dropout (keep_prob < 1) is not modelled")
     expected_dims = 3 if input_layout in ("BSH", "SBH") else 4
@@ -202,13 +227,16 @@ def npu_fusion_attention(
     return _from_bnsd(out, input_layout), softmax_max, softmax_sum, softmax_out, 0, 0, 0
 
 
-def npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd): y = x * rsqrt(mean(x^2) + eps) * gamma over gamma's trailing dims, rstd in fp32."""
+def _npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): y = x * rsqrt(mean(x^2) + eps) * gamma over gamma's trailing dims, y in x's dtype, rstd in fp32.
+
+    gamma has x's dtype, or fp32 beside fp16/bf16 activations (Atlas A2 and later take the mixed pair).
+    """
     calls["npu_rms_norm"] += 1
     if self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise RuntimeError("npu_rms_norm: input must be fp16, bf16 or fp32")
-    if gamma.dtype != self.dtype:
-        raise RuntimeError(f"npu_rms_norm: gamma dtype {gamma.dtype} must equal the input dtype {self.dtype}")
+    if gamma.dtype != self.dtype and gamma.dtype != torch.float32:
+        raise RuntimeError(f"npu_rms_norm: gamma dtype {gamma.dtype} must be the input's ({self.dtype}) or fp32")
     g = gamma.dim()
     if tuple(self.shape[-g:]) != tuple(gamma.shape):
         raise RuntimeError(f"npu_rms_norm: gamma shape {list(gamma.shape)} is not the input's trailing dims")
@@ -226,20 +254,35 @@ def _rotate(x: torch.Tensor, rotary_mode: str) -> torch.Tensor:
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
-def npu_rotary_mul(input: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half") -> torch.Tensor:
+# npu_rotary_mul's documented limits (jit_compile=False): D even and below 896; B * N below 1000 in interleave mode,
+# B and N each below 1000 in half mode; in interleave mode r1/r2 broadcast over batch and heads (1S1D for BSND).
+ROTARY_MAX_HEAD_DIM = 896
+ROTARY_MAX_BN = 1000
+
+
+def _npu_rotary_mul(input: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half",
+                    rotate: torch.Tensor | None = None) -> torch.Tensor:
     """output = r1 * input + r2 * rotate(input), rotate by halves ("half") or by adjacent pairs ("interleave")."""
     calls["npu_rotary_mul"] += 1
-    if not features["rotary_mode"] and rotary_mode != "half":
-        # Older releases have no rotary_mode at all; calling them with it is a TypeError.
-        raise TypeError("npu_rotary_mul() got an unexpected keyword argument 'rotary_mode'")
+    if rotate is not None:
+        raise NotImplementedError("fake npu_rotary_mul: the rotate matrix is not modelled")
     if rotary_mode not in ("half", "interleave"):
         raise RuntimeError(f"npu_rotary_mul: rotary_mode {rotary_mode!r} is not 'half' or 'interleave'")
     if input.dim() != 4 or r1.dim() != 4 or r2.dim() != 4:
         raise RuntimeError("npu_rotary_mul: input, r1 and r2 must be 4-D")
     if r1.shape != r2.shape or r1.dtype != input.dtype or r2.dtype != input.dtype:
         raise RuntimeError("npu_rotary_mul: r1 and r2 must have one shape and the input's dtype")
-    if r1.shape[-1] != input.shape[-1] or input.shape[-1] % 2:
-        raise RuntimeError("npu_rotary_mul: r1/r2 last dim must equal the input's (an even head size)")
+    d = input.shape[-1]
+    if r1.shape[-1] != d or d % 2 or d >= ROTARY_MAX_HEAD_DIM:
+        raise RuntimeError(f"npu_rotary_mul: head size {d} must be even, below {ROTARY_MAX_HEAD_DIM}, and r1/r2's")
+    b, n = input.shape[0], input.shape[2]
+    if rotary_mode == "interleave":
+        if b * n >= ROTARY_MAX_BN:
+            raise RuntimeError(f"npu_rotary_mul: interleave mode needs B * N < {ROTARY_MAX_BN}, got {b} * {n}")
+        if r1.shape[0] != 1 or r1.shape[2] != 1:
+            raise RuntimeError(f"npu_rotary_mul: interleave mode needs r1/r2 of 1S1D, got {list(r1.shape)}")
+    elif b >= ROTARY_MAX_BN or n >= ROTARY_MAX_BN:
+        raise RuntimeError(f"npu_rotary_mul: half mode needs B and N below {ROTARY_MAX_BN}, got {b} and {n}")
     try:
         torch.broadcast_shapes(r1.shape, input.shape)
     except RuntimeError as e:
@@ -248,12 +291,37 @@ def npu_rotary_mul(input: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rota
     return (r1.float() * x32 + r2.float() * _rotate(x32, rotary_mode)).to(input.dtype)
 
 
-def npu_swiglu(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """swish(A) * B where A, B are the first and second halves of input along dim."""
+def _npu_swiglu(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """swish(A) * B where A, B are the first and second halves of the input along dim."""
     calls["npu_swiglu"] += 1
-    if not input.is_contiguous():
+    if not self.is_contiguous():
         raise RuntimeError("npu_swiglu: non-contiguous input is not supported")
-    if input.shape[dim] % 2:
-        raise RuntimeError(f"npu_swiglu: size {input.shape[dim]} of dim {dim} is not even")
-    a, b = torch.chunk(input.float(), 2, dim=dim)
-    return (F.silu(a) * b).to(input.dtype)
+    if self.shape[dim] % 2:
+        raise RuntimeError(f"npu_swiglu: size {self.shape[dim]} of dim {dim} is not even")
+    a, b = torch.chunk(self.float(), 2, dim=dim)
+    return (F.silu(a) * b).to(self.dtype)
+
+
+def _get_npu_format(self: torch.Tensor) -> int:
+    """The storage format of a tensor: ND (2) for every tensor the fake makes."""
+    return 2
+
+
+# The torch_npu ops the project calls, each with its CPU kernel. Adding one is a line here (and its kernel).
+KERNELS = {
+    "get_npu_format": _get_npu_format,  # the fused optimizers of torch_npu.optim call it
+    "npu_fusion_attention": _npu_fusion_attention,
+    "npu_rms_norm": _npu_rms_norm,
+    "npu_rotary_mul": _npu_rotary_mul,
+    "npu_swiglu": _npu_swiglu,
+}
+# Ops defined from the wheel without a kernel yet: the MoE routing and grouped-matmul ops and the varlen attention
+# (npu_fusion_attention with actual_seq_qlen / TND) that mixture-of-experts and context parallelism will call.
+SCHEMA_ONLY = (
+    "npu_grouped_matmul", "npu_grouped_matmul_add_", "npu_moe_init_routing_v2", "npu_moe_gating_top_k",
+    "npu_moe_gating_top_k_softmax", "npu_moe_compute_expert_tokens", "npu_moe_finalize_routing",
+    "npu_moe_token_permute", "npu_moe_token_unpermute", "npu_moe_token_permute_with_routing_map",
+    "npu_moe_token_unpermute_with_routing_map", "npu_moe_re_routing",
+)
+npu_wheel.define_ops([*KERNELS, *SCHEMA_ONLY], KERNELS)
+globals().update({name: getattr(torch.ops.npu, name) for name in (*KERNELS, *SCHEMA_ONLY)})  # torch_npu.<op>

@@ -8,6 +8,9 @@ undone in a process, so this is only installed in a subprocess (FAKE_NPU_TENSORS
 
 from __future__ import annotations
 
+import sys
+
+import npu_wheel
 import torch
 from torch.utils._pytree import tree_map
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -48,6 +51,7 @@ class NpuTensor(torch.Tensor):
                 return torch.device("cpu")
             return x
 
+        _check_fused_kernel(func)
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
         if func in _HOST_RESULTS:
             return out
@@ -57,6 +61,17 @@ class NpuTensor(torch.Tensor):
         if func._schema.is_mutable and args and isinstance(args[0], NpuTensor):
             return args[0]  # in-place: the caller keeps its tensor
         return tree_map(lambda x: NpuTensor(x) if isinstance(x, torch.Tensor) else x, out)
+
+
+def _check_fused_kernel(func) -> None:
+    """A fused optimizer kernel (aten::_fused_*) runs on npu only in an overload the wheel registers; counted."""
+    name = func._schema.name.split("::", 1)[-1]
+    if not name.startswith("_fused_"):
+        return
+    key = name if func._overloadname == "default" else f"{name}.{func._overloadname}"
+    if key not in npu_wheel.schemas()["supported"]:
+        raise RuntimeError(f"{key}: torch_npu {npu_wheel.TORCH_NPU_VERSION} registers no NPU kernel for it")
+    sys.modules["torch_npu"].calls[key] += 1
 
 
 class _NpuFactories(torch.overrides.TorchFunctionMode):

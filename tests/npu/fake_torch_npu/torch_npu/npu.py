@@ -14,14 +14,14 @@ GB = 1024**3
 state: dict = {}
 
 
-def reset_state() -> None:
+def _reset_state() -> None:
     """Forget what earlier calls recorded."""
     state.clear()
     state.update(current_device=0, set_device_calls=[], memory_fraction={}, empty_cache_calls=0, synchronize_calls=0,
                  peak_resets=0)
 
 
-reset_state()
+_reset_state()
 
 
 def _machine_count() -> int:
@@ -49,6 +49,9 @@ def _check_index(device) -> int:
 
 
 def set_device(device) -> None:
+    import torch_npu
+
+    torch_npu._record_event("set_device")  # the caching allocator reads its configuration here
     index = _check_index(device)
     state["current_device"] = index
     state["set_device_calls"].append(index)

@@ -1,0 +1,288 @@
+"""The ground truth for the fake torch_npu: files of the published torch_npu wheel, fetched once and cached.
+
+`import torch_npu` needs CANN, but the wheel's plain files carry the API: the op schemas (argument names, types,
+defaults, return tuple) in npu_native_functions_by_codegen.yaml, the shape/dtype rules in the meta registrations,
+the Python of torch_npu.npu / .profiler / .optim. The pinned wheel is downloaded from the package index with pip on
+first use and only the files listed in WHEEL_FILES are kept, under $TITAN_CACHE_DIR (default ~/.cache/titan-npu).
+"""
+
+from __future__ import annotations
+
+import ast
+import fcntl
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import types
+import zipfile
+from functools import cache
+from pathlib import Path
+
+TORCH_NPU_VERSION = "2.13.0"
+WHEEL_PLATFORM = ("manylinux_2_28_x86_64", "3.11")  # any platform's wheel carries the same Python and yaml files
+SCHEMA_FILE = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
+META_FILE = "torch_npu/op_plugin/meta/_meta_registrations.py"
+METADATA_FILE = f"torch_npu-{TORCH_NPU_VERSION}.dist-info/METADATA"  # the README, with the CANN pairing table
+WHEEL_FILES = (
+    SCHEMA_FILE,
+    META_FILE,
+    "torch_npu/version.py",
+    METADATA_FILE,
+    "torch_npu/npu/__init__.py",
+    "torch_npu/profiler/__init__.py",
+    "torch_npu/optim/__init__.py",
+    "torch_npu/optim/npu_fused_optim_base.py",
+    "torch_npu/optim/npu_fused_adamw.py",
+    "torch_npu/utils/combine_tensors.py",
+    "torch_npu/distributed/tensor/_attention.py",
+    "torch_npu/distributed/tensor/_moe_ops.py",
+)
+
+
+def cache_root() -> Path:
+    """Where the extracted wheel files live (outside the repository)."""
+    root = os.environ.get("TITAN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "titan-npu")
+    return Path(root) / f"torch_npu-{TORCH_NPU_VERSION}"
+
+
+def wheel_dir() -> Path:
+    """The extracted files of the pinned wheel, downloading it first when the cache does not hold them."""
+    root = cache_root()
+    done = root / ".complete"
+    marker = "\n".join((TORCH_NPU_VERSION, *WHEEL_FILES)) + "\n"  # a longer file list fetches again
+    if done.exists() and done.read_text() == marker:
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:  # concurrent test processes download once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists() or done.read_text() != marker:
+            _download_and_extract(root)
+            done.write_text(marker)
+    return root
+
+
+def _download_and_extract(root: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+               "--platform", WHEEL_PLATFORM[0], "--python-version", WHEEL_PLATFORM[1],
+               f"torch-npu=={TORCH_NPU_VERSION}", "-d", tmp]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        wheels = list(Path(tmp).glob("torch_npu-*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise RuntimeError(f"could not download torch-npu=={TORCH_NPU_VERSION} ({' '.join(cmd)}): "
+                               f"{result.stderr.strip()[-2000:]}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            for name in WHEEL_FILES:
+                target = root / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with wheel.open(name) as src, open(target, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+
+
+def read(relative: str) -> str:
+    """The text of one extracted wheel file."""
+    return (wheel_dir() / relative).read_text()
+
+
+_FUNC = re.compile(r"^\s*(?:- )?func:\s*(.+?)\s*$")
+_SECTION = re.compile(r"^([a-z_]+):\s*$")
+
+
+@cache
+def schemas() -> dict[str, dict[str, str]]:
+    """{section: {"name[.overload]": schema}} for every op of the yaml ("custom", "supported", "autograd", ...)."""
+    out: dict[str, dict[str, str]] = {}
+    section = ""
+    for line in read(SCHEMA_FILE).splitlines():
+        m = _SECTION.match(line)
+        if m:
+            section = m.group(1)
+            continue
+        m = _FUNC.match(line)
+        if m:
+            schema = m.group(1)
+            out.setdefault(section, {}).setdefault(schema.split("(", 1)[0], schema)
+    return out
+
+
+def op_schema(name: str) -> str:
+    """The schema of torch_npu op `name` (a torch_npu.<name> function, i.e. torch.ops.npu.<name>)."""
+    for section in ("custom", "autograd", "quant", "symint"):
+        schema = schemas().get(section, {}).get(name)
+        if schema is not None:
+            return schema
+    raise KeyError(f"torch_npu {TORCH_NPU_VERSION} defines no op {name!r}")
+
+
+def aten_schema(name: str) -> str:
+    """The schema of aten op `name` ("_fused_adamw_") as the wheel's NPU kernels implement it."""
+    return schemas()["supported"][name]
+
+
+def op_names() -> set[str]:
+    """Base names of every op the wheel defines (torch_npu.<name> for the custom ones)."""
+    return {key.split(".", 1)[0] for section in schemas().values() for key in section}
+
+
+@cache
+def module_names(module: str) -> frozenset[str]:
+    """Names bound at the top level of wheel module `module` ("torch_npu.npu"), read from its __init__.py."""
+    relative = module.replace(".", "/") + "/__init__.py"
+    tree = ast.parse(read(relative))
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                names.update(ast.literal_eval(node.value))
+    return frozenset(names)
+
+
+@cache
+def meta_functions() -> dict[str, types.FunctionType]:
+    """The wheel's Meta implementations of torch.ops.npu ops, by op name, for checking output shapes and dtypes.
+
+    The file registers them with torch.library at import; here it runs with `impl` replaced by a collector and the
+    few torch_npu helpers it imports replaced by stand-ins (an A2-class chip, a current CANN).
+    """
+    import torch.library
+
+    collected: dict[str, types.FunctionType] = {}
+
+    class _Collector:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+    def _impl(_lib, name, *args, **kwargs):
+        def register(fn):
+            collected[name] = fn
+            return fn
+        return register
+
+    shims = {
+        "torch_npu": types.ModuleType("torch_npu"),
+        "torch_npu.utils": types.ModuleType("torch_npu.utils"),
+        "torch_npu.utils._error_code": error_code_module(),
+        "torch_npu.npu": types.ModuleType("torch_npu.npu"),
+        "torch_npu.npu.utils": types.ModuleType("torch_npu.npu.utils"),
+        "torch_npu.npu._backends": types.ModuleType("torch_npu.npu._backends"),
+    }
+    shims["torch_npu.npu.utils"].get_cann_version = lambda: "8.5.0"
+    shims["torch_npu.npu._backends"].get_soc_version = lambda: 220  # Ascend910B3
+    saved_modules = {name: sys.modules.get(name) for name in shims}
+    saved = torch.library.Library, torch.library.impl
+    sys.modules.update(shims)
+    torch.library.Library, torch.library.impl = _Collector, _impl
+    # Top-level has_side_effect(torch.ops.npu.<op>.default) lines name ops this process does not define.
+    source = re.sub(r"^has_side_effect\(.*$", "", read(META_FILE), flags=re.MULTILINE)
+    try:
+        namespace: dict = {"__name__": "torch_npu_meta_registrations"}
+        exec(compile(source, str(wheel_dir() / META_FILE), "exec"), namespace)
+    finally:
+        torch.library.Library, torch.library.impl = saved
+        for name, module in saved_modules.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    return collected
+
+
+def error_code_module() -> types.ModuleType:
+    """A stand-in for torch_npu.utils._error_code (error-message suffixes)."""
+    module = types.ModuleType("torch_npu.utils._error_code")
+
+    codes = type("ErrCodes", (), {n: n for n in ("VALUE", "TYPE", "PARAM", "NOT_SUPPORT", "INTERNAL", "UNAVAIL",
+                                                 "NOT_FOUND", "PTR", "SYSCALL", "TIMEOUT", "PERMISSION", "ACL")})
+    module.ErrCode = codes
+    module.ops_error = lambda code, *args, **kwargs: f" [{code}]"
+    module.pta_error = lambda code, *args, **kwargs: f" [{code}]"
+    module.dist_error = lambda code, *args, **kwargs: f" [{code}]"
+    return module
+
+
+def load_module(relative: str, name: str, extra_globals: dict | None = None) -> types.ModuleType:
+    """Execute one wheel Python file as module `name` (its imports must resolve, e.g. to the fake torch_npu)."""
+    module = types.ModuleType(name)
+    module.__file__ = str(wheel_dir() / relative)
+    module.__package__ = name.rpartition(".")[0]
+    module.__dict__.update(extra_globals or {})
+    sys.modules[name] = module
+    exec(compile(read(relative), module.__file__, "exec"), module.__dict__)
+    return module
+
+
+# --- the ops, defined on CPU with the wheel's schemas --------------------------------------------------------------
+
+_library = None  # torch.library.Library("npu", "FRAGMENT"), made once per process (definitions cannot be undone)
+_defined: set[str] = set()
+_implemented: set[str] = set()
+_kernels: dict[str, types.FunctionType] = {}  # the newest implementation of each op (the fake may be re-imported)
+
+
+def define_ops(names: list[str], kernels: dict) -> None:
+    """torch.ops.npu.<name> for every name, with the pinned wheel's schema; those in `kernels` get a CPU kernel.
+
+    The kernel is registered as CompositeImplicitAutograd, so autograd runs through its plain-torch body; the
+    dispatcher parses every call against the wheel's schema (argument names, types, defaults) and the result is
+    checked against the wheel's meta function (arity, shapes, dtypes).
+    """
+    import torch
+
+    global _library
+    if _library is None:
+        _library = torch.library.Library("npu", "FRAGMENT")
+    for name in names:
+        if name not in _defined:
+            _library.define(op_schema(name))
+            _defined.add(name)
+    _kernels.update(kernels)
+    for name in kernels:
+        if name not in _implemented:
+            _library.impl(name, _checked(name), "CompositeImplicitAutograd")
+            _implemented.add(name)
+
+
+def _checked(name: str):
+    def kernel(*args, **kwargs):
+        out = _kernels[name](*args, **kwargs)
+        check_against_meta(name, args, kwargs, out)
+        return out
+    return kernel
+
+
+def check_against_meta(name: str, args: tuple, kwargs: dict, out) -> None:
+    """Raise if `out` differs in arity, shape or dtype from what the wheel's meta function of `name` gives."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    meta = meta_functions().get(name)
+    if meta is None:
+        return
+
+    def to_meta(x):
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        return x
+
+    with torch.no_grad():
+        expected = meta(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+    got_items = out if isinstance(out, (tuple, list)) else (out,)
+    want_items = expected if isinstance(expected, (tuple, list)) else (expected,)
+    if len(got_items) != len(want_items):
+        raise RuntimeError(f"{name}: {len(got_items)} outputs, the wheel's meta function gives {len(want_items)}")
+    for i, (got, want) in enumerate(zip(got_items, want_items)):
+        if isinstance(want, torch.Tensor):
+            if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+                shape = (tuple(got.shape), got.dtype) if isinstance(got, torch.Tensor) else type(got).__name__
+                raise RuntimeError(f"{name}: output {i} is {shape}, the wheel's meta function gives "
+                                   f"{(tuple(want.shape), want.dtype)}")

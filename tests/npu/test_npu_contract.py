@@ -1,0 +1,118 @@
+"""The fake torch_npu is held to the pinned torch_npu wheel: its ops carry the wheel's schemas and meta rules, its
+modules define only names the wheel defines, and the project calls only names the wheel defines."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_npu.ops import npu as npu_ops
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _normalised(schema: str) -> str:
+    return str(torch._C.parse_schema(schema))
+
+
+def test_every_op_of_the_fake_has_the_pinned_wheels_schema(fake_torch_npu, torch_npu_wheel):
+    for name in (*fake_torch_npu.KERNELS, *fake_torch_npu.SCHEMA_ONLY):
+        got = str(getattr(torch.ops.npu, name).default._schema).replace("npu::", "", 1)
+        assert got == _normalised(torch_npu_wheel.op_schema(name)), name
+
+
+def test_the_loaded_schemas_cover_the_attention_moe_and_context_parallel_ops(fake_torch_npu):
+    loaded = {*fake_torch_npu.KERNELS, *fake_torch_npu.SCHEMA_ONLY}
+    assert {"npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "npu_grouped_matmul",
+            "npu_moe_init_routing_v2", "npu_moe_token_permute", "npu_moe_token_unpermute"} <= loaded
+    # varlen attention (context parallelism) is npu_fusion_attention's actual_seq_qlen / actual_seq_kvlen
+    args = {a.name for a in torch.ops.npu.npu_fusion_attention.default._schema.arguments}
+    assert {"actual_seq_qlen", "actual_seq_kvlen", "sparse_mode"} <= args
+
+
+def test_a_wrong_keyword_type_or_arity_fails_like_on_the_card(fake_torch_npu):
+    x, w = torch.randn(2, 3, 8), torch.ones(8)
+    with pytest.raises(RuntimeError, match="Unknown keyword argument 'eps'"):
+        fake_torch_npu.npu_rms_norm(x, w, eps=1e-6)
+    with pytest.raises(RuntimeError, match="Expected a value of type 'str' for argument 'rotary_mode'"):
+        fake_torch_npu.npu_rotary_mul(torch.randn(1, 4, 2, 8), torch.ones(1, 4, 1, 8), torch.ones(1, 4, 1, 8), 1)
+    assert len(fake_torch_npu.npu_rms_norm(x, w, epsilon=1e-6)) == 2  # (y, rstd), as the schema returns
+    assert len(fake_torch_npu.npu_fusion_attention(x[None], x[None], x[None], 3, "BSND")) == 7
+
+
+def test_an_op_without_a_cpu_kernel_is_defined_but_not_callable(fake_torch_npu):
+    with pytest.raises(NotImplementedError):
+        fake_torch_npu.npu_moe_token_permute(torch.randn(4, 8), torch.zeros(4, 1, dtype=torch.int64))
+
+
+def test_a_result_that_differs_from_the_wheels_meta_function_is_refused(torch_npu_wheel):
+    x = torch.randn(2, 3, 8)
+    torch_npu_wheel.check_against_meta("npu_swiglu", (x,), {"dim": -1}, x[..., :4])
+    with pytest.raises(RuntimeError, match="meta function gives"):
+        torch_npu_wheel.check_against_meta("npu_swiglu", (x,), {"dim": -1}, x)  # not halved along dim
+    with pytest.raises(RuntimeError, match="1 outputs"):
+        torch_npu_wheel.check_against_meta("npu_rms_norm", (x, torch.ones(8)), {"epsilon": 1e-6}, x)
+
+
+def test_the_fakes_public_names_are_names_the_wheel_defines(fake_torch_npu, torch_npu_wheel):
+    for module, wheel_module in ((fake_torch_npu.npu, "torch_npu.npu"), (fake_torch_npu.profiler, "torch_npu.profiler"),
+                                 (fake_torch_npu.optim, "torch_npu.optim")):
+        defined = {n for n, v in vars(module).items() if not n.startswith("_")
+                   and (inspect.isfunction(v) or inspect.isclass(v)) and v.__module__ == module.__name__}
+        missing = sorted(defined - torch_npu_wheel.module_names(wheel_module))
+        assert not missing, f"{wheel_module}: the fake defines {missing}, the pinned wheel does not"
+
+
+# torch_npu.<name>, torch.npu.<name>, `from torch_npu[.sub] import name` in the project's sources.
+
+_FROM_IMPORT = re.compile(r"from torch_npu(\.\w+)? import ([\w, ]+)")
+
+
+def project_torch_npu_names() -> set[tuple[str, str]]:
+    """(module, name) for every torch_npu attribute the project's code refers to by name."""
+    found: set[tuple[str, str]] = set()
+    for path in (REPO / "titan_npu").rglob("*.py"):
+        for line in path.read_text().splitlines():
+            code = line.split("#", 1)[0].replace("_torch_npu()", "torch_npu")  # ops/npu.py's import helper
+            for m in _FROM_IMPORT.finditer(code):
+                module = "torch_npu" + (m.group(1) or "")
+                found.update((module, n.split(" as ")[0].strip()) for n in m.group(2).split(",") if n.strip())
+            for m in re.finditer(r"\btorch\.npu\.([A-Za-z_]\w*)", code):
+                found.add(("torch_npu.npu", m.group(1)))
+            for m in re.finditer(r"\btorch_npu\.([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?", code):
+                first, second = m.groups()
+                if first in ("npu", "profiler", "optim") and second:
+                    found.add((f"torch_npu.{first}", second))
+                elif first not in ("npu", "profiler", "optim"):
+                    found.add(("torch_npu", first))
+    return found
+
+
+def test_the_project_calls_only_torch_npu_names_the_pinned_wheel_defines(torch_npu_wheel):
+    names = project_torch_npu_names()
+    assert ("torch_npu", "npu_fusion_attention") in names  # the scan sees the kernels' calls
+    unknown = []
+    for module, name in sorted(names):
+        if module == "torch_npu":
+            # _C is the compiled extension (its names are not in the wheel's Python files)
+            known = name in torch_npu_wheel.op_names() or name in ("npu", "profiler", "optim", "_C", "__version__")
+        else:
+            known = name in torch_npu_wheel.module_names(module)
+        if not known:
+            unknown.append(f"{module}.{name}")
+    assert not unknown, f"the project calls {unknown}, which torch_npu {torch_npu_wheel.TORCH_NPU_VERSION} lacks"
+
+
+def test_the_npu_kernels_call_through_the_wheels_schemas(fake_torch_npu):
+    fake_torch_npu.calls.clear()
+    x = torch.randn(1, 6, 2, 8)
+    npu_ops.attention(x, x, x)
+    npu_ops.rms_norm(x, torch.ones(8), 1e-6)
+    cos, sin = torch.ones(6, 4), torch.zeros(6, 4)
+    npu_ops.apply_rotary_emb(x, x, cos, sin)
+    npu_ops.swiglu(x, x)
+    assert set(fake_torch_npu.calls) == {"npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu"}
