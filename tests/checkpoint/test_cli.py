@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 
@@ -151,8 +152,8 @@ def test_tokenizer_files_of_a_directory_and_their_hugging_face_names(tmp_path):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """checkpoint.dir of a real one-step run (step-1 inside), made once; tests copy it before touching it."""
-    return train_tiny(tmp_path_factory.mktemp("trained"))
+    """checkpoint.dir of a real two-step run (step-1, step-2 inside), made once; tests copy it before touching it."""
+    return train_tiny(tmp_path_factory.mktemp("trained"), steps=2, checkpoint__save_interval=1)
 
 
 @pytest.fixture
@@ -169,10 +170,11 @@ def test_export_never_writes_over_or_into_its_checkpoint(run_copy, tmp_path, cap
                                                          relation):
     monkeypatch.chdir(tmp_path)
     before = snapshot(tmp_path)
-    code, err = _run(capsys, "export", "--checkpoint", "ckpt", "--output", output, "--format", fmt, "--overwrite")
+    code, err = _run(capsys, "export", "--checkpoint", "ckpt/step-1", "--output", output, "--format", fmt,
+                     "--overwrite")
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert f"--output {output} {relation} the checkpoint" in err and "write to a path outside it" in err or \
-        relation == "is" and "choose another path" in err
+    assert f"--output {output} {relation} the checkpoint" in err, err
+    assert err.endswith("choose another path" if relation == "is" else "write to a path outside it"), err
     assert snapshot(tmp_path) == before
 
 
@@ -195,7 +197,7 @@ def test_export_overwrite_refuses_a_folder_that_is_not_an_earlier_export_and_nam
     before = snapshot(tmp_path)
     code, err = _run(capsys, "export", "--checkpoint", str(run_copy), "--output", str(other / "step-1"), "--format",
                      "hf", "--overwrite")
-    assert code == 2 and "is not an earlier export" in err and ".metadata" in err
+    assert code == 2 and f"is the checkpoint {other.resolve() / 'step-1'}; choose another path" in err
     assert snapshot(tmp_path) == before
 
 
@@ -235,3 +237,43 @@ def test_import_never_writes_over_or_into_its_input(run_copy, tmp_path, capsys, 
     code, err = _run(capsys, "import", "--input", "ckpt/step-1", "--output", output, "--overwrite")
     assert code == 2 and len(err.splitlines()) == 1 and f"--output {output} " in err and "the input ckpt/step-1" in err
     assert snapshot(tmp_path) == before
+
+
+def _truncate(path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+DAMAGES = {
+    "truncated-distcp": ("step-2/__0_0.distcp", lambda f: _truncate(f, f.stat().st_size // 2),
+                         r"__0_0.distcp is \d+ bytes but its index \(.metadata\) needs \d+ \(truncated"),
+    "empty-distcp": ("step-2/__0_0.distcp", lambda f: _truncate(f, 0), r"__0_0.distcp is 0 bytes but its index"),
+    "missing-distcp": ("step-2/__0_0.distcp", lambda f: f.unlink(), r"__0_0.distcp is missing"),
+    "truncated-metadata": ("step-2/.metadata", lambda f: _truncate(f, 100), r"step-2/.metadata is unreadable"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+@pytest.mark.parametrize("command", ["export", "import", "generate"])
+def test_a_damaged_checkpoint_file_is_one_line_naming_it_and_the_intact_step_before(run_copy, tmp_path, capsys,
+                                                                                      damage, command):
+    rel, spoil, problem = DAMAGES[damage]
+    spoil(run_copy / rel)
+    before = snapshot(tmp_path)
+    step2 = str(run_copy / "step-2")
+    argv = {"export": ["export", "--checkpoint", step2, "--output", str(tmp_path / "o.pt")],
+            "import": ["import", "--input", step2, "--output", str(tmp_path / "o.pt")],
+            "generate": ["generate", "--checkpoint", step2, "--max-new-tokens", "2"]}[command]
+    code, err = _run(capsys, *argv)
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("CheckpointError: ") and re.search(problem, err), err
+    assert err.endswith(f"is damaged: use the intact step 1 before it (train: --checkpoint.resume 1; export, "
+                        f"generate: --checkpoint {run_copy / 'step-1'})"), err
+    assert snapshot(tmp_path) == before
+
+
+def test_a_damaged_checkpoint_with_nothing_intact_before_it_says_so(run_copy, tmp_path, capsys):
+    _truncate(run_copy / "step-1" / "__0_0.distcp", 10)
+    code, err = _run(capsys, "export", "--checkpoint", str(run_copy / "step-1"), "--output", str(tmp_path / "o.pt"))
+    assert code == 2 and err.endswith(f"no earlier intact checkpoint is in {run_copy}; start again or restore the "
+                                      "files"), err

@@ -178,11 +178,12 @@ def refuse_overlap(flag: str, output: Path, what: str, source: Path) -> None:
         raise CheckpointError(f"{flag} {output} {relation} the {what} {source}; {fix}")
 
 
-def _checkpoint_holding(path: Path) -> Path | None:
-    """The checkpoint directory `path` lies inside (its own files, or a folder of them), if any."""
-    for parent in path.resolve().parents:
-        if (parent / storage.DCP_METADATA).is_file() or (parent / storage.INFO_FILE).is_file():
-            return parent
+def _checkpoint_at(path: Path) -> tuple[str, Path] | None:
+    """('is' | 'lies inside', the checkpoint directory) when `path` is a checkpoint or lies inside one."""
+    resolved = path.resolve()
+    for folder in (resolved, *resolved.parents):
+        if (folder / storage.DCP_METADATA).is_file() or (folder / storage.INFO_FILE).is_file():
+            return ("is" if folder == resolved else "lies inside"), folder
     return None
 
 
@@ -202,9 +203,11 @@ def check_output(source: Path, output: Path, fmt: str, overwrite: bool) -> None:
     """Refuse an --output whose writing would destroy something: the checkpoint itself (or a folder holding it),
     any checkpoint's files, or with --overwrite a folder that is not an earlier export."""
     refuse_overlap("--output", output, "checkpoint", source)
-    holder = _checkpoint_holding(output)
-    if holder is not None:
-        raise CheckpointError(f"--output {output} lies inside the checkpoint {holder}; write to a path outside it")
+    found = _checkpoint_at(output)
+    if found is not None:
+        relation, checkpoint = found
+        raise CheckpointError(f"--output {output} {relation} the checkpoint {checkpoint}; "
+                              + ("choose another path" if relation == "is" else "write to a path outside it"))
     if not output.exists() and not output.is_symlink():
         return
     if not overwrite:
