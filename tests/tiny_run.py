@@ -5,6 +5,7 @@ Imported as `tiny_run`: pytest puts tests/ on sys.path for the test packages (te
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 # A ~0.2M-parameter Llama on the built-in corpus: a step takes milliseconds, a whole run a few seconds.
@@ -25,3 +26,21 @@ def tiny_args(run_dir: Path, **extra: object) -> list[str]:
     for key, value in extra.items():
         out += [f"--{key.replace('__', '.')}", str(value).lower() if isinstance(value, bool) else str(value)]
     return out
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file and folder under `folder` with a digest of its bytes (folders: 'dir'): equal before and after
+    means nothing there was changed, added or deleted."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = str(p.relative_to(folder))
+        out[rel] = "dir" if p.is_dir() else hashlib.sha1(p.read_bytes()).hexdigest()
+    return out
+
+
+def train_tiny(run_dir: Path, steps: int = 1, **extra: object) -> Path:
+    """A real tiny training run in this process, saving synchronously at its last step; its checkpoint dir."""
+    from titan_npu.cli import main
+
+    assert main(["train", *tiny_args(run_dir, training__max_steps=steps, checkpoint__async_save=False, **extra)]) == 0
+    return run_dir / "ckpt"

@@ -27,8 +27,18 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+EXIT_REFUSED = 2  # bad input refused (or a run halted) with one line saying why; see docs/reliability.md
+PEER_REPORT_WAIT_S = 60.0  # how long a silent rank waits for local rank 0 to have said the same refusal
+
+
 def run_command(func, argv: list[str]) -> int:
-    """Run a command's main; a TitanError becomes one line on stderr and exit code 2 (traceback with --debug)."""
+    """Run a command's main; a TitanError becomes one line on stderr and exit code 2 (traceback with --debug).
+
+    Under a launcher (torchrun), an error that every rank meets alike (marked `same_on_every_rank`: found before
+    the process group forms) is printed once per node, by local rank 0; one found later is printed by each rank
+    that meets it, prefixed with its rank. Each rank also leaves the line in torchrun's error file, so that
+    torchrun's failure summary names it.
+    """
     from titan_npu.errors import TitanError
 
     debug = "--debug" in argv or bool(_env_flag("TITAN_DEBUG"))
@@ -37,11 +47,58 @@ def run_command(func, argv: list[str]) -> int:
     except TitanError as e:
         if debug:
             raise
-        print(f"{type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        line = f"{type(e).__name__}: {e}"
+        rank, local_rank = _env_flag("RANK"), _env_flag("LOCAL_RANK") or _env_flag("RANK")
+        if local_rank in ("", "0"):
+            print(line, file=sys.stderr, flush=True)
+            _record_for_torchrun(line)  # after the line is out: the other ranks wait for this file
+        elif getattr(e, "same_on_every_rank", False):
+            _record_for_torchrun(line)
+            # torchrun stops every worker once one has exited: stay until local rank 0 has said it.
+            if not _local_rank_zero_reported():
+                print(f"[rank{rank}] {line}", file=sys.stderr)
+        else:
+            _record_for_torchrun(line)
+            print(f"[rank{rank}] {line}", file=sys.stderr)
+        return EXIT_REFUSED
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _record_for_torchrun(line: str) -> None:
+    """Write the refusal where torchrun looks for a worker's reason (TORCHELASTIC_ERROR_FILE), if it is set."""
+    path = _env_flag("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+    import time
+
+    try:
+        with open(path, "w") as f:
+            # torchrun's own layout (ErrorHandler.record_exception): its summary shows py_callstack; ours is the line.
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass  # only torchrun's summary loses the line; stderr has it
+
+
+def _local_rank_zero_reported() -> bool:
+    """Wait (up to PEER_REPORT_WAIT_S) for local rank 0's torchrun error file (attempt_N/0/error.json beside
+    ours); False without torchrun or when it never comes."""
+    import time
+    from pathlib import Path
+
+    path = _env_flag("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    peer = Path(path).parent.parent / "0" / Path(path).name
+    deadline = time.monotonic() + PEER_REPORT_WAIT_S
+    while not (peer.is_file() and peer.stat().st_size > 0):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _env_flag(name: str) -> str:

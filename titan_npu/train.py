@@ -44,11 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry of `titan-npu train` and of train.py."""
     from titan_npu.config import config_to_dict, load_config
+    from titan_npu.errors import TitanError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args, overrides = build_parser().parse_known_args(argv)
-    setup_logging(int(os.environ.get("RANK", "0")))
-    cfg = load_config(args.config, overrides)
+    setup_logging(_rank())
+    try:
+        cfg = load_config(args.config, overrides)
+        if not args.print_config and not args.dry_run:
+            check_before_process_group(cfg)
+    except TitanError as e:
+        e.same_on_every_rank = True  # found before any process group: every rank sees it, rank 0 says it
+        raise
     if args.print_config:
         import json
 
@@ -68,6 +75,29 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         trainer.close()
     return 0
+
+
+def _rank() -> int:
+    rank = os.environ.get("RANK", "0")
+    return int(rank) if rank.isdigit() else 0
+
+
+def check_before_process_group(cfg) -> None:
+    """The checks that need no process group, made by every rank before one forms (so a refusal costs no
+    rendezvous, no device mesh and no collective timeout): the layout against WORLD_SIZE, the model's shapes,
+    seq_len against them, and the tokenizer against the vocabulary."""
+    from titan_npu.config.validate import check_seq_len
+    from titan_npu.data.tokenizer import build_tokenizer, check_vocab
+    from titan_npu.models.llama import build_model_args
+    from titan_npu.parallel.dims import ParallelDims
+    from titan_npu.parallel.layout import validate_layout
+
+    model_args = build_model_args(cfg.model)
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) >= 1:  # anything else is the device layer's to name
+        validate_layout(ParallelDims.from_config(cfg.parallel, int(world)), model_args, cfg)
+    check_seq_len(cfg.training.seq_len, model_args.max_seq_len)
+    check_vocab(build_tokenizer(cfg.data.tokenizer), model_args.vocab_size)
 
 
 def cli_main() -> None:

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+import stat
+
 import pytest
 import torch
+from tiny_run import snapshot, train_tiny
 
 from titan_npu.checkpoint.cli import parse_size
 from titan_npu.cli import main
@@ -139,3 +146,134 @@ def test_tokenizer_files_of_a_directory_and_their_hugging_face_names(tmp_path):
         tokenizer_files(str(tmp_path / "empty"))
     names = [_hf_tokenizer_name(tmp_path / n) for n in ("spm.model", "bpe.json", "tokenizer_config.json", "vocab.txt")]
     assert names == ["tokenizer.model", "tokenizer.json", "tokenizer_config.json", "vocab.txt"]
+
+
+# ---- outputs that would destroy what the user has: tested on the checkpoint of a real tiny run, by checksums.
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """checkpoint.dir of a real two-step run (step-1, step-2 inside), made once; tests copy it before touching it."""
+    return train_tiny(tmp_path_factory.mktemp("trained"), steps=2, checkpoint__save_interval=1)
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path):
+    """A copy of the trained run's checkpoint.dir at tmp_path/ckpt."""
+    shutil.copytree(trained, tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize("fmt", ["pt", "hf"])
+@pytest.mark.parametrize("output, relation", [("ckpt/step-1", "is"), ("ckpt", "contains"), (".", "contains"),
+                                              ("ckpt/step-1/model", "lies inside")])
+def test_export_never_writes_over_or_into_its_checkpoint(run_copy, tmp_path, capsys, monkeypatch, fmt, output,
+                                                         relation):
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    code, err = _run(capsys, "export", "--checkpoint", "ckpt/step-1", "--output", output, "--format", fmt,
+                     "--overwrite")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"--output {output} {relation} the checkpoint" in err, err
+    assert err.endswith("choose another path" if relation == "is" else "write to a path outside it"), err
+    assert snapshot(tmp_path) == before
+
+
+def test_export_overwrite_refuses_a_folder_that_is_not_an_earlier_export_and_names_its_files(run_copy, tmp_path,
+                                                                                            capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("a week of notes")
+    (mine / "other-run").mkdir()
+    before = snapshot(tmp_path)
+    for fmt in ("hf", "pt"):
+        code, err = _run(capsys, "export", "--checkpoint", str(run_copy), "--output", str(mine), "--format", fmt,
+                         "--overwrite")
+        assert code == 2 and len(err.splitlines()) == 1, err
+    assert "is not an earlier export; --overwrite would delete notes.txt, other-run" in _run(
+        capsys, "export", "--checkpoint", str(run_copy), "--output", str(mine), "--format", "hf", "--overwrite")[1]
+    # Another checkpoint is no export either.
+    other = tmp_path / "other"
+    shutil.copytree(run_copy, other)
+    before = snapshot(tmp_path)
+    code, err = _run(capsys, "export", "--checkpoint", str(run_copy), "--output", str(other / "step-1"), "--format",
+                     "hf", "--overwrite")
+    assert code == 2 and f"is the checkpoint {other.resolve() / 'step-1'}; choose another path" in err
+    assert snapshot(tmp_path) == before
+
+
+def test_export_overwrite_replaces_an_earlier_export_but_not_files_added_to_it(run_copy, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(run_copy), "--format", "hf", "--output", str(out)]) == 0
+    assert main(["export", "--checkpoint", str(run_copy), "--format", "hf", "--output", str(out), "--overwrite",
+                 "--dtype", "fp32"]) == 0
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left beside it
+    (out / "README.md").write_text("model card")
+    before = snapshot(tmp_path)
+    code, err = _run(capsys, "export", "--checkpoint", str(run_copy), "--format", "hf", "--output", str(out),
+                     "--overwrite")
+    assert code == 2 and "holds files an earlier export did not write; --overwrite would delete README.md" in err
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_exports_and_imports_honour_the_umask(run_copy, tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        assert main(["export", "--checkpoint", str(run_copy), "--format", "hf", "--output", str(tmp_path / "hf")]) == 0
+        assert main(["export", "--checkpoint", str(run_copy), "--output", str(tmp_path / "w.pt")]) == 0
+        assert main(["import", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "i.pt")]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "hf").stat().st_mode) == 0o777 & ~umask
+    for f in [*(tmp_path / "hf").iterdir(), tmp_path / "w.pt", tmp_path / "i.pt"]:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f
+
+
+@pytest.mark.parametrize("output", ["ckpt/step-1", "ckpt/step-1/w.pt", "ckpt"])
+def test_import_never_writes_over_or_into_its_input(run_copy, tmp_path, capsys, monkeypatch, output):
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    code, err = _run(capsys, "import", "--input", "ckpt/step-1", "--output", output, "--overwrite")
+    assert code == 2 and len(err.splitlines()) == 1 and f"--output {output} " in err and "the input ckpt/step-1" in err
+    assert snapshot(tmp_path) == before
+
+
+def _truncate(path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+DAMAGES = {
+    "truncated-distcp": ("step-2/__0_0.distcp", lambda f: _truncate(f, f.stat().st_size // 2),
+                         r"__0_0.distcp is \d+ bytes but its index \(.metadata\) needs \d+ \(truncated"),
+    "empty-distcp": ("step-2/__0_0.distcp", lambda f: _truncate(f, 0), r"__0_0.distcp is 0 bytes but its index"),
+    "missing-distcp": ("step-2/__0_0.distcp", lambda f: f.unlink(), r"__0_0.distcp is missing"),
+    "truncated-metadata": ("step-2/.metadata", lambda f: _truncate(f, 100), r"step-2/.metadata is unreadable"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+@pytest.mark.parametrize("command", ["export", "import", "generate"])
+def test_a_damaged_checkpoint_file_is_one_line_naming_it_and_the_intact_step_before(run_copy, tmp_path, capsys,
+                                                                                      damage, command):
+    rel, spoil, problem = DAMAGES[damage]
+    spoil(run_copy / rel)
+    before = snapshot(tmp_path)
+    step2 = str(run_copy / "step-2")
+    argv = {"export": ["export", "--checkpoint", step2, "--output", str(tmp_path / "o.pt")],
+            "import": ["import", "--input", step2, "--output", str(tmp_path / "o.pt")],
+            "generate": ["generate", "--checkpoint", step2, "--max-new-tokens", "2"]}[command]
+    code, err = _run(capsys, *argv)
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("CheckpointError: ") and re.search(problem, err), err
+    assert err.endswith(f"is damaged: use the intact step 1 before it (train: --checkpoint.resume 1; export, "
+                        f"generate: --checkpoint {run_copy / 'step-1'})"), err
+    assert snapshot(tmp_path) == before
+
+
+def test_a_damaged_checkpoint_with_nothing_intact_before_it_says_so(run_copy, tmp_path, capsys):
+    _truncate(run_copy / "step-1" / "__0_0.distcp", 10)
+    code, err = _run(capsys, "export", "--checkpoint", str(run_copy / "step-1"), "--output", str(tmp_path / "o.pt"))
+    assert code == 2 and err.endswith(f"no earlier intact checkpoint is in {run_copy}; start again or restore the "
+                                      "files"), err

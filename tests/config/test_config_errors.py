@@ -81,12 +81,12 @@ def test_section_given_a_value_is_an_error(tmp_path):
 )
 def test_wrong_type_names_file_key_value_and_type(tmp_path, text, expected):
     path = write(tmp_path, "x.toml", text)
-    assert load_error(path).startswith(f"{path}: {expected}")
+    assert load_error(path).startswith(f"{path}:2: {expected}")
 
 
 def test_wrong_type_under_an_alias_names_the_alias(tmp_path):
     path = write(tmp_path, "x.yaml", "training:\n  learning_rate: fast\n")
-    assert load_error(path) == f"{path}: training.learning_rate = 'fast' is not a float"
+    assert load_error(path) == f"{path}:2: training.learning_rate = 'fast' is not a float"
 
 
 def test_int_float_and_string_numbers_are_coerced(tmp_path):
@@ -216,7 +216,30 @@ def test_invalid_values_are_refused_with_the_fix(tokens, expected):
 
 def test_invalid_value_from_a_file_names_the_file(tmp_path):
     path = write(tmp_path, "x.toml", "[optimizer]\nlr = -0.5\n")
-    assert load_error(path).startswith(f"{path}: optimizer.lr = -0.5 must be > 0 (a typical peak learning rate")
+    assert load_error(path).startswith(f"{path}:2: optimizer.lr = -0.5 must be > 0 (a typical peak learning rate")
+
+
+@pytest.mark.parametrize(("name", "text", "line", "expected"), [
+    ("x.toml", "# run\n[training]\nseq_len = 32\nbatch_size = [2, 4]\n", 4,
+     "training.batch_size = [2, 4] is not an int"),
+    ("x.toml", "[model]\ndim = 64\n\n[training]\nbatch_size = 'two'  # per device\n", 5,
+     "training.batch_size = 'two' is not an int"),
+    ("x.yaml", "model:\n  dim: 64\ntraining:\n  steps: 10\n  batch_size: [2]\n", 5,
+     "training.batch_size = [2] is not an int"),
+    ("x.yaml", "optimizer:\n  eps: 1.0e-8\ntraining:\n  batch_size: 2\n  learning_rate: fast\n", 5,
+     "training.learning_rate = 'fast' is not a float"),
+])
+def test_a_bad_file_value_is_named_with_its_line_even_when_the_command_line_overrides_it(tmp_path, name, text, line,
+                                                                                        expected):
+    path = write(tmp_path, name, text)
+    key = expected.split(" = ")[0].replace("training.learning_rate", "optimizer.lr")
+    assert load_error(path, [f"--{key}", "2"]) == f"{path}:{line}: {expected}"
+
+
+def test_a_key_the_file_sets_twice_in_different_sections_is_found_under_its_own(tmp_path):
+    path = write(tmp_path, "x.toml", "[training]\nsteps = 5\n[lr_scheduler]\nwarmup_steps = 2\n"
+                                     "[validation]\nsteps = 'x'\n")
+    assert load_error(path).startswith(f"{path}:6: validation.steps = 'x' is not an int")
 
 
 @pytest.mark.parametrize("resume", ["auto", "never", "1000", "checkpoints/step-1000", "/abs/path"])

@@ -188,6 +188,13 @@ def test_guides_tokens_jsonl_loads_with_eos_between_documents(tmp_path, small_cf
     assert (tmp_path / "tokens.jsonl.titan-index.npz").is_file()  # the offset index is built once
 
 
+def test_a_refused_tokens_jsonl_leaves_no_index_cache_beside_it(tmp_path, small_cfg):
+    path = write_jsonl(tmp_path / "tokens.jsonl", [{"tokens": [1, 2, 900]}] * 20)
+    with pytest.raises(DataError, match="holds token id 900 but model.vocab_size is 512"):
+        build_dataloader(small_cfg(str(path), seq_len=4), BYTE, 0, 1, model_vocab_size=512)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens.jsonl"]
+
+
 def test_malformed_tokens_jsonl_names_file_and_line(tmp_path, small_cfg):
     path = tmp_path / "tokens.jsonl"
     path.write_text('{"tokens": [1, 2, 3], "length": 3}\n{"tokens": [1, 2], "length": 5}\n')

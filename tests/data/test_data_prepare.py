@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -160,3 +161,65 @@ def test_vocab_above_65536_ids_is_stored_as_uint32():
 def test_max_seq_len_with_bin_format_is_a_usage_error(corpus_txt, tmp_path):
     with pytest.raises(SystemExit):
         cli_main(["prepare-data", str(corpus_txt), "-o", str(tmp_path / "out"), "--max-seq-len", "8"])
+
+
+# ---- outputs that would change the inputs, our own outputs read as input, leftovers of a refused run
+
+def _checksums(folder) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(folder)): "dir" if p.is_dir() else hashlib.sha1(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("output, relation", [("corpus", "is"), ("corpus/tokens", "lies inside"),
+                                              ("corpus/a.txt", "is"), (".", "holds")])
+def test_an_output_that_is_holds_or_lies_inside_an_input_is_refused(tmp_path, capsys, monkeypatch, output, relation):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("\n\n".join(make_docs(5)))
+    before = _checksums(tmp_path)
+    source = "corpus/a.txt" if output.endswith(".txt") else "corpus"
+    assert cli_main(["prepare-data", source, "--output", output]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"DataError: --output {output} {relation} the input corpus") and len(err.splitlines()) == 1
+    assert err.endswith("; write to a folder outside the inputs"), err
+    assert _checksums(tmp_path) == before
+
+
+def test_an_earlier_output_inside_an_input_folder_is_not_read_as_corpus(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("\n\n".join(make_docs(5)))
+    prepare([str(tmp_path / "corpus")], tmp_path / "corpus-tokens", fmt="jsonl")
+    shutil.move(tmp_path / "corpus-tokens", tmp_path / "corpus" / "old-tokens")  # index.json + tokens.jsonl inside
+    result = prepare([str(tmp_path / "corpus")], tmp_path / "again", fmt="jsonl")
+    assert result.num_documents == 5
+    assert [s["path"] for s in read_index(tmp_path / "again")["sources"]] == [str((tmp_path / "corpus" / "a.txt")
+                                                                                  .resolve())]
+
+
+@pytest.mark.parametrize("named", ["out", "out/index.json", "out/tokens.jsonl"])
+def test_naming_a_prepare_data_output_as_input_is_refused(tmp_path, named):
+    (tmp_path / "a.txt").write_text("\n\n".join(make_docs(5)))
+    prepare([str(tmp_path / "a.txt")], tmp_path / "out", fmt="jsonl")
+    with pytest.raises(DataError, match=rf"input {tmp_path / named} is a prepare-data output \({tmp_path / 'out'}\), "
+                                        "not a corpus; give the raw files"):
+        prepare([str(tmp_path / named)], tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.parametrize("flag, value, bound", [("--workers", "0", "1"), ("--shard-size", "0", "1"),
+                                                ("--max-seq-len", "-1", "0")])
+def test_a_count_out_of_range_names_the_flag_and_value(tmp_path, capsys, flag, value, bound):
+    (tmp_path / "a.txt").write_text("\n\n".join(make_docs(5)))
+    extra = ["--format", "jsonl"] if flag == "--max-seq-len" else []
+    assert cli_main(["prepare-data", str(tmp_path / "a.txt"), "-o", str(tmp_path / "out"), flag, value, *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"DataError: {flag} {value} must be >= {bound}"), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_refused_run_removes_the_parent_folders_it_created(tmp_path, capsys):
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": 5}\n')
+    assert cli_main(["prepare-data", str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "new" / "deep" / "out")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]

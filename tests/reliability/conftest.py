@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -10,7 +9,8 @@ import sys
 from pathlib import Path
 
 import torch
-from tiny_run import tiny_args as tiny_args  # re-exported: the reliability tests import it from here
+from tiny_run import snapshot as snapshot  # re-exported with tiny_args: the reliability tests import them here
+from tiny_run import tiny_args as tiny_args
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,12 +63,3 @@ def records(run_dir: Path) -> list[dict]:
     """The training records of a run's metrics.jsonl (every attempt appends to it)."""
     lines = (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, filter(None, lines)) if "loss" in r]
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    """Every file and folder under `folder` with a digest of its bytes (folders: 'dir')."""
-    out = {}
-    for p in sorted(folder.rglob("*")):
-        rel = str(p.relative_to(folder))
-        out[rel] = "dir" if p.is_dir() else hashlib.sha1(p.read_bytes()).hexdigest()
-    return out

@@ -21,10 +21,7 @@ import torch
 
 from titan_npu.cli import main as cli_main
 
-from .conftest import run_train, snapshot, tiny_args
-
-# The tokens-JSONL index that the data layer caches beside a data file it has read: derived, not the run's state.
-DATA_INDEX_CACHE = ".titan-index.npz"
+from .conftest import run_train, snapshot, tiny_args, torchrun
 
 
 @dataclass
@@ -214,7 +211,7 @@ def test_bad_input_is_refused_in_one_line_before_anything_is_written(
     assert re.search(case.message, message), message
     assert "[Step" not in out
     after = snapshot(d)
-    added = {k for k in after.keys() - before.keys() if not k.endswith(DATA_INDEX_CACHE)}
+    added = after.keys() - before.keys()  # not even the index cache a tokens JSONL gets once it is accepted
     assert not added, f"written by a refused run: {sorted(added)}"
     assert {k: after[k] for k in before} == before, "a refused run changed existing files"
 
@@ -239,3 +236,48 @@ def test_debug_shows_the_traceback_of_a_refused_run(tmp_path):
     assert proc.returncode != 0
     assert "Traceback (most recent call last)" in proc.stderr
     assert "ConfigError: command line: unknown key 'training.bogus'" in proc.stderr
+
+
+# ---- under torchrun: found before the process group, said once, by local rank 0, and named in torchrun's summary
+
+def test_under_torchrun_a_config_error_is_said_once_before_any_process_group_and_is_torchruns_root_cause(tmp_path):
+    before = snapshot(tmp_path)
+    proc = torchrun([*tiny_args(tmp_path), "--model.vocab_size", "100"], nproc=2, timeout=120)
+    line = "DataError: tokenizer byte has 258 ids but model.vocab_size is 100; set model.vocab_size >= 258"
+    said = [x for x in proc.stderr.splitlines() if x.startswith("DataError")]
+    assert proc.stderr.startswith(line) and len(said) == 1, proc.stderr  # once, before anything torch or torchrun says
+    root_cause = proc.stderr.split("Root Cause")[1]
+    assert "  traceback : " + line in root_cause, proc.stderr  # torchrun's summary names it, not "To enable traceback"
+    assert "[rank1]" not in proc.stderr and "DeviceMesh" not in proc.stderr + proc.stdout
+    # torchrun ends every failed job with its own ChildFailedError summary and exit code 1, whatever the code.
+    assert proc.returncode == 1 and "exitcode  : 2" in proc.stderr
+    assert snapshot(tmp_path) == before
+
+
+def test_a_rank_other_than_local_rank_zero_stays_silent_once_local_rank_zero_has_reported(tmp_path, monkeypatch,
+                                                                                         capsys):
+    from titan_npu import cli
+    from titan_npu.errors import ConfigError
+
+    def refuse(argv):
+        e = ConfigError("training.batch_size = 0 must be >= 1")
+        e.same_on_every_rank = True
+        raise e
+
+    attempt = tmp_path / "attempt_0"
+    for rank in ("0", "1"):
+        (attempt / rank).mkdir(parents=True)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(attempt / "1" / "error.json"))
+    monkeypatch.setattr(cli, "PEER_REPORT_WAIT_S", 0.0)
+    # Local rank 0 never reported: this rank says it, with its rank.
+    assert cli.run_command(refuse, []) == cli.EXIT_REFUSED
+    assert capsys.readouterr().err == "[rank1] ConfigError: training.batch_size = 0 must be >= 1\n"
+    recorded = json.loads((attempt / "1" / "error.json").read_text())["message"]
+    assert recorded["message"] == recorded["extraInfo"]["py_callstack"] == \
+        "ConfigError: training.batch_size = 0 must be >= 1"
+    # Local rank 0 has reported: silence.
+    (attempt / "0" / "error.json").write_text(json.dumps(recorded))
+    assert cli.run_command(refuse, []) == cli.EXIT_REFUSED
+    assert capsys.readouterr().err == ""

@@ -102,10 +102,11 @@ def import_main(argv: list[str]) -> int:
     args = _import_parser().parse_args(argv)
     import torch
 
-    from titan_npu.checkpoint.export import DTYPES
+    from titan_npu.checkpoint.export import DTYPES, current_umask, refuse_overlap
     from titan_npu.checkpoint.formats import read_weights
 
     output = Path(args.output)
+    refuse_overlap("--output", output, "input", Path(args.input))
     if output.exists() and not args.overwrite:
         raise CheckpointError(f"--output {output} already exists; remove it, choose another path or pass --overwrite")
     if output.is_dir():
@@ -118,6 +119,7 @@ def import_main(argv: list[str]) -> int:
             torch.save({k: _own_storage(v) for k, v in weights.state_dict.items()}, f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600: give the file the user's usual mode
         os.replace(tmp, output)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

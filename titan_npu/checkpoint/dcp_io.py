@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint import (
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.planner import ReadItem
 
+from titan_npu.checkpoint import storage
 from titan_npu.errors import CheckpointError
 
 # DCP warns on every single-process save/load even when asked for one (no_dist=True); that is the intent here.
@@ -83,13 +85,70 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def read_metadata(path: str | Path) -> Metadata:
-    """The DCP index of a checkpoint directory (keys, shapes, dtypes), read safely."""
+def read_metadata(path: str | Path, verify: bool = True) -> Metadata:
+    """The DCP index of a checkpoint directory (keys, shapes, dtypes), read safely; with `verify`, every data file
+    it names is checked to be there and as long as the index says (a truncated copy is refused before any read)."""
     try:
-        return SafeFileSystemReader(str(path)).read_metadata()
+        metadata = SafeFileSystemReader(str(path)).read_metadata()
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as e:
-        raise CheckpointError(f"{path}/.metadata is unreadable ({type(e).__name__}: {e}); the checkpoint is "
-                              "damaged or not written by torch.distributed.checkpoint") from e
+        raise damaged(Path(path), f"{path}/.metadata is unreadable ({type(e).__name__}: {one_line(e)})") from e
+    if verify:
+        problem = data_file_problem(Path(path), metadata)
+        if problem is not None:
+            raise damaged(Path(path), problem)
+    return metadata
+
+
+def one_line(error: BaseException) -> str:
+    """An exception's text cut to its first sentence (torch's weights_only refusals run to a dozen lines, with
+    terminal colours and advice to load the file unsafely)."""
+    text = str(error)
+    if isinstance(error, pickle.UnpicklingError) and "weights only load failed" in text.lower():
+        return "it holds Python objects besides tensors and plain values, which could run code when loaded"
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text).strip()
+    first = (text.splitlines() or ["no detail"])[0]
+    return first.split(". ")[0].rstrip(".")
+
+
+def data_file_problem(path: Path, metadata: Metadata) -> str | None:
+    """What is wrong with the data files of a checkpoint next to its index ('<file> is N bytes but ...'), or None."""
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        found = file.stat().st_size
+        if found < size:
+            return f"{file} is {found} bytes but its index (.metadata) needs {size} (truncated copy or save)"
+    return None
+
+
+def earlier_intact(path: Path) -> storage.CheckpointRef | None:
+    """The newest complete checkpoint beside `path` with a lower step whose data files match its index, if any."""
+    match = re.fullmatch(rf"{storage.PREFIX}(\d+)", path.name)
+    step = int(match.group(1)) if match else None
+    for ref in reversed(storage.list_checkpoints(path.parent)):
+        if step is not None and ref.step >= step or ref.path.resolve() == path.resolve():
+            continue
+        try:
+            metadata = SafeFileSystemReader(str(ref.path)).read_metadata()
+        except Exception:  # noqa: BLE001 -- any unreadable index makes that one unusable too
+            continue
+        if data_file_problem(ref.path, metadata) is None:
+            return ref
+    return None
+
+
+def damaged(checkpoint: Path, problem: str) -> CheckpointError:
+    """The one-line refusal of a damaged checkpoint: what is wrong, and the intact checkpoint before it."""
+    earlier = earlier_intact(checkpoint)
+    fix = (f"use the intact step {earlier.step} before it (train: --checkpoint.resume {earlier.step}; export, "
+           f"generate: --checkpoint {earlier.path})" if earlier is not None
+           else f"no earlier intact checkpoint is in {checkpoint.parent}; start again or restore the files")
+    return CheckpointError(f"{problem}; the checkpoint {checkpoint} is damaged: {fix}")
 
 
 def tensor_entries(metadata: Metadata, prefix: str = "") -> dict[str, TensorStorageMetadata]:
@@ -134,8 +193,13 @@ def load_tensors(path: str | Path, metadata: Metadata, keys: list[str], dtype: t
     for key in keys:
         meta = entries[key]
         state[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    load(state, storage_reader=SafeFileSystemReader(str(path)),
-         planner=SafeLoadPlanner(allow_partial_load=True), no_dist=True)
+    try:
+        load(state, storage_reader=SafeFileSystemReader(str(path)),
+             planner=SafeLoadPlanner(allow_partial_load=True), no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as e:  # torch reports a damaged file as a many-line CheckpointException
+        raise damaged(Path(path), f"{path} cannot be read ({type(e).__name__}: {one_line(e)})") from e
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     return state

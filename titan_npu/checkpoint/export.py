@@ -2,7 +2,8 @@
 
 Runs offline in one process, without the training setup: the model's tensors are read from the DCP files a few
 layers at a time (never the optimizer state), cast, renamed, and written. Output appears under its final name only
-when complete.
+when complete, with the permissions the umask gives. A Hugging Face export carries a marker file listing what it
+wrote: `--overwrite` replaces only such a folder, never a checkpoint or a folder of the user's own files.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ log = logging.getLogger("titan_npu")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+EXPORT_MARKER = ".titan-export.json"  # in a Hugging Face export: the files it wrote (what --overwrite may replace)
+EXPORT_FORMAT = "titan-npu-export"
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -139,10 +142,7 @@ def export_checkpoint(
     if fmt not in ("pt", "hf"):
         raise CheckpointError(f"--format {fmt!r} is unknown; use pt (one full state dict file) or hf (Hugging Face)")
     storage.check_checkpoint_dir(source)
-    if output.exists() and not overwrite:
-        raise CheckpointError(f"--output {output} already exists; remove it, choose another path or pass --overwrite")
-    if output.resolve() == source.resolve() or source.resolve() in output.resolve().parents:
-        raise CheckpointError(f"--output {output} is inside the checkpoint {source}; write it elsewhere")
+    check_output(source, output, fmt, overwrite)
     metadata = read_metadata(source)
     model = tensor_entries(metadata, "model.")
     if not model:
@@ -154,7 +154,86 @@ def export_checkpoint(
     args = checkpoint_model_args(source, info)
     extra = tokenizer_files(info.get("tokenizer") if tokenizer is None else tokenizer)
     output.parent.mkdir(parents=True, exist_ok=True)
-    return _export_hf(source, metadata, model, output, dtype, args, max_shard_bytes, extra)
+    marker = {"format": EXPORT_FORMAT, "checkpoint": str(source.resolve()), "step": info["step"]}
+    return _export_hf(source, metadata, model, output, dtype, args, max_shard_bytes, extra, marker)
+
+
+def _relation(output: Path, other: Path) -> str | None:
+    """'is' / 'contains' / 'lies inside' when the two paths overlap on disk, else None."""
+    out, src = output.resolve(), other.resolve()
+    if out == src:
+        return "is"
+    if out in src.parents:
+        return "contains"
+    if src in out.parents:
+        return "lies inside"
+    return None
+
+
+def refuse_overlap(flag: str, output: Path, what: str, source: Path) -> None:
+    """CheckpointError when `output` is, contains or lies inside `source` (writing it would destroy the input)."""
+    relation = _relation(output, source)
+    if relation is not None:
+        fix = "choose another path" if relation == "is" else "write to a path outside it"
+        raise CheckpointError(f"{flag} {output} {relation} the {what} {source}; {fix}")
+
+
+def _checkpoint_at(path: Path) -> tuple[str, Path] | None:
+    """('is' | 'lies inside', the checkpoint directory) when `path` is a checkpoint or lies inside one."""
+    resolved = path.resolve()
+    for folder in (resolved, *resolved.parents):
+        if (folder / storage.DCP_METADATA).is_file() or (folder / storage.INFO_FILE).is_file():
+            return ("is" if folder == resolved else "lies inside"), folder
+    return None
+
+
+def export_marker_files(folder: Path) -> set[str] | None:
+    """The names an earlier Hugging Face export wrote into `folder` (its marker's list), or None if not one."""
+    try:
+        marker = json.loads((folder / EXPORT_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("format") != EXPORT_FORMAT or not isinstance(marker.get("files"),
+                                                                                                list):
+        return None
+    return {str(name) for name in marker["files"]} | {EXPORT_MARKER}
+
+
+def check_output(source: Path, output: Path, fmt: str, overwrite: bool) -> None:
+    """Refuse an --output whose writing would destroy something: the checkpoint itself (or a folder holding it),
+    any checkpoint's files, or with --overwrite a folder that is not an earlier export."""
+    refuse_overlap("--output", output, "checkpoint", source)
+    found = _checkpoint_at(output)
+    if found is not None:
+        relation, checkpoint = found
+        raise CheckpointError(f"--output {output} {relation} the checkpoint {checkpoint}; "
+                              + ("choose another path" if relation == "is" else "write to a path outside it"))
+    if not output.exists() and not output.is_symlink():
+        return
+    if not overwrite:
+        raise CheckpointError(f"--output {output} already exists; remove it, choose another path or pass --overwrite")
+    if fmt == "pt":
+        if output.is_dir():
+            raise CheckpointError(f"--output {output} is a folder; --format pt writes one file: name a file such as "
+                                  f"{output / 'model.pt'}")
+        return
+    if not output.is_dir():
+        raise CheckpointError(f"--output {output} is a file; --format hf writes a folder: remove the file or choose "
+                              "another path")
+    ours = export_marker_files(output)
+    theirs = sorted(p.name for p in output.iterdir() if ours is None or p.name not in ours)
+    if theirs:
+        what = "is not an earlier export" if ours is None else "holds files an earlier export did not write"
+        shown = ", ".join(theirs[:3]) + (f" and {len(theirs) - 3} more" if len(theirs) > 3 else "")
+        raise CheckpointError(f"--output {output} {what}; --overwrite would delete {shown}: move them away or "
+                              "choose another path")
+
+
+def current_umask() -> int:
+    """The process umask (read without changing it for longer than the call)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def _load_group(source: Path, metadata, keys: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -172,8 +251,7 @@ def _export_pt(source: Path, metadata, keys: list[str], output: Path, dtype: tor
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        if output.is_dir():
-            shutil.rmtree(output)
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600: give the file the user's usual mode
         os.replace(tmp, output)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -195,7 +273,7 @@ def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
 
 
 def _export_hf(source: Path, metadata, model: dict, output: Path, dtype: torch.dtype, args: LlamaArgs,
-               max_shard_bytes: int, tokenizer: list[Path]) -> list[Path]:
+               max_shard_bytes: int, tokenizer: list[Path], marker: dict) -> list[Path]:
     from safetensors.torch import save_file
 
     from titan_npu.models.llama.state_dict_adapter import hf_config, to_hf
@@ -204,6 +282,7 @@ def _export_hf(source: Path, metadata, model: dict, output: Path, dtype: torch.d
     shards = plan_shards(sizes, max_shard_bytes)
     tmp = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp"))
     try:
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700: the team must be able to read the export
         names = (["model.safetensors"] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
         weight_map: dict[str, str] = {}
@@ -218,10 +297,19 @@ def _export_hf(source: Path, metadata, model: dict, output: Path, dtype: torch.d
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for f in tokenizer:
             shutil.copyfile(f, tmp / _hf_tokenizer_name(f))
+        files = sorted(p.name for p in tmp.iterdir())
+        for name in files:  # safetensors and mkstemp-style writers make 0600: the team must be able to read them
+            os.chmod(tmp / name, 0o666 & ~current_umask())
+        (tmp / EXPORT_MARKER).write_text(json.dumps({**marker, "files": files}, indent=2))  # opened with the umask
         if output.exists():
-            shutil.rmtree(output) if output.is_dir() else output.unlink()
-        os.replace(tmp, output)
+            # check_output saw only an earlier export's files here: the old export goes, the new takes its name.
+            old = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.", suffix=".old"))
+            os.replace(output, old)
+            os.replace(tmp, output)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return sorted(output.iterdir())
+    return [output / name for name in files]

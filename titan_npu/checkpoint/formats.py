@@ -211,9 +211,11 @@ def _torch_load(path: Path) -> dict[str, Any]:
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
+        from titan_npu.checkpoint.dcp_io import one_line
+
         raise CheckpointError(
             f"{path} is not a tensor file torch.load(weights_only=True) accepts ({type(e).__name__}: "
-            f"{(str(e).splitlines() or [''])[0]}); checkpoints holding code or objects are refused"
+            f"{one_line(e)}); checkpoints holding code or objects are refused"
         ) from e
     if not isinstance(sd, dict):
         raise CheckpointError(f"{path}: expected a state dict (name -> tensor), found {type(sd).__name__}")

@@ -71,12 +71,14 @@ def write_rank_state(checkpoint: str | Path, rank: int, state: dict[str, Any]) -
 def read_rank_state(checkpoint: str | Path, rank: int) -> dict[str, Any]:
     """Read one rank's state file, tensors and plain values only."""
     path = rank_file(checkpoint, rank)
+    from titan_npu.checkpoint.dcp_io import damaged, one_line
+
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing; the checkpoint {checkpoint} is incomplete, use an earlier one")
+        raise damaged(Path(checkpoint), f"{path} is missing")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {e}); use an earlier checkpoint") from e
+    except Exception as e:  # torch's weights_only refusal runs to a dozen lines: keep its first
+        raise damaged(Path(checkpoint), f"{path} is unreadable ({type(e).__name__}: {one_line(e)})") from e
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} does not hold a rank state (found {type(state).__name__})")
     return state

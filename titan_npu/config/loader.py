@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -36,11 +37,13 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = 
     if isinstance(overrides, str):
         raise TypeError("overrides is a sequence of command-line tokens, e.g. ['--model.dim', '64'], not one string")
     sources: list[tuple[str, Mapping[str, Any]]] = []
+    lines: dict[str, list[str]] = {}
     if path is not None:
         sources.append((str(path), read_config_file(path)))
+        lines[str(path)] = Path(path).read_text(encoding="utf-8").splitlines()
     if overrides:
         sources.append((CLI, parse_overrides(overrides)))
-    return _build(sources)
+    return _build(sources, lines)
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "config") -> JobConfig:
@@ -207,30 +210,30 @@ def _set_path(raw: dict[str, Any], name: str, value: Any, token: str) -> None:
     table[parts[-1]] = value
 
 
-def _build(sources: Sequence[tuple[str, Mapping[str, Any]]]) -> JobConfig:
-    """Canonicalise each source, let later sources win key by key, type every value, validate."""
+def _build(sources: Sequence[tuple[str, Mapping[str, Any]]], lines: Mapping[str, list[str]] | None = None
+           ) -> JobConfig:
+    """Canonicalise and type every value of each source (a file's value is checked even when the command line
+    overrides it), let later sources win key by key, validate. `lines`: a file source's text, to name lines."""
+    lines = lines or {}
     merged: dict[str, dict[str, Any]] = {}
-    origin: dict[tuple[str, str], tuple[str, str]] = {}  # (section, key) -> (source, spelling as written)
+    origin: dict[tuple[str, str], tuple[str, str]] = {}  # (section, key) -> (where: source[:line], spelling)
     for source, raw in sources:
         values, spelled = canonicalize(raw, source)
         for section, table in values.items():
+            types_ = field_types(section)
             for key, value in table.items():
-                merged.setdefault(section, {})[key] = value
-                origin[(section, key)] = (source, spelled[(section, key)])
+                spelling = spelled[(section, key)]
+                line = _line_of(lines.get(source, []), spelling)
+                where = f"{source}:{line}" if line else source
+                label = spelling if value is FLAG else f"{where}: {spelling}"
+                try:
+                    merged.setdefault(section, {})[key] = coerce(value, types_[key], label)
+                except ConfigError as e:
+                    # A flag without its value reads best with the source in front: "command line: --x.y needs..."
+                    raise (ConfigError(f"{source}: {e}") if value is FLAG else e) from None
+                origin[(section, key)] = (where, spelling)
 
-    sections: dict[str, Any] = {}
-    for section, cls in section_types().items():
-        types_ = field_types(section)
-        kwargs = {}
-        for key, value in merged.get(section, {}).items():
-            source, spelling = origin[(section, key)]
-            label = spelling if value is FLAG else f"{source}: {spelling}"
-            try:
-                kwargs[key] = coerce(value, types_[key], label)
-            except ConfigError as e:
-                # A flag without its value reads best with the source in front: "command line: --model.dim needs..."
-                raise (ConfigError(f"{source}: {e}") if value is FLAG else e) from None
-        sections[section] = cls(**kwargs)
+    sections = {section: cls(**merged.get(section, {})) for section, cls in section_types().items()}
     cfg = JobConfig(**sections)
 
     try:
@@ -239,9 +242,37 @@ def _build(sources: Sequence[tuple[str, Mapping[str, Any]]]) -> JobConfig:
         key = getattr(e, "key", None)
         if key is None or tuple(key.split(".", 1)) not in origin:
             raise
-        source, spelling = origin[tuple(key.split(".", 1))]  # type: ignore[index]
+        where, spelling = origin[tuple(key.split(".", 1))]  # type: ignore[index]
         note = f" (set as '{spelling}')" if spelling != key else ""
-        raise ConfigError(f"{source}: {e}{note}") from None
+        raise ConfigError(f"{where}: {e}{note}") from None
+
+
+def _line_of(text: list[str], spelling: str) -> int | None:
+    """The line (1-based) of a TOML or YAML file that sets `spelling` (section.key as written), if one clearly does:
+    the key's line under its section's header, or the only line setting that key anywhere."""
+    *tables, key = spelling.split(".")
+    key_line = re.compile(rf"""^\s*["']?{re.escape(key)}["']?\s*[=:]""")
+    header = None  # the current TOML [table] or top-level YAML mapping key
+    under, anywhere = [], []
+    for number, line in enumerate(text, 1):
+        stripped = line.strip()
+        toml_header = re.fullmatch(r"\[\s*([^\[\]]+?)\s*\]\s*(#.*)?", stripped)
+        if toml_header:
+            header = toml_header.group(1).replace(" ", "")
+            continue
+        yaml_header = re.fullmatch(r"([A-Za-z_][\w-]*)\s*:\s*(#.*)?", line.rstrip())
+        if yaml_header:
+            header = yaml_header.group(1)
+            continue
+        if key_line.match(line):
+            anywhere.append(number)
+            if header is not None and tables and header in (".".join(tables), tables[0]):
+                under.append(number)
+            elif not tables and header is None:
+                under.append(number)
+    if len(under) == 1:
+        return under[0]
+    return anywhere[0] if len(anywhere) == 1 else None
 
 
 def _one_line(text: str) -> str:

@@ -256,3 +256,10 @@ def _check_rest(cfg: JobConfig) -> None:
             f"(use 1-65535, or 0 to keep the environment's)",
         )
 
+
+
+def check_seq_len(seq_len: int, max_seq_len: int) -> None:
+    """ConfigError when training.seq_len exceeds the model's max_seq_len (known once the model's shapes are)."""
+    if seq_len > max_seq_len:
+        raise ConfigError(f"training.seq_len={seq_len} exceeds model.max_seq_len={max_seq_len}; lower training.seq_len "
+                          "or raise model.max_seq_len")

@@ -44,6 +44,10 @@ class TokenDataset:
         """Tokens lo:hi of document doc."""
         raise NotImplementedError
 
+    def write_caches(self) -> None:
+        """Write what makes the next start faster beside the data; called only once the input is validated, so a
+        refused run leaves the user's data folder as it was."""
+
 
 class InMemoryDataset(TokenDataset):
     """Documents held in one array: raw text tokenised at start-up (small corpora)."""
@@ -119,7 +123,7 @@ class TokensJsonlDataset(TokenDataset):
         self.description = str(path)
         self.eos_id = eos_id
         self.tokenizer_fingerprint = fingerprint
-        self.offsets, raw_lengths, last, self.max_token_id, max_line = _jsonl_index(path)
+        (self.offsets, raw_lengths, last, self.max_token_id, max_line), self._unsaved_index = _jsonl_index(path)
         self.max_token_where = f"{path}:{max_line}"
         self.append_eos = (last != eos_id) if eos_id is not None else np.zeros(len(last), dtype=bool)
         self.doc_lengths = raw_lengths + self.append_eos
@@ -130,8 +134,13 @@ class TokensJsonlDataset(TokenDataset):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_file"], state["_cached"] = None, None
+        state["_file"], state["_cached"], state["_unsaved_index"] = None, None, None
         return state
+
+    def write_caches(self) -> None:
+        if self._unsaved_index is not None:
+            _save_jsonl_index(*self._unsaved_index)
+            self._unsaved_index = None
 
     def read(self, doc: int, lo: int, hi: int) -> np.ndarray:
         if self._cached is None or self._cached[0] != doc:
@@ -145,8 +154,9 @@ class TokensJsonlDataset(TokenDataset):
         return self._cached[1][lo:hi]
 
 
-def _jsonl_index(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
-    """(byte offset, token count, last token) per line, the max id and its line; cached beside the file."""
+def _jsonl_index(path: Path) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, int, int], tuple | None]:
+    """(byte offset, token count, last token) per line, the max id and its line; read from the cache beside the file
+    when it is current, else computed and returned with the arguments of _save_jsonl_index (None when cached)."""
     stat = path.stat()
     cache = path.with_name(path.name + _JSONL_INDEX_SUFFIX)
     key = np.array([stat.st_size, stat.st_mtime_ns], dtype=np.int64)
@@ -154,7 +164,7 @@ def _jsonl_index(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, i
         try:
             with np.load(cache, allow_pickle=False) as z:
                 if np.array_equal(z["key"], key):
-                    return z["offsets"], z["lengths"], z["last"], int(z["max_id"]), int(z["max_line"])
+                    return (z["offsets"], z["lengths"], z["last"], int(z["max_id"]), int(z["max_line"])), None
         except (OSError, ValueError, KeyError):
             pass  # stale or damaged cache: rebuild it
     offsets, lengths, last = [], [], []
@@ -173,15 +183,18 @@ def _jsonl_index(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, i
     if not offsets:
         raise DataError(f"{path} holds no token records; check the file")
     result = (np.array(offsets, np.int64), np.array(lengths, np.int64), np.array(last, np.int64), max_id, max_line)
+    return result, (cache, key, result)
+
+
+def _save_jsonl_index(cache: Path, key: np.ndarray, result: tuple) -> None:
     tmp = cache.with_name(cache.name + f".{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as out:
-            np.savez(out, key=key, offsets=result[0], lengths=result[1], last=result[2], max_id=np.int64(max_id),
-                     max_line=np.int64(max_line))
+            np.savez(out, key=key, offsets=result[0], lengths=result[1], last=result[2], max_id=np.int64(result[3]),
+                     max_line=np.int64(result[4]))
         os.replace(tmp, cache)
     except OSError:
         tmp.unlink(missing_ok=True)  # a read-only data folder only costs a rebuild next time
-    return result
 
 
 def _parse_tokens_line(line: bytes, where: str) -> list[int]:

@@ -204,9 +204,11 @@ def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer | None, dp_rank: int, 
         doc_ids = split_documents(dataset.num_docs, cfg.data.val_fraction, split)
     verify_dataset(dataset, tokenizer, model_vocab_size)
     pin = device_type in ("cuda", "npu") and _accelerator_available()
-    return TokenLoader(PackedWindows(dataset, doc_ids, seq_len), batch_size, dp_rank, dp_world_size,
-                       seed=cfg.training.seed, num_workers=max(0, cfg.data.num_workers), pin_memory=pin,
-                       shuffle=split == "train", split=split)
+    loader = TokenLoader(PackedWindows(dataset, doc_ids, seq_len), batch_size, dp_rank, dp_world_size,
+                         seed=cfg.training.seed, num_workers=max(0, cfg.data.num_workers), pin_memory=pin,
+                         shuffle=split == "train", split=split)
+    dataset.write_caches()  # the data is accepted: now its index may be kept beside it
+    return loader
 
 
 def _accelerator_available() -> bool:

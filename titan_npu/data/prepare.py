@@ -246,10 +246,13 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
     """Tokenise inputs into output (a folder); idempotent, atomic, resumable. See the module docstring."""
     if fmt not in ("bin", "jsonl"):
         raise DataError(f"--format {fmt} is unknown; use bin or jsonl")
-    if shard_size < 1 or workers < 1 or max_seq_len < 0:
-        raise DataError("--shard-size and --workers must be >= 1 and --max-seq-len >= 0; fix the arguments")
+    for flag, value, least in (("--workers", workers, 1), ("--shard-size", shard_size, 1),
+                               ("--max-seq-len", max_seq_len, 0)):
+        if value < least:
+            raise DataError(f"{flag} {value} must be >= {least}" + (" (0 = no truncation)" if least == 0 else ""))
     output = Path(output).expanduser()
     paths = discover_inputs(inputs)
+    _refuse_overlap(output, [Path(i).expanduser() for i in inputs if Path(i).expanduser().exists()] + paths)
     tok: Tokenizer = build_tokenizer(tokenizer)
     if tok.eos_id is None:
         raise DataError(f"tokenizer {tok.name} has no EOS token to separate documents; set eos_token in its config")
@@ -265,7 +268,7 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
         return PrepareResult(output, True, existing["num_documents"], existing["num_tokens"],
                              len(existing.get("shards", [])), existing.get("bad_records_skipped", 0),
                              input_bytes=input_bytes)
-    created = state == "new" and not output.exists()
+    created = _first_missing(output)  # what to remove again if the input is refused: the output and new parents
     output.mkdir(parents=True, exist_ok=True)
     for stale in output.glob("*.tmp"):  # leftovers of an interrupted run: never complete
         stale.unlink()
@@ -286,8 +289,8 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
         writer.close()
     except DataError:
         writer.abort()
-        if created:
-            shutil.rmtree(output, ignore_errors=True)  # bad input: leave nothing behind
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)  # bad input: leave nothing behind
         else:
             _remove_ours(output)
         raise
@@ -296,8 +299,8 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
         raise
     num_docs = sum(s["num_docs"] for s in shards) if fmt == "bin" else progress.docs
     if num_docs == 0:
-        if created:
-            shutil.rmtree(output, ignore_errors=True)
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
         else:
             _remove_ours(output)
         raise DataError(f"no documents found in {', '.join(inputs)}; check the inputs and --text-field")
@@ -319,6 +322,27 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
     (output / PROGRESS_FILE).unlink()
     return PrepareResult(output, False, num_docs, num_tokens, len(shards), bad.count, bad.examples,
                          resumed_docs=skip_docs, seconds=progress.elapsed(), input_bytes=input_bytes)
+
+
+def _refuse_overlap(output: Path, inputs: list[Path]) -> None:
+    """DataError when the output folder is, holds or lies inside an input: writing it would change the corpus."""
+    out = output.resolve()
+    for path in inputs:
+        src = path.resolve()
+        relation = "is" if out == src else "holds" if out in src.parents else "lies inside" if src in out.parents \
+            else None
+        if relation is not None:
+            raise DataError(f"--output {output} {relation} the input {path}; write to a folder outside the inputs")
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost of path and its parents that does not exist yet (None if path exists)."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        missing = p
+    return missing
 
 
 def _remove_ours(folder: Path) -> None:

@@ -65,20 +65,60 @@ def _is_supported(path: Path) -> bool:
     return True
 
 
+# What prepare-data writes into its output folder: a folder holding one of these is prepared data, not a corpus.
+PREPARED_MARKERS = ("index.json", ".progress.json")
+
+
+def prepared_folder(path: Path) -> Path | None:
+    """The prepare-data output folder that `path` is or lies in (index.json / .progress.json beside it), if any."""
+    for folder in (path, *path.parents) if path.is_dir() else path.parents:
+        if any((folder / marker).is_file() for marker in PREPARED_MARKERS):
+            return folder
+    return None
+
+
+def _corpus_files(folder: Path, seen: set[Path] | None = None) -> list[Path]:
+    """Supported files under folder, sorted, leaving out prepare-data outputs found inside it (our own files)."""
+    seen = set() if seen is None else seen
+    if folder.resolve() in seen or any((folder / marker).is_file() for marker in PREPARED_MARKERS):
+        return []
+    seen.add(folder.resolve())  # a symlink back up the tree is walked once
+    found = []
+    for entry in sorted(folder.iterdir()):
+        if entry.is_dir():
+            found += _corpus_files(entry, seen)
+        elif entry.is_file() and _is_supported(entry):
+            found.append(entry)
+    return found
+
+
+def _not_prepared(path: Path, spec: str) -> None:
+    folder = prepared_folder(path)
+    if folder is not None:
+        raise DataError(f"input {spec} is a prepare-data output ({folder}), not a corpus; give the raw files, or "
+                        "train on it with data.path")
+
+
 def discover_inputs(inputs: list[str]) -> list[Path]:
-    """Files named by inputs (files, directories searched recursively, globs), sorted within each input, no repeats."""
+    """Files named by inputs (files, directories searched recursively, globs), sorted within each input, no repeats.
+
+    Never our own outputs: folders that prepare-data wrote are skipped in a search and refused when named.
+    """
     found: list[Path] = []
     for spec in inputs:
         path = Path(spec).expanduser()
         if path.is_dir():
-            matches = sorted(p for p in path.rglob("*") if p.is_file() and _is_supported(p))
+            _not_prepared(path, spec)
+            matches = _corpus_files(path)
             if not matches:
                 raise DataError(f"directory {spec} holds no .txt/.jsonl/.json/.parquet files; check the path")
         elif path.is_file():
+            _not_prepared(path, spec)
             source_kind(path)
             matches = [path]
         elif glob.has_magic(spec):
-            matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if _is_supported(Path(p)))
+            matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True)
+                             if _is_supported(Path(p)) and prepared_folder(Path(p)) is None)
             if not matches:
                 raise DataError(f"pattern {spec} matches no .txt/.jsonl/.json/.parquet files; check the pattern")
         else:
