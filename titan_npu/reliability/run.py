@@ -1,5 +1,5 @@
-"""What the Trainer calls: the step guard, the preemption handler, the watchdog, fault injection and failed-save
-handling behind a few methods, with one small host-side collective per step for the ranks to agree.
+"""What the Trainer calls: the step guard, the preemption handler, the watchdog and failed-save handling behind a
+few methods, with one small host-side collective per step for the ranks to agree.
 
 The agreement gathers three numbers per rank over a gloo group of its own: the signal received (0 = none), the
 rank's loss and the global grad_norm. On accelerators the gather itself never waits for the device; reading the
@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import CheckpointError
-from titan_npu.reliability.faults import Faults
 from titan_npu.reliability.guards import StepGuard, TrainingHalted
 from titan_npu.reliability.preemption import PreemptionHandler
 from titan_npu.reliability.preflight import preflight
@@ -54,7 +53,7 @@ class Reliability:
         if r.watchdog:
             self.watchdog = Watchdog(r.watchdog_timeout_s or cfg.comm.timeout_s, r.watchdog_step_factor,
                                      Path(cfg.metrics.log_dir) / "watchdog", rank, device_type)
-        self.faults = Faults.from_env(rank)
+        self.save_hooks: list[Callable[[int], None]] = []  # called with the step while its checkpoint is written
         self._group = None
         if world_size > 1 and (self.guard.active or self.signals is not None):
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.comm.timeout_s))
@@ -102,7 +101,6 @@ class Reliability:
         self.step = step
         if self.watchdog is not None:
             self.watchdog.beat(f"step {step}")
-        self.faults.at_step_start(step)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -110,10 +108,6 @@ class Reliability:
         if self.watchdog is not None:
             self.watchdog.beat(f"{name} at step {self.step}", step=False)
         yield
-
-    def corrupt_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss, unless fault injection turns it into NaN at this step (tests only)."""
-        return self.faults.corrupt_loss(loss, self.step)
 
     def check_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """Collective, between the gradients and the optimizer step: True to apply this step's update."""
@@ -187,7 +181,8 @@ class Reliability:
     # ------------------------------------------------------------------ Stateful (saved with every checkpoint)
 
     def state_dict(self) -> dict[str, Any]:
-        self.faults.in_save(self.step)
+        for hook in self.save_hooks:
+            hook(self.step)
         return self.guard.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -136,7 +136,10 @@ class Trainer:
         # Metrics.
         self.step = 0
         self.tokens_seen = 0
-        self.step_callbacks: list[Callable[[int], None]] = []  # called with the step number after each step (bench)
+        # Hooks (benchmarks and tests install them; a run has none): each called with the step number.
+        self.step_start_callbacks: list[Callable[[int], None]] = []  # before each step's forward
+        self.step_callbacks: list[Callable[[int], None]] = []  # after each step
+        self.loss_hooks: list[Callable[[int, torch.Tensor], torch.Tensor]] = []  # (step, loss) -> the loss used
         # Reliability: skipped non-finite steps, preemption, the hang watchdog; its counters go into checkpoints.
         self.reliability = Reliability(cfg, self.rank, self.world_size, self.device.type,
                                        scaler_handles_overflow=self.grad_scaler is not None)
@@ -212,7 +215,9 @@ class Trainer:
         with self.autocast():
             logits = self.model(inputs)
         with self.loss_context():  # vocab-sharded logits under TP: the loss and its backward run sharded
-            loss = self.reliability.corrupt_loss(cross_entropy_loss(logits, labels))
+            loss = cross_entropy_loss(logits, labels)
+            for hook in self.loss_hooks:
+                loss = hook(self.step, loss)
             scaled = loss * scale
             if self.grad_scaler is not None:
                 scaled = self.grad_scaler.scale(scaled)
@@ -289,6 +294,8 @@ class Trainer:
         while self.step < max_steps:
             self.step += 1
             self.reliability.begin_step(self.step)
+            for callback in self.step_start_callbacks:
+                callback(self.step)
             loss, grad_norm, data_time = self.train_step(data_iter)
             self.tokens_seen += self.tokens_per_step
             self.meter.step(loss, data_time)
