@@ -6,6 +6,11 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from titan_npu.trainer import Trainer
 
 log = logging.getLogger("titan_npu")
 
@@ -41,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry of `titan-npu train` and of train.py."""
+def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None = None) -> int:
+    """Entry of `titan-npu train` and of train.py; `setup` is called with the Trainer before training (hooks)."""
     from titan_npu.config import config_to_dict, load_config
     from titan_npu.errors import TitanError
 
@@ -71,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = Trainer(cfg)
     try:
+        if setup is not None:
+            setup(trainer)
         trainer.train()
     finally:
         trainer.close()

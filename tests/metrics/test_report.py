@@ -12,7 +12,7 @@ from titan_npu.errors import DataError
 from titan_npu.metrics.report import build_figure, read_metrics, summary, write_report
 
 # Recorded from a real run: the debug config shrunk to dim 64 / 2 layers, 60 steps, log every 5, validation every
-# 20, checkpoints at 30 and 60, and TITAN_FAULT_NAN_AT_STEP=33 (a NaN loss at step 33, flagged on step 35's line).
+# 20, checkpoints at 30 and 60, and a NaN loss injected at step 33 (tests/fault_hooks.py, flagged on step 35's line).
 RECORDED = Path(__file__).parent / "data" / "recorded_run"
 
 

@@ -13,11 +13,12 @@ EXTRA_KEYS = ["mem_peak_gb", "tokens_seen", "window_steps", "eta_s"]
 VAL_KEYS = {"step", "val_loss", "val_ppl", "val_batches", "val_tokens", "val_time_s"}
 
 
-def tiny_run(tmp_path: Path, monkeypatch) -> Path:
+def tiny_run(tmp_path: Path) -> Path:
+    from fault_hooks import Faults
+
     from titan_npu.config import load_config
     from titan_npu.trainer import Trainer
 
-    monkeypatch.setenv("TITAN_FAULT_NAN_AT_STEP", "7")  # the loss of step 7 becomes NaN
     log_dir = tmp_path / "logs"
     overrides = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
                  "--model.max_seq_len", "64", "--training.seq_len", "32", "--training.batch_size", "4",
@@ -29,6 +30,7 @@ def tiny_run(tmp_path: Path, monkeypatch) -> Path:
                  "--data.val_fraction", "0.05"]
     cfg = load_config(Path(__file__).parents[2] / "configs" / "debug.toml", overrides)
     trainer = Trainer(cfg)
+    Faults(nan_at=7).install(trainer)  # the loss of step 7 becomes NaN
     try:
         trainer.train()
     finally:
@@ -36,8 +38,8 @@ def tiny_run(tmp_path: Path, monkeypatch) -> Path:
     return log_dir
 
 
-def test_tiny_run_writes_metrics_validation_flags_and_report(tmp_path, monkeypatch, one_thread):
-    log_dir = tiny_run(tmp_path, monkeypatch)
+def test_tiny_run_writes_metrics_validation_flags_and_report(tmp_path, one_thread):
+    log_dir = tiny_run(tmp_path)
     records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     val = [r for r in records if "val_loss" in r]

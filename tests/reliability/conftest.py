@@ -29,13 +29,23 @@ def torchrun(args: list[str], nproc: int = 2, max_restarts: int = 0, timeout: fl
              **env: str) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node N --max-restarts K train.py ARGS` in the repository root.
 
+    With a TITAN_FAULT_* variable in `env` the script is tests/train_with_faults.py, which installs those faults.
+
     Launched as examples/restart_single_node.sh does: with a rendezvous store of its own per attempt, without which
     a restart cannot re-form the process group (pytorch/pytorch#135712).
     """
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    script = _script(env)
+    if script != "train.py":  # run from tests/, it imports this repository's titan_npu through PYTHONPATH
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "train.py", *args]
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.5", script, *args]
     return subprocess.run(cmd, cwd=REPO, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def _script(env: dict[str, str]) -> str:
+    faulty = any(name.startswith("TITAN_FAULT_") for name in env)
+    return str(REPO / "tests" / "train_with_faults.py") if faulty else "train.py"
 
 
 def run_train(args: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess:

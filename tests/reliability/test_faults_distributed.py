@@ -1,7 +1,7 @@
 """Fault injection on 2 gloo ranks under torchrun, deterministic fp32: every fault ends in the weights of the
 uninterrupted run, or in a prompt exit with stacks.
 
-All runs share one reference: 8 steps in which rank 1 sees a NaN loss at step 3 (TITAN_FAULT_NAN_AT_STEP, a bad
+All runs share one reference: 8 steps in which rank 1 sees a NaN loss at step 3 (tests/fault_hooks.py, a bad
 batch that is bad every time it is read). The faulty runs add a kill, a signal or a crash in a save on top and
 must end with the reference's final weights, bit for bit.
 """

@@ -37,18 +37,25 @@ def mean_loss(loss: torch.Tensor | None, dims: ParallelDims) -> float:
     return float(total) / (dims.dp * dims.tp)
 
 
-def grad_norm(parameters: Iterable[torch.Tensor], dims: ParallelDims, foreach: bool = True) -> torch.Tensor:
-    """Global L2 norm of all gradients of the model, whatever the layout (a collective under FSDP/TP/PP)."""
+def grad_norm(parameters: Iterable[torch.Tensor], dims: ParallelDims, foreach: bool = True,
+              device: torch.device | str = "cpu") -> torch.Tensor:
+    """Global L2 norm of all gradients of the model, whatever the layout (a collective under FSDP/TP/PP).
+
+    `device` holds the zero of a rank without gradients.
+    """
     grads = [p.grad for p in parameters if p.grad is not None]
     # Gradients on different meshes (or plain tensors) cannot be stacked together: take each group's norm.
     groups: dict[object, list[torch.Tensor]] = {}
     for g in grads:
         key = (g.device_mesh, tuple(g.placements)) if hasattr(g, "device_mesh") else ("plain", g.device)
         groups.setdefault(key, []).append(g)
-    total_sq = torch.zeros((), dtype=torch.float32)
+    # Summed where the gradients live: a zero made on the host would be a blocking copy that waits for the backward.
+    total_sq = None
     for group in groups.values():
-        norm = plain_tensor(torch.nn.utils.get_total_norm(group, 2.0, foreach=foreach)).float()
-        total_sq = total_sq.to(norm.device) + norm.pow(2)
+        square = plain_tensor(torch.nn.utils.get_total_norm(group, 2.0, foreach=foreach)).float().pow(2)
+        total_sq = square if total_sq is None else total_sq + square.to(total_sq.device)
+    if total_sq is None:  # no gradients on this rank
+        total_sq = torch.zeros((), dtype=torch.float32, device=device)
     if dims.pp_enabled:
         # Each pipeline rank holds different layers: the squares add up over the pp group (on the gradients'
         # device, so the step does not wait for a copy to the host).
@@ -61,7 +68,8 @@ def grad_norm(parameters: Iterable[torch.Tensor], dims: ParallelDims, foreach: b
 def clip_grad_norm_(parameters: list[torch.Tensor], max_norm: float, dims: ParallelDims,
                     foreach: bool = True) -> torch.Tensor:
     """Scale gradients so their global norm is at most max_norm (max_norm <= 0: measure only); returns the norm."""
-    total = grad_norm(parameters, dims, foreach=foreach)
+    device = parameters[0].device if parameters else "cpu"
+    total = grad_norm(parameters, dims, foreach=foreach, device=device)
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=foreach)
     return total

@@ -1,4 +1,4 @@
-"""Long runs that come back by themselves: numerics guard, preemption, hang watchdog, disk check, fault injection."""
+"""Long runs that come back by themselves: numerics guard, preemption, hang watchdog, disk check."""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """The numerics guard: which steps' updates are skipped (non-finite loss or grad_norm, optional loss spikes).
 
 Every rank decides from the same gathered numbers (each rank's loss, the global grad_norm), so a NaN on one rank
-makes all ranks skip together and the replicas stay identical. A skipped step still counts as a step: its data is
-consumed and the learning-rate schedule advances, only the weights and optimizer state stay as they were.
+makes all ranks skip together and the replicas stay identical. Without the spike policy the device has already
+skipped the update by the same rule (run.py); the guard then only counts, logs and decides when the run stops.
+A skipped step still counts as a step: its data is consumed and the learning-rate schedule advances, only the
+weights and optimizer state stay as they were.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class StepGuard:
 
     @property
     def active(self) -> bool:
-        """True when a step's numbers must be read (one host synchronisation per step)."""
+        """True when the steps' numbers are checked (on the device, or on the host for the spike policy)."""
         return self.skip_nonfinite or self.spike_sigma > 0
 
     def decide(self, step: int, losses: list[float], grad_norm: float) -> Verdict:

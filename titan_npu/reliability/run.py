@@ -1,9 +1,12 @@
-"""What the Trainer calls: the step guard, the preemption handler, the watchdog, fault injection and failed-save
-handling behind a few methods, with one small host-side collective per step for the ranks to agree.
+"""What the Trainer calls: the step guard, the preemption handler, the watchdog and failed-save handling behind a
+few methods.
 
-The agreement gathers three numbers per rank over a gloo group of its own: the signal received (0 = none), the
-rank's loss and the global grad_norm. On accelerators the gather itself never waits for the device; reading the
-loss and grad_norm does (one host synchronisation per step), and only while the numerics guard is on.
+Nothing here reads a device value inside a step. Per step the ranks agree on signals over a gloo group of their own
+(one host-side gather of one number per rank, which never waits for the device), and the numerics guard turns the
+step's loss and grad_norm into a skip flag on the device, which a fused optimizer obeys without a host read. The
+flags are counted, logged and checked against reliability.max_skipped_steps when the numbers are read anyway: at
+log steps and before a checkpoint is saved. Two settings need the numbers on the host before the update, one read
+per step: the spike policy (spike_skip_sigma > 0) and an optimizer without a fused kernel (skip.py).
 """
 
 from __future__ import annotations
@@ -13,17 +16,18 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import CheckpointError
-from titan_npu.reliability.faults import Faults
+from titan_npu.parallel.reduce import plain_tensor
 from titan_npu.reliability.guards import StepGuard, TrainingHalted
 from titan_npu.reliability.preemption import PreemptionHandler
 from titan_npu.reliability.preflight import preflight
@@ -43,18 +47,21 @@ class Reliability:
     """The run's reliability layer; build it on every rank at the same point (it creates a process group)."""
 
     def __init__(self, cfg: JobConfig, rank: int, world_size: int, device_type: str,
-                 scaler_handles_overflow: bool = False) -> None:
+                 scaler_handles_overflow: bool = False, device_flag: bool = True) -> None:
         r = cfg.reliability
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.guard = StepGuard(r.skip_nonfinite, r.max_skipped_steps, r.spike_skip_sigma, cfg.metrics.spike_window,
                                scaler_handles_overflow, verbose=rank == 0)
+        # Skips decided on the device and counted later, unless the optimizer or the spike policy needs the host.
+        self.deferred = self.guard.active and device_flag and r.spike_skip_sigma == 0
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (step, [this rank's loss, grad_norm]) not yet counted
         self.signals = PreemptionHandler() if r.handle_signals else None
         self.watchdog = None
         if r.watchdog:
             self.watchdog = Watchdog(r.watchdog_timeout_s or cfg.comm.timeout_s, r.watchdog_step_factor,
                                      Path(cfg.metrics.log_dir) / "watchdog", rank, device_type)
-        self.faults = Faults.from_env(rank)
+        self.save_hooks: list[Callable[[int], None]] = []  # called with the step while its checkpoint is written
         self._group = None
         if world_size > 1 and (self.guard.active or self.signals is not None):
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.comm.timeout_s))
@@ -102,7 +109,6 @@ class Reliability:
         self.step = step
         if self.watchdog is not None:
             self.watchdog.beat(f"step {step}")
-        self.faults.at_step_start(step)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -111,34 +117,66 @@ class Reliability:
             self.watchdog.beat(f"{name} at step {self.step}", step=False)
         yield
 
-    def corrupt_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss, unless fault injection turns it into NaN at this step (tests only)."""
-        return self.faults.corrupt_loss(loss, self.step)
+    def check_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor | bool:
+        """Collective, between the gradients and the optimizer step: whether to skip this step's update.
 
-    def check_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """Collective, between the gradients and the optimizer step: True to apply this step's update."""
-        if not self.guard.active and self.signals is None:
-            return True
-        signum = self.signals.signum if self.signals is not None else 0
-        loss_value = norm_value = 0.0
-        if self.guard.active:
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            pair = torch.stack([loss.detach().float().reshape(()), grad_norm.detach().float().reshape(())])
-            loss_value, norm_value = pair.tolist()
-        row = torch.tensor([signum, loss_value, norm_value], dtype=torch.float64)
-        rows = [row]
-        if self._group is not None:
-            rows = [torch.empty_like(row) for _ in range(self.world_size)]
-            dist.all_gather(rows, row, group=self._group)
-        table = torch.stack(rows)
-        if self.preempted is None:
-            flagged = [r for r in range(len(rows)) if table[r, 0] > 0]
-            if flagged:
-                self.preempted = (int(table[flagged[0], 0]), flagged[0])
+        Deferred, without a loss scaler: a 0-d float flag on the device (1.0 = skip), identical on every rank, for
+        skip.step_unless. Otherwise a bool: decided on the host, or False where the scaler's own flag decides.
+        """
+        self._agree_on_signals()
         if not self.guard.active:
-            return True
-        return self.guard.decide(step, table[:, 1].tolist(), float(table[:, 2].max())).apply
+            return False
+        loss = plain_tensor(loss.detach()).float().reshape(())
+        grad_norm = plain_tensor(grad_norm.detach()).float().reshape(())
+        if not self.deferred:
+            return not self._decide_now(step, loss, grad_norm)
+        self._pending.append((step, torch.stack([loss, grad_norm])))
+        if self.guard.scaler_handles_overflow:
+            # A non-finite loss has non-finite gradients, which the scaler finds and skips (and backs off from).
+            return False
+        bad = (~torch.isfinite(loss)).float()
+        if self.world_size > 1:  # one rank's non-finite loss skips every rank's update
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return torch.maximum(bad, (~torch.isfinite(grad_norm)).float())
+
+    def _agree_on_signals(self) -> None:
+        """Every rank learns of a signal on any rank: a gather of host values only (nothing waits for the device)."""
+        if self.signals is None:
+            return
+        received = np.array([self.signals.signum] * self.world_size, dtype=np.float64)
+        if self._group is not None:  # gathered straight into `received`, read as numbers, not as tensors
+            rows = [torch.from_numpy(received[r:r + 1]) for r in range(self.world_size)]
+            dist.all_gather(rows, torch.tensor([float(self.signals.signum)], dtype=torch.float64), group=self._group)
+        flagged = np.flatnonzero(received > 0)
+        if self.preempted is None and flagged.size:
+            self.preempted = (int(received[flagged[0]]), int(flagged[0]))
+
+    def _gather_losses(self, mine: torch.Tensor) -> torch.Tensor:
+        """Every rank's row of `mine` (host float64, one row per rank), over the gloo group."""
+        if self._group is None:
+            return mine.unsqueeze(0)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(rows, mine, group=self._group)
+        return torch.stack(rows)
+
+    def _decide_now(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Read this step's numbers (one host synchronisation) and decide at once: True to apply the update."""
+        table = self._gather_losses(torch.stack([loss, grad_norm]).double().cpu())
+        return self.guard.decide(step, table[:, 0].tolist(), float(table[:, 1].max())).apply
+
+    def settle(self) -> None:
+        """Collective: read the deferred steps' numbers (one host read) and count their skips, in step order.
+
+        The guard's verdicts repeat the flags the device acted on (the same rule on the same numbers).
+        """
+        if not self._pending:
+            return
+        steps = [step for step, _ in self._pending]
+        mine = torch.stack([pair for _, pair in self._pending]).double().cpu()  # (steps, [loss, grad_norm])
+        self._pending = []
+        table = self._gather_losses(mine.reshape(-1)).reshape(-1, len(steps), 2)  # (ranks, steps, 2)
+        for i, step in enumerate(steps):
+            self.guard.decide(step, table[:, i, 0].tolist(), float(table[:, i, 1].max()))
 
     @property
     def stop_requested(self) -> bool:
@@ -149,6 +187,9 @@ class Reliability:
 
     def maybe_save(self, checkpointer: Any, step: int, last_step: bool) -> None:
         """checkpointer.maybe_save; a failed save other than the last is reported and training goes on."""
+        c = self.cfg.checkpoint
+        if c.enable and (last_step or step % c.save_interval == 0):
+            self.settle()  # the checkpoint keeps the guard's counters up to this step
         with self.phase("checkpoint save"):
             try:
                 checkpointer.maybe_save(step, last_step=last_step)
@@ -162,6 +203,7 @@ class Reliability:
 
     def stop(self, checkpointer: Any, step: int) -> None:
         """End the run at `step`: save synchronously, then return (signal) or raise TrainingHalted (numerics)."""
+        self.settle()
         halt = self.guard.halt_message
         with self.phase("checkpoint save"):
             checkpointer.save(step, sync=True)
@@ -187,7 +229,8 @@ class Reliability:
     # ------------------------------------------------------------------ Stateful (saved with every checkpoint)
 
     def state_dict(self) -> dict[str, Any]:
-        self.faults.in_save(self.step)
+        for hook in self.save_hooks:
+            hook(self.step)
         return self.guard.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

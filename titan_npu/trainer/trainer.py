@@ -44,6 +44,7 @@ from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline, s
 from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, mean_loss, plain_tensor
 from titan_npu.profiling import build_profiler
 from titan_npu.reliability import Reliability, prepare_reliability
+from titan_npu.reliability.skip import step_unless, takes_device_flag
 from titan_npu.trainer.advice import speed_hints
 from titan_npu.trainer.loss import cross_entropy_loss, loss_chunk_tokens, model_loss
 from titan_npu.trainer.optimizer import build_lr_scheduler, build_optimizer
@@ -139,10 +140,14 @@ class Trainer:
         # Metrics.
         self.step = 0
         self.tokens_seen = 0
-        self.step_callbacks: list[Callable[[int], None]] = []  # called with the step number after each step (bench)
+        # Hooks (benchmarks and tests install them; a run has none): each called with the step number.
+        self.step_start_callbacks: list[Callable[[int], None]] = []  # before each step's forward
+        self.step_callbacks: list[Callable[[int], None]] = []  # after each step
+        self.loss_hooks: list[Callable[[int, torch.Tensor], torch.Tensor]] = []  # (step, loss) -> the loss used
         # Reliability: skipped non-finite steps, preemption, the hang watchdog; its counters go into checkpoints.
         self.reliability = Reliability(cfg, self.rank, self.world_size, self.device.type,
-                                       scaler_handles_overflow=self.grad_scaler is not None)
+                                       scaler_handles_overflow=self.grad_scaler is not None,
+                                       device_flag=takes_device_flag(self.optimizer))
         extra = {"reliability": self.reliability}
         if self.grad_scaler is not None:
             extra["grad_scaler"] = self.grad_scaler
@@ -220,8 +225,9 @@ class Trainer:
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
         """One micro-batch: forward, loss, backward; returns the unscaled loss (detached)."""
         with self.loss_context():  # vocab-sharded logits under TP: the loss and its backward run sharded
-            loss = self.reliability.corrupt_loss(
-                model_loss(self.model, inputs, labels, self.autocast, self.loss_chunk_tokens))
+            loss = model_loss(self.model, inputs, labels, self.autocast, self.loss_chunk_tokens)
+            for hook in self.loss_hooks:
+                loss = hook(self.step, loss)
             scaled = loss * scale
             if self.grad_scaler is not None:
                 scaled = self.grad_scaler.scale(scaled)
@@ -262,14 +268,15 @@ class Trainer:
         # The norm over every parameter of the model, wherever its shards and stages live.
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, self.dims)
         # Collective: every rank learns of a signal on any rank, and all skip the update of a non-finite step.
-        if self.reliability.check_step(self.step, loss_sum / accum, grad_norm):
-            if self.grad_scaler is not None:
+        skip = self.reliability.check_step(self.step, loss_sum / accum, grad_norm)
+        if self.grad_scaler is not None:
+            if skip is not True:
                 self.grad_scaler.step(self.optimizer)
-                self.grad_scaler.update()
-            else:
-                self.optimizer.step()
-        elif self.grad_scaler is not None:
-            self.grad_scaler.update()  # the scale still backs off from an overflow that came with the bad step
+            self.grad_scaler.update()  # the scale still backs off from an overflow that came with a bad step
+        elif isinstance(skip, torch.Tensor):
+            step_unless(self.optimizer, skip)  # decided on the device: no host read
+        elif not skip:
+            self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / accum, grad_norm, data_time
@@ -298,11 +305,14 @@ class Trainer:
         while self.step < max_steps:
             self.step += 1
             self.reliability.begin_step(self.step)
+            for callback in self.step_start_callbacks:
+                callback(self.step)
             loss, grad_norm, data_time = self.train_step(data_iter)
             self.tokens_seen += self.tokens_per_step
             self.meter.step(loss, data_time)
             self.progress.update(self.step, last.get("loss"))
             if self.step % interval == 0 or self.step == max_steps or self.step == 1:
+                self.reliability.settle()  # count the skips since the last log step (may request the halt)
                 last = self._log_step(loss, grad_norm)
             if self.validator is not None and self.validator.due(self.step, max_steps):
                 with self.meter.excluded(), self.reliability.phase("validation"):
