@@ -173,3 +173,11 @@ def test_a_parameter_without_a_declared_distribution_is_refused():
     model.layers["0"].extra = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match=r"layers\.0\.extra has no initialisation"):
         model.init_weights(seed=0)
+
+
+def test_init_weights_refuses_to_write_over_an_existing_output(tmp_path, capsys):
+    from titan_npu.cli import main
+
+    (tmp_path / "seed").mkdir()
+    assert main(["init-weights", "--output", str(tmp_path / "seed")]) == 2
+    assert "already exists" in capsys.readouterr().err
