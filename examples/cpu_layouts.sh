@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Every parallel layout on a CPU (gloo) with a tiny model: each run starts from the same seed weights and reads the
-# same 4 sequences per step (batch_size x data-parallel degree = 4), so all of them print the same losses.
-# Runs 2- and 4-process torchrun jobs; logs under $OUT.
+# Every parallel layout on a CPU (gloo) with a tiny model: each run starts from the weights of the same
+# training.seed (they do not depend on the layout) and reads the same 4 sequences per step (batch_size x
+# data-parallel degree = 4), so all of them print the same losses. Runs 2- and 4-process torchrun jobs; logs under
+# $OUT.
 #
 #   bash examples/cpu_layouts.sh            # 20 steps each
 #   STEPS=50 OUT=/tmp/layouts bash examples/cpu_layouts.sh
@@ -12,22 +13,8 @@ OUT=${OUT:-/tmp/titan_npu_layouts}
 mkdir -p "$OUT"
 export TITAN_DEVICE=cpu
 COMMON=(--config configs/debug.toml --model.dim 64 --model.n_layers 4 --model.n_heads 4 --model.n_kv_heads 2
-        --training.seq_len 64 --training.max_steps "$STEPS" --training.dtype fp32 --checkpoint.enable false
-        --checkpoint.initial_load "$OUT/seed.pt" --metrics.log_interval 5)
-
-# Seed weights written by one process: the same starting point for every layout.
-python - "$OUT/seed.pt" "${COMMON[@]}" <<'PY'
-import sys, torch
-from titan_npu.config import load_config
-from titan_npu.models.llama import Transformer, build_model_args
-args = sys.argv[2:]
-i = args.index("--config")
-cfg = load_config(args[i + 1], args[:i] + args[i + 2:])
-torch.manual_seed(0)
-model = Transformer(build_model_args(cfg.model))
-model.init_weights()
-torch.save(model.state_dict(), sys.argv[1])
-PY
+        --training.seq_len 64 --training.max_steps "$STEPS" --training.dtype fp32 --training.seed 0
+        --checkpoint.enable false --metrics.log_interval 5)
 
 run() {  # run <name> <processes> <overrides...>
   local name=$1 nproc=$2; shift 2

@@ -12,6 +12,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "train-tokenizer": ("titan_npu.data.cli", "train_tokenizer_main", "train a BPE tokenizer on a corpus"),
     "export": ("titan_npu.checkpoint.cli", "export_main", "export a checkpoint to a full .pt or Hugging Face"),
     "import": ("titan_npu.checkpoint.cli", "import_main", "convert Hugging Face / Meta weights to a .pt"),
+    "init-weights": ("titan_npu.checkpoint.seed", "init_weights_main",
+                     "write a config's initial weights as a checkpoint any layout starts from"),
     "plan": ("titan_npu.tools.plan", "main", "plan memory and parallel layout before launch"),
     "doctor": ("titan_npu.tools.doctor", "main", "check versions, devices, environment and collectives"),
     "generate": ("titan_npu.tools.generate", "main", "sample text from a checkpoint"),

@@ -96,5 +96,6 @@ def test_same_validation_batches_give_the_same_loss_each_time(tmp_path, one_thre
     first, second = v.run(model, 1), v.run(model, 2)
     assert first["val_loss"] == second["val_loss"]
     assert model.training  # left as it was found
-    # An untrained model is close to uniform over the vocabulary: loss near ln(vocab).
-    assert first["val_loss"] == pytest.approx(math.log(args.vocab_size), rel=0.1)
+    # An untrained model is close to uniform over the vocabulary: unit-variance initial logits add about 1/2 nat
+    # to ln(vocab) (the same bound as tests/models' untrained-loss test).
+    assert math.log(args.vocab_size) - 0.1 < first["val_loss"] < math.log(args.vocab_size) + 1.0

@@ -1,13 +1,14 @@
-"""Session fixtures of the parallelism tests: the workspace (seed weights, tokens, single-process references) and
-the layouts' runs, each pool of ranks launched once for all the layouts it runs."""
+"""Session fixtures of the parallelism tests: the workspace (tokens, single-process references) and the layouts'
+runs, each pool of ranks launched once for all the layouts it runs."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from .harness import BATCH, Case, run_pool, tiny_run, write_seed_weights, write_tokens
+from .harness import BATCH, Case, run_pool, tiny_run, write_seed_checkpoint, write_tokens
 
 # The single-process references: batch_size x dp sequences per step is exactly what dp ranks read together
 # (the loader gives rank r the r-th batch_size slice of each global batch).
@@ -58,20 +59,28 @@ def resume_runs(workdir: Path) -> list[list[str]]:
     ]
 
 
+def seed_checkpoint_run(workdir: Path) -> list[str]:
+    """Tensor parallel 2 from the seed checkpoint that one process wrote (compared with ref_b4)."""
+    return tiny_run(workdir, "tp_from_seed_checkpoint") + [
+        "--parallel.tp_degree=2", f"--checkpoint.initial_load={workdir / 'seed_ckpt'}"]
+
+
 @pytest.fixture(scope="session")
 def parallel_workspace(tmp_path_factory) -> Path:
-    """Seed weights, a token file and the single-process reference runs (one process, run one after another)."""
+    """A token file, a seed checkpoint (`titan-npu init-weights`) and the single-process reference runs (one
+    process, run one after another)."""
     workdir = tmp_path_factory.mktemp("parallel")
     write_tokens(workdir / "tokens.jsonl")
-    write_seed_weights(workdir / "seed.pt")
-    run_pool(1, [tiny_run(workdir, name, batch_size=batch) for name, batch in REFERENCES.items()])
+    run_pool(1, [partial(write_seed_checkpoint, workdir),
+                 *[tiny_run(workdir, name, batch_size=batch) for name, batch in REFERENCES.items()]])
     return workdir
 
 
 @pytest.fixture(scope="session")
 def layout_runs(parallel_workspace: Path) -> Path:
-    """Every layout of CASES trained for 10 steps (and the resume runs): one 2-rank pool and one 4-rank pool."""
+    """Every layout of CASES trained for 10 steps (and the resume runs, and a run from the seed checkpoint): one
+    2-rank pool and one 4-rank pool."""
     two = [tiny_run(parallel_workspace, case.name) + case.overrides for case in TWO_RANKS]
-    run_pool(2, two + resume_runs(parallel_workspace))
+    run_pool(2, two + resume_runs(parallel_workspace) + [seed_checkpoint_run(parallel_workspace)])
     run_pool(4, [tiny_run(parallel_workspace, case.name) + case.overrides for case in FOUR_RANKS])
     return parallel_workspace

@@ -1,10 +1,13 @@
-"""Tiny training runs for the parallelism tests: seed weights, a token file, and pools of gloo ranks that run many
-layouts one after another in the same processes (one process group per pool)."""
+"""Tiny training runs for the parallelism tests: a token file, and pools of gloo ranks that run many layouts one
+after another in the same processes (one process group per pool). Every run starts from the weights its seed
+gives (no seed checkpoint: the initial weights must not depend on the layout) and leaves them, gathered, in its
+log dir for comparison."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +21,10 @@ STEPS = 10
 BATCH = 4  # per data-parallel rank
 MODEL = {"name": "llama3", "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512,
          "max_seq_len": 64}
+
+
+# What a pool runs: a training run's overrides, or a function (picklable) called in every process of the pool.
+Job = list[str] | Callable[[], None]
 
 
 @dataclass
@@ -39,28 +46,16 @@ def write_tokens(path: Path, n_docs: int = 120, seed: int = 0) -> Path:
     return path
 
 
-def write_seed_weights(path: Path, seed: int = 1234) -> Path:
-    """Full weights of the tiny model from one process: every layout starts from exactly these."""
-    from titan_npu.config.schema import ModelConfig
-    from titan_npu.models.llama import Transformer, build_model_args
-
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = Transformer(build_model_args(ModelConfig(**MODEL)))
-        model.init_weights()
-    torch.save(model.state_dict(), path)
-    return path
-
-
 def tiny_run(workdir: Path, name: str, batch_size: int = BATCH) -> list[str]:
-    """Overrides of a 10-step fp32 deterministic run from the seed weights, logging every step to workdir/name."""
+    """Overrides of a 10-step fp32 deterministic run from training.seed's weights, logging every step to
+    workdir/name."""
     args = [f"--model.{key}={value}" for key, value in MODEL.items()]
     args += [
         "--training.seq_len=32", f"--training.batch_size={batch_size}", f"--training.max_steps={STEPS}",
         "--training.dtype=fp32", "--training.deterministic=true", "--training.seed=7",
         "--optimizer.lr=3e-3", "--lr_scheduler.warmup_steps=3",
         f"--data.path={workdir / 'tokens.jsonl'}", "--data.tokenizer=byte", "--data.num_workers=0",
-        f"--checkpoint.initial_load={workdir / 'seed.pt'}", "--checkpoint.enable=false",
+        "--checkpoint.enable=false",
         f"--metrics.log_dir={workdir / name}", "--metrics.log_interval=1", "--metrics.tensorboard=false",
         "--metrics.report=false", "--metrics.progress=lines",
         # A fixed peak skips measuring the CPU's matmul peak (seconds per process, and MFU is not under test).
@@ -81,26 +76,52 @@ def losses_by_step(workdir: Path, name: str, key: str = "loss") -> dict[int, flo
     return {r["step"]: r[key] for r in records if "loss" in r and "step" in r}
 
 
+def write_seed_checkpoint(workdir: Path) -> None:
+    """`titan-npu init-weights` with the tiny run's config: its seed checkpoint, in workdir/seed_ckpt."""
+    from titan_npu.cli import main
+
+    code = main(["init-weights", "--output", str(workdir / "seed_ckpt"), *tiny_run(workdir, "seed_ckpt")])
+    assert code == 0, f"titan-npu init-weights exited {code}"
+
+
+def initial_weights(workdir: Path, name: str) -> list[dict[str, torch.Tensor]]:
+    """Per rank, the full (gathered) initial weights of the model parts that rank held in run `name`."""
+    files = sorted((workdir / name).glob("initial_weights.rank*.pt"))
+    return [torch.load(f, weights_only=True) for f in files]
+
+
+def _save_initial_weights(trainer, log_dir: Path) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = {}
+    for part in trainer.model_parts:
+        full.update(get_model_state_dict(part, options=StateDictOptions(full_state_dict=True)))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.detach().cpu() for k, v in full.items()}, log_dir / f"initial_weights.rank{trainer.rank}.pt")
+
+
 def _train(args: list[str]) -> None:
     from titan_npu.config import load_config
     from titan_npu.trainer import Trainer
 
-    trainer = Trainer(load_config(None, args))
+    cfg = load_config(None, args)
+    trainer = Trainer(cfg)
+    _save_initial_weights(trainer, Path(cfg.metrics.log_dir))
     trainer.train()
     # Not trainer.close(): the process group stays up for the pool's next case.
     trainer.checkpointer.close()
     trainer.metrics.close()
 
 
-def _worker(rank: int, world: int, port: int, runs: list[list[str]]) -> None:
+def _worker(rank: int, world: int, port: int, runs: list[Job]) -> None:
     if world > 1:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
     os.environ["TITAN_DEVICE"] = "cpu"
     torch.set_num_threads(1)  # several ranks share two cores
     try:
-        for args in runs:
-            _train(args)
+        for job in runs:
+            job() if callable(job) else _train(job)
     finally:
         import torch.distributed as dist
 
@@ -108,6 +129,6 @@ def _worker(rank: int, world: int, port: int, runs: list[list[str]]) -> None:
             dist.destroy_process_group()
 
 
-def run_pool(world: int, runs: list[list[str]]) -> None:
-    """Run the training runs one after another in `world` spawned processes; raises if any rank fails."""
+def run_pool(world: int, runs: list[Job]) -> None:
+    """Run the jobs one after another in `world` spawned processes; raises if any rank fails."""
     mp.spawn(_worker, args=(world, free_port(), runs), nprocs=world, join=True)

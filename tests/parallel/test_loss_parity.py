@@ -1,12 +1,15 @@
-"""Every parallel layout trains exactly like one process: same seed weights, same global batch, per-step losses
-equal to 1e-5 relative (and gradient norms to 1e-4) over 10 fp32 steps (gloo, deterministic mode)."""
+"""Every parallel layout trains exactly like one process: from the same training.seed (no seed checkpoint: the
+initial weights must not depend on the layout) and the same global batch, the gathered initial weights are equal
+bit for bit and the per-step losses equal to 1e-5 relative (gradient norms to 1e-4) over 10 fp32 steps (gloo,
+deterministic mode)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from .conftest import CASES
-from .harness import STEPS, losses, losses_by_step
+from .harness import STEPS, initial_weights, losses, losses_by_step
 
 pytestmark = pytest.mark.distributed
 
@@ -24,6 +27,29 @@ def test_layout_losses_match_single_process(layout_runs, name):
     assert got == pytest.approx(want, rel=RTOL), f"{name} vs {case.reference}:\n{got}\n{want}"
     norms, want_norms = losses(layout_runs, name, "grad_norm"), losses(layout_runs, case.reference, "grad_norm")
     assert norms == pytest.approx(want_norms, rel=GRAD_NORM_RTOL), f"{name} grad_norm:\n{norms}\n{want_norms}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layout_starts_from_the_single_process_weights(layout_runs, name):
+    (want,) = initial_weights(layout_runs, CASES[name].reference)
+    per_rank = initial_weights(layout_runs, name)
+    assert per_rank, f"{name}: no initial weights saved"
+    seen = set()
+    for rank, got in enumerate(per_rank):
+        for key, value in got.items():
+            assert torch.equal(value, want[key]), f"{name} rank {rank}: {key} differs from one process's"
+        seen |= set(got)
+    assert seen == set(want), f"{name}: the ranks together hold {sorted(set(want) - seen)} nowhere"
+
+
+def test_a_seed_checkpoint_starts_another_layout_from_the_same_weights(layout_runs):
+    # Written by `titan-npu init-weights` in one process, loaded by tensor parallel 2 through initial_load.
+    (want,) = initial_weights(layout_runs, "ref_b4")
+    for rank, got in enumerate(initial_weights(layout_runs, "tp_from_seed_checkpoint")):
+        assert set(got) == set(want)
+        for key, value in got.items():
+            assert torch.equal(value, want[key]), f"rank {rank}: {key}"
+    assert losses(layout_runs, "tp_from_seed_checkpoint") == pytest.approx(losses(layout_runs, "ref_b4"), rel=RTOL)
 
 
 def test_references_differ_by_batch(parallel_workspace):

@@ -1,5 +1,6 @@
 """Pure tensor parallelism (no data-parallel wrapper after it): after each backward every parameter's gradient has
-its parameter's placements, so its local shard shape, and equals the single-process gradient (2 gloo ranks)."""
+its parameter's placements, so its local shard shape, and equals the single-process gradient (2 gloo ranks). Both
+models start from the weights of the same seed, with no checkpoint between them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from .harness import MODEL, free_port, write_seed_weights
+from .harness import MODEL, free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -31,11 +32,10 @@ def _overrides(extra: list[str]) -> list[str]:
     return model + ["--training.dtype=fp32", "--parallel.tp_degree=2", "--parallel.dp_shard=1", *extra]
 
 
-def _check_case(name: str, extra: list[str], seed_path: Path) -> list[str]:
+def _check_case(name: str, extra: list[str]) -> list[str]:
     """Two backward passes (gradient accumulation) under this case's layout; the problems found, if any."""
     import torch.distributed as dist
 
-    from titan_npu.checkpoint.initial_load import load_initial_weights
     from titan_npu.config import load_config
     from titan_npu.models.llama import Transformer, build_model_args
     from titan_npu.parallel.dims import ParallelDims
@@ -52,10 +52,9 @@ def _check_case(name: str, extra: list[str], seed_path: Path) -> list[str]:
         model = Transformer(args)
     model = parallelize_model(model, dims, cfg)
     materialize(model, torch.device("cpu"), cfg)
-    load_initial_weights(model, seed_path, args)
 
     reference = Transformer(args)
-    reference.load_state_dict(torch.load(seed_path, weights_only=True))
+    reference.init_weights(seed=cfg.training.seed)
 
     generator = torch.Generator().manual_seed(11)
     problems = []
@@ -92,7 +91,7 @@ def _worker(rank: int, port: int, workdir: str) -> None:
     torch.set_num_threads(1)  # both ranks share two cores
     dist.init_process_group("gloo")
     try:
-        report = {name: _check_case(name, extra, Path(workdir) / "seed.pt") for name, extra in CASES.items()}
+        report = {name: _check_case(name, extra) for name, extra in CASES.items()}
         (Path(workdir) / f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
@@ -102,7 +101,6 @@ def _worker(rank: int, port: int, workdir: str) -> None:
 def tp_gradient_report(tmp_path_factory) -> dict[str, list[str]]:
     """Every case run on both ranks (one pool); case name -> the problems any rank found."""
     workdir = tmp_path_factory.mktemp("tp_gradients")
-    write_seed_weights(workdir / "seed.pt")
     mp.spawn(_worker, args=(free_port(), str(workdir)), nprocs=WORLD, join=True)
     report: dict[str, list[str]] = {name: [] for name in CASES}
     for rank in range(WORLD):

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from titan_npu.checkpoint.manager import CheckpointManager
 from titan_npu.config import JobConfig, config_to_dict, save_config
@@ -35,12 +34,12 @@ from titan_npu.metrics import (
 )
 from titan_npu.metrics.logger import import_wandb
 from titan_npu.metrics.report import final_report, run_info, write_run_info
-from titan_npu.models.llama import Transformer, build_model_args
+from titan_npu.models.llama import build_model_args
 from titan_npu.ops import current_kernels
 from titan_npu.ops.cuda import choose_attention_kernel
 from titan_npu.parallel import ParallelDims, init_process_group, validate_layout
-from titan_npu.parallel.parallelize import materialize, parallelize_model
-from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline, split_for_pipeline
+from titan_npu.parallel.parallelize import build_model_parts
+from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline
 from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, mean_loss, plain_tensor
 from titan_npu.profiling import build_profiler
 from titan_npu.reliability import Reliability, prepare_reliability
@@ -111,15 +110,11 @@ class Trainer:
             device_type=self.device.type, model_vocab_size=self.model_args.vocab_size,
         )
 
-        # Model: built on meta (no memory), split into pipeline stages, parallelised, materialised on the device.
-        with torch.device("meta"):
-            model = Transformer(self.model_args)
-        if self.pure_dtype is not None:  # pure bf16: weights, gradients and optimizer state in bf16 (free on meta)
-            model.to(self.pure_dtype)
-        stage_ids, parts = split_for_pipeline(model, self.dims, cfg) if self.dims.pp_enabled else ([0], [model])
-        self.model_parts: list[nn.Module] = [parallelize_model(part, self.dims, cfg) for part in parts]
-        for part in self.model_parts:
-            materialize(part, self.device.torch_device, cfg)
+        # Model: built on meta (no memory), split into pipeline stages, parallelised, materialised on the device
+        # with the seed's weights (the same in every layout). Pure bf16: weights, gradients and optimizer state
+        # in bf16.
+        stage_ids, self.model_parts = build_model_parts(cfg, self.dims, self.model_args, self.device.torch_device,
+                                                        self.pure_dtype)
         self.model = self.model_parts[0]
         self.pipeline = None
         if self.dims.pp_enabled:

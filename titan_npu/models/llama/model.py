@@ -14,6 +14,7 @@ from torch import nn
 
 from titan_npu import ops
 from titan_npu.errors import ConfigError
+from titan_npu.models.init import ParamInit, constant, init_parameters, normal, prefixed, trunc_normal
 from titan_npu.models.llama.args import (
     ROPE_SCALING_HIGH_FREQ_FACTOR,
     ROPE_SCALING_LOW_FREQ_FACTOR,
@@ -72,8 +73,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
 
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+    def param_inits(self) -> dict[str, ParamInit]:
+        """A unit scale."""
+        return {"weight": constant(1.0)}
 
 
 class Attention(nn.Module):
@@ -110,10 +112,10 @@ class Attention(nn.Module):
         out = ops.attention(xq, xk, xv, causal=True, use_flash=self.use_flash)  # [B, S, Hq, D]
         return self.wo(out.reshape(bs, seqlen, -1))
 
-    def init_weights(self, init_std: float) -> None:
-        for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+    def param_inits(self, init_std: float) -> dict[str, ParamInit]:
+        """q/k/v ~ N(0, 0.02); the output projection, which writes into the residual stream, ~ N(0, init_std)."""
+        inits = {f"{name}.weight": trunc_normal(0.02) for name in ("wq", "wk", "wv")}
+        return {**inits, "wo.weight": trunc_normal(init_std)}
 
 
 class FeedForward(nn.Module):
@@ -128,10 +130,9 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(ops.swiglu(self.w1(x), self.w3(x)))
 
-    def init_weights(self, init_std: float) -> None:
-        for linear in (self.w1, self.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=init_std)
+    def param_inits(self, init_std: float) -> dict[str, ParamInit]:
+        """Gate and up ~ N(0, 0.02); down, which writes into the residual stream, ~ N(0, init_std)."""
+        return {"w1.weight": trunc_normal(0.02), "w3.weight": trunc_normal(0.02), "w2.weight": trunc_normal(init_std)}
 
 
 class TransformerBlock(nn.Module):
@@ -153,11 +154,14 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def init_weights(self) -> None:
-        for norm in (self.attention_norm, self.ffn_norm):
-            norm.reset_parameters()
-        self.attention.init_weights(self.weight_init_std)
-        self.feed_forward.init_weights(self.weight_init_std)
+    def param_inits(self) -> dict[str, ParamInit]:
+        """The block's parameter distributions, by name within the block."""
+        return {
+            **prefixed("attention", self.attention.param_inits(self.weight_init_std)),
+            **prefixed("feed_forward", self.feed_forward.param_inits(self.weight_init_std)),
+            **prefixed("attention_norm", self.attention_norm.param_inits()),
+            **prefixed("ffn_norm", self.ffn_norm.param_inits()),
+        }
 
 
 class Transformer(nn.Module):
@@ -184,25 +188,33 @@ class Transformer(nn.Module):
         args = self.args
         return precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling_factor, device)
 
-    @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Initialise every parameter from torch's RNG and recompute the RoPE buffers (on buffer_device if given).
-
-        Call after `to_empty(device=...)` when the model was built on the meta device.
-        """
-        cos, sin = self._precompute_rope(buffer_device or self.freqs_cos.device)
-        self.freqs_cos, self.freqs_sin = cos, sin
+    def param_inits(self) -> dict[str, ParamInit]:
+        """Each parameter's distribution under its name in the whole model (a stage lists only what it holds)."""
+        inits: dict[str, ParamInit] = {}
         if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)
-        for layer in self.layers.values():
+            inits["tok_embeddings.weight"] = normal(0.02)
+        for layer_id, layer in self.layers.items():
             if layer is not None:
-                layer.init_weights()
+                inits.update(prefixed(f"layers.{layer_id}", layer.param_inits()))
         if self.norm is not None:
-            self.norm.reset_parameters()
+            inits.update(prefixed("norm", self.norm.param_inits()))
         if self.output is not None:
             # std dim^-0.5 makes the initial logits ~unit variance whatever the width (torchtitan's choice).
             std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            inits["output.weight"] = trunc_normal(std, low=-3 * std, high=3 * std)
+        return inits
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None, seed: int | None = None) -> None:
+        """Initialise every parameter from `seed` and recompute the RoPE buffers (on buffer_device if given).
+
+        The weights depend on the seed and the model's shape only, never on how the model is split or sharded
+        (models/init.py); seed None takes torch's current seed (`torch.manual_seed`). Call after
+        `to_empty(device=...)` when the model was built on the meta device.
+        """
+        cos, sin = self._precompute_rope(buffer_device or self.freqs_cos.device)
+        self.freqs_cos, self.freqs_sin = cos, sin
+        init_parameters(self, self.param_inits(), torch.initial_seed() if seed is None else seed)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_chunk_tokens: int = 0) -> torch.Tensor:

@@ -1,0 +1,117 @@
+"""`titan-npu init-weights`: write a config's initial weights as a checkpoint that any layout starts from.
+
+Training already starts every layout from the same weights for a seed (models/init.py). A seed checkpoint pins
+them beyond one code version: runs started from it (`checkpoint.initial_load = DIR`) share their first weights
+even if the initialisation code, its tile size or the model's init table change later. It is a step-0
+checkpoint directory holding the model only, in fp32, loaded through the ordinary initial_load path (DCP reads
+each rank's shard). Run under torchrun with a sharded layout for a large model: each rank draws and writes only
+its own shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from titan_npu.checkpoint import storage
+from titan_npu.config.schema import JobConfig
+from titan_npu.errors import CheckpointError
+
+log = logging.getLogger("titan_npu")
+
+
+def create_seed_checkpoint(cfg: JobConfig, output: str | Path, overwrite: bool = False) -> int:
+    """Write the initial weights of `cfg` (model and training.seed) to the checkpoint directory `output`.
+
+    Collective under torchrun (every rank writes its shard); returns the number of parameters written.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from titan_npu.config import save_config
+    from titan_npu.device import setup_device
+    from titan_npu.models.llama import build_model_args
+    from titan_npu.parallel import ParallelDims, destroy_process_group, init_process_group, validate_layout
+    from titan_npu.parallel.parallelize import build_model_parts
+
+    output = Path(output)
+    if output.exists() and not overwrite:
+        raise CheckpointError(f"--output {output} already exists; remove it, choose another path or pass --overwrite")
+    device = setup_device(cfg.parallel.backend)
+    rank, world_size = init_process_group(device, cfg.comm)
+    try:
+        dims = ParallelDims.from_config(cfg.parallel, world_size)
+        if world_size > 1:
+            dims.build_mesh(device.type, cfg.comm.timeout_s)
+        model_args = build_model_args(cfg.model)
+        validate_layout(dims, model_args, cfg)
+        # fp32 whatever training.dtype says: the weights a run's fp32 master copy (or a pure bf16 cast) starts from.
+        _, parts = build_model_parts(cfg, dims, model_args, device.torch_device)
+        state = {}
+        for part in parts:
+            state.update(get_model_state_dict(part))
+        tmp = output.parent / f"{output.name}{storage.TMP_SUFFIX}"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            save_config(cfg, tmp / storage.CONFIG_FILE)
+        if world_size > 1:
+            dist.barrier()
+        dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=world_size == 1)
+        if rank == 0:
+            info = {
+                "step": 0,
+                "tokens_seen": 0,
+                "seed": cfg.training.seed,
+                "world_size": world_size,
+                "layout": dims.describe(),
+                "model_args": dataclasses.asdict(model_args),
+                "export_dtype": cfg.checkpoint.export_dtype,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            if output.exists():
+                storage.remove_checkpoint(output)
+            storage.publish(tmp, output, info)
+        if world_size > 1:
+            dist.barrier()
+        return model_args.num_params()
+    finally:
+        destroy_process_group()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="titan-npu init-weights",
+        description="Write the initial weights a config gives (its [model] and training.seed) as a checkpoint "
+                    "directory that any parallel layout starts from with checkpoint.initial_load. Any config key "
+                    "can be overridden as --section.key value; under torchrun every rank writes its own shard.",
+        epilog="example: titan-npu init-weights --config configs/llama3_8b.toml --output seeds/llama3_8b",
+    )
+    p.add_argument("--config", "--config_file", dest="config", help="TOML or YAML config file (default: all defaults)")
+    p.add_argument("--output", required=True, help="the checkpoint directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    return p
+
+
+def init_weights_main(argv: list[str]) -> int:
+    """Entry of `titan-npu init-weights`."""
+    import os
+
+    from titan_npu.config import load_config
+    from titan_npu.train import setup_logging
+
+    args, overrides = _parser().parse_known_args(argv)
+    setup_logging(int(os.environ.get("RANK", "0")))
+    cfg = load_config(args.config, overrides)
+    n_params = create_seed_checkpoint(cfg, args.output, overwrite=args.overwrite)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"wrote the initial weights of training.seed={cfg.training.seed} ({n_params / 1e6:.1f}M parameters) "
+              f"to {args.output}; start any layout from them with checkpoint.initial_load={args.output}")
+    return 0
