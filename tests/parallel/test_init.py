@@ -81,6 +81,17 @@ def test_a_shard_drawn_alone_equals_that_slice_of_the_whole_parameter(small_tile
         torch.testing.assert_close(local, whole[torch.meshgrid(*indices, indexing="ij")], rtol=0, atol=0)
 
 
+def test_drawing_threads_do_not_change_the_values(small_tiles, monkeypatch):
+    shape = (10, 9)
+    draws = []
+    for workers in (1, 3):
+        monkeypatch.setattr(init, "draw_workers", lambda workers=workers: workers)
+        out = torch.empty(shape)
+        init.fill_shard(out, shape, [torch.arange(n) for n in shape], "output.weight", init.trunc_normal(0.1), 1)
+        draws.append(out)
+    torch.testing.assert_close(draws[0], draws[1], rtol=0, atol=0)
+
+
 def test_values_depend_on_the_seed_and_the_name():
     shape = (4, 4)
     draws = {}

@@ -18,7 +18,8 @@ The scheme (shared by every model family; a family only declares each parameter'
 Tiles are drawn on the CPU generator (Mersenne Twister), not the device's: it is the one generator every device
 type shares, so a debug run on the CPU and the same run on an NPU or GPU start from the same weights, and device
 generators (Philox on CUDA, the NPU's own) give other streams per device type and offset. The cost is host work
-and a host-to-device copy of the rank's own shard; a 70B model on 64 ranks draws about 1.1B numbers per rank.
+(tiles are drawn by several threads: the host's cores shared among its ranks) and a host-to-device copy of the
+rank's own shard; a 70B model on 64 ranks draws about 1.1B numbers per rank.
 Ranks on hosts with the same CPU kind draw bit-identical tiles; a different CPU kind (x86 vs. Arm) may round the
 normal's transcendental functions differently in the last bit.
 
@@ -32,7 +33,9 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +44,7 @@ from torch import nn
 TILE_ROWS = 128
 TILE_COLS = 512
 TILE_1D = TILE_ROWS * TILE_COLS
+MAX_DRAW_WORKERS = 32
 # Module wrappers that insert a component into parameter names without changing the model.
 WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
@@ -201,14 +205,34 @@ def tile_plan(
 # ---------------------------------------------------------------- filling parameters
 
 
+def draw_workers() -> int:
+    """Threads that draw tiles at once: this host's cores shared among its ranks (torchrun's LOCAL_WORLD_SIZE)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_DRAW_WORKERS, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 @torch.no_grad()
 def fill_shard(local: torch.Tensor, shape: Sequence[int], indices: Sequence[torch.Tensor], name: str,
                init: ParamInit, seed: int) -> None:
-    """Fill `local`, the piece at per-dim global `indices` of parameter `name` (global `shape`), tile by tile."""
-    for tile, tile_shape, blocks in tile_plan(shape, indices):
-        values = draw_tile(init, seed, name, tile, tile_shape)
-        for shard_slices, tile_slices in blocks:
-            local[shard_slices].copy_(values[tile_slices])
+    """Fill `local`, the piece at per-dim global `indices` of parameter `name` (global `shape`), tile by tile.
+
+    Tiles are independent (each has its own generator), so worker threads draw them, several at once; a few tiles
+    per thread are in flight, never the whole shard. (Even one worker thread: a tile's ops are too small for
+    torch's intra-op threads, whose start-up in the calling thread costs more than the tile on a busy host.)
+    """
+    plan = list(tile_plan(shape, indices))
+    workers = max(1, min(draw_workers(), len(plan)))
+
+    def draw(entry: tuple) -> torch.Tensor:
+        return draw_tile(init, seed, name, entry[0], entry[1])
+
+    with ThreadPoolExecutor(workers) as pool:
+        step = 4 * workers
+        for start in range(0, len(plan), step):
+            batch = plan[start:start + step]
+            for (_, _, blocks), values in zip(batch, pool.map(draw, batch)):
+                for shard_slices, tile_slices in blocks:
+                    local[shard_slices].copy_(values[tile_slices])
 
 
 @torch.no_grad()
