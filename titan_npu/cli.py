@@ -51,7 +51,7 @@ def run_command(func, argv: list[str]) -> int:
             raise
         line = f"{type(e).__name__}: {e}"
         rank, local_rank = _env_flag("RANK"), _env_flag("LOCAL_RANK") or _env_flag("RANK")
-        if local_rank in ("", "0"):
+        if not local_rank.isdigit() or local_rank == "0":  # a rank that is not a number is reported as such
             print(line, file=sys.stderr, flush=True)
             _record_for_torchrun(line)  # after the line is out: the other ranks wait for this file
         elif getattr(e, "same_on_every_rank", False):

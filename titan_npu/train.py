@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
     setup_logging(_rank())
     try:
         cfg = load_config(args.config, overrides)
+        if not args.print_config:
+            check_launch_env()
         if not args.print_config and not args.dry_run:
             check_before_process_group(cfg)
     except TitanError as e:
@@ -87,6 +89,29 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
 def _rank() -> int:
     rank = os.environ.get("RANK", "0")
     return int(rank) if rank.isdigit() else 0
+
+
+def check_launch_env() -> None:
+    """DeviceError naming the variable when the launcher's environment cannot describe a rank of a job:
+    WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE not whole numbers (or WORLD_SIZE < 1), a rank outside the world,
+    MASTER_PORT not a port."""
+    from titan_npu.errors import DeviceError
+
+    env = os.environ
+    fix = "launch with torchrun (it sets them), or unset them for one process"
+    counts = {}
+    for name, least in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)):
+        if name in env:
+            value = env[name].strip()
+            if not value.isdigit() or int(value) < least:
+                raise DeviceError(f"{name}={env[name]!r} is not a whole number >= {least}; {fix}")
+            counts[name] = int(value)
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if rank in counts and size in counts and counts[rank] >= counts[size]:
+            raise DeviceError(f"{rank}={counts[rank]} is not below {size}={counts[size]}; {fix}")
+    port = env.get("MASTER_PORT")
+    if port is not None and (not port.strip().isdigit() or not 1 <= int(port) <= 65535):
+        raise DeviceError(f"MASTER_PORT={port!r} is not a port (1-65535); choose a free port, e.g. 29500")
 
 
 def check_before_process_group(cfg) -> None:

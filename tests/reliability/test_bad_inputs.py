@@ -1,16 +1,20 @@
-"""Bad input is refused before training: exit code 2, one line naming the problem and the fix, no traceback, and
-nothing on disk changed (no log or checkpoint folder, every existing file as it was).
+"""Bad input is refused before any work: exit code 2, one line (at most three) naming the value and the fix, no
+traceback, and nothing on disk changed (no log or checkpoint folder, every existing file as it was, by checksum).
 
-Most cases run in-process through titan_npu.cli.main (fast); a handful run `python train.py` in a real process to
-show the exit code and the missing traceback, and that --debug brings the traceback back.
+Two tables: training runs (config, data, checkpoints, launch environment, signals) through `titan-npu train`, and
+the other commands (export, import, generate, prepare-data, report, the dispatcher). Every case runs in-process
+through titan_npu.cli.main (fast); the cases that need a real checkpoint share one tiny two-step run. A handful
+run `python train.py` or torchrun in real processes to show the exit code, the missing traceback and rank 0.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_run import train_tiny
 
 from titan_npu.cli import main as cli_main
 
@@ -32,6 +37,8 @@ class Case:
     message: str  # a regex the rest of the line matches: the problem and the fix
     setup: Callable[[Path], None] | None = None
     env: dict[str, str] = field(default_factory=dict)
+    hook: tuple[str, str] | None = None  # (module, function) that receives a real SIGINT instead of running
+    code: int = 2
 
 
 def _write(rel: str, text: str | bytes) -> Callable[[Path], None]:
@@ -59,6 +66,36 @@ def _truncated_shards(d: Path) -> None:
 
 def _checkpoint(d: Path) -> None:
     shutil.copytree(_TRAINED[0], d / "ckpt" / _TRAINED[0].name)
+
+
+def _run_copy(d: Path) -> None:
+    """The whole trained run at d: ckpt/step-1, ckpt/step-2 and logs/."""
+    shutil.copytree(_TRAINED[0].parent.parent, d, dirs_exist_ok=True)
+
+
+def _damaged(rel: str, damage: Callable[[Path], None]) -> Callable[[Path], None]:
+    def setup(d: Path) -> None:
+        _run_copy(d)
+        damage(d / "ckpt" / rel)
+    return setup
+
+
+def _cut(size: int) -> Callable[[Path], None]:
+    def damage(path: Path) -> None:
+        with open(path, "r+b") as f:
+            f.truncate(size)
+    return damage
+
+
+def _pickled_object(path: Path) -> None:
+    torch.save({"rng": torch.nn.Linear(1, 1)}, path)  # an object, not tensors and plain values
+
+
+def _both(*setups: Callable[[Path], None]) -> Callable[[Path], None]:
+    def setup(d: Path) -> None:
+        for one in setups:
+            one(d)
+    return setup
 
 
 def _checkpoint_without_info(d: Path) -> None:
@@ -152,18 +189,76 @@ CASES = [
     Case("torch-npu-mismatch", [], "DeviceError",
          r"torch_npu 2.1.0.post3 is built for torch 2.1.0 but torch .* is installed; install the matching pair",
          _torch_npu_for_another_torch, env={"TITAN_DEVICE": "npu"}),
+    Case("world-size-not-a-number", [], "DeviceError", r"WORLD_SIZE='abc' is not a whole number >= 1; launch with",
+         env={"WORLD_SIZE": "abc"}),
+    Case("world-size-zero", [], "DeviceError", r"WORLD_SIZE='0' is not a whole number >= 1", env={"WORLD_SIZE": "0"}),
+    Case("rank-outside-world", [], "DeviceError", r"RANK=5 is not below WORLD_SIZE=2; launch with torchrun",
+         env={"WORLD_SIZE": "2", "RANK": "5", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}"}),
+    Case("master-port-not-a-port", [], "DeviceError", r"MASTER_PORT='99999' is not a port \(1-65535\); choose",
+         env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}),
+    # ---- more configs
+    Case("file-value-overridden", ["--config", "{d}/c.toml", "--training.batch_size", "2"], "ConfigError",
+         r"c.toml:3: training.batch_size = \[2, 4\] is not an int",
+         _write("c.toml", "[training]\nseq_len = 32\nbatch_size = [2, 4]\n")),
+    Case("file-bad-value-line", ["--config", "{d}/c.yaml"], "ConfigError",
+         r"c.yaml:4: training.max_norm = -1.0 must be >= 0", _write("c.yaml", "optimizer:\n  eps: 1.0e-8\n"
+                                                                              "training:\n  max_norm: -1.0\n")),
+    Case("zero-steps", ["--training.max_steps", "0"], "ConfigError", r"training.max_steps = 0 must be >= 1"),
+    Case("negative-warmup", ["--lr_scheduler.warmup_steps", "-1"], "ConfigError",
+         r"lr_scheduler.warmup_steps = -1 must be >= 0"),
+    Case("zero-save-interval", ["--checkpoint.save_interval", "0"], "ConfigError",
+         r"checkpoint.save_interval = 0 must be >= 1"),
+    Case("val-fraction-over-one", ["--data.val_fraction", "1.5"], "ConfigError",
+         r"data.val_fraction = 1.5 must be in \[0, 1\)"),
+    Case("dim-not-multiple-of-heads", ["--model.dim", "63"], "ConfigError",
+         r"model.dim = 63 must be a multiple of model.n_heads = 4"),
+    Case("negative-loader-workers", ["--data.num_workers", "-1"], "ConfigError", r"data.num_workers = -1 must be >= 0"),
+    Case("nan-lr", ["--optimizer.lr", "nan"], "ConfigError", r"optimizer.lr = 'nan' is not a float"),
+    Case("disk-margin-below-one", ["--reliability.disk_margin", "0.5"], "ConfigError",
+         r"reliability.disk_margin = 0.5 must be >= 1"),
+    # ---- more checkpoints: every file of a checkpoint, damaged, is one line naming it and the intact step before
+    Case("resume-truncated-distcp", [], "CheckpointError",
+         r"step-2/__0_0.distcp is 1000 bytes but its index \(.metadata\) needs \d+ .* damaged: use the intact step 1 "
+         r"before it \(train: --checkpoint.resume 1;", _damaged("step-2/__0_0.distcp", _cut(1000))),
+    Case("resume-empty-distcp", ["--checkpoint.resume", "2"], "CheckpointError",
+         r"__0_0.distcp is 0 bytes .*--checkpoint.resume 1", _damaged("step-2/__0_0.distcp", _cut(0))),
+    Case("resume-truncated-metadata", [], "CheckpointError",
+         r"step-2/.metadata is unreadable .*--checkpoint.resume 1", _damaged("step-2/.metadata", _cut(50))),
+    Case("resume-empty-rank-file", [], "CheckpointError",
+         r"ranks/rank-0.pt is unreadable \(EOFError: the file ends early: empty or cut short\); .*resume 1",
+         _damaged("step-2/ranks/rank-0.pt", _cut(0))),
+    Case("resume-truncated-rank-file", [], "CheckpointError",
+         r"ranks/rank-0.pt is unreadable \(RuntimeError: PytorchStreamReader failed reading zip archive: failed "
+         r"finding central directory\); .*--checkpoint.resume 1", _damaged("step-2/ranks/rank-0.pt", _cut(100))),
+    Case("resume-rank-file-with-objects", [], "CheckpointError",
+         r"rank-0.pt is unreadable \(UnpicklingError: it holds Python objects besides tensors and plain values, which "
+         r"could run code when loaded\);", _damaged("step-2/ranks/rank-0.pt", _pickled_object)),
+    Case("resume-missing-rank-file", [], "CheckpointError", r"rank-0.pt is missing; .*--checkpoint.resume 1",
+         _damaged("step-2/ranks/rank-0.pt", Path.unlink)),
+    Case("resume-nothing-intact-before", [], "CheckpointError",
+         r"step-1/__0_0.distcp is 10 bytes .* no earlier intact checkpoint is in .*ckpt; start again or restore",
+         _both(_damaged("step-1/__0_0.distcp", _cut(10)), lambda d: shutil.rmtree(d / "ckpt" / "step-2"))),
+    # ---- signals: Ctrl-C during start-up is one line, exit 130, and leaves nothing
+    Case("sigint-at-start-up", [], "interrupted", r"^$", hook=("titan_npu.train", "check_before_process_group"),
+         code=130),
+    Case("sigint-while-data-is-read", [], "interrupted", r"^$", hook=("titan_npu.data.loader", "open_dataset"),
+         code=130),
 ]
 
-_TRAINED: list[Path] = []  # the step-1 checkpoint of one real tiny run, made once for the checkpoint cases
+_TRAINED: list[Path] = []  # step-1 of one real tiny two-step run (step-2 beside it), made once for all cases
 
 
 @pytest.fixture(scope="module")
 def trained_checkpoint(tmp_path_factory):
     run = tmp_path_factory.mktemp("trained")
-    assert cli_main(["train", *tiny_args(run, training__max_steps=1, checkpoint__async_save=False)]) == 0
+    train_tiny(run, steps=2, checkpoint__save_interval=1)
     _TRAINED[:] = [run / "ckpt" / "step-1"]
     yield
     _TRAINED.clear()
+
+
+def _interrupt(*args, **kwargs):
+    signal.raise_signal(signal.SIGINT)  # delivered to this (main) thread: Python raises KeyboardInterrupt here
 
 
 @pytest.fixture
@@ -182,8 +277,9 @@ def distributed_env_cleared(monkeypatch):
         monkeypatch.delenv(name)
 
 
-def test_the_table_covers_at_least_thirty_bad_inputs_of_every_kind():
-    assert len(CASES) >= 30 and len({c.id for c in CASES}) == len(CASES)
+def test_the_tables_cover_at_least_sixty_bad_inputs_of_every_kind():
+    assert len(CASES) + len(COMMANDS) >= 60
+    assert len({c.id for c in CASES + COMMANDS}) == len(CASES) + len(COMMANDS)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -197,14 +293,17 @@ def test_bad_input_is_refused_in_one_line_before_anything_is_written(
         monkeypatch.syspath_prepend(str(d / "site"))
     for key, value in case.env.items():
         monkeypatch.setenv(key, value.format(port=held_port))
+    if case.hook is not None:
+        monkeypatch.setattr(importlib.import_module(case.hook[0]), case.hook[1], _interrupt)
     before = snapshot(d)
     capsys.readouterr()
 
-    rc = cli_main(["train", *tiny_args(d), *[a.replace("{d}", str(d)) for a in case.args]])
+    # One step at most: a case that were accepted by mistake fails fast instead of training for long.
+    rc = cli_main(["train", *tiny_args(d, training__max_steps=1), *[a.replace("{d}", str(d)) for a in case.args]])
 
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
-    assert rc == 2, err
+    assert rc == case.code, err
     assert len(lines) == 1 and "Traceback" not in err, err
     kind, _, message = lines[0].partition(": ")
     assert kind == case.error, lines[0]
@@ -281,3 +380,146 @@ def test_a_rank_other_than_local_rank_zero_stays_silent_once_local_rank_zero_has
     (attempt / "0" / "error.json").write_text(json.dumps(recorded))
     assert cli.run_command(refuse, []) == cli.EXIT_REFUSED
     assert capsys.readouterr().err == ""
+
+
+# ---- the other commands: their outputs never touch their inputs, damaged inputs are named, flags by name
+
+@dataclass
+class Command:
+    id: str
+    argv: list[str]  # {d} = the case's folder
+    error: str  # what the line starts with, before ': '
+    message: str  # a regex the rest of the line matches: the value and the fix
+    setup: Callable[[Path], None] | None = None
+
+
+def _folder_of_mine(d: Path) -> None:
+    (d / "mine").mkdir()
+    (d / "mine" / "notes.txt").write_text("a week of notes")
+
+
+def _corpus(d: Path) -> None:
+    (d / "corpus").mkdir()
+    (d / "corpus" / "a.txt").write_text("\n\n".join(f"document {i} with some words" for i in range(20)))
+
+
+def _prepared(d: Path) -> None:
+    _corpus(d)
+    assert cli_main(["prepare-data", str(d / "corpus"), "--output", str(d / "prep"), "--progress", "lines"]) == 0
+
+
+COMMANDS = [
+    # export
+    Command("export-output-is-the-checkpoint", ["export", "--checkpoint", "{d}/ckpt/step-2", "--output",
+            "{d}/ckpt/step-2", "--overwrite"], "CheckpointError", r"--output .*step-2 is the checkpoint .*step-2; "
+            r"choose another path", _run_copy),
+    Command("export-output-holds-the-checkpoint", ["export", "--checkpoint", "{d}/ckpt", "--output", "{d}/ckpt",
+            "--format", "hf", "--overwrite"], "CheckpointError", r"--output .*ckpt contains the checkpoint .*step-2; "
+            r"write to a path outside it", _run_copy),
+    Command("export-output-inside-a-checkpoint", ["export", "--checkpoint", "{d}/ckpt/step-2", "--output",
+            "{d}/ckpt/step-1/w.pt"], "CheckpointError", r"w.pt lies inside the checkpoint .*step-1", _run_copy),
+    Command("export-overwrite-a-folder-of-mine", ["export", "--checkpoint", "{d}/ckpt", "--output", "{d}/mine",
+            "--format", "hf", "--overwrite"], "CheckpointError",
+            r"--output .*mine is not an earlier export; --overwrite would delete notes.txt: move them away",
+            _both(_run_copy, _folder_of_mine)),
+    Command("export-pt-over-a-folder", ["export", "--checkpoint", "{d}/ckpt", "--output", "{d}/mine", "--overwrite"],
+            "CheckpointError", r"--output .*mine is a folder; --format pt writes one file", _both(_run_copy,
+                                                                                                 _folder_of_mine)),
+    Command("export-existing-output", ["export", "--checkpoint", "{d}/ckpt", "--output", "{d}/mine"],
+            "CheckpointError", r"--output .*mine already exists; remove it, choose another path or pass --overwrite",
+            _both(_run_copy, _folder_of_mine)),
+    Command("export-truncated-distcp", ["export", "--checkpoint", "{d}/ckpt", "--output", "{d}/w.pt"],
+            "CheckpointError", r"step-2/__0_0.distcp is 1000 bytes but its index .*use the intact step 1 before it",
+            _damaged("step-2/__0_0.distcp", _cut(1000))),
+    Command("export-truncated-metadata", ["export", "--checkpoint", "{d}/ckpt", "--output", "{d}/w.pt"],
+            "CheckpointError", r"step-2/.metadata is unreadable .*--checkpoint .*step-1\)",
+            _damaged("step-2/.metadata", _cut(50))),
+    Command("export-bad-shard-size", ["export", "--checkpoint", "{d}/ckpt", "--output", "{d}/hf", "--format", "hf",
+            "--max-shard-size", "5XB"], "CheckpointError", r"--max-shard-size '5XB' is not a size; write e.g. 5GB",
+            _run_copy),
+    Command("export-step-of-a-step", ["export", "--checkpoint", "{d}/ckpt/step-2", "--step", "1", "--output",
+            "{d}/w.pt"], "CheckpointError", r"step-2 is already one checkpoint; drop --step", _run_copy),
+    Command("export-missing-step", ["export", "--checkpoint", "{d}/ckpt", "--step", "9", "--output", "{d}/w.pt"],
+            "CheckpointError", r"checkpoint step 9 in .* does not exist; complete steps there: 1, 2", _run_copy),
+    Command("export-tokenizer-missing", ["export", "--checkpoint", "{d}/ckpt", "--format", "hf", "--output",
+            "{d}/hf", "--tokenizer", "{d}/nope.json"], "CheckpointError",
+            r"tokenizer .*nope.json does not exist .*--tokenizer none", _run_copy),
+    # import
+    Command("import-output-inside-the-input", ["import", "--input", "{d}/ckpt/step-2", "--output",
+            "{d}/ckpt/step-2/w.pt"], "CheckpointError", r"--output .*w.pt lies inside the input .*step-2; write to",
+            _run_copy),
+    Command("import-output-is-the-input", ["import", "--input", "{d}/model.pt", "--output", "{d}/model.pt",
+            "--overwrite"], "CheckpointError", r"--output .*model.pt is the input .*model.pt; choose another path",
+            _write("model.pt", b"x")),
+    Command("import-missing-input", ["import", "--input", "{d}/nope", "--output", "{d}/w.pt"], "CheckpointError",
+            r"nope does not exist"),
+    Command("import-output-is-a-folder", ["import", "--input", "{d}/ckpt/step-1", "--output", "{d}/mine",
+            "--overwrite"], "CheckpointError", r"--output .*mine is a directory; give a file name",
+            _both(_run_copy, _folder_of_mine)),
+    Command("import-pt-holding-objects", ["import", "--input", "{d}/evil.pt", "--output", "{d}/w.pt"],
+            "CheckpointError", r"evil.pt is not a tensor file .*it holds Python objects besides tensors",
+            lambda d: _pickled_object(d / "evil.pt")),
+    Command("import-truncated-distcp", ["import", "--input", "{d}/ckpt/step-2", "--output", "{d}/w.pt"],
+            "CheckpointError", r"__0_0.distcp is 0 bytes .*intact step 1", _damaged("step-2/__0_0.distcp", _cut(0))),
+    # generate
+    Command("generate-truncated-distcp", ["generate", "--checkpoint", "{d}/ckpt/step-2", "--max-new-tokens", "2"],
+            "CheckpointError", r"__0_0.distcp is 1000 bytes .*intact step 1", _damaged("step-2/__0_0.distcp",
+                                                                                     _cut(1000))),
+    Command("generate-top-p", ["generate", "--checkpoint", "{d}/ckpt", "--top-p", "2"], "ConfigError",
+            r"--top-p=2.0 must be in \(0, 1\]", _run_copy),
+    Command("generate-missing-checkpoint", ["generate", "--checkpoint", "{d}/nope"], "CheckpointError",
+            r"--checkpoint .*nope does not exist; give a .pt file or a checkpoint directory"),
+    # prepare-data
+    Command("prepare-workers-zero", ["prepare-data", "{d}/corpus", "--output", "{d}/out", "--workers", "0"],
+            "DataError", r"^--workers 0 must be >= 1$", _corpus),
+    Command("prepare-output-inside-the-input", ["prepare-data", "{d}/corpus", "--output", "{d}/corpus/tokens"],
+            "DataError", r"--output .*corpus/tokens lies inside the input .*corpus; write to a folder outside",
+            _corpus),
+    Command("prepare-output-holds-the-input", ["prepare-data", "{d}/corpus/a.txt", "--output", "{d}"], "DataError",
+            r"--output .* holds the input .*a.txt", _corpus),
+    Command("prepare-input-is-our-output", ["prepare-data", "{d}/prep/index.json", "--output", "{d}/again"],
+            "DataError", r"input .*prep/index.json is a prepare-data output \(.*prep\), not a corpus", _prepared),
+    Command("prepare-missing-input", ["prepare-data", "{d}/nope.txt", "--output", "{d}/out"], "DataError",
+            r"input .*nope.txt does not exist; check the path"),
+    Command("prepare-unsupported-input", ["prepare-data", "{d}/table.csv", "--output", "{d}/out"], "DataError",
+            r"table.csv: unsupported input type; use .txt, .jsonl", _write("table.csv", "a,b\n")),
+    Command("prepare-foreign-output", ["prepare-data", "{d}/corpus", "--output", "{d}/mine"], "DataError",
+            r"--output .*mine is not empty and not a prepare-data output", _both(_corpus, _folder_of_mine)),
+    Command("prepare-bad-record-deep-output", ["prepare-data", "{d}/bad.jsonl", "--output", "{d}/new/deep/out"],
+            "DataError", r"bad.jsonl:2: 'text' is a int, not a string", _write("bad.jsonl",
+                                                                                '{"text": "ok"}\n{"text": 5}\n')),
+    # report
+    Command("report-missing-log-dir", ["report", "{d}/nope", "--no-plots"], "DataError", r"nope"),
+    Command("report-out-is-a-file", ["report", "{d}/logs", "--out", "{d}/logs/metrics.jsonl", "--no-plots"],
+            "DataError", r"--out .*metrics.jsonl is a file; name a folder", _run_copy),
+    Command("report-out-holds-a-report-of-mine", ["report", "{d}/logs", "--out", "{d}/mine", "--no-plots"],
+            "DataError", r"--out .*mine holds a report.md that titan-npu report did not write; move it away",
+            _both(_run_copy, _folder_of_mine, _write("mine/report.md", "# my own notes\n"))),
+    Command("report-out-inside-a-checkpoint", ["report", "{d}/logs", "--out", "{d}/ckpt/step-2", "--no-plots"],
+            "DataError", r"--out .*step-2 lies inside the checkpoint .*step-2; write the report elsewhere", _run_copy),
+    # the dispatcher
+    Command("unknown-command", ["exprot", "--checkpoint", "{d}"], "titan-npu",
+            r"unknown command 'exprot' \(did you mean 'export'\?\)"),
+]
+
+
+@pytest.mark.parametrize("case", COMMANDS, ids=[c.id for c in COMMANDS])
+def test_a_bad_command_input_is_refused_in_one_line_and_changes_nothing(case, tmp_path, capsys, trained_checkpoint,
+                                                                       distributed_env_cleared, one_thread):
+    d = tmp_path / "case"
+    d.mkdir()
+    if case.setup is not None:
+        case.setup(d)
+    before = snapshot(d)
+    capsys.readouterr()
+
+    rc = cli_main([a.replace("{d}", str(d)) for a in case.argv])
+
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 2, err
+    assert 1 <= len(lines) <= 3 and "Traceback" not in out + err, err
+    kind, _, message = lines[0].partition(": ")
+    assert kind == case.error, lines[0]
+    assert re.search(case.message, message), message
+    assert snapshot(d) == before, "a refused command changed what was there"

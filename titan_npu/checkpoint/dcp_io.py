@@ -105,6 +105,8 @@ def one_line(error: BaseException) -> str:
     text = str(error)
     if isinstance(error, pickle.UnpicklingError) and "weights only load failed" in text.lower():
         return "it holds Python objects besides tensors and plain values, which could run code when loaded"
+    if isinstance(error, EOFError) and not text:
+        return "the file ends early: empty or cut short"
     text = re.sub(r"\x1b\[[0-9;]*m", "", text).strip()
     first = (text.splitlines() or ["no detail"])[0]
     return first.split(". ")[0].rstrip(".")

@@ -25,6 +25,7 @@ log = logging.getLogger("titan_npu")
 
 RUN_INFO = "run_info.json"
 METRICS = "metrics.jsonl"
+REPORT_HEADING = "# Run report: "  # report.md's first line: how a report this module wrote is recognised
 
 
 # ----------------------------------------------------------------------------------------------------------- files
@@ -292,7 +293,7 @@ def render_markdown(log_dir: Path, run: RunMetrics, config: dict[str, Any], info
             f"step {st}: {f}" for st, f in flags[:5]) + (" ..." if len(flags) > 5 else "")))
 
     ckpt_dir = _checkpoint_dir(log_dir, info, config)
-    lines = [f"# Run report: {log_dir.resolve().name}", ""]
+    lines = [f"{REPORT_HEADING}{log_dir.resolve().name}", ""]
     if png_name:
         lines += [f"![loss, learning rate, throughput and memory against step]({png_name})", ""]
     lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows] + [""]
@@ -400,6 +401,25 @@ def plot_report(run: RunMetrics, out_png: Path, title: str = "") -> Path:
 
 
 # ---------------------------------------------------------------------------------------------------------- entry
+
+
+def check_report_dir(out: Path) -> None:
+    """DataError when writing report.md / report.png into `out` would replace or add to what is not ours: a file
+    named like the folder, a report.md written by someone else, or a checkpoint's files."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} is a file; name a folder for report.md and report.png")
+    for folder in (out.resolve(), *out.resolve().parents):
+        if (folder / ".metadata").is_file() or (folder / "checkpoint.json").is_file():
+            raise DataError(f"--out {out} lies inside the checkpoint {folder}; write the report elsewhere")
+    md = out / "report.md"
+    if md.is_file():
+        with open(md, encoding="utf-8", errors="replace") as f:
+            ours = f.readline().startswith(REPORT_HEADING)
+        if not ours:
+            raise DataError(f"--out {out} holds a report.md that titan-npu report did not write; move it away or "
+                            "choose another --out")
+
+
 def write_report(log_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
                  plots: bool = True) -> list[Path]:
     """Write report.png (when matplotlib is there and `plots`) and report.md; returns the files written."""
@@ -408,6 +428,9 @@ def write_report(log_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     run = read_metrics(log_dir)
     config = _read_toml(log_dir / "config.toml")
     info = _read_json(log_dir / RUN_INFO)
+    check_report_dir(out)
+    if plots:
+        _require_matplotlib()  # before anything is created
     out.mkdir(parents=True, exist_ok=True)
     written = []
     png_name = None
