@@ -18,6 +18,7 @@ EXPECTED = {
     "llama2_7b.toml": ("llama2", "7B"),
     "llama2_13b.toml": ("llama2", "13B"),
     "llama2_70b.toml": ("llama2", "70B"),
+    "llama3_1b.toml": ("llama3", "1B"),
     "llama3_8b.toml": ("llama3", "8B"),
     "llama3_70b.toml": ("llama3", "70B"),
     "llama_7b.toml": ("llama2", "7B"),
@@ -40,6 +41,16 @@ def test_every_config_loads_and_names_cards_and_launch(config_files):
 def test_named_configs_exist_and_select_their_model(name, model):
     cfg = load_config(CONFIGS / name)
     assert (cfg.model.name, cfg.model.flavor) == model
+
+
+def test_the_1b_benchmark_config_has_llama_3_2_1b_shapes_compiled_in_bf16():
+    from titan_npu.models.llama import build_model_args
+
+    cfg = load_config(CONFIGS / "llama3_1b.toml")
+    a = build_model_args(cfg.model)
+    assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size) == (2048, 16, 32, 8, 8192, 128256)
+    assert (a.rope_theta, a.rope_scaling_factor) == (500000.0, 32.0)
+    assert (cfg.training.dtype, cfg.training.seq_len, cfg.compile.enable) == ("bf16", 2048, True)
 
 
 def test_debug_config_is_the_tiny_cpu_run():

@@ -53,7 +53,7 @@ def test_gpu_fused_attention_matches_the_eager_reference(dtype, tol, heads, kv_h
 @pytest.fixture
 def attention_order():
     """The kernel order is a per-run global: each test's choice is undone after it."""
-    before = cuda_ops.current_priority()
+    before = list(cuda_ops._priority)
     yield
     cuda_ops._priority[:] = before
 

@@ -215,3 +215,27 @@ def test_cpu_speed_hints_name_the_faster_setting():
     hints = speed_hints(load_config(None, ["--data.num_workers", "2", "--training.dtype", "fp32"]), "cpu")
     assert len(hints) == 1 and "data.num_workers=0" in hints[0]
     assert speed_hints(load_config(None, ["--data.num_workers", "2"]), "cuda") == []
+
+
+def test_device_mfu_benchmark_runs_compiled_and_eager_on_a_tiny_shape(tmp_path):
+    """benchmarks/device_mfu.sh end to end on the cpu, the 1B config shrunk (and compiled by dynamo's eager
+    backend, which traces like inductor without generating code), so the GPU benchmark cannot rot."""
+    import subprocess
+
+    tiny = [a for a in TINY if a not in ("--training.dtype", "fp32")]
+    env = {**os.environ, "PYTHON": sys.executable, "STEPS": "2", "WARMUP": "1"}
+    env.pop("PYTHONPATH", None)  # the script puts the checkout on the path itself
+    cmd = ["bash", str(ROOT / "benchmarks" / "device_mfu.sh"), "--json", *tiny, "--compile.backend", "eager",
+           "--metrics.peak_tflops", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert s["compiled"]["compiled"] is True and s["eager"]["compiled"] is False
+    assert (s["seq_len"], s["batch_size"], s["dtype"], s["device"]) == (32, 2, "bf16", "cpu")
+    assert s["compiled"]["tokens_per_step"] == 2 * 32  # one micro-batch per step
+    assert s["compile_speedup"] == pytest.approx(s["tokens_per_s"] / s["eager_tokens_per_s"])
+    assert s["mfu"] == pytest.approx(s["tflops_per_device"] / s["peak_tflops"]) and s["peak_tflops"] == 1
+    assert s["peak_memory_gb"] > 0 and s["attention"] == "cpu"
+    mfu = _load("device_mfu")
+    for label in ("tokens/s", "MFU", "peak memory", "compile speed-up", "attention"):
+        assert label in mfu.format_summary(s)

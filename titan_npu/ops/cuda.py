@@ -61,11 +61,6 @@ def configure_attention(capability: tuple[int, int] | None, forced: str = "auto"
     return list(_priority)
 
 
-def current_priority() -> list[str]:
-    """The order SDPA tries the fused kernels in."""
-    return list(_priority)
-
-
 def flash_supported(q: torch.Tensor) -> bool:
     """Whether FlashAttention-2 can take q: fp16/bf16, head size a multiple of 8 up to 256, an sm80+ GPU."""
     head_dim = q.shape[-1]

@@ -114,6 +114,10 @@ class BenchResult:
     peak_reserved_gb: float  # accelerators: the allocator's peak reservation (= peak_memory_gb on cpu)
     loss_first: float  # logged loss of step 1 (rank 0 only; nan elsewhere)
     loss_last: float  # logged loss of the last step
+    seq_len: int = 0
+    batch_size: int = 0  # sequences per device per micro-step
+    compiled: bool = False  # compile.enable
+    attention: str = ""  # the attention kernel: the op backend, and on CUDA the SDPA kernel that runs
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -228,9 +232,23 @@ def run_bench(cfg, steps: int, warmup: int) -> BenchResult:
             peak_reserved_gb=reserved,
             loss_first=losses[0],
             loss_last=losses[-1],
+            seq_len=t.seq_len,
+            batch_size=t.batch_size,
+            compiled=bool(cfg.compile.enable),
+            attention=attention_kernel(trainer),
         )
     finally:
         trainer.close()
+
+
+def attention_kernel(trainer) -> str:
+    """What runs attention: the op backend ("cuda", "npu", "cpu", "reference"), with the SDPA kernel on CUDA."""
+    from titan_npu.ops import current_kernels
+
+    if not trainer.model_args.use_flash_attention:
+        return "eager (use_flash_attention = false)"
+    backend = current_kernels(trainer.device.type)["attention"]
+    return f"{backend}: {trainer.attention_kernel}" if trainer.attention_kernel else backend
 
 
 def format_result(r: BenchResult) -> str:
@@ -251,6 +269,7 @@ def format_result(r: BenchResult) -> str:
     else:
         lines.append(f"  peak memory     {r.peak_memory_gb:.2f} GB allocated, {r.peak_reserved_gb:.2f} GB reserved "
                      f"(max over ranks)")
+    lines.append(f"  attention       {r.attention}{', compiled' if r.compiled else ''}")
     lines.append(f"  loss            {r.loss_first:.4f} -> {r.loss_last:.4f}")
     return "\n".join(lines)
 

@@ -32,6 +32,9 @@ FLAVORS: dict[str, dict[str, dict[str, Any]]] = {
     "llama3": {
         "debug": dict(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048, multiple_of=256,
                       ffn_dim_multiplier=None, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=2048),
+        # Llama 3.2 1B shapes; its embedding and output are separate matrices here (Meta ties them): 1.50B params.
+        "1B": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=256,
+                   ffn_dim_multiplier=1.5, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192),
         # Llama 2 7B shapes (multi-head attention, FFN 11008) with Llama 3's vocabulary and RoPE base.
         "7B": dict(_LLAMA2_7B, vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192),
         "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
