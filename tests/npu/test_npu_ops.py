@@ -137,10 +137,14 @@ def test_fused_rms_norm_matches_reference(fake_torch_npu, shape):
     )
 
 
-def test_fused_rms_norm_takes_a_float_weight_with_bf16_activations(fake_torch_npu):
+def test_fused_rms_norm_hands_the_fp32_weight_to_the_kernel_uncast(fake_torch_npu, torch_npu_wheel, monkeypatch):
+    seen = []
+    kernel = torch_npu_wheel._kernels["npu_rms_norm"]
+    monkeypatch.setitem(torch_npu_wheel._kernels, "npu_rms_norm",
+                        lambda x, gamma, epsilon=1e-6: seen.append(gamma.dtype) or kernel(x, gamma, epsilon))
     x, w = torch.randn(2, 9, 32), torch.rand(32) + 0.5
-    got = npu_ops.rms_norm(x.bfloat16(), w, 1e-6)  # the kernel needs gamma in x's dtype: the wrapper casts
-    assert got.dtype == torch.bfloat16
+    got = npu_ops.rms_norm(x.bfloat16(), w, 1e-6)
+    assert seen == [torch.float32] and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), reference.rms_norm(x, w, 1e-6), atol=2e-2, rtol=2e-2)
 
 

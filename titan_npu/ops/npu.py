@@ -69,10 +69,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """npu_rms_norm (it returns (y, rstd)); the kernel wants gamma in the input's dtype."""
+    """npu_rms_norm (it returns (y, rstd)); gamma as it is: fp32 gamma beside bf16 activations is taken as such
+    (Atlas A2 and later), with no rounding of the weight to bf16 and no cast per call."""
     if _any_dtensor(x, weight):
         return reference.rms_norm(x, weight, eps)
-    return _torch_npu().npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)[0]
+    return _torch_npu().npu_rms_norm(x, weight, epsilon=eps)[0]
 
 
 def apply_rotary_emb(
