@@ -167,6 +167,20 @@ def test_fused_rotary_matches_metas_interleaved_reference(fake_torch_npu, seq, h
     assert fake_torch_npu.calls["npu_rotary_mul"] >= 2
 
 
+def test_a_rotary_shape_the_kernel_refuses_takes_the_reference_path(fake_torch_npu, monkeypatch, caplog):
+    # Past the limit the kernel documents (B * N < 1000 in interleave mode) the kernel raises RuntimeError.
+    monkeypatch.setattr(npu_ops, "ROTARY_INTERLEAVE_MAX_BN", 10**6)
+    cos, sin = rope_tables(3, 8)
+    xq, xk = torch.randn(250, 3, 4, 8), torch.randn(250, 3, 4, 8)
+    got = npu_ops.apply_rotary_emb(xq, xk, cos, sin)
+    for a, b in zip(got, reference.apply_rotary_emb(xq, xk, cos, sin), strict=True):
+        torch.testing.assert_close(a, b)
+    assert "npu_rotary_mul refused B*N=1000, D=8" in caplog.text
+    fake_torch_npu.calls.clear()
+    npu_ops.apply_rotary_emb(xq, xk, cos, sin)
+    assert fake_torch_npu.calls["npu_rotary_mul"] == 0  # remembered: no second try
+
+
 def _rotary_half_without_permutation(torch_npu, xq, xk, cos, sin):
     r1 = torch.cat((cos, cos), -1)[None, :, None, :]
     r2 = torch.cat((sin, sin), -1)[None, :, None, :]

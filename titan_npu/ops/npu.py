@@ -9,6 +9,7 @@ path: torch_npu's kernels have no sharding rules.
 from __future__ import annotations
 
 import importlib
+import logging
 from types import ModuleType
 
 import torch
@@ -17,17 +18,20 @@ from titan_npu.errors import DeviceError
 from titan_npu.ops import reference
 from titan_npu.ops.dispatch import register_backend
 
+log = logging.getLogger("titan_npu")
+
 # npu_fusion_attention's causal modes take this fixed-size upper-triangular mask (True = masked) and read it along
 # its diagonals, whatever the sequence length.
 CAUSAL_MASK_SIZE = 2048
 # sparse_mode 2 = leftUpCausal: query i sees keys 0..i, the same top-left alignment as SDPA's is_causal (mode 3,
 # rightDownCausal, would differ whenever the query and key lengths differ).
 SPARSE_MODE_LEFT_UP_CAUSAL = 2
-# npu_rotary_mul's interleave mode supports B * N below this; larger products take the reference path.
+# npu_rotary_mul's documented limits in interleave mode: B * N below 1000, an even head size below 896.
 ROTARY_INTERLEAVE_MAX_BN = 1000
+ROTARY_MAX_HEAD_DIM = 896
 
 _causal_masks: dict[torch.device, torch.Tensor] = {}
-_rotary_interleave_supported: bool | None = None  # learnt on the first call: older torch_npu has no rotary_mode
+_rotary_refused: set[tuple[int, int]] = set()  # (B * N, D) shapes the kernel raised on
 
 
 def _torch_npu() -> ModuleType:
@@ -79,39 +83,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def apply_rotary_emb(
     xq: torch.Tensor, xk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """npu_rotary_mul on Meta's interleaved pairs: "interleave" mode where available, else "half" mode on permuted dims.
+    """npu_rotary_mul in "interleave" mode on Meta's interleaved pairs.
 
     cos/sin [S, D/2] hold one angle per pair (2i, 2i+1); the kernel wants r1/r2 [1, S, 1, D] (BSND) with that
-    angle at both dims of the pair.
+    angle at both dims of the pair. Shapes outside the kernel's documented limits, and any it refuses
+    (RuntimeError), take the reference path.
     """
-    global _rotary_interleave_supported
     bn = max(xq.shape[0] * xq.shape[2], xk.shape[0] * xk.shape[2])
-    if _any_dtensor(xq, xk) or bn >= ROTARY_INTERLEAVE_MAX_BN:
+    d = xq.shape[-1]
+    shape = (bn, d)
+    if (_any_dtensor(xq, xk) or bn >= ROTARY_INTERLEAVE_MAX_BN or d >= ROTARY_MAX_HEAD_DIM or d % 2
+            or shape in _rotary_refused):
         return reference.apply_rotary_emb(xq, xk, cos, sin)
     torch_npu = _torch_npu()
-    if _rotary_interleave_supported is not False:
-        r1 = cos.repeat_interleave(2, dim=-1)[None, :, None, :].to(xq.dtype)
-        r2 = sin.repeat_interleave(2, dim=-1)[None, :, None, :].to(xq.dtype)
-        try:
-            out = (torch_npu.npu_rotary_mul(xq, r1, r2, rotary_mode="interleave"),
-                   torch_npu.npu_rotary_mul(xk, r1, r2, rotary_mode="interleave"))
-            _rotary_interleave_supported = True
-            return out
-        except TypeError:
-            if _rotary_interleave_supported:
-                raise
-            _rotary_interleave_supported = False
-    return _rotary_half_mode(torch_npu, xq, cos, sin), _rotary_half_mode(torch_npu, xk, cos, sin)
-
-
-def _rotary_half_mode(torch_npu: ModuleType, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # "half" mode pairs dim i with dim i + D/2: gather the even dims then the odd ones, rotate, interleave back.
-    halves = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-    r1 = torch.cat((cos, cos), dim=-1)[None, :, None, :].to(x.dtype)
-    r2 = torch.cat((sin, sin), dim=-1)[None, :, None, :].to(x.dtype)
-    rotated = torch_npu.npu_rotary_mul(halves, r1, r2)
-    first, second = rotated.chunk(2, dim=-1)
-    return torch.stack((first, second), dim=-1).flatten(-2)
+    r1 = cos.repeat_interleave(2, dim=-1)[None, :, None, :].to(xq.dtype)
+    r2 = sin.repeat_interleave(2, dim=-1)[None, :, None, :].to(xq.dtype)
+    try:
+        return (torch_npu.npu_rotary_mul(xq, r1, r2, rotary_mode="interleave"),
+                torch_npu.npu_rotary_mul(xk, r1, r2, rotary_mode="interleave"))
+    except RuntimeError as e:  # what the kernel raises on a shape it does not support
+        _rotary_refused.add(shape)
+        log.warning("npu_rotary_mul refused B*N=%d, D=%d (%s); this shape takes the reference rotary from now on",
+                    bn, d, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return reference.apply_rotary_emb(xq, xk, cos, sin)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
