@@ -35,6 +35,10 @@ class NpuTensor(torch.Tensor):
             device=_device(index), requires_grad=data.requires_grad,
         )
         wrapper._data = data
+        # Lazy conjugation / negation are flags on the tensor, not data: the wrapper carries them too (complex
+        # autograd, e.g. the reference rotary's backward, produces conjugate views).
+        torch._C._set_conj(wrapper, data.is_conj())
+        torch._C._set_neg(wrapper, data.is_neg())
         return wrapper
 
     def __repr__(self) -> str:
