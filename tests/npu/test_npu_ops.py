@@ -231,3 +231,38 @@ def test_npu_kernels_without_torch_npu_say_what_to_install():
 
     with pytest.raises(DeviceError, match="install torch_npu"):
         npu_ops.swiglu(torch.randn(2, 4), torch.randn(2, 4))
+
+
+# --- swiglu_linear: the SwiGLU MLP's input projections and gating ------------------------------------------------
+
+@pytest.mark.parametrize("tokens,fused_weight", [(48, True), (5, False)], ids=["weights-cat", "activations-cat"])
+def test_swiglu_linear_matches_reference_and_copies_the_smaller_operand(fake_torch_npu, torch_npu_wheel, monkeypatch,
+                                                                        tokens, fused_weight):
+    # dim 16, ffn 24: with tokens >= dim the kernel's [gate, up] input is one matmul of the concatenated weights,
+    # below that the two projections' outputs are concatenated.
+    seen = []
+    kernel = torch_npu_wheel._kernels["npu_swiglu"]
+    monkeypatch.setitem(torch_npu_wheel._kernels, "npu_swiglu",
+                        lambda x, dim=-1: seen.append(x.grad_fn.name()) or kernel(x, dim))
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(1, tokens, 16, generator=g)
+    w1, w3 = torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g)
+    assert_same_forward_and_backward(
+        npu_ops.swiglu_linear, lambda x, a, b: reference.swiglu(x @ a.T, x @ b.T), [x, w1, w3])
+    assert ("CatBackward0" not in seen[0]) == fused_weight
+
+
+def test_the_mlp_keeps_w1_and_w3_as_its_parameters_and_runs_one_swiglu_kernel(fake_torch_npu):
+    from titan_npu.models.llama.model import FeedForward
+    from titan_npu.ops import set_kernels
+
+    torch.manual_seed(0)
+    mlp = FeedForward(16, 24)
+    assert [name for name, _ in mlp.named_parameters()] == ["w1.weight", "w2.weight", "w3.weight"]
+    x = torch.randn(2, 20, 16)
+    set_kernels("npu")
+    fake_torch_npu.calls.clear()
+    fused = mlp(x)
+    assert fake_torch_npu.calls["npu_swiglu"] == 1
+    set_kernels("reference")
+    torch.testing.assert_close(fused, mlp(x), atol=1e-5, rtol=1e-5)

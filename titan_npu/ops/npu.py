@@ -13,6 +13,7 @@ import logging
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from titan_npu.errors import DeviceError
 from titan_npu.ops import reference
@@ -115,7 +116,21 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _torch_npu().npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)
 
 
+def swiglu_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """npu_swiglu on one projection x @ [w_gate; w_up]^T, whose output is the [gate, up] layout the kernel reads.
+
+    That needs one copy, of the weights (2 x F x D elements) or of the activations (2 x T x F, the cat in swiglu);
+    the smaller one is made: the weights once the tokens per call T reach the model dim D. One matmul then replaces
+    two forward, and the backward's input gradient is one matmul instead of two and a sum. Parameters and
+    checkpoints keep w1 and w3 apart; tensor-parallel (DTensor) weights take the composed path.
+    """
+    if _any_dtensor(x, w_gate, w_up) or x.numel() // x.shape[-1] < w_gate.shape[1]:
+        return swiglu(F.linear(x, w_gate), F.linear(x, w_up))
+    return _torch_npu().npu_swiglu(F.linear(x, torch.cat((w_gate, w_up))), dim=-1)
+
+
 register_backend(
     "npu",
-    {"attention": attention, "rms_norm": rms_norm, "apply_rotary_emb": apply_rotary_emb, "swiglu": swiglu},
+    {"attention": attention, "rms_norm": rms_norm, "apply_rotary_emb": apply_rotary_emb, "swiglu": swiglu,
+     "swiglu_linear": swiglu_linear},
 )

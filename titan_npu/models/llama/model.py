@@ -11,6 +11,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_npu import ops
 from titan_npu.errors import ConfigError
@@ -126,7 +127,9 @@ class FeedForward(nn.Module):
         self.w3 = Linear(dim, hidden_dim)  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(ops.swiglu(self.w1(x), self.w3(x)))
+        if isinstance(self.w1.weight, DTensor):  # tensor parallel: w1/w3's sharding hooks run on their forward
+            return self.w2(ops.swiglu(self.w1(x), self.w3(x)))
+        return self.w2(ops.swiglu_linear(x, self.w1.weight, self.w3.weight))
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.w1, self.w3):
