@@ -1,8 +1,9 @@
 """Check every fused kernel on this machine's device against the plain-torch reference, forward and backward.
 
 On Ascend these are the torch_npu kernels the project calls: npu_fusion_attention, npu_rms_norm (also with an fp32
-weight beside bf16 activations, as mixed precision runs it), npu_rotary_mul, npu_swiglu, and the _fused_adamw_
-kernel behind torch's fused AdamW (a few optimizer steps against torch's for-loop AdamW).
+weight beside bf16 activations, as mixed precision runs it), npu_rotary_mul, npu_swiglu (also fed by one projection
+over the concatenated w1/w3), and the _fused_adamw_ kernel behind torch's fused AdamW (a few optimizer steps
+against torch's for-loop AdamW).
 
     python examples/op_check.py            # the device titan-npu would train on (npu > cuda > cpu, or TITAN_DEVICE)
     python examples/op_check.py --quick    # small shapes only
@@ -29,8 +30,10 @@ from titan_npu.ops import current_kernels, dispatch, reference
 # reductions (attention) get more room than elementwise ops; bf16 keeps about 3 significant digits.
 # The optimizer check compares parameters after ADAMW_STEPS steps (fp32 and bf16 parameters).
 TOLERANCE = {
-    torch.float32: {"attention": 1e-4, "rms_norm": 1e-5, "apply_rotary_emb": 1e-5, "swiglu": 1e-5, "adamw": 1e-5},
-    torch.bfloat16: {"attention": 2e-2, "rms_norm": 2e-2, "apply_rotary_emb": 2e-2, "swiglu": 2e-2, "adamw": 1e-2},
+    torch.float32: {"attention": 1e-4, "rms_norm": 1e-5, "apply_rotary_emb": 1e-5, "swiglu": 1e-5, "adamw": 1e-5,
+                    "swiglu_linear": 1e-4},  # a reduction over D: matmul accumulation order differs
+    torch.bfloat16: {"attention": 2e-2, "rms_norm": 2e-2, "apply_rotary_emb": 2e-2, "swiglu": 2e-2, "adamw": 1e-2,
+                     "swiglu_linear": 2e-2},
 }
 ADAMW_STEPS = 3
 
@@ -89,6 +92,11 @@ def cases(device: torch.device, quick: bool):
                [randn(b, s, h, d), randn(b, s, kv, d)])
     for shape in ([(2, 37, 128)] if quick else [(2, 37, 128), (2, 2048, 11008)]):
         yield ("swiglu", f"x={list(shape)}", dispatch.swiglu, reference.swiglu, [randn(*shape), randn(*shape)])
+    # The MLP's input projections and gating in one kernel call (weights concatenated once tokens >= dim).
+    for t, d, f in ([(74, 64, 96)] if quick else [(74, 64, 96), (4096, 4096, 11008)]):
+        yield ("swiglu_linear", f"T={t} D={d} F={f}", dispatch.swiglu_linear,
+               lambda x, a, b: reference.swiglu(reference.linear(x, a), reference.linear(x, b)),
+               [randn(1, t, d), randn(f, d) * d**-0.5, randn(f, d) * d**-0.5])
 
 
 def check_fused_adamw(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
