@@ -3,7 +3,7 @@
 Each function takes and returns exactly what its reference in ops/reference.py does; tests hold every one to
 the reference, forward and backward. torch_npu is looked up at call time, so this module imports (and the
 backend registers) on machines without it. Inputs that are DTensors (tensor-parallel regions) take the reference
-path: torch_npu's kernels have no sharding rules.
+path: of these kernels, torch_npu registers DTensor sharding rules only for npu_fusion_attention.
 """
 
 from __future__ import annotations
