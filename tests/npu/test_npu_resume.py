@@ -52,6 +52,7 @@ def torchrun_training(root: Path, *args: str) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
+@pytest.mark.distributed
 def test_fsdp_on_two_cards_saves_resumes_and_continues_with_the_uninterrupted_losses(tmp_path):
     ckpt = ["--checkpoint.dir", str(tmp_path / "ckpt"), "--training.max_steps", "4", "--comm.timeout_s", "900"]
     torchrun_training(tmp_path, *RESUME_ARGS, *ckpt, "--metrics.log_dir", str(tmp_path / "whole"))
