@@ -1,5 +1,10 @@
 """Check every fused kernel on this machine's device against the plain-torch reference, forward and backward.
 
+On Ascend these are the torch_npu kernels the project calls: npu_fusion_attention, npu_rms_norm (also with an fp32
+weight beside bf16 activations, as mixed precision runs it), npu_rotary_mul, npu_swiglu (also fed by one projection
+over the concatenated w1/w3), and the _fused_adamw_ kernel behind torch's fused AdamW (a few optimizer steps
+against torch's for-loop AdamW).
+
     python examples/op_check.py            # the device titan-npu would train on (npu > cuda > cpu, or TITAN_DEVICE)
     python examples/op_check.py --quick    # small shapes only
     python examples/op_check.py --bench    # also time fused vs eager attention at Llama-7B head shapes
@@ -23,10 +28,14 @@ from titan_npu.ops import current_kernels, dispatch, reference
 
 # Largest error / largest reference magnitude allowed: accumulation order differs between kernels, so long
 # reductions (attention) get more room than elementwise ops; bf16 keeps about 3 significant digits.
+# The optimizer check compares parameters after ADAMW_STEPS steps (fp32 and bf16 parameters).
 TOLERANCE = {
-    torch.float32: {"attention": 1e-4, "rms_norm": 1e-5, "apply_rotary_emb": 1e-5, "swiglu": 1e-5},
-    torch.bfloat16: {"attention": 2e-2, "rms_norm": 2e-2, "apply_rotary_emb": 2e-2, "swiglu": 2e-2},
+    torch.float32: {"attention": 1e-4, "rms_norm": 1e-5, "apply_rotary_emb": 1e-5, "swiglu": 1e-5, "adamw": 1e-5,
+                    "swiglu_linear": 1e-4},  # a reduction over D: matmul accumulation order differs
+    torch.bfloat16: {"attention": 2e-2, "rms_norm": 2e-2, "apply_rotary_emb": 2e-2, "swiglu": 2e-2, "adamw": 1e-2,
+                     "swiglu_linear": 2e-2},
 }
+ADAMW_STEPS = 3
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -70,6 +79,9 @@ def cases(device: torch.device, quick: bool):
     for shape in ([(2, 37, 256)] if quick else [(2, 37, 256), (4, 2048, 4096)]):
         yield ("rms_norm", f"x={list(shape)}", lambda x, w: dispatch.rms_norm(x, w, 1e-5),
                lambda x, w: reference.rms_norm(x, w, 1e-5), [randn(*shape), randn(shape[-1]).abs() + 0.5])
+    shape = (2, 37, 256)
+    yield ("rms_norm", f"x={list(shape)} fp32 weight", lambda x, w: dispatch.rms_norm(x, w.float(), 1e-5),
+           lambda x, w: reference.rms_norm(x, w, 1e-5), [randn(*shape), randn(shape[-1]).abs() + 0.5])
     for b, s, h, kv, d in ([(2, 37, 4, 2, 64)] if quick else [(2, 37, 4, 2, 64), (2, 2048, 32, 8, 128)]):
         inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)
         angles = torch.outer(torch.arange(s).float(), inv_freq).to(device)
@@ -80,6 +92,31 @@ def cases(device: torch.device, quick: bool):
                [randn(b, s, h, d), randn(b, s, kv, d)])
     for shape in ([(2, 37, 128)] if quick else [(2, 37, 128), (2, 2048, 11008)]):
         yield ("swiglu", f"x={list(shape)}", dispatch.swiglu, reference.swiglu, [randn(*shape), randn(*shape)])
+    # The MLP's input projections and gating in one kernel call (weights concatenated once tokens >= dim).
+    for t, d, f in ([(74, 64, 96)] if quick else [(74, 64, 96), (4096, 4096, 11008)]):
+        yield ("swiglu_linear", f"T={t} D={d} F={f}", dispatch.swiglu_linear,
+               lambda x, a, b: reference.swiglu(reference.linear(x, a), reference.linear(x, b)),
+               [randn(1, t, d), randn(f, d) * d**-0.5, randn(f, d) * d**-0.5])
+
+
+def check_fused_adamw(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(worst parameter error, 0) of torch's fused AdamW (the device's _fused_adamw_) against its for-loop AdamW."""
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    shapes = [(64, 48), (48,), (7, 3)]
+    start = [torch.randn(*s, generator=gen).to(device) for s in shapes]
+    grads = [[torch.randn(*s, generator=gen).to(device) for s in shapes] for _ in range(ADAMW_STEPS)]
+    results = []
+    for fused in (True, False):
+        params = [torch.nn.Parameter(p.clone().to(dtype if fused else torch.float32)) for p in start]
+        implementation = {"fused": True} if fused else {"foreach": False}
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **implementation)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.to(p.dtype)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        results.append(params)
+    return max(relative_error(a, b) for a, b in zip(*results)), 0.0
 
 
 def bench_attention(device, dtype: torch.dtype, seq: int, repeats: int = 5) -> None:
@@ -120,6 +157,15 @@ def main(argv: list[str] | None = None) -> int:
                 ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             failures += not ok
             print(f"{'PASS' if ok else 'FAIL'}  {op:16s} [{kernels[op]}] {str(dtype)[6:]:8s} {desc:28s} {detail}")
+    for dtype in dtypes:
+        try:
+            err, _ = check_fused_adamw(device, dtype)
+            ok, detail = err <= TOLERANCE[dtype]["adamw"], f"params {err:.2e} (tol {TOLERANCE[dtype]['adamw']:.0e})"
+        except Exception as e:  # a device without the fused kernel is a failure to report, not a crash
+            ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        failures += not ok
+        print(f"{'PASS' if ok else 'FAIL'}  {'adamw':16s} [fused]  {str(dtype)[6:]:8s} {f'{ADAMW_STEPS} steps':28s} "
+              f"{detail}")
     if args.bench and dev.type != "cpu":
         for seq in (2048, 4096):
             bench_attention(device, torch.bfloat16, seq)

@@ -51,7 +51,7 @@ def fake_torch_npu_importable(monkeypatch, torch_npu_wheel):
     from titan_npu.ops import set_kernels
 
     monkeypatch.syspath_prepend(str(FAKE_DIR))
-    monkeypatch.setattr(npu_ops, "_rotary_interleave_supported", None)
+    monkeypatch.setattr(npu_ops, "_rotary_refused", set())
     _forget_torch_npu()
     try:
         yield FAKE_DIR

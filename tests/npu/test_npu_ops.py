@@ -137,10 +137,14 @@ def test_fused_rms_norm_matches_reference(fake_torch_npu, shape):
     )
 
 
-def test_fused_rms_norm_takes_a_float_weight_with_bf16_activations(fake_torch_npu):
+def test_fused_rms_norm_hands_the_fp32_weight_to_the_kernel_uncast(fake_torch_npu, torch_npu_wheel, monkeypatch):
+    seen = []
+    kernel = torch_npu_wheel._kernels["npu_rms_norm"]
+    monkeypatch.setitem(torch_npu_wheel._kernels, "npu_rms_norm",
+                        lambda x, gamma, epsilon=1e-6: seen.append(gamma.dtype) or kernel(x, gamma, epsilon))
     x, w = torch.randn(2, 9, 32), torch.rand(32) + 0.5
-    got = npu_ops.rms_norm(x.bfloat16(), w, 1e-6)  # the kernel needs gamma in x's dtype: the wrapper casts
-    assert got.dtype == torch.bfloat16
+    got = npu_ops.rms_norm(x.bfloat16(), w, 1e-6)
+    assert seen == [torch.float32] and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), reference.rms_norm(x, w, 1e-6), atol=2e-2, rtol=2e-2)
 
 
@@ -161,6 +165,45 @@ def test_fused_rotary_matches_metas_interleaved_reference(fake_torch_npu, seq, h
         [xq, xk],
     )
     assert fake_torch_npu.calls["npu_rotary_mul"] >= 2
+
+
+def test_a_rotary_shape_the_kernel_refuses_takes_the_reference_path(fake_torch_npu, monkeypatch, caplog):
+    # Past the limit the kernel documents (B * N < 1000 in interleave mode) the kernel raises RuntimeError.
+    monkeypatch.setattr(npu_ops, "ROTARY_INTERLEAVE_MAX_BN", 10**6)
+    cos, sin = rope_tables(3, 8)
+    xq, xk = torch.randn(250, 3, 4, 8), torch.randn(250, 3, 4, 8)
+    got = npu_ops.apply_rotary_emb(xq, xk, cos, sin)
+    for a, b in zip(got, reference.apply_rotary_emb(xq, xk, cos, sin), strict=True):
+        torch.testing.assert_close(a, b)
+    assert "npu_rotary_mul refused B*N=1000, D=8" in caplog.text
+    fake_torch_npu.calls.clear()
+    npu_ops.apply_rotary_emb(xq, xk, cos, sin)
+    assert fake_torch_npu.calls["npu_rotary_mul"] == 0  # remembered: no second try
+
+
+@pytest.mark.parametrize("fp32", ["0", "1"], ids=["activation-dtype", "TITAN_NPU_ROPE_FP32=1"])
+def test_rope_runs_in_fp32_on_the_npu_when_asked(fake_torch_npu, torch_npu_wheel, monkeypatch, fp32):
+    seen = []
+    kernel = torch_npu_wheel._kernels["npu_rotary_mul"]
+    monkeypatch.setitem(torch_npu_wheel._kernels, "npu_rotary_mul",
+                        lambda x, r1, r2, rotary_mode="half", rotate=None:
+                        seen.append((x.dtype, r1.dtype)) or kernel(x, r1, r2, rotary_mode, rotate))
+    monkeypatch.setenv("TITAN_NPU_ROPE_FP32", fp32)
+    cos, sin = rope_tables(9, 16)
+    xq, xk = torch.randn(2, 9, 4, 16), torch.randn(2, 9, 2, 16)
+    got = npu_ops.apply_rotary_emb(xq.bfloat16(), xk.bfloat16(), cos, sin)
+    want = torch.float32 if fp32 == "1" else torch.bfloat16
+    assert seen == [(want, want)] * 2 and all(t.dtype == torch.bfloat16 for t in got)
+    for a, b in zip(got, reference.apply_rotary_emb(xq, xk, cos, sin), strict=True):
+        torch.testing.assert_close(a.float(), b, atol=2e-2, rtol=2e-2)
+
+
+def test_a_bad_rope_fp32_value_is_refused(fake_torch_npu, monkeypatch):
+    from titan_npu.errors import ConfigError
+
+    monkeypatch.setenv("TITAN_NPU_ROPE_FP32", "yes")
+    with pytest.raises(ConfigError, match="TITAN_NPU_ROPE_FP32='yes' is not 0 or 1"):
+        npu_ops.apply_rotary_emb(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), *rope_tables(2, 4))
 
 
 def _rotary_half_without_permutation(torch_npu, xq, xk, cos, sin):
@@ -213,3 +256,38 @@ def test_npu_kernels_without_torch_npu_say_what_to_install():
 
     with pytest.raises(DeviceError, match="install torch_npu"):
         npu_ops.swiglu(torch.randn(2, 4), torch.randn(2, 4))
+
+
+# --- swiglu_linear: the SwiGLU MLP's input projections and gating ------------------------------------------------
+
+@pytest.mark.parametrize("tokens,fused_weight", [(48, True), (5, False)], ids=["weights-cat", "activations-cat"])
+def test_swiglu_linear_matches_reference_and_copies_the_smaller_operand(fake_torch_npu, torch_npu_wheel, monkeypatch,
+                                                                        tokens, fused_weight):
+    # dim 16, ffn 24: with tokens >= dim the kernel's [gate, up] input is one matmul of the concatenated weights,
+    # below that the two projections' outputs are concatenated.
+    seen = []
+    kernel = torch_npu_wheel._kernels["npu_swiglu"]
+    monkeypatch.setitem(torch_npu_wheel._kernels, "npu_swiglu",
+                        lambda x, dim=-1: seen.append(x.grad_fn.name()) or kernel(x, dim))
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(1, tokens, 16, generator=g)
+    w1, w3 = torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g)
+    assert_same_forward_and_backward(
+        npu_ops.swiglu_linear, lambda x, a, b: reference.swiglu(x @ a.T, x @ b.T), [x, w1, w3])
+    assert ("CatBackward0" not in seen[0]) == fused_weight
+
+
+def test_the_mlp_keeps_w1_and_w3_as_its_parameters_and_runs_one_swiglu_kernel(fake_torch_npu):
+    from titan_npu.models.llama.model import FeedForward
+    from titan_npu.ops import set_kernels
+
+    torch.manual_seed(0)
+    mlp = FeedForward(16, 24)
+    assert [name for name, _ in mlp.named_parameters()] == ["w1.weight", "w2.weight", "w3.weight"]
+    x = torch.randn(2, 20, 16)
+    set_kernels("npu")
+    fake_torch_npu.calls.clear()
+    fused = mlp(x)
+    assert fake_torch_npu.calls["npu_swiglu"] == 1
+    set_kernels("reference")
+    torch.testing.assert_close(fused, mlp(x), atol=1e-5, rtol=1e-5)

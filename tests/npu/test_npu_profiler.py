@@ -92,3 +92,9 @@ def test_on_the_npu_torch_npu_profiler_records_cpu_and_npu_at_the_configured_lev
     traces = list((tmp_path / "profile" / "iteration_2-2").glob("rank0_*_ascend_pt/ASCEND_PROFILER_OUTPUT/"
                                                                  "trace_view.json"))
     assert len(traces) == 1 and recorded_steps(traces[0]) == {2}
+
+
+def test_the_npu_trace_analysis_runs_off_the_training_path(fake_torch_npu, tmp_path):
+    fake_torch_npu.profiler.analyses.clear()
+    run_steps(Profiler(cfg(tmp_path, start_step=2, active_steps=1), 0, "npu"), 3)
+    assert fake_torch_npu.profiler.analyses == ["worker"]

@@ -128,6 +128,17 @@ def test_the_npu_run_trains_like_the_cpu_run(npu_and_cpu_runs):
     torch.testing.assert_close(npu_losses, cpu_losses, atol=1e-5, rtol=1e-5)
 
 
+def test_op_check_runs_every_kernel_the_training_run_calls(npu_and_cpu_runs, tmp_path):
+    report = tmp_path / "op_check.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(RUN_VARS)}
+    env.update(PYTHONPATH=os.pathsep.join([str(FAKE_DIR), os.environ.get("PYTHONPATH", "")]), FAKE_NPU_TENSORS="1",
+               TITAN_DEVICE="npu", FAKE_TORCH_NPU_REPORT=str(report))
+    out = subprocess.run([sys.executable, str(REPO / "examples" / "op_check.py"), "--quick"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "op check: PASS" in out.stdout, out.stdout + out.stderr
+    assert set(json.loads(report.read_text())["calls"]) == set(npu_and_cpu_runs[2]["calls"])
+
+
 def test_use_flash_attention_false_keeps_the_eager_attention_and_fuses_the_rest(fake_torch_npu):
     # In-process: CPU tensors stand in for the NPU, with the npu kernels selected by name.
     torch.manual_seed(0)

@@ -1,4 +1,5 @@
-"""The model's compute ops (attention, rms_norm, rotary embedding, swiglu, linear) behind one dispatch point per op.
+"""The model's compute ops (attention, rms_norm, rotary embedding, swiglu, linear, swiglu_linear) behind one
+dispatch point per op.
 
 Every op has a plain-torch reference (ops/reference.py); vendor backends (ops/npu.py, ops/cuda.py) register
 faster kernels per op with register_backend, and set_kernels chooses between them (see docs/model.md).
@@ -15,6 +16,7 @@ from titan_npu.ops.dispatch import (
     rms_norm,
     set_kernels,
     swiglu,
+    swiglu_linear,
 )
 
 __all__ = [
@@ -28,4 +30,5 @@ __all__ = [
     "rms_norm",
     "set_kernels",
     "swiglu",
+    "swiglu_linear",
 ]

@@ -16,7 +16,13 @@ import torch
 from titan_npu.errors import ConfigError
 from titan_npu.ops import reference
 
-OP_NAMES: tuple[str, ...] = ("attention", "rms_norm", "apply_rotary_emb", "swiglu", "linear")
+OP_NAMES: tuple[str, ...] = ("attention", "rms_norm", "apply_rotary_emb", "swiglu", "linear", "swiglu_linear")
+
+
+def _composed_swiglu_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """swiglu(linear(x, w_gate), linear(x, w_up)) through the kernels chosen for x's device."""
+    return swiglu(linear(x, w_gate), linear(x, w_up))
+
 
 REFERENCE: dict[str, Callable] = {
     "attention": reference.attention,
@@ -24,6 +30,7 @@ REFERENCE: dict[str, Callable] = {
     "apply_rotary_emb": reference.apply_rotary_emb,
     "swiglu": reference.swiglu,
     "linear": reference.linear,
+    "swiglu_linear": _composed_swiglu_linear,
 }
 
 # Modules that register a vendor backend when imported; a module that does not exist (yet) is skipped.
@@ -118,6 +125,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T, the projection every Linear of the model runs."""
     return _table(x.device.type)["linear"][1](x, weight)
+
+
+def swiglu_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """silu(x @ w_gate^T) * (x @ w_up^T): the SwiGLU MLP's two input projections and its gating in one op."""
+    return _table(x.device.type)["swiglu_linear"][1](x, w_gate, w_up)
 
 
 def _table(device_type: str) -> dict[str, tuple[str, Callable]]:

@@ -3,19 +3,24 @@
 Each function takes and returns exactly what its reference in ops/reference.py does; tests hold every one to
 the reference, forward and backward. torch_npu is looked up at call time, so this module imports (and the
 backend registers) on machines without it. Inputs that are DTensors (tensor-parallel regions) take the reference
-path: torch_npu's kernels have no sharding rules.
+path: of these kernels, torch_npu registers DTensor sharding rules only for npu_fusion_attention.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
-from titan_npu.errors import DeviceError
+from titan_npu.errors import ConfigError, DeviceError
 from titan_npu.ops import reference
 from titan_npu.ops.dispatch import register_backend
+
+log = logging.getLogger("titan_npu")
 
 # npu_fusion_attention's causal modes take this fixed-size upper-triangular mask (True = masked) and read it along
 # its diagonals, whatever the sequence length.
@@ -23,11 +28,16 @@ CAUSAL_MASK_SIZE = 2048
 # sparse_mode 2 = leftUpCausal: query i sees keys 0..i, the same top-left alignment as SDPA's is_causal (mode 3,
 # rightDownCausal, would differ whenever the query and key lengths differ).
 SPARSE_MODE_LEFT_UP_CAUSAL = 2
-# npu_rotary_mul's interleave mode supports B * N below this; larger products take the reference path.
+# npu_rotary_mul's documented limits in interleave mode: B * N below 1000, an even head size below 896.
 ROTARY_INTERLEAVE_MAX_BN = 1000
+ROTARY_MAX_HEAD_DIM = 896
+
+# "1": npu_rotary_mul runs on fp32 q/k and tables and the result is cast back (how torchtitan-npu runs RoPE; the
+# reference rotary computes in fp32 too); "0" (default): in the activations' dtype, without the casts.
+ROPE_FP32_ENV = "TITAN_NPU_ROPE_FP32"
 
 _causal_masks: dict[torch.device, torch.Tensor] = {}
-_rotary_interleave_supported: bool | None = None  # learnt on the first call: older torch_npu has no rotary_mode
+_rotary_refused: set[tuple[int, int]] = set()  # (B * N, D) shapes the kernel raised on
 
 
 def _torch_npu() -> ModuleType:
@@ -69,48 +79,48 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """npu_rms_norm (it returns (y, rstd)); the kernel wants gamma in the input's dtype."""
+    """npu_rms_norm (it returns (y, rstd)); gamma as it is: fp32 gamma beside bf16 activations is taken as such
+    (Atlas A2 and later), with no rounding of the weight to bf16 and no cast per call."""
     if _any_dtensor(x, weight):
         return reference.rms_norm(x, weight, eps)
-    return _torch_npu().npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)[0]
+    return _torch_npu().npu_rms_norm(x, weight, epsilon=eps)[0]
+
+
+def rope_fp32() -> bool:
+    """Whether RoPE runs in fp32 on the NPU (TITAN_NPU_ROPE_FP32=1)."""
+    choice = os.environ.get(ROPE_FP32_ENV, "0").strip()
+    if choice not in ("0", "1"):
+        raise ConfigError(f"{ROPE_FP32_ENV}={choice!r} is not 0 or 1; unset it, or 1 for RoPE in fp32")
+    return choice == "1"
 
 
 def apply_rotary_emb(
     xq: torch.Tensor, xk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """npu_rotary_mul on Meta's interleaved pairs: "interleave" mode where available, else "half" mode on permuted dims.
+    """npu_rotary_mul in "interleave" mode on Meta's interleaved pairs.
 
     cos/sin [S, D/2] hold one angle per pair (2i, 2i+1); the kernel wants r1/r2 [1, S, 1, D] (BSND) with that
-    angle at both dims of the pair.
+    angle at both dims of the pair. Shapes outside the kernel's documented limits, and any it refuses
+    (RuntimeError), take the reference path.
     """
-    global _rotary_interleave_supported
     bn = max(xq.shape[0] * xq.shape[2], xk.shape[0] * xk.shape[2])
-    if _any_dtensor(xq, xk) or bn >= ROTARY_INTERLEAVE_MAX_BN:
+    d = xq.shape[-1]
+    shape = (bn, d)
+    if (_any_dtensor(xq, xk) or bn >= ROTARY_INTERLEAVE_MAX_BN or d >= ROTARY_MAX_HEAD_DIM or d % 2
+            or shape in _rotary_refused):
         return reference.apply_rotary_emb(xq, xk, cos, sin)
     torch_npu = _torch_npu()
-    if _rotary_interleave_supported is not False:
-        r1 = cos.repeat_interleave(2, dim=-1)[None, :, None, :].to(xq.dtype)
-        r2 = sin.repeat_interleave(2, dim=-1)[None, :, None, :].to(xq.dtype)
-        try:
-            out = (torch_npu.npu_rotary_mul(xq, r1, r2, rotary_mode="interleave"),
-                   torch_npu.npu_rotary_mul(xk, r1, r2, rotary_mode="interleave"))
-            _rotary_interleave_supported = True
-            return out
-        except TypeError:
-            if _rotary_interleave_supported:
-                raise
-            _rotary_interleave_supported = False
-    return _rotary_half_mode(torch_npu, xq, cos, sin), _rotary_half_mode(torch_npu, xk, cos, sin)
-
-
-def _rotary_half_mode(torch_npu: ModuleType, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # "half" mode pairs dim i with dim i + D/2: gather the even dims then the odd ones, rotate, interleave back.
-    halves = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-    r1 = torch.cat((cos, cos), dim=-1)[None, :, None, :].to(x.dtype)
-    r2 = torch.cat((sin, sin), dim=-1)[None, :, None, :].to(x.dtype)
-    rotated = torch_npu.npu_rotary_mul(halves, r1, r2)
-    first, second = rotated.chunk(2, dim=-1)
-    return torch.stack((first, second), dim=-1).flatten(-2)
+    dtype = torch.float32 if rope_fp32() else xq.dtype
+    r1 = cos.repeat_interleave(2, dim=-1)[None, :, None, :].to(dtype)
+    r2 = sin.repeat_interleave(2, dim=-1)[None, :, None, :].to(dtype)
+    try:
+        return (torch_npu.npu_rotary_mul(xq.to(dtype), r1, r2, rotary_mode="interleave").to(xq.dtype),
+                torch_npu.npu_rotary_mul(xk.to(dtype), r1, r2, rotary_mode="interleave").to(xk.dtype))
+    except RuntimeError as e:  # what the kernel raises on a shape it does not support
+        _rotary_refused.add(shape)
+        log.warning("npu_rotary_mul refused B*N=%d, D=%d (%s); this shape takes the reference rotary from now on",
+                    bn, d, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return reference.apply_rotary_emb(xq, xk, cos, sin)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -120,7 +130,21 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _torch_npu().npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)
 
 
+def swiglu_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """npu_swiglu on one projection x @ [w_gate; w_up]^T, whose output is the [gate, up] layout the kernel reads.
+
+    That needs one copy, of the weights (2 x F x D elements) or of the activations (2 x T x F, the cat in swiglu);
+    the smaller one is made: the weights once the tokens per call T reach the model dim D. One matmul then replaces
+    two forward, and the backward's input gradient is one matmul instead of two and a sum. Parameters and
+    checkpoints keep w1 and w3 apart; tensor-parallel (DTensor) weights take the composed path.
+    """
+    if _any_dtensor(x, w_gate, w_up) or x.numel() // x.shape[-1] < w_gate.shape[1]:
+        return swiglu(F.linear(x, w_gate), F.linear(x, w_up))
+    return _torch_npu().npu_swiglu(F.linear(x, torch.cat((w_gate, w_up))), dim=-1)
+
+
 register_backend(
     "npu",
-    {"attention": attention, "rms_norm": rms_norm, "apply_rotary_emb": apply_rotary_emb, "swiglu": swiglu},
+    {"attention": attention, "rms_norm": rms_norm, "apply_rotary_emb": apply_rotary_emb, "swiglu": swiglu,
+     "swiglu_linear": swiglu_linear},
 )

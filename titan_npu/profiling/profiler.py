@@ -121,8 +121,10 @@ class Profiler:
             return torch_npu.profiler.profile(
                 activities=[activity.CPU, activity.NPU],
                 schedule=torch_npu.profiler.schedule(wait=0, warmup=self.warmup, active=cfg.active_steps, repeat=1),
-                on_trace_ready=torch_npu.profiler.tensorboard_trace_handler(str(self.window_dir),
-                                                                           worker_name=f"rank{self.rank}"),
+                # async_mode: the trace is analysed by a forked worker; the step that closes the window does not
+                # wait for it (minutes for a large trace).
+                on_trace_ready=torch_npu.profiler.tensorboard_trace_handler(
+                    str(self.window_dir), worker_name=f"rank{self.rank}", async_mode=True),
                 experimental_config=experimental,
                 **common,
             )

@@ -37,8 +37,6 @@ WHEEL_FILES = (
     "torch_npu/optim/npu_fused_optim_base.py",
     "torch_npu/optim/npu_fused_adamw.py",
     "torch_npu/utils/combine_tensors.py",
-    "torch_npu/distributed/tensor/_attention.py",
-    "torch_npu/distributed/tensor/_moe_ops.py",
 )
 
 

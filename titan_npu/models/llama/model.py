@@ -11,6 +11,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_npu import ops
 from titan_npu.errors import ConfigError
@@ -128,7 +129,9 @@ class FeedForward(nn.Module):
         self.w3 = Linear(dim, hidden_dim)  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(ops.swiglu(self.w1(x), self.w3(x)))
+        if isinstance(self.w1.weight, DTensor):  # tensor parallel: w1/w3's sharding hooks run on their forward
+            return self.w2(ops.swiglu(self.w1(x), self.w3(x)))
+        return self.w2(ops.swiglu_linear(x, self.w1.weight, self.w3.weight))
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         """Gate and up ~ N(0, 0.02); down, which writes into the residual stream, ~ N(0, init_std)."""

@@ -9,14 +9,16 @@ shape limits -- in plain torch, so autograd gives the backward, and reject what 
 Importing it does what the real package does to torch: it attaches the `torch.npu` device namespace. Which
 kernels ran is counted in `calls` so tests can prove that the NPU path was taken. Two switches serve tests that
 run a whole program in a subprocess: FAKE_NPU_TENSORS=1 makes "npu" a real torch device (tensors backed by CPU
-memory, see _device.py) and FAKE_TORCH_NPU_REPORT=<file> writes the calls, the environment seen at import and at
-device binding, and the device requests to <file> at exit.
+memory, see _device.py) and FAKE_TORCH_NPU_REPORT=<file> writes the calls, the environment seen at import, at
+device binding and at each HCCL group's creation, the HCCL timeouts and the device requests to <file> at exit
+(with FAKE_NPU_TENSORS=1, "hccl" is a process-group backend for the fake device, _hccl.py).
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import sys
 
 import npu_wheel
 import torch
@@ -33,8 +35,11 @@ def _environment() -> dict[str, str]:
 
 
 def _record_event(what: str) -> None:
-    """Remember that `what` happened (import, set_device) and the environment the runtime saw then."""
-    events.append((what, _environment()))
+    """Remember that `what` happened (import, set_device, hccl_init) and the environment the runtime saw then,
+    with torch's deterministic-algorithms switch."""
+    env = _environment()
+    env["deterministic_algorithms"] = str(torch.are_deterministic_algorithms_enabled())
+    events.append((what, env))
 
 
 _record_event("import")
@@ -54,7 +59,8 @@ def _write_report(path: str) -> None:
     report = {"calls": dict(calls), "env": _environment(), "events": events,
               "set_device_calls": npu.state["set_device_calls"], "memory_fraction": npu.state["memory_fraction"],
               "empty_cache_calls": npu.state["empty_cache_calls"],
-              "deterministic": torch.are_deterministic_algorithms_enabled()}
+              "deterministic": torch.are_deterministic_algorithms_enabled(),
+              "hccl_timeouts": sys.modules["torch_npu._hccl"].timeouts if "torch_npu._hccl" in sys.modules else []}
     with open(path, "w") as f:
         json.dump(report, f)
 
@@ -62,12 +68,14 @@ def _write_report(path: str) -> None:
 if os.environ.get("FAKE_TORCH_NPU_REPORT"):
     import atexit
 
-    atexit.register(_write_report, os.environ["FAKE_TORCH_NPU_REPORT"])
+    # "{rank}" in the path: one report per rank of a torchrun job
+    atexit.register(_write_report, os.environ["FAKE_TORCH_NPU_REPORT"].replace("{rank}", os.environ.get("RANK", "0")))
 
 if os.environ.get("FAKE_NPU_TENSORS") == "1":
-    from torch_npu import _device
+    from torch_npu import _device, _hccl
 
     _device.install(npu)  # registers torch.npu, as the real package does
+    _hccl.install()
 else:
     torch.npu = npu
 

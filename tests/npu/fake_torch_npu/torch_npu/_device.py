@@ -35,10 +35,18 @@ class NpuTensor(torch.Tensor):
             device=_device(index), requires_grad=data.requires_grad,
         )
         wrapper._data = data
+        # Lazy conjugation / negation are flags on the tensor, not data: the wrapper carries them too (complex
+        # autograd, e.g. the reference rotary's backward, produces conjugate views).
+        torch._C._set_conj(wrapper, data.is_conj())
+        torch._C._set_neg(wrapper, data.is_neg())
         return wrapper
 
     def __repr__(self) -> str:
         return f"NpuTensor({self._data!r})"
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """The CPU storage underneath: FSDP frees and re-allocates unsharded parameters by resizing it."""
+        return self._data.untyped_storage()
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -58,6 +66,8 @@ class NpuTensor(torch.Tensor):
         target = kwargs.get("device")
         if func is _aten._to_copy.default and target is not None and torch.device(target).type == "cpu":
             return out  # npu -> cpu copy
+        if not func._schema.returns:
+            return None  # an op that only writes its arguments (fsdp::split_with_sizes_copy, _fused_adamw_)
         if func._schema.is_mutable and args and isinstance(args[0], NpuTensor):
             return args[0]  # in-place: the caller keeps its tensor
         return tree_map(lambda x: NpuTensor(x) if isinstance(x, torch.Tensor) else x, out)
@@ -75,7 +85,8 @@ def _check_fused_kernel(func) -> None:
 
 
 class _NpuFactories(torch.overrides.TorchFunctionMode):
-    """Factory calls with device="npu" (torch.arange, torch.zeros, ...) run on the CPU and wrap their result;
+    """Factory calls with device="npu" and no tensor argument (torch.arange, torch.zeros, ...) run on the CPU and wrap
+    their result (one with a tensor argument, e.g. a DTensor's empty_like, dispatches to the npu kernels);
     pinning host memory for the device is a no-op.
 
     Some factories create an empty tensor and then resize it in place, which a wrapper cannot follow, so they
@@ -89,7 +100,7 @@ class _NpuFactories(torch.overrides.TorchFunctionMode):
         if func in (torch.Tensor.tolist, torch.Tensor.numpy) and isinstance(args[0], NpuTensor):
             return func(args[0]._data.detach(), *args[1:], **kwargs)  # host copies, which subclasses cannot make
         device = kwargs.get("device")
-        if device is None or torch.device(device).type != "npu" or any(isinstance(a, NpuTensor) for a in args):
+        if device is None or torch.device(device).type != "npu" or any(isinstance(a, torch.Tensor) for a in args):
             return func(*args, **kwargs)
         out = func(*args, **{**kwargs, "device": "cpu"})
         return tree_map(lambda x: NpuTensor(x) if isinstance(x, torch.Tensor) else x, out)

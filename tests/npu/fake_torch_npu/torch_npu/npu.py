@@ -135,3 +135,58 @@ def get_amp_supported_dtype() -> list:
 
 def manual_seed_all(seed: int) -> None:
     pass
+
+
+class Event:
+    """torch_npu.npu.Event: work is done when issued on the fake, so every event has happened."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        pass
+
+    def record(self, stream: Stream | None = None) -> None:
+        pass
+
+    def wait(self, stream: Stream | None = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class Stream:
+    """torch_npu.npu.Stream: CPU work is done when issued, so waiting is immediate."""
+
+    def __init__(self, device=None, priority: int = 0) -> None:
+        self.device = device
+
+    def synchronize(self) -> None:
+        state["synchronize_calls"] += 1
+
+    def wait_stream(self, stream: Stream) -> None:
+        pass
+
+    def wait_event(self, event: Event) -> None:
+        pass
+
+    def record_event(self, event: Event | None = None) -> Event:
+        return event or Event()
+
+    def query(self) -> bool:
+        return True
+
+
+_current_stream = Stream()
+
+
+def current_stream(device=None) -> Stream:
+    return _current_stream
+
+
+def stream(stream_: Stream | None):
+    """A context in which `stream_` is current (the fake has one stream, so nothing changes)."""
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -1,6 +1,6 @@
 """torch_npu.profiler of the fake: the documented API, recording CPU activity through torch.profiler.
 
-tensorboard_trace_handler writes what the real one leaves after its analysis:
+tensorboard_trace_handler writes what the real one leaves after its analysis (and records where that ran):
 <dir>/<worker>_<pid>_<time>_ascend_pt/ASCEND_PROFILER_OUTPUT/trace_view.json (a chrome trace).
 The arguments of the last profile() are kept in `last_profile_kwargs` for tests.
 """
@@ -15,6 +15,9 @@ import time
 import torch.profiler as _torch_profiler
 
 last_profile_kwargs: dict = {}
+# Where each trace analysis ran: "training step" (async_mode=False: the step that closed the window waits for the
+# analysis, minutes for a large trace) or "worker" (async_mode=True: a forked pool analyses while training goes on).
+analyses: list[str] = []
 
 
 class ProfilerActivity(enum.Enum):
@@ -65,6 +68,8 @@ def tensorboard_trace_handler(dir_name: str | None = None, worker_name: str | No
     dir_name = dir_name or "./"
 
     def handler(prof) -> None:
+        if analyse_flag:
+            analyses.append("worker" if async_mode else "training step")
         worker = worker_name or f"{socket.gethostname()}_{os.getpid()}"
         out = os.path.join(dir_name, f"{worker}_{int(time.time() * 1000)}_ascend_pt", "ASCEND_PROFILER_OUTPUT")
         os.makedirs(out, exist_ok=True)
