@@ -18,23 +18,32 @@ REPO = Path(__file__).resolve().parents[2]
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without distributed / fault variables, on the CPU, plus `extra`."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TITAN_FAULT_", "TORCHELASTIC_", "MASTER_", "TORCH_FR_"))
+           if not k.startswith(("TITAN_FAULT_", "TORCHELASTIC_", "MASTER_", "TORCH_FR_", "TORCH_DISABLE_SHARE_RDZV"))
            and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     env.update(TITAN_DEVICE="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
 
 
-def torchrun(args: list[str], nproc: int = 2, max_restarts: int = 0, timeout: float = 240,
-             **env: str) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node N --max-restarts K train.py ARGS` in the repository root.
+def torchrun_command(nproc: int = 2, max_restarts: int = 0, rdzv: str = "standalone") -> list[str]:
+    """torchrun as a guide reader types it, with no extra environment: rdzv "standalone", "static" (the default
+    rendezvous, --master_port) or "c10d" (--rdzv-backend c10d on a free port)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
+           "--monitor-interval=0.5"]
+    if rdzv == "standalone":
+        return cmd + ["--standalone"]
+    from titan_npu.parallel.process_group import free_port
 
-    Launched as examples/restart_single_node.sh does: with a rendezvous store of its own per attempt, without which
-    a restart cannot re-form the process group (pytorch/pytorch#135712).
-    """
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "train.py", *args]
+    port = free_port()
+    if rdzv == "static":
+        return cmd + ["--master_port", str(port)]
+    return cmd + ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+
+
+def torchrun(args: list[str], nproc: int = 2, max_restarts: int = 0, timeout: float = 240, rdzv: str = "standalone",
+             **env: str) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node N --max-restarts K train.py ARGS` in the repository root (see torchrun_command)."""
+    cmd = [*torchrun_command(nproc, max_restarts, rdzv), "train.py", *args]
     return subprocess.run(cmd, cwd=REPO, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
