@@ -6,10 +6,6 @@ MAX_RESTARTS=${MAX_RESTARTS:-3}
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-600}
 NAME=$(basename "${CONFIG%.*}")
 
-# A rendezvous store of its own for every restart: with the store torchrun shares by default, a restarted process
-# can read a dead peer's address and the process group never forms again (pytorch/pytorch#135712).
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-
 TORCHRUN_ARGS=(--nproc_per_node "$CARDS" --max-restarts "$MAX_RESTARTS")
 if torchrun --help 2>/dev/null | grep -q -- '--shutdown-timeout'; then  # torch >= 2.6
   TORCHRUN_ARGS+=(--shutdown-timeout "$SHUTDOWN_TIMEOUT")

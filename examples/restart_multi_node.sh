@@ -19,6 +19,9 @@ PORT=${PORT:-29500}
 JOIN_TIMEOUT=${JOIN_TIMEOUT:-1800}  # seconds the nodes wait for a missing one (a rebooting node) at each rendezvous
 CONFIG=${CONFIG:-configs/llama2_70b.toml}
 source examples/restart_common.sh  # CARDS, MAX_RESTARTS, SHUTDOWN_TIMEOUT, DATA, CKPT, LOGS -> TORCHRUN_ARGS, TRAIN_ARGS
+# A store of its own for every rendezvous round: a restart that a node's arrival causes is not counted on the other
+# nodes, so the restart count that scopes the process group's keys in torchrun's shared store can differ by node.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 torchrun --nnodes "$NODES" "${TORCHRUN_ARGS[@]}" \
     --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$PORT" --rdzv_id "${RDZV_ID:-titan-npu-$NAME}" \

@@ -18,28 +18,38 @@ REPO = Path(__file__).resolve().parents[2]
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without distributed / fault variables, on the CPU, plus `extra`."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TITAN_FAULT_", "TORCHELASTIC_", "MASTER_", "TORCH_FR_"))
+           if not k.startswith(("TITAN_FAULT_", "TORCHELASTIC_", "MASTER_", "TORCH_FR_", "TORCH_DISABLE_SHARE_RDZV"))
            and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     env.update(TITAN_DEVICE="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
 
 
-def torchrun(args: list[str], nproc: int = 2, max_restarts: int = 0, timeout: float = 240,
+def torchrun_command(nproc: int = 2, max_restarts: int = 0, rdzv: str = "standalone") -> list[str]:
+    """torchrun as a guide reader types it, with no extra environment: rdzv "standalone", "static" (the default
+    rendezvous, --master_port) or "c10d" (--rdzv-backend c10d on a free port)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
+           "--monitor-interval=0.5"]
+    if rdzv == "standalone":
+        return cmd + ["--standalone"]
+    from titan_npu.parallel.process_group import free_port
+
+    port = free_port()
+    if rdzv == "static":
+        return cmd + ["--master_port", str(port)]
+    return cmd + ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+
+
+def torchrun(args: list[str], nproc: int = 2, max_restarts: int = 0, timeout: float = 240, rdzv: str = "standalone",
              **env: str) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node N --max-restarts K train.py ARGS` in the repository root.
+    """`torchrun --nproc_per_node N --max-restarts K SCRIPT ARGS` in the repository root (see torchrun_command).
 
     With a TITAN_FAULT_* variable in `env` the script is tests/train_with_faults.py, which installs those faults.
-
-    Launched as examples/restart_single_node.sh does: with a rendezvous store of its own per attempt, without which
-    a restart cannot re-form the process group (pytorch/pytorch#135712).
     """
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     script = _script(env)
     if script != "train.py":  # run from tests/, it imports this repository's titan_npu through PYTHONPATH
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           f"--max-restarts={max_restarts}", "--monitor-interval=0.5", script, *args]
+    cmd = [*torchrun_command(nproc, max_restarts, rdzv), script, *args]
     return subprocess.run(cmd, cwd=REPO, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
 
 

@@ -9,14 +9,23 @@ must end with the reference's final weights, bit for bit.
 from __future__ import annotations
 
 import math
+import os
 import random
 import re
+import signal
+import subprocess
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from .conftest import checkpoint_steps, model_weights, records, tiny_args, torchrun
+from titan_npu.config.schema import CommConfig
+from titan_npu.device.detect import DeviceInfo
+from titan_npu.errors import DeviceError
+from titan_npu.parallel.process_group import free_port, init_process_group, job_store
+
+from .conftest import REPO, checkpoint_steps, clean_env, model_weights, records, tiny_args, torchrun, torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -62,6 +71,70 @@ def test_kill_9_of_one_rank_at_a_random_step_under_max_restarts_ends_with_the_sa
     assert _same(model_weights(tmp_path / "ckpt" / f"step-{STEPS}"), model_weights(ref / "ckpt" / f"step-{STEPS}")), \
         f"killed at step {k}"
     assert records(tmp_path)[-1]["skipped_steps"] == 1
+
+
+def _rank_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of the worker that torchrun (launcher_pid) started as `rank`, or None."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                parent = next(int(line.split()[1]) for line in f if line.startswith("PPid:"))
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except (OSError, StopIteration):
+            continue
+        if parent == launcher_pid and f"RANK={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_kill_9_from_outside_under_plain_torchrun_resumes_to_the_same_weights(reference, tmp_path, rdzv):
+    # The guide's command, no extra environment: torchrun's store outlives the killed attempt.
+    ref, _ = reference
+    k = random.randint(2, STEPS - 2)
+    cmd = [*torchrun_command(max_restarts=1, rdzv=rdzv), "train.py", *_args(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(**NAN_ON_RANK_1), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    lines, killed = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if killed is None and line.startswith(f"[Step {k}]"):
+                killed = _rank_pid(proc.pid, 1)
+                os.kill(killed, signal.SIGKILL)
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(lines)
+    assert killed and proc.returncode == 0, f"rank 1 killed after step {k}: {out[-3000:]}"
+    assert "checkpoint: loaded step" in out
+    assert _same(model_weights(tmp_path / "ckpt" / f"step-{STEPS}"), model_weights(ref / "ckpt" / f"step-{STEPS}")), \
+        f"rank 1 killed after step {k}"
+
+
+def test_a_restarted_attempt_does_not_see_the_keys_of_the_previous_one(monkeypatch):
+    agent = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)  # as torchrun hosts it
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent.port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    job_store(0, 2, timeout_s=10).set("default_pg/0//cpu/rank_1", "the address of a process now dead")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert not job_store(0, 2, timeout_s=10).check(["default_pg/0//cpu/rank_1"])
+
+
+def test_ranks_that_never_join_end_process_group_formation_with_one_line_naming_them(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(DeviceError) as failed:
+        init_process_group(DeviceInfo("cpu", 0, "gloo"), CommConfig(join_timeout_s=1, init_timeout_s=10))
+    message = str(failed.value)
+    assert message.startswith("rank(s) 1, 2 of 3 did not join the process group within comm.join_timeout_s=1s")
+    assert "\n" not in message and not dist.is_initialized()
 
 
 def test_sigterm_saves_and_exits_0_and_the_same_command_resumes_to_the_same_weights(reference, tmp_path):

@@ -1,10 +1,12 @@
 """Signals: the first SIGTERM/SIGINT is a request to stop at the step boundary; a second one ends the process at once.
 
-Each case runs in a small subprocess (no torch) so that real signals reach a real main thread.
+Each case runs in a small subprocess (no torch) so that real signals reach a real main thread; the last two run the
+trainer itself with data-loader workers, which are forked while the handler is installed.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -12,6 +14,8 @@ import textwrap
 import threading
 
 from titan_npu.reliability.preemption import PreemptionHandler
+
+from .conftest import REPO, clean_env, run_train, tiny_args
 
 _SCRIPT = textwrap.dedent("""
     import os, signal, sys, threading, time
@@ -87,3 +91,90 @@ def test_a_signal_after_the_training_loop_ended_exits_like_the_default_handler()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
     assert "received SIGTERM after training ended: exiting" in proc.stderr
+
+
+_FORK_SCRIPT = textwrap.dedent("""
+    import multiprocessing, os, signal, threading, time
+    from titan_npu.reliability.preemption import PreemptionHandler
+
+    handler = PreemptionHandler()
+    handler.install()
+    # A child forked while the handler is installed, as data-loader workers are.
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    child.start()
+    {body}
+""")
+
+
+def _run_forked(body: str) -> subprocess.CompletedProcess:
+    code = _FORK_SCRIPT.format(body=textwrap.dedent(body))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_a_signal_sent_to_a_forked_child_is_not_a_signal_to_the_process():
+    proc = _run_forked("""
+        os.kill(child.pid, signal.SIGTERM)
+        child.join(timeout=20)
+        print("child exit", child.exitcode, flush=True)
+        # Bytes of the wakeup pipe are read in order: had the child's signal landed there, it would be seen first.
+        os.kill(os.getpid(), signal.SIGINT)
+        while handler.signum == 0:
+            threading.Event().wait(0.01)
+        print("recorded", handler.signum, flush=True)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert f"child exit {-signal.SIGTERM}" in proc.stdout  # the child has the default SIGTERM back: it ends
+    assert f"recorded {int(signal.SIGINT)}" in proc.stdout, proc.stderr
+    assert "SIGTERM" not in proc.stderr
+
+
+def test_a_forked_child_has_the_handlers_and_wakeup_fd_of_before_install():
+    proc = _run_forked("""
+        pid = os.fork()
+        if pid == 0:
+            same = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.set_wakeup_fd(-1) == -1
+            os._exit(0 if same else 1)
+        print("child same", os.waitpid(pid, 0)[1] == 0, flush=True)
+        child.kill()
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "child same True" in proc.stdout
+
+
+def test_uninstall_ends_the_watcher_while_a_forked_child_is_alive():
+    proc = _run_forked("""
+        handler.uninstall()
+        alive = [t.name for t in threading.enumerate() if t.name == "titan-signals"]
+        print("watchers left", alive, flush=True)
+        child.kill()
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "watchers left []" in proc.stdout
+
+
+def test_a_run_with_data_loader_workers_exits_0(tmp_path):
+    # The workers held a copy of the wakeup pipe: the watcher outlived uninstall() and read whatever file later took
+    # its descriptor's number as signals ("received SIGINT after training ended", exit 130, in most runs).
+    for attempt in range(2):
+        run = tmp_path / str(attempt)
+        proc = run_train(tiny_args(run, training__max_steps=3, data__num_workers=2))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "received" not in proc.stderr
+
+
+def test_a_signal_to_the_whole_process_group_with_loader_workers_saves_and_exits_0(tmp_path):
+    # torchrun (killpg), Ctrl-C and schedulers signal the loader's workers too: only the trainer acts on it.
+    args = tiny_args(tmp_path, training__max_steps=100000, data__num_workers=2)
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=clean_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("[Step 2]"):
+                break
+        os.killpg(proc.pid, signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    assert "preempted by SIGTERM on rank 0" in out, out[-3000:]

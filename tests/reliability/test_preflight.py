@@ -15,9 +15,11 @@ def test_fp16_on_a_cpu_is_refused_and_fp32_or_bf16_are_not():
     check_dtype_support("bf16", "cpu")
 
 
-def test_restarts_over_torchruns_shared_store_are_named_with_the_fix():
-    shared = {"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+def test_restarts_over_torchruns_shared_store_are_named_with_the_fix_only_on_several_nodes():
+    shared = {"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "2"}
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun" in restart_problem(shared)
+    # One node: every rank has the same restart count, which scopes the process group's keys.
+    assert restart_problem({**shared, "GROUP_WORLD_SIZE": "1"}) == ""
     assert restart_problem({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}) == ""
     assert restart_problem({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"}) == ""
     assert restart_problem({}) == ""

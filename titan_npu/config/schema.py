@@ -154,6 +154,7 @@ class ProfilingConfig:
 @dataclass
 class CommConfig:
     init_timeout_s: int = 1800
+    join_timeout_s: int = 300  # every rank must reach the job's store within this; else a one-line error names them
     timeout_s: int = 1800
     hccl_buffsize_mb: int = 0
     hccl_if_base_port: int = 0  # -> HCCL_IF_BASE_PORT (first of the ports HCCL listens on); 0 = leave as is

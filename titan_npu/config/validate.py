@@ -247,6 +247,7 @@ def _check_rest(cfg: JobConfig) -> None:
 
     co = cfg.comm
     _at_least("comm.init_timeout_s", co.init_timeout_s, 1, "seconds to wait for all ranks to join")
+    _at_least("comm.join_timeout_s", co.join_timeout_s, 1, "seconds every rank has to reach the process group")
     _at_least("comm.timeout_s", co.timeout_s, 1, "seconds a collective may take")
     _at_least("comm.hccl_buffsize_mb", co.hccl_buffsize_mb, 0, "0 = keep HCCL_BUFFSIZE from the environment")
     if not 0 <= co.hccl_if_base_port <= 65535:

@@ -17,6 +17,7 @@ from titan_npu.config.schema import JobConfig
 from titan_npu.data.datasets import TokenDataset, open_dataset, verify_dataset
 from titan_npu.data.tokenizer import Tokenizer
 from titan_npu.errors import DataError
+from titan_npu.reliability.preemption import leave_signals_to_parent
 
 _GOLDEN = 0.6180339887498949  # Weyl sequence step: spreads held-out documents evenly over the corpus
 STATE_VERSION = 1
@@ -139,7 +140,8 @@ class TokenLoader:
         if self._iter is None:
             sampler = _CursorSampler(self.epoch, self.pos, self.step, self.windows.num_windows)
             loader = DataLoader(self._dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
-                                pin_memory=self.pin_memory, prefetch_factor=2 if self.num_workers else None)
+                                pin_memory=self.pin_memory, prefetch_factor=2 if self.num_workers else None,
+                                worker_init_fn=leave_signals_to_parent if self.num_workers else None)
             self._iter = iter(loader)
         batch = next(self._iter)
         # What was handed out, not what the workers prefetched, is the state.

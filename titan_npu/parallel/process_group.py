@@ -30,20 +30,67 @@ def init_process_group(device: DeviceInfo, comm: CommConfig) -> tuple[int, int]:
     backend = device.backend
     if device.type != "cpu" and backend not in ("gloo",):
         backend = f"cpu:gloo,{device.type}:{backend}"  # gloo beside the device backend for host-side collectives
+    failure = {"rank": rank, "backend": device.backend, "device_type": device.type,
+               "master_addr": os.environ["MASTER_ADDR"], "master_port": os.environ["MASTER_PORT"],
+               "init_timeout_s": comm.init_timeout_s}
     try:
-        # The init timeout bounds the rendezvous (waiting for every rank to arrive); collectives then get their own.
+        store = job_store(rank, world_size, comm.init_timeout_s)
+    except Exception as e:
+        raise DeviceError(init_failure_message(e, **failure)) from e
+    wait_for_ranks(store, rank, world_size, comm.join_timeout_s)
+    try:
+        # The init timeout bounds the backend's own connections; collectives then get their own.
         dist.init_process_group(
-            backend=backend,
+            backend=backend, store=store, rank=rank, world_size=world_size,
             timeout=timedelta(seconds=comm.init_timeout_s),
             device_id=None if device.type == "cpu" else device.torch_device,
         )
         set_collective_timeout(dist.group.WORLD, comm.timeout_s)
     except Exception as e:
-        raise DeviceError(init_failure_message(
-            e, rank=rank, backend=device.backend, device_type=device.type, master_addr=os.environ["MASTER_ADDR"],
-            master_port=os.environ["MASTER_PORT"], init_timeout_s=comm.init_timeout_s,
-        )) from e
+        raise DeviceError(init_failure_message(e, **failure)) from e
     return dist.get_rank(), dist.get_world_size()
+
+
+def restart_attempt() -> int:
+    """Which start of the job this is under torchrun: 0 first, then 1 per restart."""
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
+    return int(value) if value.isdigit() else 0
+
+
+def job_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    """The store the process groups exchange their addresses through (reached within timeout_s), holding this
+    attempt's keys only.
+
+    torchrun keeps one store for the whole job (its static rendezvous always, c10d unless
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), so the keys a restarted attempt would look up (each rank's gloo address
+    under the group's name) still hold the previous attempt's values: the ranks read a dead peer's address. The keys
+    are therefore prefixed with the restart attempt. Without torchrun's store, rank 0 hosts a new one.
+    """
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        shared = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False)
+        return dist.PrefixStore(f"titan/attempt_{restart_attempt()}", shared)
+    return dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False,
+                         multi_tenant=True)
+
+
+def wait_for_ranks(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Every rank announces itself and waits for all the others; one line naming the missing ranks on timeout."""
+    keys = [f"titan/joined/{r}" for r in range(world_size)]
+    store.set(keys[rank], "1")
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except dist.DistStoreError:
+        missing = [r for r in range(world_size) if not store.check([keys[r]])]
+        if not missing:  # every rank arrived just as the wait gave up
+            return
+        attempt = f" (restart attempt {restart_attempt()})" if restart_attempt() else ""
+        raise DeviceError(
+            f"rank(s) {', '.join(map(str, missing))} of {world_size} did not join the process group within "
+            f"comm.join_timeout_s={timeout_s:g}s{attempt}; their log says why they did not start (or are still "
+            "starting: raise comm.join_timeout_s)"
+        ) from None
 
 
 def set_collective_timeout(group: dist.ProcessGroup, seconds: float) -> None:

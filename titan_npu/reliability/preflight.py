@@ -32,15 +32,18 @@ def check_dtype_support(dtype: str, device_type: str) -> None:
 
 
 def restart_problem(env: dict[str, str] | os._Environ = os.environ) -> str:
-    """Why torchrun's restarts would fail to re-form the process group here ("" when they will not)."""
+    """Why torchrun's restarts could fail to re-form the process group here ("" when they will not)."""
     restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0").strip()
-    if not restarts.isdigit() or int(restarts) == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    nodes = env.get("GROUP_WORLD_SIZE", "1").strip()
+    if (not restarts.isdigit() or int(restarts) == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or not nodes.isdigit() or int(nodes) < 2):
         return ""
-    # The workers share torchrun's rendezvous store, which keeps the previous attempt's addresses: a restarted
-    # worker can read a dead peer's address and fail to connect (pytorch/pytorch#135712).
-    return (f"torchrun --max-restarts {restarts} shares its rendezvous store with the workers, and a restart then "
-            "fails to re-form the process group; export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun "
-            "(as examples/restart_*.sh do)")
+    # The process group's keys in torchrun's shared store are scoped by TORCHELASTIC_RESTART_COUNT. On one node that
+    # is the same for every rank; across nodes a restart that a node's arrival causes is not counted on the others.
+    return (f"torchrun --max-restarts {restarts} on {nodes} nodes shares its rendezvous store with the workers, and "
+            "a restart caused by a node joining is not counted on every node, so the ranks could look for each "
+            "other under different restart counts; with --rdzv-backend c10d export "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun (as examples/restart_multi_node.sh does)")
 
 
 def preflight(cfg: JobConfig, device_type: str) -> None:
