@@ -116,3 +116,31 @@ def test_the_npu_kernels_call_through_the_wheels_schemas(fake_torch_npu):
     npu_ops.apply_rotary_emb(x, x, cos, sin)
     npu_ops.swiglu(x, x)
     assert set(fake_torch_npu.calls) == {"npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu"}
+
+
+# torch_npu.profiler as the project calls it: (fake object, wheel file, the wheel's name for it)
+PROFILER_API = [
+    ("profile", "torch_npu/profiler/profiler.py", "profile"),
+    ("tensorboard_trace_handler", "torch_npu/profiler/profiler.py", "tensorboard_trace_handler"),
+    ("schedule", "torch_npu/profiler/scheduler.py", "Schedule"),  # the package exports Schedule as schedule
+    ("_ExperimentalConfig", "torch_npu/profiler/experimental_config.py", "_ExperimentalConfig"),
+]
+
+
+@pytest.mark.parametrize("name,relative,real", PROFILER_API, ids=[p[0] for p in PROFILER_API])
+def test_the_fake_profiler_accepts_only_what_the_wheels_accepts(fake_torch_npu, torch_npu_wheel, name, relative, real):
+    fake = getattr(fake_torch_npu.profiler, name)
+    real_params = dict(torch_npu_wheel.parameters(relative, real))
+    target = fake.__init__ if inspect.isclass(fake) else fake
+    for p in inspect.signature(target).parameters.values():
+        if p.name == "self" or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+            continue
+        assert p.name in real_params, f"torch_npu.profiler.{name} has no parameter {p.name!r}"
+        if real_params[p.name] == "keyword_only":
+            assert p.kind == p.KEYWORD_ONLY, f"torch_npu.profiler.{name}: {p.name!r} is keyword-only there"
+
+
+@pytest.mark.parametrize("name", ["ProfilerLevel", "AiCMetrics", "ExportType"])
+def test_the_fake_profiler_constants_are_the_wheels(fake_torch_npu, torch_npu_wheel, name):
+    fake = {n for n in vars(getattr(fake_torch_npu.profiler, name)) if not n.startswith("_")}
+    assert fake <= torch_npu_wheel.class_attributes("torch_npu/profiler/experimental_config.py", name)

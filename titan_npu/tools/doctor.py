@@ -53,7 +53,8 @@ CANN_DRIVER: dict[str, str] = {
 # What the collective libraries' variables do, for the environment listing.
 ENV_MEANING: dict[str, str] = {
     "HCCL_CONNECT_TIMEOUT": "seconds HCCL waits for every rank to connect at init (default 120)",
-    "HCCL_EXEC_TIMEOUT": "seconds a collective may wait for its peers before the job aborts (default 1836)",
+    "HCCL_EXEC_TIMEOUT": "seconds HCCL's device-side tasks may wait for peers (default 1836); the collective "
+                         "timeout itself is the process group's, comm.timeout_s",
     "HCCL_BUFFSIZE": "MB of device memory per communicator buffer (default 200; two per communicator)",
     "HCCL_IF_IP": "host IP HCCL uses for its out-of-band connection at init",
     "HCCL_SOCKET_IFNAME": "network interface(s) for HCCL's host-side sockets",

@@ -33,6 +33,9 @@ WHEEL_FILES = (
     METADATA_FILE,
     "torch_npu/npu/__init__.py",
     "torch_npu/profiler/__init__.py",
+    "torch_npu/profiler/profiler.py",
+    "torch_npu/profiler/scheduler.py",
+    "torch_npu/profiler/experimental_config.py",
     "torch_npu/optim/__init__.py",
     "torch_npu/optim/npu_fused_optim_base.py",
     "torch_npu/optim/npu_fused_adamw.py",
@@ -143,6 +146,27 @@ def module_names(module: str) -> frozenset[str]:
             if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
                 names.update(ast.literal_eval(node.value))
     return frozenset(names)
+
+
+def parameters(relative: str, qualname: str) -> list[tuple[str, str]]:
+    """(name, kind) of the parameters of function or class `qualname` ("profile", "Schedule") in a wheel file, read
+    with ast; a class gives its __init__'s (without self). kind: positional / keyword_only / var."""
+    tree = ast.parse(read(relative))
+    node = next(n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == qualname)
+    if isinstance(node, ast.ClassDef):
+        node = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    a = node.args
+    out = [(x.arg, "positional") for x in (*a.posonlyargs, *a.args) if x.arg != "self"]
+    out += [(x.arg, "keyword_only") for x in a.kwonlyargs]
+    out += [(x.arg, "var") for x in (a.vararg, a.kwarg) if x is not None]
+    return out
+
+
+def class_attributes(relative: str, name: str) -> set[str]:
+    """Names assigned in the body of class `name` of a wheel file."""
+    tree = ast.parse(read(relative))
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    return {t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
 
 
 @cache

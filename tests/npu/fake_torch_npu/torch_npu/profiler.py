@@ -81,7 +81,7 @@ def tensorboard_trace_handler(dir_name: str | None = None, worker_name: str | No
 class profile(_torch_profiler.profile):
     """torch_npu.profiler.profile: activities of ProfilerActivity, an _ExperimentalConfig for the NPU side."""
 
-    def __init__(self, activities=None, schedule=None, on_trace_ready=None, record_shapes: bool = False,
+    def __init__(self, *, activities=None, schedule=None, on_trace_ready=None, record_shapes: bool = False,
                  profile_memory: bool = False, with_stack: bool = False, with_flops: bool = False,
                  with_modules: bool = False, experimental_config: _ExperimentalConfig | None = None) -> None:
         activities = list(activities or [ProfilerActivity.CPU, ProfilerActivity.NPU])
