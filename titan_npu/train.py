@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from titan_npu.config.schema import JobConfig
     from titan_npu.trainer import Trainer
 
 log = logging.getLogger("titan_npu")
@@ -114,10 +115,10 @@ def check_launch_env() -> None:
         raise DeviceError(f"MASTER_PORT={port!r} is not a port (1-65535); choose a free port, e.g. 29500")
 
 
-def check_before_process_group(cfg) -> None:
+def check_before_process_group(cfg: JobConfig) -> None:
     """The checks that need no process group, made by every rank before one forms (so a refusal costs no
     rendezvous, no device mesh and no collective timeout): the layout against WORLD_SIZE, the model's shapes,
-    seq_len against them, and the tokenizer against the vocabulary."""
+    seq_len against them, and the tokenizer against the vocabulary. Call it after check_launch_env."""
     from titan_npu.config.validate import check_seq_len
     from titan_npu.data.tokenizer import build_tokenizer, check_vocab
     from titan_npu.models.llama import build_model_args
@@ -125,9 +126,7 @@ def check_before_process_group(cfg) -> None:
     from titan_npu.parallel.layout import validate_layout
 
     model_args = build_model_args(cfg.model)
-    world = os.environ.get("WORLD_SIZE", "1")
-    if world.isdigit() and int(world) >= 1:  # anything else is the device layer's to name
-        validate_layout(ParallelDims.from_config(cfg.parallel, int(world)), model_args, cfg)
+    validate_layout(ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1"))), model_args, cfg)
     check_seq_len(cfg.training.seq_len, model_args.max_seq_len)
     check_vocab(build_tokenizer(cfg.data.tokenizer), model_args.vocab_size)
 

@@ -223,3 +223,11 @@ def test_a_refused_run_removes_the_parent_folders_it_created(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": 5}\n')
     assert cli_main(["prepare-data", str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "new" / "deep" / "out")]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_a_corpus_folder_holding_another_tools_index_json_is_still_a_corpus(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("\n\n".join(make_docs(5)))
+    (tmp_path / "corpus" / "index.json").write_text('{"pages": [1, 2]}')  # a site generator's, say
+    result = prepare([str(tmp_path / "corpus" / "a.txt")], tmp_path / "out")
+    assert result.num_documents == 5

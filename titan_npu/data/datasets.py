@@ -11,14 +11,21 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_npu.data.sources import BadRecords, builtin_corpus_path, discover_inputs, iter_documents, source_kind
+from titan_npu.data.sources import (
+    PREPARED_FORMAT,
+    BadRecords,
+    builtin_corpus_path,
+    discover_inputs,
+    iter_documents,
+    source_kind,
+)
 from titan_npu.data.tokenizer import Tokenizer
 from titan_npu.errors import DataError
 
 INDEX_FILE = "index.json"
 PROGRESS_FILE = ".progress.json"
 TOKENS_JSONL = "tokens.jsonl"
-INDEX_FORMAT = "titan-npu-tokens"
+INDEX_FORMAT = PREPARED_FORMAT
 RAW_LIMIT_BYTES = 1 << 30  # raw text above this is tokenised once with prepare-data, not at every start
 _JSONL_INDEX_SUFFIX = ".titan-index.npz"
 

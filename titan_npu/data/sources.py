@@ -65,14 +65,29 @@ def _is_supported(path: Path) -> bool:
     return True
 
 
-# What prepare-data writes into its output folder: a folder holding one of these is prepared data, not a corpus.
-PREPARED_MARKERS = ("index.json", ".progress.json")
+# What prepare-data writes into its output folder: index.json (this format) when complete, .progress.json before.
+PREPARED_FORMAT = "titan-npu-tokens"
+PREPARED_INDEX, PREPARED_PROGRESS = "index.json", ".progress.json"
+
+
+def is_prepared(folder: Path) -> bool:
+    """True when `folder` is a prepare-data output (finished or not); another tool's index.json is not one."""
+    for name, ours in ((PREPARED_INDEX, lambda d: d.get("format") == PREPARED_FORMAT),
+                       (PREPARED_PROGRESS, lambda d: "settings" in d and "sources" in d)):
+        if (folder / name).is_file():
+            try:
+                data = json.loads((folder / name).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(data, dict) and ours(data):
+                return True
+    return False
 
 
 def prepared_folder(path: Path) -> Path | None:
-    """The prepare-data output folder that `path` is or lies in (index.json / .progress.json beside it), if any."""
+    """The prepare-data output folder that `path` is or lies in, if any."""
     for folder in (path, *path.parents) if path.is_dir() else path.parents:
-        if any((folder / marker).is_file() for marker in PREPARED_MARKERS):
+        if is_prepared(folder):
             return folder
     return None
 
@@ -80,7 +95,7 @@ def prepared_folder(path: Path) -> Path | None:
 def _corpus_files(folder: Path, seen: set[Path] | None = None) -> list[Path]:
     """Supported files under folder, sorted, leaving out prepare-data outputs found inside it (our own files)."""
     seen = set() if seen is None else seen
-    if folder.resolve() in seen or any((folder / marker).is_file() for marker in PREPARED_MARKERS):
+    if folder.resolve() in seen or is_prepared(folder):
         return []
     seen.add(folder.resolve())  # a symlink back up the tree is walked once
     found = []
