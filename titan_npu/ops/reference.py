@@ -92,10 +92,25 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate each pair (x_2i, x_2i+1) of [B,S,H,D] x by the angle whose cos/sin [S, D/2] give, in fp32.
 
     Meta's convention: dims (2i, 2i+1) form the pair rotated by angle pos * theta_i, so Meta weights load as-is
-    (the Hugging Face adapter permutes wq/wk rows between this and HF's half-split layout). Real arithmetic only:
-    inductor generates no code for complex tensors and would call eager kernels for a complex product; these
-    element-wise products fuse into one kernel.
+    (the Hugging Face adapter permutes wq/wk rows between this and HF's half-split layout). Eagerly it is one
+    complex product, a single vectorised kernel; inductor generates no code for complex tensors (a compiled
+    complex product is a chain of eager fallback calls), so compiled graphs take the real form, which fuses into
+    one kernel. The two agree within fp32 rounding.
     """
+    if torch.compiler.is_compiling():
+        return rotate_pairs_real(x, cos, sin)
+    return rotate_pairs_complex(x, cos, sin)
+
+
+def rotate_pairs_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotate_pairs as complex numbers x_2i + i x_2i+1 times cos + i sin (the eager form)."""
+    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))  # [B, S, H, D/2]
+    rotation = torch.complex(cos.float(), sin.float())[None, :, None, :]
+    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+
+
+def rotate_pairs_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotate_pairs as real products, (a c - b s, a s + b c) for each pair (a, b) (the compiled form)."""
     pairs = x.float().unflatten(-1, (-1, 2))  # [B, S, H, D/2, 2]
     even, odd = pairs[..., 0], pairs[..., 1]
     c, s = cos.float()[None, :, None, :], sin.float()[None, :, None, :]
@@ -103,8 +118,8 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class _RotatePairs(torch.autograd.Function):
-    """rotate_pairs with its backward written as the inverse rotation (by -angle) of the gradient: one pass each
-    way where autograd through the products would take several."""
+    """rotate_pairs with its backward written as the inverse rotation (by -angle) of the gradient: one kernel each
+    way, eager or compiled."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
