@@ -1,4 +1,5 @@
-"""Free space before a save: the expected size, refused saves that write nothing, and a run that keeps training.
+"""Free space before a save: the expected size, refused saves that write nothing and are tried again, and a run
+that stops when every try is refused.
 
 The free space of the filesystem is the one thing replaced here (titan_npu.reliability.disk.free_bytes): filling a
 real disk in a test is neither safe nor fast.
@@ -6,6 +7,7 @@ real disk in a test is neither safe nor fast.
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -94,24 +96,30 @@ def _disk_full_at_saves(monkeypatch, full: set[int]) -> None:
     monkeypatch.setattr(disk, "free_bytes", free_bytes)
 
 
-def test_a_refused_interval_save_is_reported_and_training_goes_on(tmp_path, monkeypatch, capsys):
+def test_a_refused_save_is_tried_again_and_training_goes_on(tmp_path, monkeypatch, capsys):
+    pauses = []
+    monkeypatch.setattr(time, "sleep", pauses.append)
     _disk_full_at_saves(monkeypatch, {2})
     args = tiny_args(tmp_path, training__max_steps=6, checkpoint__save_interval=2, checkpoint__keep_last_n=5,
                      checkpoint__async_save=False)
     assert cli_main(["train", *args]) == 0
     out = capsys.readouterr().out
     assert "checkpoint: not enough free space for a checkpoint" in out
-    assert "training continues and tries again at the next save (1 failed save(s) so far)" in out
-    assert checkpoint_steps(tmp_path) == [2, 6]
-    assert not list((tmp_path / "ckpt").glob("step-4*"))
+    assert "-- trying again in 5s (try 2 of 3)" in out
+    assert pauses == [5.0]
+    assert checkpoint_steps(tmp_path) == [2, 4, 6]
     assert [r["step"] for r in records(tmp_path)] == [1, 2, 3, 4, 5, 6]
 
 
-def test_a_refused_final_save_fails_the_run_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
-    _disk_full_at_saves(monkeypatch, {2})
-    args = tiny_args(tmp_path, training__max_steps=2, checkpoint__save_interval=1, checkpoint__async_save=False)
+def test_a_save_refused_at_every_try_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    _disk_full_at_saves(monkeypatch, {2, 3, 4})
+    args = tiny_args(tmp_path, training__max_steps=3, checkpoint__save_interval=1, checkpoint__async_save=False)
     assert cli_main(["train", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("CheckpointError: not enough free space") and "\n" not in err
+    assert (f"the latest complete checkpoint, step 1 in {tmp_path / 'ckpt' / 'step-1'}, is intact; tried 3 times: "
+            "the run stops at step 2") in err
     assert checkpoint_steps(tmp_path) == [1]
+    assert [r["step"] for r in records(tmp_path)] == [1, 2]
     assert storage.is_complete(tmp_path / "ckpt" / "step-1")

@@ -476,7 +476,7 @@ class CheckpointManager:
         rank, reason = failed[0]
         raise CheckpointError(
             f"checkpoint of step {step} failed on rank {rank} ({reason}); check free space and write permission in "
-            f"{self.root}; the previous checkpoint is intact"
+            f"{self.root}; {storage.latest_checkpoint_note(self.root)}"
         ) from error
 
     def _discard(self, step: int | None) -> None:

@@ -72,6 +72,14 @@ def latest_checkpoint(root: str | Path) -> CheckpointRef | None:
     return found[-1] if found else None
 
 
+def latest_checkpoint_note(root: str | Path) -> str:
+    """What a failed save leaves to resume from, for its error message."""
+    latest = latest_checkpoint(root)
+    if latest is None:
+        return f"no complete checkpoint exists in {root} yet"
+    return f"the latest complete checkpoint, step {latest.step} in {latest.path}, is intact"
+
+
 def resolve_checkpoint(spec: str | int | Path, root: str | Path) -> CheckpointRef:
     """A step number (looked up in `root`) or a checkpoint path -> a complete checkpoint, or a CheckpointError."""
     text = str(spec).strip()

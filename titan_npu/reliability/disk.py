@@ -87,5 +87,5 @@ def check_free_space(root: str | Path, model_parts: list[nn.Module], optimizers:
     raise CheckpointError(
         f"not enough free space for a checkpoint in {root} (rank {rank} on {host}): {free / GB:.2f} GB free, "
         f"{need / GB:.2f} GB needed (one checkpoint x reliability.disk_margin); free space or lower "
-        "checkpoint.keep_last_n; the previous checkpoints are untouched"
+        f"checkpoint.keep_last_n; {storage.latest_checkpoint_note(root)}"
     )

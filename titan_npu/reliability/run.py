@@ -16,6 +16,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import CheckpointError
 from titan_npu.parallel.reduce import plain_tensor
+from titan_npu.reliability.dirs import check_output_folders
 from titan_npu.reliability.guards import StepGuard, TrainingHalted
 from titan_npu.reliability.preemption import PreemptionHandler
 from titan_npu.reliability.preflight import preflight
@@ -35,10 +37,13 @@ from titan_npu.reliability.watchdog import Watchdog, enable_flight_recorder
 
 log = logging.getLogger("titan_npu")
 
+SAVE_RETRY_DELAYS_S = (5.0, 30.0)  # a failed checkpoint save is tried again after these pauses, then the run stops
+
 
 def prepare_reliability(cfg: JobConfig, device_type: str) -> None:
-    """Before the process group exists: refuse unusable settings, switch the flight recorder on."""
+    """Before the process group exists: refuse unusable settings and output folders, switch the flight recorder on."""
     preflight(cfg, device_type)
+    check_output_folders(cfg)
     if cfg.reliability.watchdog:
         enable_flight_recorder(cfg.reliability.flight_recorder_size, device_type)
 
@@ -186,27 +191,35 @@ class Reliability:
     # ------------------------------------------------------------------ checkpoints
 
     def maybe_save(self, checkpointer: Any, step: int, last_step: bool) -> None:
-        """checkpointer.maybe_save; a failed save other than the last is reported and training goes on."""
+        """checkpointer.maybe_save, retried after a failure; CheckpointError (the run stops) when every try failed."""
         c = self.cfg.checkpoint
         if c.enable and (last_step or step % c.save_interval == 0):
             self.settle()  # the checkpoint keeps the guard's counters up to this step
-        with self.phase("checkpoint save"):
+        self._save_with_retries(lambda: checkpointer.maybe_save(step, last_step=last_step), step)
+
+    def _save_with_retries(self, save: Callable[[], Any], step: int) -> None:
+        """Call `save` (collective: every rank fails or succeeds together) until it succeeds or the tries run out."""
+        for attempt, delay in enumerate((*SAVE_RETRY_DELAYS_S, None), start=1):
             try:
-                checkpointer.maybe_save(step, last_step=last_step)
+                with self.phase("checkpoint save"):
+                    save()
+                return
             except CheckpointError as e:
-                if last_step:
-                    raise
-                self.failed_saves += 1
+                if delay is None:
+                    raise CheckpointError(
+                        f"{e}; tried {attempt} times: the run stops at step {step} rather than train on without "
+                        "checkpoints"
+                    ) from e
                 if self.rank == 0:
-                    log.error("checkpoint: %s -- training continues and tries again at the next save "
-                              "(%d failed save(s) so far)", e, self.failed_saves)
+                    log.error("checkpoint: %s -- trying again in %.0fs (try %d of %d)", e, delay, attempt + 1,
+                              len(SAVE_RETRY_DELAYS_S) + 1)
+                time.sleep(delay)
 
     def stop(self, checkpointer: Any, step: int) -> None:
         """End the run at `step`: save synchronously, then return (signal) or raise TrainingHalted (numerics)."""
         self.settle()
         halt = self.guard.halt_message
-        with self.phase("checkpoint save"):
-            checkpointer.save(step, sync=True)
+        self._save_with_retries(lambda: checkpointer.save(step, sync=True), step)
         where = self._where(step)
         if halt:
             raise TrainingHalted(
