@@ -143,7 +143,8 @@ def leave_signals_to_parent(worker_id: int = 0) -> None:
 
     Ctrl-C, torchrun and schedulers signal a whole process group; a loader worker that died of that would make the
     trainer's loader raise in the middle of the step it is about to checkpoint. SIGINT is ignored; SIGTERM ends the
-    worker only when the parent sends it (the loader's and multiprocessing's own shutdown of the worker).
+    worker only when the parent sends it (the loader's and multiprocessing's own shutdown of the worker), and with
+    exit status 0: the loader's SIGCHLD check raises in the parent for a worker that died of a signal.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
@@ -154,8 +155,7 @@ def leave_signals_to_parent(worker_id: int = 0) -> None:
 def _end_on_sigterm_from(parent: int) -> None:
     while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
         pass
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    os.kill(os.getpid(), signal.SIGTERM)  # the default action, as the parent asked
+    os._exit(0)
 
 
 def _before_fork() -> None:
