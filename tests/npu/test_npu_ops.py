@@ -181,29 +181,22 @@ def test_a_rotary_shape_the_kernel_refuses_takes_the_reference_path(fake_torch_n
     assert fake_torch_npu.calls["npu_rotary_mul"] == 0  # remembered: no second try
 
 
-@pytest.mark.parametrize("fp32", ["0", "1"], ids=["activation-dtype", "TITAN_NPU_ROPE_FP32=1"])
+@pytest.mark.parametrize("fp32", [False, True], ids=["activation-dtype", "model.rope_fp32"])
 def test_rope_runs_in_fp32_on_the_npu_when_asked(fake_torch_npu, torch_npu_wheel, monkeypatch, fp32):
     seen = []
     kernel = torch_npu_wheel._kernels["npu_rotary_mul"]
     monkeypatch.setitem(torch_npu_wheel._kernels, "npu_rotary_mul",
                         lambda x, r1, r2, rotary_mode="half", rotate=None:
                         seen.append((x.dtype, r1.dtype)) or kernel(x, r1, r2, rotary_mode, rotate))
-    monkeypatch.setenv("TITAN_NPU_ROPE_FP32", fp32)
+    monkeypatch.setattr(npu_ops, "_rope_fp32", False)
+    npu_ops.set_rope_fp32(fp32)
     cos, sin = rope_tables(9, 16)
     xq, xk = torch.randn(2, 9, 4, 16), torch.randn(2, 9, 2, 16)
     got = npu_ops.apply_rotary_emb(xq.bfloat16(), xk.bfloat16(), cos, sin)
-    want = torch.float32 if fp32 == "1" else torch.bfloat16
+    want = torch.float32 if fp32 else torch.bfloat16
     assert seen == [(want, want)] * 2 and all(t.dtype == torch.bfloat16 for t in got)
     for a, b in zip(got, reference.apply_rotary_emb(xq, xk, cos, sin), strict=True):
         torch.testing.assert_close(a.float(), b, atol=2e-2, rtol=2e-2)
-
-
-def test_a_bad_rope_fp32_value_is_refused(fake_torch_npu, monkeypatch):
-    from titan_npu.errors import ConfigError
-
-    monkeypatch.setenv("TITAN_NPU_ROPE_FP32", "yes")
-    with pytest.raises(ConfigError, match="TITAN_NPU_ROPE_FP32='yes' is not 0 or 1"):
-        npu_ops.apply_rotary_emb(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), *rope_tables(2, 4))
 
 
 def _rotary_half_without_permutation(torch_npu, xq, xk, cos, sin):

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from titan_npu.errors import ConfigError, DeviceError
+from titan_npu.errors import DeviceError
 from titan_npu.ops import reference
 from titan_npu.ops.dispatch import register_backend
 
@@ -32,9 +31,9 @@ SPARSE_MODE_LEFT_UP_CAUSAL = 2
 ROTARY_INTERLEAVE_MAX_BN = 1000
 ROTARY_MAX_HEAD_DIM = 896
 
-# "1": npu_rotary_mul runs on fp32 q/k and tables and the result is cast back (how torchtitan-npu runs RoPE; the
-# reference rotary computes in fp32 too); "0" (default): in the activations' dtype, without the casts.
-ROPE_FP32_ENV = "TITAN_NPU_ROPE_FP32"
+# model.rope_fp32: npu_rotary_mul runs on fp32 q/k and tables and the result is cast back (how torchtitan-npu runs
+# RoPE; the reference rotary computes in fp32 too); off (default): in the activations' dtype, without the casts.
+_rope_fp32 = False
 
 _causal_masks: dict[torch.device, torch.Tensor] = {}
 _rotary_refused: set[tuple[int, int]] = set()  # (B * N, D) shapes the kernel raised on
@@ -86,12 +85,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _torch_npu().npu_rms_norm(x, weight, epsilon=eps)[0]
 
 
-def rope_fp32() -> bool:
-    """Whether RoPE runs in fp32 on the NPU (TITAN_NPU_ROPE_FP32=1)."""
-    choice = os.environ.get(ROPE_FP32_ENV, "0").strip()
-    if choice not in ("0", "1"):
-        raise ConfigError(f"{ROPE_FP32_ENV}={choice!r} is not 0 or 1; unset it, or 1 for RoPE in fp32")
-    return choice == "1"
+def set_rope_fp32(on: bool) -> None:
+    """Run RoPE in fp32 on the NPU from now on (model.rope_fp32), or in the activations' dtype."""
+    global _rope_fp32
+    _rope_fp32 = bool(on)
 
 
 def apply_rotary_emb(
@@ -110,7 +107,7 @@ def apply_rotary_emb(
             or shape in _rotary_refused):
         return reference.apply_rotary_emb(xq, xk, cos, sin)
     torch_npu = _torch_npu()
-    dtype = torch.float32 if rope_fp32() else xq.dtype
+    dtype = torch.float32 if _rope_fp32 else xq.dtype
     r1 = cos.repeat_interleave(2, dim=-1)[None, :, None, :].to(dtype)
     r2 = sin.repeat_interleave(2, dim=-1)[None, :, None, :].to(dtype)
     try:

@@ -37,6 +37,7 @@ from titan_npu.metrics.report import final_report, run_info, write_run_info
 from titan_npu.models.llama import build_model_args
 from titan_npu.ops import current_kernels
 from titan_npu.ops.cuda import choose_attention_kernel
+from titan_npu.ops.npu import set_rope_fp32
 from titan_npu.parallel import ParallelDims, init_process_group, validate_layout
 from titan_npu.parallel.parallelize import build_model_parts
 from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline
@@ -165,6 +166,7 @@ class Trainer:
             self.device.torch_device, cfg.model.attention_backend, compute_dtype, self.model_args.n_heads,
             self.model_args.n_kv_heads, self.model_args.head_dim, t.seq_len,
         ) if self.device.type == "cuda" and self.model_args.use_flash_attention else ""
+        set_rope_fp32(cfg.model.rope_fp32)
         self.peak_flops = peak_flops(self.device, compute_dtype, cfg.metrics.peak_tflops, tf32=self.tf32)
         self.metrics = MetricsLogger(cfg.metrics.log_dir, self.rank, tensorboard=cfg.metrics.tensorboard,
                                      wandb=cfg.metrics.wandb, run_config=config_to_dict(cfg))
