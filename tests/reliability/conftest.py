@@ -46,16 +46,17 @@ def torchrun(args: list[str], nproc: int = 2, max_restarts: int = 0, timeout: fl
 
     With a TITAN_FAULT_* variable in `env` the script is tests/train_with_faults.py, which installs those faults.
     """
-    script = _script(env)
-    if script != "train.py":  # run from tests/, it imports this repository's titan_npu through PYTHONPATH
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [*torchrun_command(nproc, max_restarts, rdzv), script, *args]
+    cmd = [*torchrun_command(nproc, max_restarts, rdzv), train_script(env), *args]
     return subprocess.run(cmd, cwd=REPO, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
-def _script(env: dict[str, str]) -> str:
-    faulty = any(name.startswith("TITAN_FAULT_") for name in env)
-    return str(REPO / "tests" / "train_with_faults.py") if faulty else "train.py"
+def train_script(env: dict[str, str]) -> str:
+    """train.py, or tests/train_with_faults.py when `env` asks for TITAN_FAULT_* faults (then `env` gains the
+    PYTHONPATH through which that script, run from tests/, imports this repository's titan_npu)."""
+    if not any(name.startswith("TITAN_FAULT_") for name in env):
+        return "train.py"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return str(REPO / "tests" / "train_with_faults.py")
 
 
 def run_train(args: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess:

@@ -25,7 +25,17 @@ from titan_npu.device.detect import DeviceInfo
 from titan_npu.errors import DeviceError
 from titan_npu.parallel.process_group import free_port, init_process_group, job_store
 
-from .conftest import REPO, checkpoint_steps, clean_env, model_weights, records, tiny_args, torchrun, torchrun_command
+from .conftest import (
+    REPO,
+    checkpoint_steps,
+    clean_env,
+    model_weights,
+    records,
+    tiny_args,
+    torchrun,
+    torchrun_command,
+    train_script,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -93,8 +103,9 @@ def test_kill_9_from_outside_under_plain_torchrun_resumes_to_the_same_weights(re
     # The guide's command, no extra environment: torchrun's store outlives the killed attempt.
     ref, _ = reference
     k = random.randint(2, STEPS - 2)
-    cmd = [*torchrun_command(max_restarts=1, rdzv=rdzv), "train.py", *_args(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(**NAN_ON_RANK_1), text=True, stdout=subprocess.PIPE,
+    env = dict(NAN_ON_RANK_1)  # the reference run's NaN, injected the same way
+    cmd = [*torchrun_command(max_restarts=1, rdzv=rdzv), train_script(env), *_args(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(**env), text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     lines, killed = [], None
     try:
