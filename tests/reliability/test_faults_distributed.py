@@ -90,12 +90,14 @@ def _rank_pid(launcher_pid: int, rank: int) -> int | None:
 
 @pytest.mark.parametrize("rdzv", ["static", "c10d"])
 def test_kill_9_from_outside_under_plain_torchrun_resumes_to_the_same_weights(reference, tmp_path, rdzv):
-    # The guide's command, no extra environment: torchrun's store outlives the killed attempt.
+    # The guide's command, no extra environment: torchrun's store outlives the killed attempt. The script is
+    # train.py with the reference's NaN hook (train.py itself reads no TITAN_FAULT_* variable).
     ref, _ = reference
     k = random.randint(2, STEPS - 2)
-    cmd = [*torchrun_command(max_restarts=1, rdzv=rdzv), "train.py", *_args(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(**NAN_ON_RANK_1), text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    cmd = [*torchrun_command(max_restarts=1, rdzv=rdzv), str(REPO / "tests" / "train_with_faults.py"), *_args(tmp_path)]
+    env = clean_env(PYTHONPATH=str(REPO), **NAN_ON_RANK_1)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     lines, killed = [], None
     try:
         for line in proc.stdout:
