@@ -5,9 +5,9 @@ a Python object, and so takes the interpreter lock, after the main thread has be
 be torn down meanwhile, Python ends that thread inside a noexcept destructor and the process aborts ("terminate
 called without an active exception", SIGABRT) after a run that succeeded: under torchrun, a failed job.
 
-The race is made certain here: rank 0's last exit handler holds the interpreter lock (a long sum in C, no bytecode),
-and only then does rank 1 join the collective, so rank 0's worker thread finishes it and waits for the lock until the
-interpreter exits.
+The race is made certain here: rank 1 joins the collective only once rank 0 has begun to exit, and rank 0's last exit
+handler holds the interpreter lock for about a second (a long sum in C, no bytecode), so rank 0's worker thread
+finishes the collective and waits for the lock until the interpreter is torn down.
 """
 
 from __future__ import annotations
