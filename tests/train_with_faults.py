@@ -8,5 +8,7 @@ import sys
 
 from fault_hooks import Faults, train_with_faults
 
+from titan_npu.cli import run_as_process
+
 if __name__ == "__main__":
-    sys.exit(train_with_faults(sys.argv[1:], Faults.from_env(int(os.environ.get("RANK", "0")))))
+    run_as_process(lambda: train_with_faults(sys.argv[1:], Faults.from_env(int(os.environ.get("RANK", "0")))))

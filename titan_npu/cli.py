@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 # command -> (module, function, one-line help); each function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -109,9 +112,58 @@ def _env_flag(name: str) -> str:
     return os.environ.get(name, "")
 
 
+def run_as_process(entry: Callable[[], int | None]) -> NoReturn:
+    """Run a process's entry and end the process with its exit code (exit_process); an error that escapes it is
+    printed as Python prints it (sys.excepthook) and gives 1."""
+    try:
+        code = entry()
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    exit_process(code)
+
+
+def exit_process(code: int | str | None) -> NoReturn:
+    """End this process with `code`, as sys.exit(code) would, once the exit handlers have run and the output is
+    flushed, but without tearing the interpreter down.
+
+    torch's C++ threads outlive the process groups: destroy_process_group does not join gloo's worker threads, and a
+    worker that drops the last C++ reference to a tensor takes the interpreter lock to release the tensor's Python
+    object. When that happens while the interpreter is being torn down, Python ends the thread inside a noexcept
+    destructor and the C++ runtime aborts the whole process ("terminate called without an active exception",
+    SIGABRT): a finished run would exit as a failed one. Here everything Python runs at exit runs while the
+    interpreter is whole (those threads can still take the lock), and the process then ends at once.
+    """
+    import atexit
+    import threading
+
+    if code is None or isinstance(code, int):
+        status = code or 0
+    else:  # sys.exit("message"): the message on stderr, exit 1
+        print(code, file=sys.stderr)
+        status = 1
+    # What a normal exit runs, in its order: wait for the threads that are not daemons, then the exit handlers
+    # (logging's flush, multiprocessing's children, wandb's and torch's own).
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more can be said on it
+            pass
+    os._exit(status)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch `titan-npu <command> ...` to the command's module."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Dispatch `titan-npu <command> ...` to the command's module.
+
+    Without argv (the `titan-npu` console script) it is the process's entry and ends the process (exit_process).
+    """
+    if argv is None:
+        run_as_process(lambda: main(sys.argv[1:]))
+    argv = list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
@@ -134,4 +186,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_process(lambda: main(sys.argv[1:]))

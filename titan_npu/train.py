@@ -132,7 +132,7 @@ def check_before_process_group(cfg: JobConfig) -> None:
 
 
 def cli_main() -> None:
-    """train.py's entry: the same one-line error handling as `titan-npu`."""
-    from titan_npu.cli import run_command
+    """train.py's entry: the same one-line error handling and exit as `titan-npu`."""
+    from titan_npu.cli import run_as_process, run_command
 
-    sys.exit(run_command(main, sys.argv[1:]))
+    run_as_process(lambda: run_command(main, sys.argv[1:]))

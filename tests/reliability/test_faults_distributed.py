@@ -100,7 +100,8 @@ def _rank_pid(launcher_pid: int, rank: int) -> int | None:
 
 @pytest.mark.parametrize("rdzv", ["static", "c10d"])
 def test_kill_9_from_outside_under_plain_torchrun_resumes_to_the_same_weights(reference, tmp_path, rdzv):
-    # The guide's command, no extra environment: torchrun's store outlives the killed attempt.
+    # The guide's command, no extra environment: torchrun's store outlives the killed attempt. The script is
+    # train.py with the reference's NaN hook (train.py itself reads no TITAN_FAULT_* variable).
     ref, _ = reference
     k = random.randint(2, STEPS - 2)
     env = dict(NAN_ON_RANK_1)  # the reference run's NaN, injected the same way
