@@ -1,8 +1,9 @@
 """Skipping an optimizer update on a flag that stays on the device, so that the step never waits for the host.
 
 torch's fused Adam, AdamW and SGD take a `found_inf` tensor (the loss scaler's overflow flag): at 1.0 the kernel
-leaves parameters, moments and step counts exactly as they were. The other implementations (foreach, for-loop,
-torch_npu's fused AdamW) cannot: for them the flag is read on the host before the update.
+leaves parameters, moments and step counts exactly as they were (on NPU through the _fused_adamw_ kernel that
+torch_npu registers). The other implementations (foreach, for-loop) cannot: for them the flag is read on the host
+before the update.
 """
 
 from __future__ import annotations
