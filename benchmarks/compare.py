@@ -65,6 +65,7 @@ VARIANTS: dict[str, list[str]] = {
     "log1": ["--metrics.log_interval", "1"],
     "watchdog_off": ["--reliability.watchdog", "false"],
     "guard_off": ["--reliability.skip_nonfinite", "false", "--reliability.handle_signals", "false"],
+    "loss_whole": ["--training.loss_chunk_tokens", "0"],
 }
 STUDIES = {
     "frameworks": (["titan", "bare", "bare:torch_ops", "hf"], "bare"),
