@@ -90,12 +90,7 @@ def test_activation_estimate_matches_measured_cpu_peak(name):
     # dp_shard=2 marks parameters held (and cast) by FSDP, as in the bf16 case; the rest run on one device.
     layout = Layout(ac=mode, selective_every=every, selective_ops=op_level, batch_size=BATCH,
                     dp_shard=2 if held == "bf16" else 1)
-    job = Job(args, SEQ, dtype)
-    acts = rank_activations(job, layout, 0, "cpu")
-    temp = temporary_bytes(job, layout, 0, acts.extra, "cpu")
-    estimate = acts.saved + temp.backward + temp.autocast
-    assert estimate == pytest.approx(measured, rel=TOLERANCE), (
-        f"{name}: estimate {estimate / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
+    assert_estimate_matches(name, Job(args, SEQ, dtype), layout, measured)
 
 
 CHUNKED = {
@@ -116,7 +111,11 @@ def test_chunked_loss_estimate_matches_measured_cpu_peak(name):
         model = model.to(torch.bfloat16)
     measured = _peak_step_bytes(model, autocast=held == "autocast", loss_chunk=chunk)
     layout = Layout(batch_size=BATCH, dp_shard=2 if held == "bf16" else 1, loss_chunk_tokens=chunk)
-    job = Job(args, SEQ, dtype)
+    assert_estimate_matches(name, Job(args, SEQ, dtype), layout, measured)
+
+
+def assert_estimate_matches(name: str, job: Job, layout: Layout, measured: int) -> None:
+    """The planner's saved activations plus step temporaries for `job` under `layout` equal the measured peak."""
     acts = rank_activations(job, layout, 0, "cpu")
     temp = temporary_bytes(job, layout, 0, acts.extra, "cpu")
     estimate = acts.saved + temp.backward + temp.autocast
