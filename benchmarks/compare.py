@@ -6,7 +6,7 @@
     python benchmarks/compare.py --candidates titan titan:compile bare --reference bare
 
 Every candidate is one long-lived worker process (this script with --worker) that builds its model, runs the
-warm-up steps and then waits. The parent runs measuring windows in turn, A B C A B C ..., each window `--steps`
+warm-up steps and then waits. The parent runs measuring windows in turn, A B C, B C A, C A B ..., each window `--steps`
 optimizer steps of one worker while the others sit idle, so slow drifts of a shared machine's load hit every
 candidate alike. Figures are medians over windows; ratios are paired: candidate / reference within the same
 round, then the median (and range) over rounds. On cpu the matmul peak (torch.mm 2048^3 in the compute dtype)
@@ -335,7 +335,10 @@ def run_group(shape_name: str, dtype: str, names: list[str], reference: str, arg
             _read_message(c, args.timeout)  # ready
             print(f"  {shape_name} {dtype}: {c.name} ready", flush=True)
         for r in range(args.windows):
-            for c in candidates:
+            # The order rotates each round (A B C, B C A, C A B, ...): no candidate always runs first or right after
+            # the same neighbour, so a position's systematic cost (the first window after the peak reading, a
+            # predecessor's lingering threads) falls on every candidate alike.
+            for c in candidates[r % len(candidates):] + candidates[:r % len(candidates)]:
                 time.sleep(args.pause)  # let the previous worker's threads go idle
                 watch = Interference(c.proc.pid)
                 _command(c, "run")
