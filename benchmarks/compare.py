@@ -151,7 +151,7 @@ def run_worker(spec: dict) -> int:
     rss_base = _rss_gb()
     kind, variants = spec["kind"], spec["variants"]
     if kind == "titan":
-        from titan_npu.config import load_config
+        from titan_npu.config.loader import load_config
         from titan_npu.trainer import Trainer
 
         overrides = shape_overrides(shape) + dtype_overrides(dtype) + [

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None = None) -> int:
     """Entry of `titan-npu train` and of train.py; `setup` is called with the Trainer before training (hooks)."""
-    from titan_npu.config import config_to_dict, load_config
+    from titan_npu.config.loader import config_to_dict, load_config
     from titan_npu.errors import TitanError
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -121,7 +121,7 @@ def check_before_process_group(cfg: JobConfig) -> None:
     seq_len against them, and the tokenizer against the vocabulary. Call it after check_launch_env."""
     from titan_npu.config.validate import check_seq_len
     from titan_npu.data.tokenizer import build_tokenizer, check_vocab
-    from titan_npu.models.llama import build_model_args
+    from titan_npu.models.registry import build_model_args
     from titan_npu.parallel.dims import ParallelDims
     from titan_npu.parallel.layout import validate_layout
 

@@ -43,7 +43,7 @@ def run_here(args: list[str], probe_out: Path | None = None, compare_to: tuple[P
     optimizer tensors this rank's parts must equal; the mismatches go to <report>.rank<R>.json.
     """
     from titan_npu import ops
-    from titan_npu.config import load_config
+    from titan_npu.config.loader import load_config
     from titan_npu.trainer import Trainer
 
     ops.set_kernels("reference")

@@ -73,7 +73,7 @@ def test_fsdp_checkpoint_loads_on_one_process_with_equal_logits_and_optimizer_st
     step6 = fsdp_runs / "full" / "ckpt" / "step-6"
     # max_steps = the saved step: load, run no step, keep the state to inspect.
     from titan_npu import ops
-    from titan_npu.config import load_config
+    from titan_npu.config.loader import load_config
     from titan_npu.trainer import Trainer
 
     ops.set_kernels("reference")

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from titan_npu.config import load_config
-from titan_npu.config.aliases import split_model_name
+from titan_npu.config.loader import load_config
 from titan_npu.errors import ConfigError
+from titan_npu.models.registry import parse_model_name
 
 YAML_GUIDE = """\
 model:
@@ -182,8 +182,8 @@ def test_plain_family_with_unpublished_dims_keeps_the_default_flavor(tmp_path):
 
 
 def test_split_model_name_rejects_other_models():
-    assert split_model_name("gpt2") == (None, None)
-    assert split_model_name("llama4") == (None, None)
+    assert parse_model_name("gpt2") == (None, None)
+    assert parse_model_name("llama4") == (None, None)
 
 
 def test_alias_and_canonical_with_the_same_value_are_accepted(tmp_path):

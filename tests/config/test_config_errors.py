@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from titan_npu.config import JobConfig, load_config, validate
+from titan_npu.config import JobConfig
+from titan_npu.config.loader import load_config
+from titan_npu.config.validate import validate
 from titan_npu.errors import ConfigError
 
 

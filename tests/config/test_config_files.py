@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from titan_npu.config import load_config
 from titan_npu.config.aliases import KEY_ALIASES, SECTION_ALIASES, SUBSECTION_ALIASES, TOP_LEVEL_ALIASES
 from titan_npu.config.coerce import field_types, section_types
+from titan_npu.config.loader import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DOCS = CONFIGS.parent / "docs" / "config.md"
@@ -44,7 +44,7 @@ def test_named_configs_exist_and_select_their_model(name, model):
 
 
 def test_the_1b_benchmark_config_has_llama_3_2_1b_shapes_compiled_in_bf16():
-    from titan_npu.models.llama import build_model_args
+    from titan_npu.models.registry import build_model_args
 
     cfg = load_config(CONFIGS / "llama3_1b.toml")
     a = build_model_args(cfg.model)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from titan_npu.config import load_config, parse_overrides
+from titan_npu.config.loader import load_config, parse_overrides
 from titan_npu.errors import ConfigError
 
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from titan_npu.config import JobConfig, config_to_dict, load_config, save_config
+from titan_npu.config import JobConfig
+from titan_npu.config.loader import config_to_dict, load_config, save_config
 from titan_npu.errors import ConfigError
 
 

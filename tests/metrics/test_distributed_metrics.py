@@ -18,7 +18,7 @@ def worker(rank: int, world: int, port: int, tmp: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TITAN_DEVICE="cpu")
     torch.set_num_threads(1)
-    from titan_npu.config import load_config
+    from titan_npu.config.loader import load_config
     from titan_npu.trainer import Trainer
 
     overrides = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
@@ -69,12 +69,13 @@ def tp_worker(rank: int, world: int, port: int, tmp: str) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TITAN_DEVICE="cpu")
     torch.set_num_threads(1)
     from titan_npu.checkpoint.initial_load import load_initial_weights
-    from titan_npu.config import load_config
+    from titan_npu.config.loader import load_config
     from titan_npu.data import build_tokenizer
     from titan_npu.device import setup_device
-    from titan_npu.models.llama import Transformer, build_model_args
+    from titan_npu.models.llama import Transformer
+    from titan_npu.models.registry import build_model_args, spec_of
     from titan_npu.parallel import ParallelDims, destroy_process_group, init_process_group
-    from titan_npu.parallel.parallelize import materialize, parallelize_model
+    from titan_npu.parallel.parallelize import materialize
     from titan_npu.parallel.reduce import loss_parallel_context
     from titan_npu.trainer.validate import Validator
 
@@ -90,7 +91,7 @@ def tp_worker(rank: int, world: int, port: int, tmp: str) -> None:
     args = build_model_args(cfg.model)
     with torch.device("meta"):
         model = Transformer(args)
-    model = parallelize_model(model, dims, cfg)
+    model = spec_of(model.args).parallelize(model, dims, cfg)
     materialize(model, device.torch_device, cfg)
     load_initial_weights(model, f"{tmp}/weights.pt", args)
     v = Validator(cfg, build_tokenizer("byte"), 0, 1, device, args.vocab_size, dims.mesh["dp"].get_group())
@@ -102,10 +103,11 @@ def tp_worker(rank: int, world: int, port: int, tmp: str) -> None:
 
 @pytest.mark.distributed
 def test_validation_with_vocab_sharded_logits_matches_one_process(tmp_path):
-    from titan_npu.config import load_config
+    from titan_npu.config.loader import load_config
     from titan_npu.data import build_tokenizer
     from titan_npu.device import setup_device
-    from titan_npu.models.llama import Transformer, build_model_args
+    from titan_npu.models.llama import Transformer
+    from titan_npu.models.registry import build_model_args
     from titan_npu.trainer.validate import Validator
 
     cfg = load_config(Path(__file__).parents[2] / "configs" / "debug.toml",

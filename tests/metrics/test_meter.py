@@ -100,7 +100,7 @@ def test_step_record_has_the_metrics_jsonl_keys():
 def test_flops_per_token_of_a_llama_shape():
     # Llama 2 7B: 6.61e9 non-embedding params (output projection included), 32 layers, dim 4096, seq 4096.
     from titan_npu.config.schema import ModelConfig
-    from titan_npu.models.llama import build_model_args
+    from titan_npu.models.registry import build_model_args
 
     args = build_model_args(ModelConfig(name="llama2", flavor="7B"))
     n = args.num_params(exclude_embedding=True)

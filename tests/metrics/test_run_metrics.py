@@ -16,7 +16,7 @@ VAL_KEYS = {"step", "val_loss", "val_ppl", "val_batches", "val_tokens", "val_tim
 def tiny_run(tmp_path: Path) -> Path:
     from fault_hooks import Faults
 
-    from titan_npu.config import load_config
+    from titan_npu.config.loader import load_config
     from titan_npu.trainer import Trainer
 
     log_dir = tmp_path / "logs"
@@ -78,10 +78,11 @@ def test_tiny_run_writes_metrics_validation_flags_and_report(tmp_path, one_threa
 
 
 def test_same_validation_batches_give_the_same_loss_each_time(tmp_path, one_thread):
-    from titan_npu.config import load_config
+    from titan_npu.config.loader import load_config
     from titan_npu.data import build_tokenizer
     from titan_npu.device import setup_device
-    from titan_npu.models.llama import Transformer, build_model_args
+    from titan_npu.models.llama import Transformer
+    from titan_npu.models.registry import build_model_args
     from titan_npu.trainer.validate import Validator
 
     cfg = load_config(Path(__file__).parents[2] / "configs" / "debug.toml",

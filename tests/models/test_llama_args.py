@@ -5,7 +5,8 @@ import torch
 
 from titan_npu.config.schema import ModelConfig
 from titan_npu.errors import ConfigError
-from titan_npu.models.llama import FLAVORS, LlamaArgs, Transformer, build_model_args, ffn_hidden_dim
+from titan_npu.models.llama import FLAVORS, LlamaArgs, Transformer, ffn_hidden_dim
+from titan_npu.models.registry import build_model_args
 
 
 def _args(name="llama3", flavor="debug", **overrides):
@@ -36,9 +37,11 @@ def test_flavors_resolve_meta_shapes():
     l3 = _args("llama3", "8B")
     assert (l3.n_kv_heads, l3.ffn_dim, l3.vocab_size, l3.rope_theta) == (8, 14336, 128256, 500000.0)
     assert _args("llama3", "70B").ffn_dim == 28672
-    l1 = _args("llama3", "1B")  # Llama 3.2 1B, with an untied output: 1.24B + 128256 x 2048
+    l1 = _args("llama3", "1B")  # Llama 3.2 1B: tied output, RoPE scaled by 32; 1,235,814,400 parameters published
     assert (l1.dim, l1.n_layers, l1.n_heads, l1.n_kv_heads, l1.ffn_dim) == (2048, 16, 32, 8, 8192)
-    assert abs(l1.num_params() - (1.236e9 + 128256 * 2048)) / l1.num_params() < 0.005
+    assert (l1.tie_embeddings, l1.rope_scaling_factor, l1.num_params()) == (True, 32.0, 1_235_814_400)
+    l31 = _args("llama3", "3.1-8B")  # 8,030,261,248 published
+    assert (l31.rope_scaling_factor, l31.max_seq_len, l31.num_params()) == (8.0, 131072, 8_030_261_248)
     assert _args("llama2", "13B").ffn_dim == 13824
 
 
@@ -101,7 +104,7 @@ def test_names_with_sizes_and_any_case_are_accepted(name, flavor, family, expect
 def test_unknown_family_and_flavor_list_the_valid_ones():
     with pytest.raises(ConfigError, match=r"model.name='gpt2'.*llama2, llama3"):
         _args("gpt2")
-    with pytest.raises(ConfigError, match=r"model.flavor='13B' is not a llama3 flavor \(valid: debug, 1B, 7B, 8B, 70B"):
+    with pytest.raises(ConfigError, match=r"model.flavor=.13B. is not a llama3 flavor \(valid: debug, 1B, 3B, 7B"):
         _args("llama3", "13B")
 
 

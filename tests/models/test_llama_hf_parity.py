@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from titan_npu import ops
+from titan_npu.models.decoder.model import precompute_rope
 from titan_npu.models.llama import LlamaArgs, Transformer, from_hf, hf_config, to_hf
-from titan_npu.models.llama.model import precompute_rope
 
 transformers = pytest.importorskip("transformers")
 

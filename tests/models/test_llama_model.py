@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from titan_npu.config.schema import ModelConfig
 from titan_npu.errors import ConfigError
-from titan_npu.models.llama import LlamaArgs, Transformer, build_model_args, precompute_rope
-from titan_npu.models.llama.model import Attention
+from titan_npu.models.decoder.model import Attention
+from titan_npu.models.llama import LlamaArgs, Transformer, precompute_rope
+from titan_npu.models.registry import build_model_args
 
 
 def _tiny(**overrides) -> LlamaArgs:

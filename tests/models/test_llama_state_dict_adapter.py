@@ -9,12 +9,12 @@ from titan_npu.models.llama import (
     LlamaArgs,
     Transformer,
     args_from_hf_config,
-    build_model_args,
     from_hf,
     from_meta,
     hf_config,
     to_hf,
 )
+from titan_npu.models.registry import build_model_args
 
 ARGS = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_dim=128, max_seq_len=32,
                  rope_theta=500000.0, family="llama3")
@@ -65,14 +65,14 @@ def test_from_hf_drops_rotary_buffers_and_refuses_foreign_keys():
     hf["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
     assert "layers.0.self_attn.rotary_emb.inv_freq" not in from_hf(hf, ARGS)
     hf["model.layers.0.mlp.experts.0.weight"] = torch.ones(2)
-    with pytest.raises(CheckpointError, match="'model.layers.0.mlp.experts.0.weight' has no Llama counterpart"):
+    with pytest.raises(CheckpointError, match="'model.layers.0.mlp.experts.0.weight' has no counterpart in this model"):
         from_hf(hf, ARGS)
 
 
 def test_to_hf_refuses_keys_that_are_not_model_weights():
     sd = _state_dict()
     sd["optimizer.step"] = torch.tensor(1)
-    with pytest.raises(CheckpointError, match="'optimizer.step' is not a Llama parameter"):
+    with pytest.raises(CheckpointError, match="'optimizer.step' is not a parameter of this model"):
         to_hf(sd, ARGS)
 
 
@@ -123,7 +123,8 @@ def test_hf_config_with_rope_scaling_reads_the_llama31_form():
         (dict(model_type="mistral"), "model_type='mistral' is not 'llama'"),
         (dict(attention_bias=True), "attention_bias=True"),
         (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-        (dict(head_dim=32), r"head_dim=32 x num_attention_heads=4 != hidden_size=64"),
+        (dict(head_dim=15), r"head_dim\) = 15 is odd"),
+        (dict(use_sliding_window=True), "use_sliding_window=True"),
         (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn' is not supported"),
         (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 8192}), "only Llama 3.1's"),

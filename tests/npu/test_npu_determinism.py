@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import titan_npu.trainer.trainer as trainer_module
-from titan_npu.config import load_config
+from titan_npu.config.loader import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 DETERMINISM_VARS = ("HCCL_DETERMINISTIC", "CLOSE_MATMUL_K_SHIFT")

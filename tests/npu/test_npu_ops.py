@@ -271,7 +271,7 @@ def test_swiglu_linear_matches_reference_and_copies_the_smaller_operand(fake_tor
 
 
 def test_the_mlp_keeps_w1_and_w3_as_its_parameters_and_runs_one_swiglu_kernel(fake_torch_npu):
-    from titan_npu.models.llama.model import FeedForward
+    from titan_npu.models.decoder.model import FeedForward
     from titan_npu.ops import set_kernels
 
     torch.manual_seed(0)

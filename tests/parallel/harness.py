@@ -101,7 +101,7 @@ def _save_initial_weights(trainer, log_dir: Path) -> None:
 
 
 def _train(args: list[str]) -> None:
-    from titan_npu.config import load_config
+    from titan_npu.config.loader import load_config
     from titan_npu.trainer import Trainer
 
     cfg = load_config(None, args)

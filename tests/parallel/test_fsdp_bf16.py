@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from titan_npu.config import load_config
-from titan_npu.models.llama import Transformer, build_model_args
+from titan_npu.config.loader import load_config
+from titan_npu.models.llama import Transformer
+from titan_npu.models.registry import build_model_args, spec_of
 from titan_npu.parallel.process_group import free_port
 
 MODEL = ["--model.name=llama3", "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
@@ -36,7 +37,6 @@ def _fsdp_worker(rank: int, world: int, port: int, out: Path) -> None:
     import torch.distributed as dist
 
     from titan_npu.parallel import ParallelDims
-    from titan_npu.parallel.parallelize import parallelize_model
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -47,7 +47,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: Path) -> None:
         table_dtypes = set()
         for block in model.layers.values():
             block.register_forward_pre_hook(lambda mod, args: table_dtypes.update(a.dtype for a in args[1:]))
-        model = parallelize_model(model, dims, cfg)
+        model = spec_of(model.args).parallelize(model, dims, cfg)
         with torch.no_grad():
             logits = model(tokens)
         if rank == 0:

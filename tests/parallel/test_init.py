@@ -15,8 +15,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from titan_npu.config.schema import ActivationCheckpointConfig, ModelConfig
 from titan_npu.models import init
-from titan_npu.models.llama import Transformer, build_model_args
-from titan_npu.models.llama.pipeline import build_stage, split_layers
+from titan_npu.models.decoder.pipeline import build_stage, split_layers
+from titan_npu.models.llama import Transformer
+from titan_npu.models.registry import build_model_args
 from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing
 
 ARGS = build_model_args(ModelConfig(name="llama3", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256,

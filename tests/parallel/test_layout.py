@@ -12,7 +12,7 @@ import pytest
 
 from titan_npu.config.schema import JobConfig, ModelConfig, ParallelConfig
 from titan_npu.errors import LayoutError
-from titan_npu.models.llama import build_model_args
+from titan_npu.models.registry import build_model_args
 from titan_npu.parallel import ParallelDims, validate_layout
 from titan_npu.parallel.layout import pp_microbatches, pp_stages_per_rank
 

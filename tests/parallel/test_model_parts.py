@@ -9,8 +9,9 @@ import torch.nn.functional as F
 
 from titan_npu.config.schema import ActivationCheckpointConfig, CompileConfig, ModelConfig
 from titan_npu.errors import LayoutError
-from titan_npu.models.llama import Transformer, build_model_args
-from titan_npu.models.llama.pipeline import build_stage, split_layers
+from titan_npu.models.decoder.pipeline import build_stage, split_layers
+from titan_npu.models.llama import Transformer
+from titan_npu.models.registry import build_model_args
 from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing, blocks_to_checkpoint
 from titan_npu.parallel.compile import apply_compile
 from titan_npu.parallel.pipeline import PartOptimizers, build_part_optimizers, stage_ids_for_rank

@@ -36,10 +36,11 @@ def _check_case(name: str, extra: list[str]) -> list[str]:
     """Two backward passes (gradient accumulation) under this case's layout; the problems found, if any."""
     import torch.distributed as dist
 
-    from titan_npu.config import load_config
-    from titan_npu.models.llama import Transformer, build_model_args
+    from titan_npu.config.loader import load_config
+    from titan_npu.models.llama import Transformer
+    from titan_npu.models.registry import build_model_args, spec_of
     from titan_npu.parallel.dims import ParallelDims
-    from titan_npu.parallel.parallelize import materialize, parallelize_model
+    from titan_npu.parallel.parallelize import materialize
     from titan_npu.parallel.reduce import loss_parallel_context
     from titan_npu.trainer.loss import cross_entropy_loss
 
@@ -50,7 +51,7 @@ def _check_case(name: str, extra: list[str]) -> list[str]:
     args = build_model_args(cfg.model)
     with torch.device("meta"):
         model = Transformer(args)
-    model = parallelize_model(model, dims, cfg)
+    model = spec_of(model.args).parallelize(model, dims, cfg)
     materialize(model, torch.device("cpu"), cfg)
 
     reference = Transformer(args)

@@ -10,7 +10,7 @@ import torch
 from fault_hooks import Faults
 from torch.overrides import TorchFunctionMode
 
-from titan_npu.config import load_config
+from titan_npu.config.loader import load_config
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.reduce import clip_grad_norm_
 from titan_npu.trainer import Trainer

@@ -108,7 +108,7 @@ def test_bench_refuses_zero_measured_steps():
 
 
 def test_pure_bf16_holds_weights_and_optimizer_state_in_bf16_and_rope_tables_in_fp32(tmp_path):
-    from titan_npu.config import load_config
+    from titan_npu.config.loader import load_config
     from titan_npu.trainer import Trainer
 
     cfg = load_config(None, [*TINY, "--training.dtype", "bf16", "--training.mixed_precision", "false",
@@ -208,7 +208,7 @@ def test_interference_counts_cpu_used_outside_the_watched_process_tree():
 
 
 def test_cpu_speed_hints_name_the_faster_setting():
-    from titan_npu.config import load_config
+    from titan_npu.config.loader import load_config
     from titan_npu.trainer.advice import speed_hints
 
     assert speed_hints(load_config(None, ["--data.num_workers", "0", "--training.dtype", "fp32"]), "cpu") == []

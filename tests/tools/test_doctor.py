@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_npu.config import load_config
+from titan_npu.config.loader import load_config
 from titan_npu.parallel.process_group import free_port
 from titan_npu.tools import doctor
 
@@ -164,7 +164,7 @@ def test_disk_check_compares_free_space_with_the_checkpoints_the_config_keeps(tm
 
 
 def small_params(cfg) -> int:
-    from titan_npu.models.llama import build_model_args
+    from titan_npu.models.registry import build_model_args
 
     return build_model_args(cfg.model).num_params()
 

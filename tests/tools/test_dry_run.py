@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_npu.config import load_config
+from titan_npu.config.loader import load_config
 from titan_npu.errors import ConfigError, LayoutError
 from titan_npu.tools import plan as plan_cli
 from titan_npu.tools.dry_run import compare_with_plan, dry_run

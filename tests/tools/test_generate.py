@@ -140,7 +140,7 @@ def debug_run(tmp_path: Path, steps: int) -> tuple[Path, Path]:
 
     Returns (full .pt state dict, checkpoint.dir holding the DCP checkpoint saved at the last step).
     """
-    from titan_npu.config import load_config
+    from titan_npu.config.loader import load_config
     from titan_npu.trainer import Trainer
 
     log_dir, ckpt_dir = tmp_path / f"run{steps}", tmp_path / f"ckpt{steps}"

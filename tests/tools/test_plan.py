@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_npu.config import load_config
+from titan_npu.config.loader import load_config
 from titan_npu.config.schema import ActivationCheckpointConfig, JobConfig
 from titan_npu.errors import ConfigError, LayoutError
-from titan_npu.models.llama import LlamaArgs, build_model_args
+from titan_npu.models.llama import LlamaArgs
+from titan_npu.models.registry import build_model_args
 from titan_npu.tools import plan as plan_cli
 from titan_npu.tools.memory_model import (
     GiB,
@@ -120,7 +121,7 @@ def test_checkpointed_blocks_are_the_ones_activation_checkpointing_wraps(mode, e
 
 @pytest.mark.parametrize("pp,schedule", [(2, "1F1B"), (3, "GPipe"), (2, "Interleaved1F1B"), (4, "Interleaved1F1B")])
 def test_pipeline_parts_are_the_stages_the_trainer_cuts(pp, schedule):
-    from titan_npu.models.llama.pipeline import split_layers
+    from titan_npu.models.decoder.pipeline import split_layers
     from titan_npu.parallel.layout import pp_stages_per_rank
     from titan_npu.parallel.pipeline import stage_ids_for_rank
 

@@ -8,7 +8,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from titan_npu import ops
 from titan_npu.config.schema import ModelConfig
-from titan_npu.models.llama import Transformer, build_model_args
+from titan_npu.models.llama import Transformer
+from titan_npu.models.registry import build_model_args
 from titan_npu.trainer.loss import IGNORE_INDEX, chunked_linear_cross_entropy, cross_entropy_loss, loss_chunk_tokens
 
 # fp32: the same products and fp32 sums in another order (chunked partial sums of the weight gradient).

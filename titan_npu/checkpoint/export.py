@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ from titan_npu.checkpoint import storage
 from titan_npu.checkpoint.dcp_io import load_tensors, read_metadata, tensor_entries
 from titan_npu.data.tokenizer import BYTE_TOKENIZER_NAMES
 from titan_npu.errors import CheckpointError
-from titan_npu.models.llama.args import LlamaArgs
+from titan_npu.models.registry import args_from_dict, spec_of
 
 log = logging.getLogger("titan_npu")
 
@@ -50,13 +51,13 @@ def resolve_source(checkpoint: str | Path, step: int | None = None) -> storage.C
     return storage.CheckpointRef(storage.read_info(path)["step"], path)
 
 
-def checkpoint_model_args(path: Path, info: dict | None = None) -> LlamaArgs:
+def checkpoint_model_args(path: Path, info: dict | None = None) -> Any:
     """The model shapes a checkpoint was trained with (from its checkpoint.json, or `info` already read from it)."""
     model_args = (storage.read_info(path) if info is None else info).get("model_args")
     if not model_args:
         raise CheckpointError(f"{path}/{storage.INFO_FILE} records no model shapes; cannot write a Hugging Face "
                               "config for it (export --format pt works)")
-    return LlamaArgs(**model_args)
+    return args_from_dict(model_args)
 
 
 def _ordered_keys(keys: list[str]) -> list[str]:
@@ -272,12 +273,13 @@ def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     return shards
 
 
-def _export_hf(source: Path, metadata, model: dict, output: Path, dtype: torch.dtype, args: LlamaArgs,
+def _export_hf(source: Path, metadata, model: dict, output: Path, dtype: torch.dtype, args: Any,
                max_shard_bytes: int, tokenizer: list[Path], marker: dict) -> list[Path]:
     from safetensors.torch import save_file
 
-    from titan_npu.models.llama.state_dict_adapter import hf_config, to_hf
-
+    adapter = spec_of(args).hf
+    if adapter is None:
+        raise CheckpointError(f"{args.family} has no Hugging Face format; export it with --format pt")
     sizes = {k: _nbytes(tuple(meta.size), dtype) for k, meta in model.items()}
     shards = plan_shards(sizes, max_shard_bytes)
     tmp = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp"))
@@ -287,13 +289,13 @@ def _export_hf(source: Path, metadata, model: dict, output: Path, dtype: torch.d
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
         weight_map: dict[str, str] = {}
         for name, keys in zip(names, shards):
-            hf = to_hf(_load_group(source, metadata, keys, dtype), args)
+            hf = adapter.to_hf(_load_group(source, metadata, keys, dtype), args)
             save_file({k: v.contiguous() for k, v in hf.items()}, str(tmp / name), metadata={"format": "pt"})
             weight_map.update({k: name for k in hf})
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        config = {**hf_config(args), "torch_dtype": HF_DTYPE_NAMES[dtype]}
+        config = {**adapter.config(args), "torch_dtype": HF_DTYPE_NAMES[dtype]}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for f in tokenizer:
             shutil.copyfile(f, tmp / _hf_tokenizer_name(f))

@@ -1,7 +1,8 @@
 """Full (unsharded) weights in the formats people bring: Hugging Face, Meta consolidated, our .pt, DCP directories.
 
 read_weights(path) returns our state dict (Meta names, e.g. layers.0.attention.wq.weight) and, when the source
-says, the model's shapes (LlamaArgs). Files are read as tensors only: safetensors, or torch.load(weights_only=True).
+says, the model's args (its family's, through models/registry.py: a Hugging Face config.json's model_type, a step-N
+checkpoint's info). Files are read as tensors only: safetensors, or torch.load(weights_only=True).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from titan_npu.checkpoint import storage
 from titan_npu.errors import CheckpointError
-from titan_npu.models.llama.args import LlamaArgs, ffn_hidden_dim
+from titan_npu.models.registry import args_from_dict, read_meta_checkpoint, spec_for_hf_config
 
 HF_INDEX = "model.safetensors.index.json"
 HF_BIN_INDEX = "pytorch_model.bin.index.json"
@@ -26,7 +27,7 @@ class Weights:
     """A full state dict under our names, with the shapes it implies when its source states them."""
 
     state_dict: dict[str, torch.Tensor]
-    args: LlamaArgs | None
+    args: Any | None  # the model's args (models/spec.py), when the source states them
     format: str  # hf | meta | pt | dcp
     source: Path
 
@@ -123,21 +124,18 @@ def read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _read_hf(path: Path) -> tuple[dict[str, torch.Tensor], LlamaArgs]:
-    from titan_npu.models.llama.state_dict_adapter import args_from_hf_config, from_hf
-
+def _read_hf(path: Path) -> tuple[dict[str, torch.Tensor], Any]:
     config = read_hf_config(path)
-    args = args_from_hf_config(config)
+    spec = spec_for_hf_config(config)
+    args = spec.hf.args_from_config(config)
     hf = read_hf_tensors(path)
-    return from_hf(hf, args, tie_word_embeddings=bool(config.get("tie_word_embeddings", False))), args
+    return spec.hf.from_hf(hf, args, tie_word_embeddings=bool(config.get("tie_word_embeddings", False))), args
 
 
 # ---------------------------------------------------------------- Meta
 
 
-def _read_meta(path: Path) -> tuple[dict[str, torch.Tensor], LlamaArgs]:
-    from titan_npu.models.llama.state_dict_adapter import from_meta
-
+def _read_meta(path: Path) -> tuple[dict[str, torch.Tensor], Any]:
     folder = path if path.is_dir() else path.parent
     shards = sorted(folder.glob("consolidated.*.pth")) if path.is_dir() else [path]
     try:
@@ -145,35 +143,9 @@ def _read_meta(path: Path) -> tuple[dict[str, torch.Tensor], LlamaArgs]:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{folder / 'params.json'} is unreadable ({type(e).__name__}: {e})") from e
     loaded = [_torch_load(f) for f in shards]
-    first = loaded[0]
-    if "tok_embeddings.weight" not in first:
+    if "tok_embeddings.weight" not in loaded[0]:
         raise CheckpointError(f"{shards[0]} has no tok_embeddings.weight; it is not a Meta Llama checkpoint")
-    args = args_from_meta_params(params, first, n_shards=len(loaded))
-    return from_meta(loaded, args), args
-
-
-def args_from_meta_params(params: dict[str, Any], shard: dict[str, torch.Tensor], n_shards: int = 1) -> LlamaArgs:
-    """LlamaArgs from Meta's params.json; vocab size and FFN size are read off the tensors when params omit them."""
-    try:
-        dim, n_layers, n_heads = int(params["dim"]), int(params["n_layers"]), int(params["n_heads"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"params.json lacks {e}; is it Meta's Llama params.json?") from e
-    vocab = int(params.get("vocab_size") or -1)
-    if vocab <= 0:
-        # Llama 2's params.json says -1 (the tokenizer decides); its shards split the embedding by channel, so
-        # every shard has all the rows.
-        vocab = shard["tok_embeddings.weight"].shape[0]
-    w1 = shard.get("layers.0.feed_forward.w1.weight")
-    ffn_dim = w1.shape[0] * n_shards if w1 is not None else ffn_hidden_dim(
-        dim, int(params.get("multiple_of", 256)), params.get("ffn_dim_multiplier"))
-    rope_theta = float(params.get("rope_theta", 10000.0))
-    family = "llama3" if vocab >= 128000 or rope_theta >= 500000 else "llama2"
-    return LlamaArgs(
-        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=int(params.get("n_kv_heads") or n_heads),
-        vocab_size=vocab, ffn_dim=ffn_dim, norm_eps=float(params.get("norm_eps", 1e-5)), rope_theta=rope_theta,
-        rope_scaling_factor=8.0 if params.get("use_scaled_rope") else None,
-        max_seq_len=8192 if family == "llama3" else 4096, family=family,
-    )
+    return read_meta_checkpoint(params, loaded)
 
 
 # ---------------------------------------------------------------- ours
@@ -191,7 +163,7 @@ def _read_pt(path: Path) -> tuple[dict[str, torch.Tensor], None]:
     return sd, None
 
 
-def _read_dcp(path: Path) -> tuple[dict[str, torch.Tensor], LlamaArgs | None]:
+def _read_dcp(path: Path) -> tuple[dict[str, torch.Tensor], Any | None]:
     from titan_npu.checkpoint.dcp_io import load_tensors, read_metadata, tensor_entries
 
     if path.name.endswith(storage.TMP_SUFFIX) or not (path / storage.DCP_METADATA).is_file():
@@ -203,7 +175,7 @@ def _read_dcp(path: Path) -> tuple[dict[str, torch.Tensor], LlamaArgs | None]:
     args = None
     if (path / storage.INFO_FILE).is_file():
         model_args = storage.read_info(path).get("model_args")
-        args = LlamaArgs(**model_args) if model_args else None
+        args = args_from_dict(model_args) if model_args else None
     return {k[len(prefix):]: v for k, v in tensors.items()}, args
 
 

@@ -1,7 +1,8 @@
 """Start a run from pretrained weights (checkpoint.initial_load), on any parallel layout.
 
-Accepted: a Hugging Face Llama directory, Meta's consolidated.*.pth (or their directory), a full .pt from
-`titan-npu export --format pt` / `titan-npu import`, and a checkpoint step-N directory of ours. Full weights are
+Accepted: a Hugging Face model directory (any model_type of models/registry.py), Meta's consolidated.*.pth (or
+their directory), a full .pt from `titan-npu export --format pt` / `titan-npu import`, and a checkpoint step-N
+directory of ours. Full weights are
 read by every rank (memory-mapped where the format allows) and each rank keeps its shard; a step-N directory is
 read shard-wise through DCP.
 """
@@ -18,6 +19,7 @@ from torch import nn
 from titan_npu.checkpoint.fit import describe_mismatch
 from titan_npu.checkpoint.formats import Weights, detect_format, read_weights
 from titan_npu.errors import CheckpointError
+from titan_npu.models.registry import build_model
 
 log = logging.getLogger("titan_npu")
 
@@ -29,10 +31,8 @@ def read_full_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 def full_model_shapes(args: Any) -> dict[str, torch.Size]:
     """Every parameter of the whole model (all pipeline stages) and its shape, without allocating it."""
-    from titan_npu.models.llama import Transformer
-
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build_model(args)
     return {k: v.shape for k, v in model.state_dict().items()}
 
 
@@ -71,9 +71,7 @@ def load_initial_weights(
     kind = detect_format(path)
     if kind == "dcp":
         if manager is None:
-            from titan_npu.checkpoint.manager import CheckpointManager
-
-            raise CheckpointError(f"{path} is a step-N checkpoint; load it through {CheckpointManager.__name__}")
+            raise CheckpointError(f"{path} is a step-N checkpoint; load it through the CheckpointManager")
         manager.load_checkpoint(path, sections=("model",) if model_only else ("model", "optimizer"))
         return
     if not model_only:

@@ -233,8 +233,7 @@ class CheckpointManager:
 
     def _warn_config_changes(self, path: Path) -> None:
         """A resumed run follows its new config; say which settings that change the run differ from the saved."""
-        from titan_npu.config import config_to_dict
-        from titan_npu.config.loader import read_config_file
+        from titan_npu.config.loader import config_to_dict, read_config_file
 
         try:
             saved = read_config_file(path / storage.CONFIG_FILE)
@@ -291,9 +290,7 @@ class CheckpointManager:
                     log.warning("checkpoint: %s holds no '%s' state; it starts fresh", path, key)
 
     def _full_model_shapes(self) -> dict[str, tuple[int, ...]] | None:
-        from titan_npu.models.llama.args import LlamaArgs
-
-        if not isinstance(self.model_args, LlamaArgs):
+        if self.model_args is None:
             return None
         from titan_npu.checkpoint.initial_load import full_model_shapes
 
@@ -370,7 +367,7 @@ class CheckpointManager:
                 "rng": capture_rng(self.device_type),
             })
             if self.rank == 0:
-                from titan_npu.config import save_config
+                from titan_npu.config.loader import save_config
 
                 save_config(self.job, tmp / storage.CONFIG_FILE)
         except Exception as e:

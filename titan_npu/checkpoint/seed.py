@@ -34,9 +34,9 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | Path, overwrite: bool =
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from titan_npu.config import save_config
+    from titan_npu.config.loader import save_config
     from titan_npu.device import setup_device
-    from titan_npu.models.llama import build_model_args
+    from titan_npu.models.registry import build_model_args, spec_of
     from titan_npu.parallel import ParallelDims, destroy_process_group, init_process_group, validate_layout
     from titan_npu.parallel.parallelize import build_model_parts
 
@@ -52,7 +52,7 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | Path, overwrite: bool =
         model_args = build_model_args(cfg.model)
         validate_layout(dims, model_args, cfg)
         # fp32 whatever training.dtype says: the weights a run's fp32 master copy (or a pure bf16 cast) starts from.
-        _, parts = build_model_parts(cfg, dims, model_args, device.torch_device)
+        _, parts = build_model_parts(spec_of(model_args), cfg, dims, model_args, device.torch_device)
         state = {}
         for part in parts:
             state.update(get_model_state_dict(part))
@@ -104,7 +104,7 @@ def init_weights_main(argv: list[str]) -> int:
     """Entry of `titan-npu init-weights`."""
     import os
 
-    from titan_npu.config import load_config
+    from titan_npu.config.loader import load_config
     from titan_npu.train import setup_logging
 
     args, overrides = _parser().parse_known_args(argv)

@@ -1,6 +1,11 @@
-"""Configuration: the schema dataclasses, loading TOML/YAML with dialect aliases and CLI overrides, validation."""
+"""Configuration: the schema dataclasses (here), loading TOML/YAML with dialect aliases and CLI overrides
+(config.loader: load_config, save_config, parse_overrides, config_to_dict, config_from_dict) and validation
+(config.validate).
 
-from titan_npu.config.loader import config_from_dict, config_to_dict, load_config, parse_overrides, save_config
+The package itself exports only the schema, which everything depends on; loading and validation know the model
+families (models/registry.py), which depend on the schema, so they are imported from their own modules.
+"""
+
 from titan_npu.config.schema import (
     ActivationCheckpointConfig,
     CheckpointConfig,
@@ -17,7 +22,6 @@ from titan_npu.config.schema import (
     TrainingConfig,
     ValidationConfig,
 )
-from titan_npu.config.validate import validate
 
 __all__ = [
     "ActivationCheckpointConfig",
@@ -34,10 +38,4 @@ __all__ = [
     "ProfilingConfig",
     "TrainingConfig",
     "ValidationConfig",
-    "config_from_dict",
-    "config_to_dict",
-    "load_config",
-    "parse_overrides",
-    "save_config",
-    "validate",
 ]

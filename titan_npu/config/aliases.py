@@ -8,12 +8,12 @@ disagrees with its canonical key.
 from __future__ import annotations
 
 import difflib
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from titan_npu.config.coerce import coerce, field_types, section_types, show
 from titan_npu.errors import ConfigError
+from titan_npu.models.registry import parse_model_name, published_flavor
 
 # [distributed] in the TOML guide is our [parallel].
 SECTION_ALIASES: dict[str, str] = {"distributed": "parallel"}
@@ -45,30 +45,8 @@ KEY_ALIASES: dict[tuple[str, str], tuple[str, str]] = {
 # A table nested in a section that stands for a whole section: the YAML guide's training.checkpoint.
 SUBSECTION_ALIASES: dict[tuple[str, str], str] = {("training", "checkpoint"): "checkpoint"}
 
-MODEL_FAMILIES = ("llama2", "llama3")
-
-# (dim, n_layers) of the published sizes: a plain family name with these dims means that size, as in the TOML
-# guide (name = "llama", d_model = 4096, n_layers = 32 is Llama 2 7B).
-PUBLISHED_SIZES: dict[str, dict[tuple[int, int], str]] = {
-    "llama2": {(4096, 32): "7B", (5120, 40): "13B", (8192, 80): "70B"},
-    "llama3": {(4096, 32): "8B", (8192, 80): "70B", (16384, 126): "405B"},
-}
-
-_MODEL_NAME = re.compile(r"llama[-_ ]?(?P<version>[23])?(?:\.\d+)?(?:[-_ ](?P<size>\d+)b)?", re.IGNORECASE)
-
-
-def split_model_name(name: str) -> tuple[str | None, str | None]:
-    """'llama3_7b' -> ('llama3', '7B'); 'llama' -> ('llama2', None); an unknown name -> (None, None)."""
-    match = _MODEL_NAME.fullmatch(name.strip())
-    if match is None:
-        return None, None
-    family = f"llama{match['version'] or '2'}"
-    size = f"{match['size']}B" if match["size"] else None
-    return family, size
-
-
 def normalize_flavor(flavor: str) -> str:
-    """'7b' -> '7B', 'Debug' -> 'debug': flavors are matched case-insensitively."""
+    """'7b' -> '7B', '3.1-8b' -> '3.1-8B', 'Debug' -> 'debug': flavors are matched case-insensitively."""
     flavor = flavor.strip()
     return "debug" if flavor.lower() == "debug" else flavor.upper()
 
@@ -129,11 +107,12 @@ def canonicalize(
 
 
 def _resolve_model_name(model: dict[str, Any], spelled: dict[tuple[str, str], str]) -> None:
-    """A sized name sets the family and, unless flavor is given, the flavor; plain 'llama' is Llama 2."""
+    """A sized name sets the family and, unless flavor is given, the flavor; plain 'llama' is Llama 2
+    (models/registry.py knows every family's spellings)."""
     name = model.get("name")
     if not isinstance(name, str):
         return
-    family, size = split_model_name(name)
+    family, size = parse_model_name(name)
     if family is None:
         return  # validate() names the known families
     model["name"] = family
@@ -151,7 +130,7 @@ def _published_size(family: str, dim: Any, n_layers: Any) -> str | None:
         shape = (coerce(dim, int, "model.dim"), coerce(n_layers, int, "model.n_layers"))
     except ConfigError:
         return None  # the type error is reported when the section is built
-    return PUBLISHED_SIZES[family].get(shape)
+    return published_flavor(family, *shape)
 
 
 def _same(a: Any, b: Any, section: str, key: str) -> bool:

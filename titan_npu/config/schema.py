@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 class ModelConfig:
     """Model family, preset size and explicit overrides of the preset (None = take the flavor's value)."""
 
-    name: str = "llama3"
+    name: str = "llama3"  # a family of models/registry.py (llama2, llama3, qwen2, qwen3), optionally sized: qwen3_8b
     flavor: str = "debug"
     dim: int | None = None
     n_layers: int | None = None
     n_heads: int | None = None
     n_kv_heads: int | None = None
+    head_dim: int | None = None  # size of one attention head; None = dim / n_heads (Qwen3's flavors set 128)
     vocab_size: int | None = None
     ffn_dim: int | None = None  # explicit SwiGLU hidden size; overrides multiplier/multiple_of
     ffn_dim_multiplier: float | None = None
@@ -23,6 +24,9 @@ class ModelConfig:
     rope_theta: float | None = None
     rope_scaling_factor: float | None = None  # Llama 3.1 frequency scaling; None/0 = off
     max_seq_len: int | None = None
+    qkv_bias: bool | None = None  # biases on the q/k/v projections (Qwen2's flavors)
+    qk_norm: bool | None = None  # RMSNorm over each q/k head before RoPE (Qwen3's flavors)
+    tie_embeddings: bool | None = None  # output projection = embedding matrix (the small Llama 3.2 / Qwen flavors)
     use_flash_attention: bool = True
     attention_backend: str = "auto"  # CUDA SDPA kernel: auto (by GPU capability) | cudnn | flash | efficient
     rope_fp32: bool = False  # NPU: npu_rotary_mul on fp32 q/k and tables (cast back), as torchtitan-npu runs RoPE

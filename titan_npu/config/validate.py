@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import re
 
-from titan_npu.config.aliases import MODEL_FAMILIES, normalize_flavor, split_model_name
+from titan_npu.config.aliases import normalize_flavor
 from titan_npu.config.coerce import coerce, field_types, section_types, show
 from titan_npu.config.schema import JobConfig, ModelConfig
 from titan_npu.errors import ConfigError
+from titan_npu.models.registry import family_names, parse_model_name
 
 DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32", "float32": "fp32"}
 DECAY_TYPES = ("cosine", "linear", "constant", "wsd")
@@ -26,8 +27,8 @@ ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient")
 
 # Model sizes that must be positive when given; None means "take the flavor's value".
 _POSITIVE_MODEL_FIELDS = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "ffn_dim_multiplier", "multiple_of",
-    "norm_eps", "rope_theta", "max_seq_len",
+    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim", "ffn_dim_multiplier",
+    "multiple_of", "norm_eps", "rope_theta", "max_seq_len",
 )
 
 
@@ -77,12 +78,12 @@ def _at_least(key: str, value: float, low: float, why: str) -> None:
 
 
 def _check_model(m: ModelConfig) -> None:
-    family, size = split_model_name(m.name)
-    if family not in MODEL_FAMILIES:
+    family, size = parse_model_name(m.name)
+    if family is None:
         raise fail(
             "model.name",
-            f"model.name = {show(m.name)} is not a known model (use llama2, llama3, or a name with the size "
-            f"such as llama2_7b or llama3_8b)",
+            f"model.name = {show(m.name)} is not a known model (use {', '.join(family_names())}, or a name with the "
+            f"size such as llama2_7b, llama3_8b or qwen3_8b)",
         )
     m.name = family
     m.attention_backend = _choice("model.attention_backend", m.attention_backend, ATTENTION_BACKENDS,

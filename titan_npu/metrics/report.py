@@ -55,7 +55,7 @@ def write_run_info(log_dir: str | os.PathLike, info: dict[str, Any]) -> Path:
 
 def run_info(model_args: Any, layout: str, device: Any, world_size: int, tokens_per_step: int,
              flops_per_token: float, peak_flops: float, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
-    """The run_info.json fields from the trainer's objects (LlamaArgs, DeviceInfo)."""
+    """The run_info.json fields from the trainer's objects (the model's args, DeviceInfo)."""
     a = model_args
     return {
         "params": a.num_params(),

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from titan_npu.config.schema import JobConfig
+from titan_npu.device.dtypes import to_torch_dtype
 from titan_npu.parallel.dims import ParallelDims
-from titan_npu.trainer.precision import to_torch_dtype
 
 
 def mixed_precision_policy(dtype_name: str, cast_forward_inputs: bool = True):

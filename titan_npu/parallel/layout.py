@@ -7,10 +7,10 @@ planner, so an impossible layout is refused with the numbers and a fix before me
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import LayoutError
-from titan_npu.models.llama.args import LlamaArgs
 from titan_npu.parallel.dims import ParallelDims
 
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
@@ -43,8 +43,11 @@ def pp_microbatches(cfg: JobConfig, dims: ParallelDims) -> int:
     return cfg.parallel.pp_microbatches or dims.pp * 2
 
 
-def validate_layout(dims: ParallelDims, model_args: LlamaArgs, cfg: JobConfig) -> None:
-    """Refuse (LayoutError) a layout that cannot run this model with these settings; the message names the fix."""
+def validate_layout(dims: ParallelDims, model_args: Any, cfg: JobConfig) -> None:
+    """Refuse (LayoutError) a layout that cannot run this model with these settings; the message names the fix.
+
+    model_args: any family's args (models/spec.py names the fields read here).
+    """
     _check_data_parallel(dims, cfg)
     if dims.tp_enabled:
         _check_tensor_parallel(dims, model_args, cfg)
@@ -71,7 +74,7 @@ def _check_data_parallel(dims: ParallelDims, cfg: JobConfig) -> None:
         )
 
 
-def _check_tensor_parallel(dims: ParallelDims, a: LlamaArgs, cfg: JobConfig) -> None:
+def _check_tensor_parallel(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:
     tp = dims.tp
     # Degrees that split heads, kv heads and the FFN evenly (the vocabulary can always be padded).
     choices = _listing(_divisors(math.gcd(a.n_heads, a.n_kv_heads, a.ffn_dim)))
@@ -104,7 +107,7 @@ def _check_tensor_parallel(dims: ParallelDims, a: LlamaArgs, cfg: JobConfig) -> 
         )
 
 
-def _check_pipeline(dims: ParallelDims, a: LlamaArgs, cfg: JobConfig) -> None:
+def _check_pipeline(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:
     p = cfg.parallel
     schedule = p.pp_schedule
     if schedule not in PP_SCHEDULES:
@@ -119,6 +122,11 @@ def _check_pipeline(dims: ParallelDims, a: LlamaArgs, cfg: JobConfig) -> None:
         raise LayoutError(
             "parallel.pp_schedule=Interleaved1F1B needs at least 2 stages per rank; set pp_virtual_stages = 0 "
             "(2) or more, or use 1F1B"
+        )
+    if getattr(a, "tie_embeddings", False):
+        raise LayoutError(
+            f"{a.family} {a.flavor} ties its output projection to the embedding, which pipeline parallelism would "
+            f"place on different ranks; set model.tie_embeddings=false (separate matrices) or parallel.pp_degree=1"
         )
     stages = dims.pp * per_rank
     if a.n_layers < stages:

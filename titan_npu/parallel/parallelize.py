@@ -2,40 +2,37 @@
 
 Order (each step sees the model the previous one left): pipeline split -> tensor parallel -> activation
 checkpointing -> torch.compile per block -> FSDP / HSDP / replicate -> to_empty + init_weights (+ the gradient
-layout hooks of pure tensor parallelism, see tp_grads.py).
+layout hooks of pure tensor parallelism, see tp_grads.py). What each step does to a given family's model is the
+family's (its ModelSpec, models/spec.py: build_model, split_layers / build_stage, parallelize); the caller passes
+the spec in, so this package never imports a model.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.parallel.dims import ParallelDims
+from titan_npu.parallel.pipeline import split_for_pipeline
 from titan_npu.parallel.tp_grads import install_requested_grad_hooks
 
 
-def parallelize_model(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
-    """Return the model (or pipeline stage) with this job's TP, AC, compile and data parallelism applied."""
-    from titan_npu.models.llama.parallelize import parallelize_llama
-
-    return parallelize_llama(model, dims, cfg)
-
-
 def build_model_parts(
-    cfg: JobConfig, dims: ParallelDims, model_args, device: torch.device, param_dtype: torch.dtype | None = None
+    spec: Any, cfg: JobConfig, dims: ParallelDims, model_args: Any, device: torch.device,
+    param_dtype: torch.dtype | None = None,
 ) -> tuple[list[int], list[nn.Module]]:
-    """(stage ids, parts) of this rank: the model built on meta, split into its pipeline stages (or whole),
-    parallelised and materialised with its initial weights; param_dtype holds the parameters in that dtype."""
-    from titan_npu.models.llama import Transformer
-    from titan_npu.parallel.pipeline import split_for_pipeline
-
+    """(stage ids, parts) of this rank: the model of `spec` (a ModelSpec) built on meta, split into its pipeline
+    stages (or whole), parallelised and materialised with its initial weights; param_dtype holds the parameters in
+    that dtype."""
     with torch.device("meta"):
-        model = Transformer(model_args)
+        model = spec.build_model(model_args)
     if param_dtype is not None:  # free on meta
         model.to(param_dtype)
-    stage_ids, parts = split_for_pipeline(model, dims, cfg) if dims.pp_enabled else ([0], [model])
-    parts = [parallelize_model(part, dims, cfg) for part in parts]
+    stage_ids, parts = split_for_pipeline(spec, model, dims, cfg) if dims.pp_enabled else ([0], [model])
+    parts = [spec.parallelize(part, dims, cfg) for part in parts]
     for part in parts:
         materialize(part, device, cfg)
     return stage_ids, parts

@@ -9,6 +9,7 @@ optimisation step as without pipelining.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,16 +25,16 @@ def stage_ids_for_rank(pp_rank: int, pp_degree: int, stages_per_rank: int) -> li
     return [pp_rank + i * pp_degree for i in range(stages_per_rank)]
 
 
-def split_for_pipeline(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> tuple[list[int], list[nn.Module]]:
-    """(stage ids, stage modules) of this rank, cut from a whole model built on the meta device."""
-    from titan_npu.models.llama.pipeline import build_stage, split_layers
-
+def split_for_pipeline(spec: Any, model: nn.Module, dims: ParallelDims, cfg: JobConfig
+                       ) -> tuple[list[int], list[nn.Module]]:
+    """(stage ids, stage modules) of this rank, cut from a whole model built on the meta device by its family's
+    split (spec: the ModelSpec's split_layers and build_stage)."""
     per_rank = pp_stages_per_rank(cfg)
     n_stages = dims.pp * per_rank
-    layers = split_layers(len(model.layers), n_stages)
+    layers = spec.split_layers(len(model.layers), n_stages)
     pp_rank, _ = dims.pp_coordinates()
     ids = stage_ids_for_rank(pp_rank, dims.pp, per_rank)
-    parts = [build_stage(model, layers[i], is_first=i == 0, is_last=i == n_stages - 1) for i in ids]
+    parts = [spec.build_stage(model, layers[i], is_first=i == 0, is_last=i == n_stages - 1) for i in ids]
     return ids, parts
 
 

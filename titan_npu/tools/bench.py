@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry of `titan-npu bench`."""
-    from titan_npu.config import load_config
+    from titan_npu.config.loader import load_config
     from titan_npu.train import setup_logging
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -784,7 +784,7 @@ def main(argv: list[str]) -> int:
     sizes = _parse_sizes(args.sizes)
     cfg = None
     if args.config or overrides:
-        from titan_npu.config import load_config
+        from titan_npu.config.loader import load_config
 
         cfg = load_config(args.config, overrides)
     rank = int(os.environ.get("RANK", "0"))

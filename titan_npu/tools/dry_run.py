@@ -130,18 +130,15 @@ def resolve_world_size(cfg: JobConfig, world_size: int | None) -> int:
 
 def build_parallel_model(cfg: JobConfig, dims: ParallelDims) -> list[nn.Module]:
     """The model parts this rank holds, on meta: pipeline split, then each part parallelized as the trainer does."""
-    from titan_npu.models.llama import Transformer, build_model_args
-    from titan_npu.parallel.parallelize import parallelize_model
+    from titan_npu.models.registry import build_model_args, spec_of
+    from titan_npu.parallel.pipeline import split_for_pipeline
 
     args = build_model_args(cfg.model)
+    spec = spec_of(args)
     with torch.device("meta"):
-        model = Transformer(args)
-    if dims.pp_enabled:
-        from titan_npu.parallel.pipeline import split_for_pipeline
-
-        _, parts = split_for_pipeline(model, dims, cfg)
-        return [parallelize_model(part, dims, cfg) for part in parts]
-    return [parallelize_model(model, dims, cfg)]
+        model = spec.build_model(args)
+    _, parts = split_for_pipeline(spec, model, dims, cfg) if dims.pp_enabled else ([0], [model])
+    return [spec.parallelize(part, dims, cfg) for part in parts]
 
 
 def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims) -> tuple[int, ...]:
@@ -153,9 +150,9 @@ def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from titan_npu.models.llama import build_model_args
+    from titan_npu.device.dtypes import to_torch_dtype
+    from titan_npu.models.registry import build_model_args
     from titan_npu.parallel.tp_grads import install_requested_grad_hooks
-    from titan_npu.trainer.precision import to_torch_dtype
 
     args = build_model_args(cfg.model)
     t = cfg.training
@@ -239,7 +236,7 @@ def dry_run(cfg: JobConfig, world_size: int | None = None, rank: int = 0, device
     keyed by mesh shape, not by rank or process group, so a thread that ends with the dry run takes them along and
     dry runs of other ranks or layouts (in the same process, one after another) start clean.
     """
-    from titan_npu.models.llama import build_model_args
+    from titan_npu.models.registry import build_model_args
     from titan_npu.parallel.dims import ParallelDims
     from titan_npu.parallel.layout import validate_layout
 
@@ -321,6 +318,7 @@ def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
         rank_coordinates,
         rank_parameter_names,
         state_bytes,
+        tensor_parallel_dims,
     )
 
     job = job_from_config(cfg)
@@ -328,6 +326,7 @@ def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
     planned = state_bytes(job, layout, result.rank)
     coords = rank_coordinates(layout, result.rank)
     kinds = parameter_kinds(job.args)
+    tp_dims = tensor_parallel_dims(job.args)
     expected_names = rank_parameter_names(job.args, layout, coords["pp"])
     problems = []
     missing = sorted(set(expected_names) - set(result.parameters))
@@ -340,7 +339,7 @@ def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
         if name not in result.parameters:
             continue
         kind = parameter_kind(name)
-        want = list(local_shape(kind, kinds[kind], layout, coords))
+        want = list(local_shape(kinds[kind], tp_dims[kind], layout, coords))
         got = result.parameters[name]["local_shape"]
         if want != got:
             problems.append(f"{name}: local shard {got} but the plan expects {want}")

@@ -85,10 +85,7 @@ class CachedLlama:
     def _attention(self, i: int, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    start_pos: int) -> torch.Tensor:
         bs, seqlen, _ = x.shape
-        xq = attn.wq(x).view(bs, seqlen, -1, self.head_dim)
-        xk = attn.wk(x).view(bs, seqlen, -1, self.head_dim)
-        xv = attn.wv(x).view(bs, seqlen, -1, self.head_dim)
-        xq, xk = ops.apply_rotary_emb(xq, xk, cos, sin)
+        xq, xk, xv = attn.qkv(x, cos, sin)
         keys, values = self.cache.update(i, start_pos, xk, xv)
         # Prefill: the prompt attends causally to itself. Decode: the single new query sees every cached position,
         # so no mask at all (a top-left causal mask would be wrong once keys outnumber queries).
@@ -198,19 +195,19 @@ def load_model(state_dict: dict[str, torch.Tensor], args: Any, device: torch.dev
                ) -> nn.Module:
     """The model of `args` on `device` in `dtype`, holding `state_dict` (every key must fit), in eval mode."""
     from titan_npu.checkpoint.fit import describe_mismatch
-    from titan_npu.models.llama import Transformer, precompute_rope
+    from titan_npu.models.registry import build_model
 
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build_model(args)
     problem = describe_mismatch({k: v.shape for k, v in model.state_dict().items()}, state_dict)
     if problem:
         raise CheckpointError(f"the checkpoint does not fit the model ({args.dim=}, {args.n_layers=}): {problem}")
     model.load_state_dict(state_dict, strict=True, assign=True)
+    model.tie_weights()  # assign gave the output projection a parameter of its own
     # RoPE tables are not saved (still on meta): compute them, on the device and in fp32 whatever the weights' dtype.
-    rope = (args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling_factor)
-    model.freqs_cos, model.freqs_sin = precompute_rope(*rope, device="cpu")
+    model.freqs_cos, model.freqs_sin = model.rope_tables("cpu")
     model.to(device=device, dtype=dtype)
-    model.freqs_cos, model.freqs_sin = precompute_rope(*rope, device=device)
+    model.freqs_cos, model.freqs_sin = model.rope_tables(device)
     return model.eval()
 
 
@@ -240,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """`titan-npu generate --checkpoint DIR --prompt "..." --max-new-tokens N --temperature T --top-k K`."""
-    from titan_npu.config import load_config
+    from titan_npu.config.loader import load_config
     from titan_npu.data import build_tokenizer
     from titan_npu.device import setup_device
 
@@ -252,7 +249,7 @@ def main(argv: list[str]) -> int:
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p={args.top_p} must be in (0, 1]")
     from titan_npu.checkpoint.formats import read_weights
-    from titan_npu.models.llama import build_model_args
+    from titan_npu.models.registry import build_model_args
 
     ckpt = Path(args.checkpoint)
     if not ckpt.exists():

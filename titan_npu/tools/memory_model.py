@@ -1,30 +1,31 @@
-"""Analytic per-rank memory of a Llama training job: what `titan-npu plan` reports before anything is launched.
+"""Analytic per-rank memory of a training job: what `titan-npu plan` reports before anything is launched.
 
-Parameters, gradients and optimizer state are exact: the planner walks the same parameter shapes, tensor-parallel
-placements (models/llama/sharding.py), pipeline split (models/llama/pipeline.py) and FSDP2 dim-0 chunking as
-the real parallelized model; the dry run checks that they are equal. Activations count the tensors autograd saves
-for backward in titan_npu.models.llama with the reference ops, per token, and walk backward block by block to find
-the peak (loss buffers, a checkpointed block's recomputation); tests/tools/test_plan_calibration.py holds them to
-measured CPU peaks. docs/planning.md has the formulas.
+Parameters, gradients and optimizer state are exact: the planner walks the same parameter shapes and
+tensor-parallel placements (the family's ModelSpec.parameter_kinds), pipeline split (ModelSpec.split_layers) and
+FSDP2 dim-0 chunking as the real parallelized model; the dry run checks that they are equal. Activations count the
+tensors autograd saves for backward in the dense decoder (models/decoder/model.py) with the reference ops, per
+token, and walk backward block by block to find the peak (loss buffers, a checkpointed block's recomputation);
+tests/tools/test_plan_calibration.py holds them to measured CPU peaks. docs/planning.md has the formulas.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import LayoutError
-from titan_npu.models.llama.args import LlamaArgs, build_model_args
-from titan_npu.models.llama.pipeline import split_layers
-from titan_npu.models.llama.sharding import LAYER_SHARD_DIM, SHARD_DIM
+from titan_npu.models.registry import build_model_args, spec_of
 from titan_npu.parallel.dims import MESH_DIMS
 
 GiB = 1024**3
 MiB = 1024**2
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 AC_MODES = ("none", "selective", "full")
-# Parameter kinds inside a block, in the model's order (a rank's parameter names follow it).
-BLOCK_KINDS = tuple(LAYER_SHARD_DIM)
+# Parameters outside the blocks, in the model's order (a pipeline stage holds those of its end of the model).
+FIRST_STAGE_KINDS = ("tok_embeddings.weight",)
+LAST_STAGE_KINDS = ("norm.weight", "output.weight")
 
 # Per-parameter optimizer state, in parameter-sized tensors (the dry run measures the real optimizer's).
 OPTIMIZER_STATE_MULTIPLIER = {"adamw": 2, "adam": 2, "sgd": 1}
@@ -159,7 +160,7 @@ class Layout:
 class Job:
     """What the estimate needs from the config besides the layout."""
 
-    args: LlamaArgs
+    args: Any  # the model's args (models/spec.py)
     seq_len: int
     dtype: str = "bf16"
     optimizer: str = "adamw"
@@ -212,24 +213,20 @@ def layout_from_config(cfg: JobConfig, world_size: int) -> Layout:
 # Exact parameter, gradient and optimizer-state bytes
 
 
-def parameter_kinds(args: LlamaArgs) -> dict[str, tuple[int, ...]]:
-    """Full shape of each kind of parameter: the block ones by their name inside a block, then the root ones."""
-    d, hd = args.dim, args.head_dim
-    q, kv, f, v = args.n_heads * hd, args.n_kv_heads * hd, args.ffn_dim, args.vocab_size
-    return {
-        "attention.wq.weight": (q, d),
-        "attention.wk.weight": (kv, d),
-        "attention.wv.weight": (kv, d),
-        "attention.wo.weight": (d, q),
-        "feed_forward.w1.weight": (f, d),
-        "feed_forward.w2.weight": (d, f),
-        "feed_forward.w3.weight": (f, d),
-        "attention_norm.weight": (d,),
-        "ffn_norm.weight": (d,),
-        "tok_embeddings.weight": (v, d),
-        "norm.weight": (d,),
-        "output.weight": (v, d),
-    }
+def parameter_kinds(args: Any) -> dict[str, tuple[int, ...]]:
+    """Full shape of each kind of parameter the model has (its family's table), in the model's order: the block
+    ones by their name inside a block, the root ones by their own."""
+    return {kind: shape for kind, (shape, _) in spec_of(args).parameter_kinds(args).items()}
+
+
+def tensor_parallel_dims(args: Any) -> dict[str, int | None]:
+    """The dim tensor parallelism splits each kind of parameter along (None = replicated)."""
+    return {kind: dim for kind, (_, dim) in spec_of(args).parameter_kinds(args).items()}
+
+
+def block_kinds(args: Any) -> list[str]:
+    """The kinds of parameter one block holds, in the model's order (a rank's parameter names follow it)."""
+    return [k for k in parameter_kinds(args) if k not in FIRST_STAGE_KINDS + LAST_STAGE_KINDS]
 
 
 def parameter_kind(name: str) -> str:
@@ -246,27 +243,31 @@ class StagePart:
     first: bool
     last: bool
 
-    def root_kinds(self) -> list[str]:
-        kinds = ["tok_embeddings.weight"] if self.first else []
-        return kinds + (["norm.weight", "output.weight"] if self.last else [])
+    def root_kinds(self, kinds: Collection[str]) -> list[str]:
+        """The parameters outside the blocks this stage holds, of those the model has (`kinds`: a tied model
+        has no output.weight of its own)."""
+        held = (FIRST_STAGE_KINDS if self.first else ()) + (LAST_STAGE_KINDS if self.last else ())
+        return [k for k in held if k in kinds]
 
 
-def rank_parts(args: LlamaArgs, layout: Layout, pp_rank: int) -> list[StagePart]:
+def rank_parts(args: Any, layout: Layout, pp_rank: int) -> list[StagePart]:
     """The stages pipeline rank `pp_rank` runs (looped: pp_rank, pp_rank + pp, ...), cut as the trainer cuts them."""
     n_stages = layout.pp * layout.stages_per_rank
     if layout.pp == 1:
         return [StagePart(0, tuple(range(args.n_layers)), True, True)]
-    layers = split_layers(args.n_layers, n_stages)
+    layers = spec_of(args).split_layers(args.n_layers, n_stages)
     ids = [pp_rank + i * layout.pp for i in range(layout.stages_per_rank)]
     return [StagePart(i, tuple(layers[i]), i == 0, i == n_stages - 1) for i in ids]
 
 
-def rank_parameter_names(args: LlamaArgs, layout: Layout, pp_rank: int) -> list[str]:
+def rank_parameter_names(args: Any, layout: Layout, pp_rank: int) -> list[str]:
     """Names of the parameters a pipeline rank holds (layer names stay global: 'layers.41.attention.wq.weight')."""
     names = []
+    kinds = parameter_kinds(args)
+    block = block_kinds(args)
     for part in rank_parts(args, layout, pp_rank):
-        names += [f"layers.{i}.{kind}" for i in part.layers for kind in BLOCK_KINDS]
-        names += part.root_kinds()
+        names += [f"layers.{i}.{kind}" for i in part.layers for kind in block]
+        names += part.root_kinds(kinds)
     return names
 
 
@@ -296,10 +297,11 @@ def coordinates_rank(layout: Layout, coords: dict[str, int]) -> int:
     return rank
 
 
-def local_shape(kind: str, shape: tuple[int, ...], layout: Layout, coords: dict[str, int]) -> tuple[int, ...]:
-    """The shape of a parameter's local shard on a rank: tensor-parallel cut first, then FSDP's dim-0 chunk of it."""
+def local_shape(shape: tuple[int, ...], tp_dim: int | None, layout: Layout, coords: dict[str, int]
+                ) -> tuple[int, ...]:
+    """The shape of a parameter's local shard on a rank: tensor-parallel cut first (along tp_dim, None = none),
+    then FSDP's dim-0 chunk of it."""
     local = list(shape)
-    tp_dim = SHARD_DIM[kind]
     if layout.tp > 1 and tp_dim is not None:
         local[tp_dim] = chunk_size(local[tp_dim], layout.tp, coords["tp"])
     if layout.shards_parameters:
@@ -314,21 +316,25 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def local_parameter_numels(args: LlamaArgs, layout: Layout, rank: int) -> dict[str, int]:
+def _local_numels(args: Any, layout: Layout, coords: dict[str, int]) -> dict[str, int]:
+    """Elements of one local shard of each kind of parameter at `coords`."""
+    return {kind: _numel(local_shape(shape, dim, layout, coords))
+            for kind, (shape, dim) in spec_of(args).parameter_kinds(args).items()}
+
+
+def local_parameter_numels(args: Any, layout: Layout, rank: int) -> dict[str, int]:
     """Elements of every parameter shard that `rank` holds, by name."""
     coords = rank_coordinates(layout, rank)
-    kinds = parameter_kinds(args)
-    per_kind = {kind: _numel(local_shape(kind, shape, layout, coords)) for kind, shape in kinds.items()}
+    per_kind = _local_numels(args, layout, coords)
     return {name: per_kind[parameter_kind(name)] for name in rank_parameter_names(args, layout, coords["pp"])}
 
 
-def local_numel(args: LlamaArgs, layout: Layout, rank: int) -> int:
+def local_numel(args: Any, layout: Layout, rank: int) -> int:
     """Total elements of the parameter shards on `rank` (local_parameter_numels summed, without the names)."""
     coords = rank_coordinates(layout, rank)
-    kinds = parameter_kinds(args)
-    per_kind = {kind: _numel(local_shape(kind, shape, layout, coords)) for kind, shape in kinds.items()}
-    block = sum(per_kind[k] for k in BLOCK_KINDS)
-    return sum(len(p.layers) * block + sum(per_kind[k] for k in p.root_kinds())
+    per_kind = _local_numels(args, layout, coords)
+    block = sum(per_kind[k] for k in block_kinds(args))
+    return sum(len(p.layers) * block + sum(per_kind[k] for k in p.root_kinds(per_kind))
                for p in rank_parts(args, layout, coords["pp"]))
 
 
@@ -542,8 +548,8 @@ def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int,
     tp, c = layout.tp, job.compute_bytes
     parts = rank_parts(job.args, layout, pp_rank)
     n_blocks = sum(len(p.layers) for p in parts)
-    block = sum(_numel(kinds[k]) for k in BLOCK_KINDS) // tp
-    root = sum(_numel(kinds[k]) for p in parts for k in p.root_kinds()) // tp
+    block = sum(_numel(kinds[k]) for k in block_kinds(job.args)) // tp
+    root = sum(_numel(kinds[k]) for p in parts for k in p.root_kinds(kinds)) // tp
     fsdp = autocast = 0
     if layout.fsdp_wrapped and layout.pp > 1:
         # Under pipelining the schedule skips FSDP's resharding and gradient reduction until the last micro-batch:
@@ -559,9 +565,10 @@ def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int,
             fsdp += max(0, n_blocks - 2) * block * c
     elif c < 4:
         # autocast caches one low-precision copy of every matmul weight for backward (not the embedding table).
-        autocast = n_blocks * sum(_numel(kinds[k]) for k in BLOCK_KINDS if len(kinds[k]) == 2) // tp * c
+        autocast = n_blocks * sum(_numel(kinds[k]) for k in block_kinds(job.args) if len(kinds[k]) == 2) // tp * c
         if any(p.last for p in parts) and not layout.loss_chunk:  # the chunked loss rounds it itself, briefly
-            autocast += _numel(kinds["output.weight"]) // tp * c
+            output = kinds.get("output.weight", kinds["tok_embeddings.weight"])  # tied: the embedding's matrix
+            autocast += _numel(output) // tp * c
     # foreach AdamW (the NPU default) materialises sqrt(exp_avg_sq) for every parameter at once; fused kernels
     # (cuda, cpu) need no such buffer.
     optimizer_step = local_param_bytes if device_type == "npu" and optimizer_state_multiplier(job) == 2 else 0

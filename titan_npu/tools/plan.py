@@ -385,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """Entry of `titan-npu plan`."""
-    from titan_npu.config import load_config
+    from titan_npu.config.loader import load_config
 
     args, overrides = build_parser().parse_known_args(argv)
     if not 0 < args.efficiency <= 1:

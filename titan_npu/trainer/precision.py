@@ -7,14 +7,11 @@ from collections.abc import Callable
 
 import torch
 
+from titan_npu.device.dtypes import DTYPES, to_torch_dtype
 from titan_npu.errors import ConfigError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def to_torch_dtype(name: str) -> torch.dtype:
-    """'bf16' -> torch.bfloat16 and so on."""
-    return DTYPES[name]
+__all__ = ["DTYPES", "autocast_context", "build_grad_scaler", "pure_param_dtype", "set_fp32_matmul_precision",
+           "to_torch_dtype"]
 
 
 def pure_param_dtype(dtype_name: str, mixed_precision: bool) -> torch.dtype | None:

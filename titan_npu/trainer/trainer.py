@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from titan_npu.checkpoint.manager import CheckpointManager
-from titan_npu.config import JobConfig, config_to_dict, save_config
+from titan_npu.config import JobConfig
+from titan_npu.config.loader import config_to_dict, save_config
 from titan_npu.data import build_dataloader, build_tokenizer, check_vocab
 from titan_npu.device import (
     empty_cache,
@@ -34,7 +35,7 @@ from titan_npu.metrics import (
 )
 from titan_npu.metrics.logger import import_wandb
 from titan_npu.metrics.report import final_report, run_info, write_run_info
-from titan_npu.models.llama import build_model_args
+from titan_npu.models.registry import build_model_args, spec_of
 from titan_npu.ops import current_kernels
 from titan_npu.ops.cuda import choose_attention_kernel
 from titan_npu.ops.npu import set_rope_fp32
@@ -114,7 +115,8 @@ class Trainer:
         # Model: built on meta (no memory), split into pipeline stages, parallelised, materialised on the device
         # with the seed's weights (the same in every layout). Pure bf16: weights, gradients and optimizer state
         # in bf16.
-        stage_ids, self.model_parts = build_model_parts(cfg, self.dims, self.model_args, self.device.torch_device,
+        stage_ids, self.model_parts = build_model_parts(spec_of(self.model_args), cfg, self.dims, self.model_args,
+                                                        self.device.torch_device,
                                                         self.pure_dtype)
         self.model = self.model_parts[0]
         self.pipeline = None

@@ -1,8 +1,11 @@
-"""Llama 2 / Llama 3: a pre-norm decoder-only transformer with RMSNorm, RoPE, GQA and SwiGLU.
+"""The dense decoder of Llama 2/3, Qwen2 and Qwen3: pre-norm blocks with RMSNorm, RoPE, GQA and SwiGLU.
 
-Module and parameter names are Meta's (tok_embeddings, layers.N.attention.wq, ...), so Meta checkpoints load as-is.
-The model holds no parallel code: tensor/pipeline/data parallelism are applied from outside (parallelize.py,
-pipeline.py). All math goes through titan_npu.ops, which picks a fused kernel per device.
+The families differ only in options of DecoderArgs: biases on the q/k/v projections (Qwen2), an RMSNorm over each
+head of q and k before RoPE and a head size set apart from dim / n_heads (Qwen3), and an output projection tied to
+the embedding (the small models). Module and parameter names are Meta's (tok_embeddings, layers.N.attention.wq, ...),
+so Meta checkpoints load as-is; each family's adapter maps Hugging Face names onto them. The model holds no parallel
+code: tensor/pipeline/data parallelism are applied from outside (parallelize.py, pipeline.py). All math goes through
+titan_npu.ops, which picks a fused kernel per device.
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ from torch.distributed.tensor import DTensor
 
 from titan_npu import ops
 from titan_npu.errors import ConfigError
-from titan_npu.models.init import ParamInit, constant, init_parameters, normal, prefixed, trunc_normal
-from titan_npu.models.llama.args import (
+from titan_npu.models.decoder.args import (
     ROPE_SCALING_HIGH_FREQ_FACTOR,
     ROPE_SCALING_LOW_FREQ_FACTOR,
     ROPE_SCALING_ORIGINAL_CONTEXT,
-    LlamaArgs,
+    DecoderArgs,
 )
+from titan_npu.models.init import ParamInit, constant, init_parameters, normal, prefixed, trunc_normal
+from titan_npu.ops.cross_entropy import chunked_linear_cross_entropy
 
 
 def precompute_rope(
@@ -54,13 +58,14 @@ def scale_rope_frequencies(inv_freq: torch.Tensor, factor: float) -> torch.Tenso
 
 
 class Linear(nn.Linear):
-    """A bias-free nn.Linear whose matmul goes through ops.linear, the device's fastest correct kernel."""
+    """An nn.Linear (bias-free unless asked) whose matmul goes through ops.linear, the device's fastest kernel."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight)
+        out = ops.linear(x, self.weight)
+        return out if self.bias is None else out + self.bias
 
 
 class RMSNorm(nn.Module):
@@ -80,9 +85,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention with rotary position embedding and grouped-query (GQA) key/value heads."""
+    """Causal self-attention with rotary position embedding and grouped-query (GQA) key/value heads; optionally
+    biases on q/k/v (Qwen2) and an RMSNorm over each head of q and k before the rotation (Qwen3)."""
 
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
         # Global head counts; a tensor-parallel plan shards wq/wk/wv by columns, so forward reads the local count
         # from the projection sizes instead of these.
@@ -90,10 +96,25 @@ class Attention(nn.Module):
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
         self.use_flash = args.use_flash_attention
-        self.wq = Linear(args.dim, args.n_heads * self.head_dim)
-        self.wk = Linear(args.dim, args.n_kv_heads * self.head_dim)
-        self.wv = Linear(args.dim, args.n_kv_heads * self.head_dim)
-        self.wo = Linear(args.n_heads * self.head_dim, args.dim)
+        self.wq = Linear(args.dim, args.q_dim, bias=args.qkv_bias)
+        self.wk = Linear(args.dim, args.kv_dim, bias=args.qkv_bias)
+        self.wv = Linear(args.dim, args.kv_dim, bias=args.qkv_bias)
+        self.wo = Linear(args.q_dim, args.dim)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (normalised per head if the model says so, then rotated) and v, each [B, S, heads, head_dim], of
+        x [B, S, dim] at the positions whose cos/sin rows are given ([S, head_dim / 2])."""
+        bs, seqlen, _ = x.shape
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # [B, S, Hq, D]
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # [B, S, Hkv, D]
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
+        xq, xk = ops.apply_rotary_emb(xq, xk, cos, sin)
+        return xq, xk, xv
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, S, dim]; cos/sin: RoPE tables from position 0 with at least S rows (the first S are used)."""
@@ -105,17 +126,19 @@ class Attention(nn.Module):
                 f"sequence length {seqlen} exceeds model.max_seq_len={cos.shape[0]}; "
                 f"raise model.max_seq_len or lower training.seq_len"
             )
-        cos, sin = cos[:seqlen], sin[:seqlen]
-        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # [B, S, Hq, D]
-        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # [B, S, Hkv, D]
-        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        xq, xk = ops.apply_rotary_emb(xq, xk, cos, sin)
+        xq, xk, xv = self.qkv(x, cos[:seqlen], sin[:seqlen])
         out = ops.attention(xq, xk, xv, causal=True, use_flash=self.use_flash)  # [B, S, Hq, D]
         return self.wo(out.reshape(bs, seqlen, -1))
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
-        """q/k/v ~ N(0, 0.02); the output projection, which writes into the residual stream, ~ N(0, init_std)."""
+        """q/k/v ~ N(0, 0.02), their biases 0; the output projection, which writes into the residual stream,
+        ~ N(0, init_std); the per-head norms a unit scale."""
         inits = {f"{name}.weight": trunc_normal(0.02) for name in ("wq", "wk", "wv")}
+        if self.wq.bias is not None:
+            inits.update({f"{name}.bias": constant(0.0) for name in ("wq", "wk", "wv")})
+        if self.q_norm is not None:
+            inits.update({**prefixed("q_norm", self.q_norm.param_inits()),
+                          **prefixed("k_norm", self.k_norm.param_inits())})
         return {**inits, "wo.weight": trunc_normal(init_std)}
 
 
@@ -141,7 +164,7 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """One pre-norm layer: h = x + attention(norm(x)); out = h + feed_forward(norm(h))."""
 
-    def __init__(self, layer_id: int, args: LlamaArgs) -> None:
+    def __init__(self, layer_id: int, args: DecoderArgs) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.attention = Attention(args)
@@ -168,26 +191,38 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Llama: token embedding, n_layers TransformerBlocks, final RMSNorm, untied output projection.
+    """Token embedding, n_layers TransformerBlocks, final RMSNorm, output projection (the embedding's matrix when
+    args.tie_embeddings).
 
     A pipeline stage may delete layers and set tok_embeddings / norm / output to None: a stage without
     tok_embeddings takes hidden states [B, S, dim] as input, one without norm/output returns hidden states.
     """
 
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # Not persistent: recomputed by init_weights, never saved, so checkpoints hold weights only.
-        cos, sin = self._precompute_rope(device=None)
+        cos, sin = self.rope_tables(device=None)
         self.register_buffer("freqs_cos", cos, persistent=False)
         self.register_buffer("freqs_sin", sin, persistent=False)
         # A dict keyed "0".."N-1" rather than a list, so a pipeline stage can delete layers and keep FQNs stable.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = Linear(args.dim, args.vocab_size)
+        self.tie_weights()
 
-    def _precompute_rope(self, device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def tie_weights(self) -> None:
+        """Make the output projection's weight the embedding's own parameter (tied models; a no-op otherwise).
+
+        Called again wherever a parameter object is replaced (allocation after the meta device, tensor
+        parallelism): each module would otherwise get a copy of its own.
+        """
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def rope_tables(self, device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE cos / sin tables of every position up to max_seq_len, in fp32 on `device`."""
         args = self.args
         return precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling_factor, device)
 
@@ -201,7 +236,7 @@ class Transformer(nn.Module):
                 inits.update(prefixed(f"layers.{layer_id}", layer.param_inits()))
         if self.norm is not None:
             inits.update(prefixed("norm", self.norm.param_inits()))
-        if self.output is not None:
+        if self.output is not None and not self.args.tie_embeddings:
             # std dim^-0.5 makes the initial logits ~unit variance whatever the width (torchtitan's choice).
             std = self.args.dim**-0.5
             inits["output.weight"] = trunc_normal(std, low=-3 * std, high=3 * std)
@@ -215,8 +250,9 @@ class Transformer(nn.Module):
         (models/init.py); seed None takes torch's current seed (`torch.manual_seed`). Call after
         `to_empty(device=...)` when the model was built on the meta device.
         """
-        cos, sin = self._precompute_rope(buffer_device or self.freqs_cos.device)
+        cos, sin = self.rope_tables(buffer_device or self.freqs_cos.device)
         self.freqs_cos, self.freqs_sin = cos, sin
+        self.tie_weights()
         init_parameters(self, self.param_inits(), torch.initial_seed() if seed is None else seed)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
@@ -224,7 +260,7 @@ class Transformer(nn.Module):
         """tokens [B, S] (or hidden states [B, S, dim] when tok_embeddings is None) -> logits [B, S, vocab].
 
         With labels [B, S] (and the output projection on this part): the mean cross entropy instead of the logits,
-        projected loss_chunk_tokens tokens at a time (titan_npu/trainer/loss.py), so the logits are never whole.
+        projected loss_chunk_tokens tokens at a time (titan_npu/ops/cross_entropy.py), so the logits are never whole.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # The whole tables: each attention takes the rows of the sequence it sees (and refuses one that is too long).
@@ -235,8 +271,6 @@ class Transformer(nn.Module):
         if self.output is None:
             return h
         if labels is not None:
-            from titan_npu.trainer.loss import chunked_linear_cross_entropy
-
             return chunked_linear_cross_entropy(h, self.output.weight, labels, loss_chunk_tokens)
         return self.output(h)
 

@@ -1,14 +1,18 @@
-"""How a Llama model is parallelised, applied from outside the model: tensor parallel plan, then activation
+"""How a dense decoder is parallelised, applied from outside the model: tensor parallel plan, then activation
 checkpointing, torch.compile per block, and data parallelism (FSDP / HSDP / replicate) last.
 
 Tensor parallel (Megatron-style, with sequence parallelism):
   tok_embeddings  vocab-parallel (row-wise), output sharded on the sequence
   attention_norm / ffn_norm / norm   sequence parallel (each rank normalises its slice of the sequence)
-  attention.wq/wk/wv, feed_forward.w1/w3   column-wise (each rank holds whole heads / a slice of the FFN)
+  attention.wq/wk/wv, feed_forward.w1/w3   column-wise (each rank holds whole heads / a slice of the FFN), their
+                                           biases (Qwen2) cut the same way
+  attention.q_norm/k_norm                  per-head norms (Qwen3): over the local heads, the weight replicated and
+                                           its gradient summed over the tensor-parallel ranks
   attention.wo, feed_forward.w2            row-wise, reduce-scattered back onto the sequence
   output          column-wise over the vocabulary; with loss parallel the logits stay sharded into the loss
-The dim each parameter ends up split along is models/llama/sharding.py's table, which the memory planner and the
-Meta checkpoint reader use; the dry run (tools/dry_run.py) checks the planner's shards against this plan's.
+A tied output projection shares the embedding's parameter; both are cut by vocabulary, so the one DTensor serves
+both. The dim each parameter ends up split along is sharding.py's table, which the memory planner and the Meta
+checkpoint reader use; the dry run (tools/dry_run.py) checks the planner's shards against this plan's.
 """
 
 from __future__ import annotations
@@ -51,17 +55,19 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
     # Pipeline stages have no embedding (all but the first) or no norm/output (all but the last).
     root_plan = {name: style for name, style in root_plan.items() if getattr(model, name, None) is not None}
     parallelize_module(model, tp_mesh, root_plan)
+    model.tie_weights()  # each style replaced its module's parameter with a DTensor of its own
 
     for block in model.layers.values():
         if block is None:
             continue
+        qk_norm = block.attention.q_norm is not None
         plan = {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(
                 input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
             ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
+            "attention.wq": ColwiseParallel(use_local_output=not qk_norm),
+            "attention.wk": ColwiseParallel(use_local_output=not qk_norm),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
@@ -70,10 +76,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
             "feed_forward.w3": ColwiseParallel(),
         }
+        if qk_norm:
+            # q and k stay DTensors (sharded by head) up to their norms, which see the heads as a sharded "sequence"
+            # dim: the weight is replicated and its gradient, partial on each rank, is summed by DTensor.
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2)
         parallelize_module(block, tp_mesh, plan)
 
 
-def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
+def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
     """Apply TP, activation checkpointing, compile and data parallelism, in that order, to a model (or stage)."""
     if dims.tp_enabled:
         apply_tp(model, dims.tp_mesh, loss_parallel=cfg.parallel.loss_parallel)

@@ -1,4 +1,4 @@
-"""Pipeline split of a Llama model: which layers each stage holds, and the stage module itself."""
+"""Pipeline split of a dense decoder: which layers each stage holds, and the stage module itself."""
 
 from __future__ import annotations
 

@@ -1,0 +1,77 @@
+"""ModelSpec: everything the framework needs to know about one model family, in one object.
+
+The trainer, parallel/, checkpoint/, the planner, dry run, generate, bench and export/import reach a family only
+through its spec (models/registry.py looks it up by `model.name`, or by a Hugging Face config's `model_type`), so
+a new family is a folder under models/ and one registry entry. A spec holds functions, not a class hierarchy: a
+family fills it from its own modules, and families that share an architecture share those functions.
+
+The args object a spec builds is the family's own dataclass; the framework reads these fields of it: dim, n_layers,
+n_heads, n_kv_heads, head_dim, vocab_size, max_seq_len, norm_eps, rope_theta, rope_scaling_factor,
+use_flash_attention, tie_embeddings, family, flavor, and the methods num_params(exclude_embedding) and
+num_flops_per_token(seq_len).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from titan_npu.errors import ConfigError
+
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """How the family's weights and config map to and from a Hugging Face model directory."""
+
+    model_types: tuple[str, ...]  # config.json model_type values this family reads ("qwen3")
+    args_from_config: Callable[[dict[str, Any]], Any]  # config.json -> args (refusing what the model cannot be)
+    config: Callable[[Any], dict[str, Any]]  # args -> config.json (tokenizer ids and dtype are the caller's)
+    to_hf: Callable[[StateDict, Any], StateDict]  # our state dict -> HF names and layouts
+    from_hf: Callable[..., StateDict]  # (HF state dict, args, tie_word_embeddings=) -> ours
+    hf_name: Callable[[str], str]  # one of our parameter names -> its HF name
+    from_hf_layout: Callable[[str, torch.Tensor, Any], torch.Tensor]  # (our name, HF tensor, args) -> our layout
+    # The dims of our tensor whose HF counterpart is a permutation within whole blocks of this many entries: a
+    # slice of ours is read from HF as the slice rounded out to whole blocks, then permuted and cut (q/k heads).
+    permuted_block: Callable[[str, Any], int] = lambda name, args: 1
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family (a `model.name`): its shapes, its model, how it is parallelised, split and converted."""
+
+    name: str  # model.name, e.g. "qwen3"
+    description: str  # one line for listings ("Qwen3 dense (0.6B-32B)")
+    flavors: Mapping[str, Mapping[str, Any]]  # flavor -> the args fields it sets
+    # The spellings of model.name that mean this family (full match, case-insensitive); group "size" picks a flavor.
+    name_pattern: re.Pattern
+    build_args: Callable[[Any, str], Any]  # (ModelConfig, canonical flavor) -> args
+    build_model: Callable[[Any], nn.Module]  # args -> the whole model (built under torch.device("meta") by callers)
+    parallelize: Callable[[nn.Module, Any, Any], nn.Module]  # (model or stage, ParallelDims, JobConfig) -> model
+    split_layers: Callable[[int, int], list[list[int]]]  # (n_layers, n_stages) -> layer ids per pipeline stage
+    build_stage: Callable[[nn.Module, list[int], bool, bool], nn.Module]  # (model, layers, first, last) -> stage
+    # args -> {parameter kind: (full shape, tensor-parallel dim or None)}; a block parameter's kind is its name
+    # inside the block ("attention.wq.weight"), a root one's its own name; the planner sizes every shard from it.
+    parameter_kinds: Callable[[Any], dict[str, tuple[tuple[int, ...], int | None]]]
+    hf: HFAdapter | None = None
+    # args as a checkpoint's info stores them (dataclasses.asdict) -> args
+    args_from_dict: Callable[[dict[str, Any]], Any] = dict
+    # Meta's consolidated.*.pth reader: (params.json, model-parallel shard state dicts in order) -> (ours, args).
+    read_meta: Callable[[dict[str, Any], list[StateDict]], tuple[StateDict, Any]] | None = None
+    # (dim, n_layers) of published sizes: a bare family name with these dims in the config means that flavor.
+    published_sizes: Mapping[tuple[int, int], str] = field(default_factory=dict)
+    # A flavor named by a version in model.name ("llama3.1_8b" -> "3.1-8B"): (version, size) -> flavor.
+    versioned_flavor: Callable[[str | None, str | None], str | None] = lambda version, size: size
+
+    def canonical_flavor(self, flavor: str) -> str:
+        """The flavor's own spelling ('8b' -> '8B'), or a ConfigError naming the valid ones."""
+        for known in self.flavors:
+            if known.lower() == flavor.strip().lower():
+                return known
+        raise ConfigError(f"model.flavor='{flavor}' is not a {self.name} flavor (valid: {', '.join(self.flavors)})")
