@@ -182,3 +182,17 @@ def test_from_meta_merges_model_parallel_shards(family, embedding_dim):
 def test_merging_meta_shards_needs_args():
     with pytest.raises(CheckpointError, match="needs the model args"):
         from_meta(_split_like_meta(_state_dict(), 2, 0))
+
+
+def test_llama_3_1_and_3_2_configs_import_as_their_flavors():
+    base = dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, intermediate_size=8192, vocab_size=128256, rope_theta=500000.0,
+                rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=True,
+                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192})
+    args = args_from_hf_config(base)  # Llama 3.2 1B's config.json
+    assert (args.family, args.flavor, args.tie_embeddings, args.rope_scaling_factor) == ("llama3", "1B", True, 32.0)
+    llama31_8b = dict(base, hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, tie_word_embeddings=False,
+                      rope_scaling=dict(base["rope_scaling"], factor=8.0))
+    assert args_from_hf_config(llama31_8b).flavor == "3.1-8B"
+    assert args_from_hf_config(dict(llama31_8b, rope_scaling=None)).flavor == "8B"

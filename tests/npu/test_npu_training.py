@@ -154,3 +154,23 @@ def test_use_flash_attention_false_keeps_the_eager_attention_and_fuses_the_rest(
     assert fake_torch_npu.calls["npu_rms_norm"] == 5 and fake_torch_npu.calls["npu_swiglu"] == 2
     set_kernels("reference")
     torch.testing.assert_close(eager_fused, model(tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_qwen3_q_k_norms_and_qwen2_biases_run_on_the_npu_kernels(fake_torch_npu):
+    from titan_npu.models.decoder.args import DecoderArgs
+
+    torch.manual_seed(0)
+    common = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48, max_seq_len=16)
+    tokens = torch.randint(0, 64, (2, 16))
+    for args, norms in ((DecoderArgs(**common, head_dim=16, qk_norm=True, tie_embeddings=True), 9),
+                        (DecoderArgs(**common, qkv_bias=True), 5)):
+        model = Transformer(args)
+        model.init_weights()
+        set_kernels("npu")
+        fake_torch_npu.calls.clear()
+        fused = model(tokens)
+        # 2 norms per block + the final one, and Qwen3's q/k norms (2 per block) on npu_rms_norm too.
+        assert fake_torch_npu.calls["npu_rms_norm"] == norms
+        assert fake_torch_npu.calls["npu_fusion_attention"] == 2
+        set_kernels("reference")
+        torch.testing.assert_close(fused, model(tokens), atol=1e-5, rtol=1e-5)

@@ -138,7 +138,7 @@ CASES = [
     Case("invalid-toml", ["--config", "{d}/c.toml"], "ConfigError", r"c.toml: invalid TOML: .*line 2",
          _write("c.toml", "[training]\nbatch_size = = 2\n")),
     Case("unknown-model", ["--model.name", "gpt5"], "ConfigError", r"model.name = 'gpt5' is not a known model \(use"),
-    Case("unknown-flavor", ["--model.flavor", "3B"], "ConfigError", r"model.flavor='3B' is not a llama3 flavor"),
+    Case("unknown-flavor", ["--model.flavor", "13B"], "ConfigError", r"model.flavor='13B' is not a llama3 flavor"),
     Case("kv-heads", ["--model.n_kv_heads", "3"], "ConfigError", r"n_kv_heads = 3 must divide model.n_heads = 4"),
     Case("seq-len-over-max", ["--training.seq_len", "128"], "ConfigError",
          r"training.seq_len=128 exceeds model.max_seq_len=64; lower training.seq_len or raise"),

@@ -65,8 +65,10 @@ def export_main(argv: list[str]) -> int:
 def _import_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="titan-npu import",
-        description="Convert Hugging Face Llama weights, Meta consolidated.*.pth or a step-N checkpoint into one "
-                    "full .pt state dict under this project's names (for checkpoint.initial_load).",
+        description="Convert Hugging Face weights (Llama, Qwen2 / Qwen2.5, Qwen3: the family is config.json's "
+                    "model_type), Meta consolidated.*.pth or a step-N checkpoint into one full .pt state dict under "
+                    "this project's names (for checkpoint.initial_load, which also takes the Hugging Face directory "
+                    "itself).",
         epilog="example: titan-npu import --input Meta-Llama-3-8B-hf --output llama3_8b.pt --dtype bf16",
     )
     p.add_argument("--input", required=True, help="Hugging Face dir, Meta dir / consolidated.00.pth, or step-N dir")
@@ -83,11 +85,13 @@ def model_section(args) -> str:
     lines = ["[model]", f'name = "{args.family}"']
     if args.flavor != "custom":
         lines.append(f'flavor = "{args.flavor}"')
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps", "rope_theta",
-                "max_seq_len"):
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim", "norm_eps",
+                "rope_theta", "max_seq_len"):
         lines.append(f"{key} = {getattr(args, key)}")
     if args.rope_scaling_factor:
         lines.append(f"rope_scaling_factor = {args.rope_scaling_factor}")
+    for key in ("qkv_bias", "qk_norm", "tie_embeddings"):
+        lines.append(f"{key} = {str(bool(getattr(args, key, False))).lower()}")
     return "\n".join(lines)
 
 
