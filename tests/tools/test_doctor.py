@@ -15,6 +15,7 @@ import pytest
 from titan_npu.config.loader import load_config
 from titan_npu.parallel.process_group import free_port
 from titan_npu.tools import doctor
+from titan_npu.tools.doctor.environment import _interface_matches
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,10 +118,10 @@ def test_npu_driver_version_is_read_from_version_info(tmp_path):
 
 def test_interface_specs_follow_nccl_syntax():
     names = ["lo", "eth0", "eth1", "docker0", "ib0"]
-    assert doctor._interface_matches("eth", names) == ["eth0", "eth1"]
-    assert doctor._interface_matches("=eth0", names) == ["eth0"]
-    assert doctor._interface_matches("^docker,lo", names) == ["eth0", "eth1", "ib0"]
-    assert doctor._interface_matches("bond", names) == []
+    assert _interface_matches("eth", names) == ["eth0", "eth1"]
+    assert _interface_matches("=eth0", names) == ["eth0"]
+    assert _interface_matches("^docker,lo", names) == ["eth0", "eth1", "ib0"]
+    assert _interface_matches("bond", names) == []
 
 
 def test_environment_settings_that_bite_are_named(monkeypatch):
