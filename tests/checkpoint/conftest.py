@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from titan_npu import ops
+from titan_npu.checkpoint import storage
 from titan_npu.checkpoint.manager import CheckpointManager
 from titan_npu.config.schema import JobConfig
 from titan_npu.models.llama import LlamaArgs, Transformer
@@ -51,6 +52,14 @@ def logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 def tokens_for(args: LlamaArgs, seed: int = 0, seq_len: int = 24) -> torch.Tensor:
     return torch.randint(0, args.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seed))
 
+
+def fake_checkpoint(root: Path, step: int) -> Path:
+    """A directory that counts as the complete checkpoint step-`step` (empty DCP metadata, minimal info)."""
+    path = root / storage.checkpoint_name(step)
+    path.mkdir(parents=True)
+    (path / storage.DCP_METADATA).write_bytes(b"")
+    (path / storage.INFO_FILE).write_text(f'{{"format": "{storage.FORMAT_NAME}", "step": {step}}}')
+    return path
 
 def job_config(tmp_path: Path, **checkpoint) -> JobConfig:
     cfg = JobConfig()

@@ -70,6 +70,14 @@ def test_one_file_of_a_sharded_checkpoint_is_refused_with_the_directory_to_use(t
         load_initial_weights(Transformer(ARGS), shard, ARGS)
 
 
+def test_a_step_checkpoint_without_its_manager_is_refused_naming_the_way_to_load_it(tmp_path):
+    manager, *_ = model_manager(job_config(tmp_path), random_model(ARGS, seed=4), ARGS)
+    manager.save(1)
+    step1 = tmp_path / "ckpt" / "step-1"
+    with pytest.raises(CheckpointError) as err:
+        load_initial_weights(Transformer(ARGS), step1, ARGS)
+    assert str(err.value) == f"{step1} is a step-N checkpoint; load it through CheckpointManager"
+
 def test_pickled_objects_in_a_pt_are_refused(tmp_path):
     torch.save({"tok_embeddings.weight": torch.zeros(2), "extra": torch.nn.Linear(2, 2)}, tmp_path / "code.pt")
     with pytest.raises(CheckpointError, match=r"not a tensor file torch.load\(weights_only=True\) accepts"):

@@ -11,18 +11,12 @@ from titan_npu.checkpoint import storage
 from titan_npu.checkpoint.dcp_io import SafeFileSystemReader, read_metadata
 from titan_npu.errors import CheckpointError
 
-
-def _fake_complete(root, step: int):
-    path = root / storage.checkpoint_name(step)
-    path.mkdir(parents=True)
-    (path / storage.DCP_METADATA).write_bytes(b"")
-    (path / storage.INFO_FILE).write_text(f'{{"format": "{storage.FORMAT_NAME}", "step": {step}}}')
-    return path
+from .conftest import fake_checkpoint
 
 
 def test_only_directories_with_metadata_and_info_are_checkpoints(tmp_path):
-    _fake_complete(tmp_path, 10)
-    _fake_complete(tmp_path, 2)
+    fake_checkpoint(tmp_path, 10)
+    fake_checkpoint(tmp_path, 2)
     (tmp_path / "step-30.tmp").mkdir()
     half = tmp_path / "step-40"
     half.mkdir()
@@ -45,14 +39,14 @@ def test_publish_renames_the_temporary_directory_and_writes_the_info_last(tmp_pa
 
 def test_rotate_keeps_the_newest_n(tmp_path):
     for step in (100, 200, 300, 400):
-        _fake_complete(tmp_path, step)
+        fake_checkpoint(tmp_path, step)
     assert storage.rotate(tmp_path, 2) == [100, 200]
     assert [ref.step for ref in storage.list_checkpoints(tmp_path)] == [300, 400]
     assert not any(p.name.endswith(storage.DELETING_SUFFIX) for p in tmp_path.iterdir())
 
 
 def test_clean_unfinished_removes_interrupted_saves_and_deletions_only(tmp_path):
-    _fake_complete(tmp_path, 1)
+    fake_checkpoint(tmp_path, 1)
     (tmp_path / "step-2.tmp").mkdir()
     (tmp_path / ".step-0.deleting").mkdir()
     (tmp_path / "mine.tmp").mkdir()
@@ -61,8 +55,8 @@ def test_clean_unfinished_removes_interrupted_saves_and_deletions_only(tmp_path)
 
 
 def test_resolving_a_missing_step_lists_the_available_ones(tmp_path):
-    _fake_complete(tmp_path, 100)
-    _fake_complete(tmp_path, 200)
+    fake_checkpoint(tmp_path, 100)
+    fake_checkpoint(tmp_path, 200)
     with pytest.raises(CheckpointError, match=r"step 150 in .* does not exist; complete steps there: 100, 200"):
         storage.resolve_checkpoint("150", tmp_path)
 
@@ -79,7 +73,7 @@ def test_a_directory_that_is_not_a_checkpoint_says_so(tmp_path):
     (tmp_path / "weights").mkdir()
     with pytest.raises(CheckpointError, match=r"is not a checkpoint; expected a step-N directory"):
         storage.check_checkpoint_dir(tmp_path / "weights")
-    _fake_complete(tmp_path / "run", 3)
+    fake_checkpoint(tmp_path / "run", 3)
     with pytest.raises(CheckpointError, match=r"is not a checkpoint; it holds checkpoints: pass one of them"):
         storage.check_checkpoint_dir(tmp_path / "run")
     (tmp_path / "model.pt").write_bytes(b"")

@@ -71,7 +71,7 @@ def load_initial_weights(
     kind = detect_format(path)
     if kind == "dcp":
         if manager is None:
-            raise CheckpointError(f"{path} is a step-N checkpoint; load it through the CheckpointManager")
+            raise CheckpointError(f"{path} is a step-N checkpoint; load it through CheckpointManager")
         manager.load_checkpoint(path, sections=("model",) if model_only else ("model", "optimizer"))
         return
     if not model_only:

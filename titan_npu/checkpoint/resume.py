@@ -1,0 +1,180 @@
+"""Resuming a run: which checkpoint to continue from, whether it fits the run, and restoring the run from it.
+
+Rank 0 chooses the checkpoint (checkpoint.resume: auto, never, a step or a path) and every rank follows its choice.
+Before DCP reads anything, the checkpoint's entries are compared with what the model and optimizer expect, so that
+a misfit is one line naming the cause rather than a DCP stack trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from titan_npu.checkpoint import storage
+from titan_npu.checkpoint.dcp_io import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    checkpoint_entries,
+    expected_entries,
+    read_metadata,
+)
+from titan_npu.checkpoint.fit import describe_mismatch
+from titan_npu.checkpoint.group import CheckpointGroup
+from titan_npu.checkpoint.initial_load import full_model_shapes
+from titan_npu.checkpoint.rank_state import pick_source_rank, read_rank_state, restore_rng
+from titan_npu.checkpoint.state import RunState
+from titan_npu.config.loader import config_to_dict, read_config_file
+from titan_npu.config.schema import CheckpointConfig, JobConfig
+from titan_npu.errors import CheckpointError
+
+log = logging.getLogger("titan_npu")
+
+# Config sections whose change makes a resumed run differ from an uninterrupted one (the layout may change freely).
+_RESUME_SENSITIVE = ("model", "training", "optimizer", "lr_scheduler", "data")
+_RESUME_NEUTRAL = ("num_workers",)
+
+
+def choose_resume_target(cfg: CheckpointConfig) -> tuple[str | None, int | None]:
+    """Rank 0's decision: the checkpoint to resume from (None: start fresh); raises on a conflict.
+
+    Also returns, with checkpoint.overwrite, the step above which the previous run's checkpoints are replaced by
+    this run's (None: nothing is replaced).
+    """
+    root = Path(cfg.dir)
+    resume = str(cfg.resume).strip()
+    existing = storage.list_checkpoints(root)
+    storage.clean_unfinished(root)
+    if resume == "never":
+        if existing and not cfg.overwrite:
+            raise CheckpointError(
+                f"checkpoint.dir={root} already holds checkpoints (latest step {existing[-1].step}) and "
+                "checkpoint.resume=never; set checkpoint.resume=auto to continue that run, "
+                "checkpoint.overwrite=true to replace it, or choose another checkpoint.dir"
+            )
+        return None, -1 if existing else None
+    if resume == "auto":
+        return (str(existing[-1].path) if existing else None), None
+    ref = storage.resolve_checkpoint(resume, root)
+    later = [c.step for c in existing if c.step > ref.step]
+    if later and not cfg.overwrite:
+        raise CheckpointError(
+            f"checkpoint.resume={resume} picks step {ref.step} but {root} holds later checkpoints "
+            f"(steps {', '.join(map(str, later))}) that this run would overwrite; set "
+            "checkpoint.overwrite=true to replace them, or checkpoint.dir to a new directory"
+        )
+    return str(ref.path), ref.step if later else None
+
+
+def load_checkpoint(path: str | Path, job: JobConfig, run: RunState, group: CheckpointGroup, *, model_args: Any,
+                    layout: str, sections: tuple[str, ...] | None = None) -> None:
+    """Restore the run from one checkpoint directory (collective).
+
+    sections=None restores everything, train_state.step and tokens_seen included (resume); ("model",) or
+    ("model", "optimizer") start a new run from it.
+    """
+    path = Path(path)
+    storage.check_checkpoint_dir(path)
+    info = storage.read_info(path)
+    t0 = time.perf_counter()
+    state = run.state_dict(for_load=True, sections=sections)
+    _check_fits(path, state, run, model_args, job.optimizer.name, group.rank)
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
+             process_group=group.pg, no_dist=not group.distributed)
+    run.set_state(state)
+    if sections is None:
+        _restore_rank_state(path, info, run, group.rank)
+        run.train_state.step = int(state["train_state"]["step"])
+        run.train_state.tokens_seen = int(state["train_state"]["tokens_seen"])
+    if group.rank == 0:
+        if sections is None:
+            _warn_config_changes(job, path)
+        what = f"step {info['step']}" if sections is None else f"{' and '.join(sections)} of step {info['step']}"
+        saved_layout = info.get("layout") or ""
+        changed = f" (saved under {saved_layout})" if saved_layout and saved_layout != layout else ""
+        log.info("checkpoint: loaded %s from %s in %.1fs%s", what, path, time.perf_counter() - t0, changed)
+
+
+def _warn_config_changes(job: JobConfig, path: Path) -> None:
+    """A resumed run follows its new config; say which settings that change the run differ from the saved."""
+    try:
+        saved = read_config_file(path / storage.CONFIG_FILE)
+    except Exception:  # an unreadable or absent copy only loses this warning
+        return
+    now = config_to_dict(job)
+    changed = [f"{section}.{key}: {saved[section].get(key)!r} -> {value!r}"
+               for section in _RESUME_SENSITIVE if isinstance(saved.get(section), dict)
+               for key, value in now.get(section, {}).items()
+               if key in saved[section] and saved[section][key] != value and key not in _RESUME_NEUTRAL]
+    if changed:
+        log.warning("checkpoint: resuming with a changed config (the run is no longer an exact continuation): %s",
+                    "; ".join(changed))
+
+
+def _check_fits(path: Path, state: dict[str, Any], run: RunState, model_args: Any, optimizer_name: str,
+                rank: int) -> None:
+    """Compare what the run expects with what the checkpoint holds, before DCP reads anything.
+
+    Extra states the checkpoint lacks are dropped from `state` (they keep their fresh values).
+    """
+    found = checkpoint_entries(read_metadata(path))
+    expected = expected_entries(state)
+
+    def section(prefix: str, table: dict) -> dict[str, tuple]:
+        return {k[len(prefix):]: (v[1] if v[0] == "tensor" else ()) for k, v in table.items()
+                if k.startswith(prefix)}
+
+    # The whole model, not this rank's pipeline stage: a checkpoint holds every stage.
+    model_expected = _full_model_shapes(model_args) or section("model.", expected)
+    problem = describe_mismatch(model_expected, section("model.", found))
+    if problem:
+        raise CheckpointError(f"checkpoint {path} does not fit the model: {problem}")
+    if "optimizer" in state:
+        exp_opt = {k: v for k, v in section("optimizer.", expected).items() if k.startswith("state.")}
+        got_opt = {k: v for k, v in section("optimizer.", found).items() if k.startswith("state.")}
+        # Entries of other stages' parameters are not this rank's concern.
+        stage_params = {k.rsplit(".", 1)[0] for k in exp_opt}
+        got_opt = {k: v for k, v in got_opt.items() if k.rsplit(".", 1)[0] in stage_params}
+        problem = describe_mismatch(exp_opt, got_opt)
+        if problem:
+            raise CheckpointError(
+                f"optimizer state in {path} does not fit this optimizer ({optimizer_name}): "
+                f"{problem.split(' -- ')[0]} -- likely optimizer.name changed since the save; keep it, or start "
+                f"from the weights alone with checkpoint.initial_load={path} and checkpoint.resume=never"
+            )
+    for key in ("lr_scheduler", "train_state"):
+        if key in state and not any(k.startswith(f"{key}.") for k in found):
+            raise CheckpointError(f"checkpoint {path} has no '{key}' state; it was not written by the trainer, "
+                                  f"start from its weights with checkpoint.initial_load={path}")
+    for key in run.extra:
+        # State added to the trainer after the checkpoint was written starts fresh instead of refusing it.
+        if key in state and not any(k.startswith(f"{key}.") for k in found):
+            state.pop(key)
+            if rank == 0:
+                log.warning("checkpoint: %s holds no '%s' state; it starts fresh", path, key)
+
+
+def _full_model_shapes(model_args: Any) -> dict[str, tuple[int, ...]] | None:
+    if model_args is None:
+        return None
+    return {k: tuple(v) for k, v in full_model_shapes(model_args).items()}
+
+
+def _restore_rank_state(path: Path, info: dict[str, Any], run: RunState, rank: int) -> None:
+    saved = info.get("ranks") or [{"dp_rank": 0, "dp_degree": 1}]
+    source = pick_source_rank(saved, rank, run.dp_rank, run.dp_degree)
+    state = read_rank_state(path, source)
+    if run.dataloader is not None and state.get("dataloader") is not None:
+        reshard = saved[source]["dp_degree"] != run.dp_degree
+        if reshard and rank == 0:
+            log.warning("checkpoint: data-parallel size changed %d -> %d; the data continues at the same global "
+                        "position with the new split", saved[source]["dp_degree"], run.dp_degree)
+        if reshard:
+            run.dataloader.load_state_dict(state["dataloader"], allow_reshard=True)
+        else:
+            run.dataloader.load_state_dict(state["dataloader"])
+    if state.get("rng") is not None:
+        restore_rng(state["rng"], run.device_type)
