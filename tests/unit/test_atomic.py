@@ -169,3 +169,13 @@ def test_replace_dir_parks_the_old_folder_under_the_given_name_until_the_new_one
     atomic.replace_dir(tmp_path / "new", tmp_path / "cur", tmp_path / ".cur.deleting")
     assert seen == [["cur", "new"], [".cur.deleting", "new"]]
     assert names(tmp_path) == ["cur"] and names(tmp_path / "cur") == ["new.bin"]
+
+
+def test_the_helper_imports_only_the_standard_library():
+    import subprocess
+
+    code = ("import sys; before = set(sys.modules); import titan_npu.atomic; new = set(sys.modules) - before; "
+            "print(sorted(m for m in new if m.split('.')[0] not in sys.stdlib_module_names))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).stdout
+    assert out.strip() == "['titan_npu', 'titan_npu.atomic']"  # any module may use it: no cycle, nothing heavy
