@@ -48,7 +48,7 @@ def _mode(target: Path, created: int) -> int:
         return created
 
 
-def fsync_path(path: str | os.PathLike[str]) -> None:
+def _fsync(path: str | os.PathLike[str]) -> None:
     """Flush a file's or a folder's contents to disk (a folder: its entries); skipped where the platform refuses."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -71,13 +71,13 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     try:
         created = tmp.stat().st_mode & 0o777
         yield tmp
-        fsync_path(tmp)
+        _fsync(tmp)
         os.chmod(tmp, _mode(target, created))  # also when the writer replaced the temporary with a private file
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_path(target.parent)
+    _fsync(target.parent)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -98,11 +98,12 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, indent: int | None
 
 
 def _fsync_tree(root: Path) -> None:
-    for folder, _, files in os.walk(root):
-        for name in files:
-            if not os.path.islink(os.path.join(folder, name)):
-                fsync_path(os.path.join(folder, name))
-        fsync_path(folder)
+    for folder, _, names in os.walk(root):
+        for name in names:
+            file = os.path.join(folder, name)
+            if os.path.isfile(file) and not os.path.islink(file):  # a fifo would block the open
+                _fsync(file)
+        _fsync(folder)
 
 
 def replace_dir(source: Path, target: Path, aside: Path) -> None:
@@ -110,7 +111,7 @@ def replace_dir(source: Path, target: Path, aside: Path) -> None:
     deleted once the new folder holds its name, or put back if that rename fails: `target` is never half of either."""
     if not os.path.lexists(target):
         os.replace(source, target)
-        fsync_path(target.parent)
+        _fsync(target.parent)
         return
     os.replace(target, aside)
     try:
@@ -118,7 +119,7 @@ def replace_dir(source: Path, target: Path, aside: Path) -> None:
     except BaseException:
         os.replace(aside, target)
         raise
-    fsync_path(target.parent)
+    _fsync(target.parent)
     shutil.rmtree(aside, ignore_errors=True)
 
 
