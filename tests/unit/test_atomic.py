@@ -109,6 +109,20 @@ def test_the_file_is_flushed_before_the_rename_and_the_folder_after(tmp_path, mo
     assert events == [("fsync", str(tmp)), ("replace", str(target)), ("fsync", str(tmp_path))]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="names fsync'd descriptors through /proc")
+def test_a_folders_files_are_flushed_before_it_takes_the_name(tmp_path, monkeypatch):
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), replace(a, b)))
+    with atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "w.bin").write_bytes(b"w")
+    assert events == [("fsync", str(tmp)), ("fsync", str(tmp / "sub" / "w.bin")), ("fsync", str(tmp / "sub")),
+                      ("replace", str(tmp_path / "out")), ("fsync", str(tmp_path))]
+
+
 def test_writing_onto_a_folder_fails_and_leaves_it_and_no_temporary(tmp_path):
     (tmp_path / "d").mkdir()
     with pytest.raises(IsADirectoryError):
