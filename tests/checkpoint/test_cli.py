@@ -216,6 +216,23 @@ def test_export_overwrite_replaces_an_earlier_export_but_not_files_added_to_it(r
     assert snapshot(tmp_path) == before
 
 
+def test_an_export_that_fails_to_take_an_earlier_exports_name_leaves_the_earlier_one(run_copy, tmp_path, monkeypatch):
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(run_copy), "--format", "hf", "--output", str(out)]) == 0
+    before = snapshot(tmp_path)
+    replace = os.replace
+
+    def fail_the_move_into_place(src, dst):
+        if str(dst) == str(out) and str(src).endswith(".tmp"):
+            raise OSError(28, "No space left on device")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", fail_the_move_into_place)
+    with pytest.raises(OSError, match="No space left"):
+        main(["export", "--checkpoint", str(run_copy), "--format", "hf", "--output", str(out), "--overwrite"])
+    assert snapshot(tmp_path) == before
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o002])
 def test_exports_and_imports_honour_the_umask(run_copy, tmp_path, umask):
     old = os.umask(umask)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
@@ -35,6 +36,36 @@ def test_publish_renames_the_temporary_directory_and_writes_the_info_last(tmp_pa
     assert not tmp.exists()
     assert storage.read_info(tmp_path / "step-5")["step"] == 5
     assert storage.latest_checkpoint(tmp_path).step == 5
+
+
+def test_publishing_over_a_checkpoint_replaces_it_and_leaves_nothing_else(tmp_path):
+    _fake_complete(tmp_path, 5)
+    tmp = storage.tmp_path(tmp_path, 5)
+    tmp.mkdir()
+    (tmp / storage.DCP_METADATA).write_bytes(b"new")
+    storage.publish(tmp, tmp_path / "step-5", {"step": 5, "tokens_seen": 7})
+    assert [p.name for p in tmp_path.iterdir()] == ["step-5"]
+    assert storage.read_info(tmp_path / "step-5")["tokens_seen"] == 7
+
+
+def test_a_publish_that_fails_over_a_checkpoint_keeps_the_old_one_under_its_name(tmp_path, monkeypatch):
+    _fake_complete(tmp_path, 5)
+    tmp = storage.tmp_path(tmp_path, 5)
+    tmp.mkdir()
+    (tmp / storage.DCP_METADATA).write_bytes(b"new")
+    replace = os.replace
+
+    def fail_the_move_into_place(src, dst):
+        if str(src) == str(tmp):
+            raise OSError(5, "Input/output error")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", fail_the_move_into_place)
+    with pytest.raises(OSError, match="Input/output error"):
+        storage.publish(tmp, tmp_path / "step-5", {"step": 5})
+    assert storage.latest_checkpoint(tmp_path).step == 5
+    assert (tmp_path / "step-5" / storage.DCP_METADATA).read_bytes() == b""  # the old one, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-5", "step-5.tmp"]
 
 
 def test_rotate_keeps_the_newest_n(tmp_path):

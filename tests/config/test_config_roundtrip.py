@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -91,10 +92,23 @@ def test_failed_yaml_save_leaves_no_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_saved_file_is_readable_by_others_like_any_written_file(tmp_path):
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_saved_file_gets_the_umask_mode_like_any_written_file(tmp_path, umask):
     path = tmp_path / "c.toml"
+    old = os.umask(umask)
+    try:
+        save_config(JobConfig(), path)
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_saving_over_a_config_keeps_its_mode(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("")
+    path.chmod(0o600)
     save_config(JobConfig(), path)
-    assert path.stat().st_mode & 0o777 == 0o644
+    assert path.stat().st_mode & 0o777 == 0o600
 
 
 def test_unwritable_destination_is_a_config_error(tmp_path):

@@ -195,6 +195,19 @@ def test_a_refused_tokens_jsonl_leaves_no_index_cache_beside_it(tmp_path, small_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens.jsonl"]
 
 
+def test_an_index_cache_write_that_fails_midway_leaves_no_file_beside_the_data(tmp_path, small_cfg, monkeypatch):
+    path = write_jsonl(tmp_path / "tokens.jsonl", [{"tokens": [1, 2, 3]}] * 20)
+
+    def savez_then_fail(file, **arrays):
+        file.write(b"PK\x03\x04")
+        raise MemoryError
+
+    monkeypatch.setattr(np, "savez", savez_then_fail)
+    with pytest.raises(MemoryError):
+        build_dataloader(small_cfg(str(path), seq_len=4), BYTE, 0, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens.jsonl"]
+
+
 def test_malformed_tokens_jsonl_names_file_and_line(tmp_path, small_cfg):
     path = tmp_path / "tokens.jsonl"
     path.write_text('{"tokens": [1, 2, 3], "length": 3}\n{"tokens": [1, 2], "length": 5}\n')

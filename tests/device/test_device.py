@@ -116,3 +116,14 @@ def test_cpu_peak_remembers_the_best_reading_so_a_loaded_start_does_not_inflate_
     assert flops.cpu_peak_flops(torch.float32) == 8e10
     monkeypatch.setattr(flops, "measure_matmul_flops", lambda dtype: 2e10)
     assert flops.cpu_peak_flops(torch.bfloat16) == 2e10  # each dtype has its own entry
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu_peak_flops.json"]
+
+
+def test_a_cpu_peak_cache_that_cannot_be_replaced_leaves_no_temporary(monkeypatch, tmp_path):
+    from titan_npu.device import flops
+
+    monkeypatch.setenv("TITAN_CACHE_DIR", str(tmp_path))
+    (tmp_path / "cpu_peak_flops.json").mkdir()  # in the way of the rename, as an unwritable cache would be
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda dtype: 5e10)
+    assert flops.cpu_peak_flops(torch.float32) == 5e10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu_peak_flops.json"]

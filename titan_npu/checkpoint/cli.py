@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import tempfile
 from pathlib import Path
 
+from titan_npu.atomic import atomic_path
 from titan_npu.errors import CheckpointError
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?", re.IGNORECASE)
@@ -106,7 +105,7 @@ def import_main(argv: list[str]) -> int:
     args = _import_parser().parse_args(argv)
     import torch
 
-    from titan_npu.checkpoint.export import DTYPES, current_umask, refuse_overlap
+    from titan_npu.checkpoint.export import DTYPES, refuse_overlap
     from titan_npu.checkpoint.formats import read_weights
 
     output = Path(args.output)
@@ -117,17 +116,8 @@ def import_main(argv: list[str]) -> int:
         raise CheckpointError(f"--output {output} is a directory; give a file name such as model.pt")
     weights = read_weights(args.input, None if args.dtype == "keep" else DTYPES[args.dtype])
     output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({k: _own_storage(v) for k, v in weights.state_dict.items()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600: give the file the user's usual mode
-        os.replace(tmp, output)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(output) as tmp:
+        torch.save({k: _own_storage(v) for k, v in weights.state_dict.items()}, tmp)
     n_params = sum(v.numel() for v in weights.state_dict.values())
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in weights.state_dict.values()})
     print(f"imported {weights.format} weights from {args.input}: {len(weights.state_dict)} tensors, "

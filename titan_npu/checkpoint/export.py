@@ -13,13 +13,13 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from titan_npu.atomic import atomic_dir, atomic_path
 from titan_npu.checkpoint import storage
 from titan_npu.checkpoint.dcp_io import load_tensors, read_metadata, tensor_entries
 from titan_npu.data.tokenizer import BYTE_TOKENIZER_NAMES
@@ -246,17 +246,8 @@ def _export_pt(source: Path, metadata, keys: list[str], output: Path, dtype: tor
     state: dict[str, torch.Tensor] = {}
     for group in _groups(keys):
         state.update(_load_group(source, metadata, group, dtype))
-    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600: give the file the user's usual mode
-        os.replace(tmp, output)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(output) as tmp:
+        torch.save(state, tmp)
     return output
 
 
@@ -282,9 +273,9 @@ def _export_hf(source: Path, metadata, model: dict, output: Path, dtype: torch.d
         raise CheckpointError(f"{args.family} has no Hugging Face format; export it with --format pt")
     sizes = {k: _nbytes(tuple(meta.size), dtype) for k, meta in model.items()}
     shards = plan_shards(sizes, max_shard_bytes)
-    tmp = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp"))
-    try:
-        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700: the team must be able to read the export
+    # An existing output is an earlier export holding only its own files (check_output): it keeps its name until the
+    # new one is complete.
+    with atomic_dir(output) as tmp:
         names = (["model.safetensors"] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
         weight_map: dict[str, str] = {}
@@ -303,15 +294,4 @@ def _export_hf(source: Path, metadata, model: dict, output: Path, dtype: torch.d
         for name in files:  # safetensors and mkstemp-style writers make 0600: the team must be able to read them
             os.chmod(tmp / name, 0o666 & ~current_umask())
         (tmp / EXPORT_MARKER).write_text(json.dumps({**marker, "files": files}, indent=2))  # opened with the umask
-        if output.exists():
-            # check_output saw only an earlier export's files here: the old export goes, the new takes its name.
-            old = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.", suffix=".old"))
-            os.replace(output, old)
-            os.replace(tmp, output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return [output / name for name in files]

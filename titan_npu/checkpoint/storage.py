@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from titan_npu.atomic import atomic_write_json, replace_dir
 from titan_npu.errors import CheckpointError
 
 PREFIX = "step-"
@@ -136,22 +137,17 @@ def read_info(path: str | Path) -> dict[str, Any]:
 
 def publish(tmp: Path, final: Path, info: dict[str, Any]) -> None:
     """Write checkpoint.json into `tmp`, flush it to disk and rename `tmp` to `final` (rank 0, after all ranks)."""
-    info_path = tmp / INFO_FILE
-    with open(info_path, "w") as f:
-        json.dump({"format": FORMAT_NAME, "version": FORMAT_VERSION, **info}, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    if final.exists():
-        # Only reachable with checkpoint.overwrite or a repeated save of the same step: replace it atomically enough
-        # that a crash leaves either the old or the new one under the final name, never a half-deleted directory.
-        remove_checkpoint(final)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    atomic_write_json(tmp / INFO_FILE, {"format": FORMAT_NAME, "version": FORMAT_VERSION, **info}, indent=2)
+    # An existing `final` (checkpoint.overwrite, or a repeated save of the same step) keeps its name until the new one
+    # takes it, parked meanwhile as .step-N.deleting, which clean_unfinished removes after a crash.
+    doomed = _doomed(final)
+    shutil.rmtree(doomed, ignore_errors=True)  # left by an interrupted deletion
+    replace_dir(tmp, final, doomed)
 
 
 def remove_checkpoint(path: Path) -> None:
     """Delete a checkpoint directory: rename it out of sight first, then remove the files."""
-    doomed = path.parent / f".{path.name}{DELETING_SUFFIX}"
+    doomed = _doomed(path)
     if doomed.exists():
         shutil.rmtree(doomed, ignore_errors=True)
     os.replace(path, doomed)
@@ -185,15 +181,6 @@ def clean_unfinished(root: str | Path) -> list[Path]:
     return removed
 
 
-def _fsync_dir(path: Path) -> None:
-    # The rename is durable only once the directory entry is flushed; not every platform allows opening a dir.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def _doomed(path: Path) -> Path:
+    """Where a checkpoint directory waits, out of sight, to be deleted."""
+    return path.parent / f".{path.name}{DELETING_SUFFIX}"

@@ -9,13 +9,13 @@ import dataclasses
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from titan_npu.atomic import atomic_write_bytes
 from titan_npu.config.aliases import canonicalize
 from titan_npu.config.coerce import FLAG, coerce, field_types, section_types
 from titan_npu.config.schema import JobConfig
@@ -72,27 +72,10 @@ def save_config(cfg: JobConfig, path: str | os.PathLike[str]) -> None:
     except UnicodeEncodeError as e:
         raise ConfigError(f"cannot write {target}: a value holds text that is not valid Unicode ({e.reason})") from None
     try:
-        _write_atomic(target, payload)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(target, payload)
     except OSError as e:
         raise ConfigError(f"cannot write {target}: {e.strerror or e} (choose a writable path)") from None
-
-
-def _write_atomic(target: Path, payload: bytes) -> None:
-    """Write to a temporary file in the same directory, then rename it over the target."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # mkstemp makes the file private (0600); a saved config is for people to read, like any file they write.
-    mode = target.stat().st_mode & 0o777 if target.exists() else 0o644
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -6,11 +6,11 @@ Every dataset is a list of documents whose tokens already end with EOS, so packi
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
+from titan_npu.atomic import atomic_path
 from titan_npu.data.sources import (
     PREPARED_FORMAT,
     BadRecords,
@@ -194,14 +194,12 @@ def _jsonl_index(path: Path) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, 
 
 
 def _save_jsonl_index(cache: Path, key: np.ndarray, result: tuple) -> None:
-    tmp = cache.with_name(cache.name + f".{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as out:
+        with atomic_path(cache) as tmp, open(tmp, "wb") as out:
             np.savez(out, key=key, offsets=result[0], lengths=result[1], last=result[2], max_id=np.int64(result[3]),
                      max_line=np.int64(result[4]))
-        os.replace(tmp, cache)
     except OSError:
-        tmp.unlink(missing_ok=True)  # a read-only data folder only costs a rebuild next time
+        pass  # a read-only data folder only costs a rebuild next time
 
 
 def _parse_tokens_line(line: bytes, where: str) -> list[int]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from titan_npu.atomic import atomic_path, atomic_write_json
 from titan_npu.data.datasets import INDEX_FILE, INDEX_FORMAT, PROGRESS_FILE, TOKENS_JSONL, read_index
 from titan_npu.data.progress import Progress
 from titan_npu.data.sources import BadRecords, DocumentReader, discover_inputs
@@ -82,15 +83,6 @@ def _run_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return _WORKER(texts)
 
 
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _describe_sources(paths: list[Path]) -> list[dict]:
     out = []
     for p in paths:
@@ -139,9 +131,8 @@ class _ShardWriter:
         os.fsync(self._file.fileno())
         self._file.close()
         self._file = None
-        with open(self.folder / f"{name}.docs.npy.tmp", "wb") as f:
+        with atomic_path(self.folder / f"{name}.docs.npy") as tmp, open(tmp, "wb") as f:
             np.save(f, np.array(self._ends, dtype=np.int64))
-        os.replace(self.folder / f"{name}.docs.npy.tmp", self.folder / f"{name}.docs.npy")
         os.replace(self.folder / f"{name}.bin.tmp", self.folder / f"{name}.bin")
         self.shards.append({"file": f"{name}.bin", "docs": f"{name}.docs.npy", "num_tokens": self._tokens,
                             "num_docs": len(self._ends), "max_token_id": self._max_id})
@@ -276,7 +267,7 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
     skip_docs = sum(s["num_docs"] for s in shards)
 
     def save_progress() -> None:
-        _write_json_atomic(output / PROGRESS_FILE, {"settings": settings, "sources": sources, "shards": shards})
+        atomic_write_json(output / PROGRESS_FILE, {"settings": settings, "sources": sources, "shards": shards})
 
     save_progress()
     writer = _ShardWriter(output, dtype, shard_size, shards, save_progress) if fmt == "bin" else _JsonlWriter(output)
@@ -318,7 +309,7 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
         index["shards"] = shards
     else:
         index["file"] = TOKENS_JSONL
-    _write_json_atomic(output / INDEX_FILE, index)
+    atomic_write_json(output / INDEX_FILE, index)
     (output / PROGRESS_FILE).unlink()
     return PrepareResult(output, False, num_docs, num_tokens, len(shards), bad.count, bad.examples,
                          resumed_docs=skip_docs, seconds=progress.elapsed(), input_bytes=input_bytes)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from titan_npu.atomic import atomic_path
 from titan_npu.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
@@ -38,10 +39,9 @@ def write_builtin_corpus(path: Path | None = None) -> Path:
                 docs.append("\n".join(paragraph))
                 paragraph = []
     path = path or builtin_corpus_path()
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as gz:
+    with atomic_path(path) as tmp, open(tmp, "wb") as raw, \
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as gz:
         gz.write(("\n\n".join(docs) + "\n").encode("utf-8"))
-    tmp.replace(path)
     return path
 
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
+from titan_npu.atomic import atomic_path, atomic_write_json
 from titan_npu.data.sources import BadRecords, discover_inputs, iter_documents
 from titan_npu.data.tokenizer import _require
 from titan_npu.errors import DataError
@@ -46,10 +45,7 @@ def train_bpe(inputs: list[str], vocab_size: int, output: str | Path, text_field
     config = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "tokenizer_class": "PreTrainedTokenizerFast",
               "model_max_length": 1 << 20}
     # Config first: a folder whose tokenizer.json exists is complete.
-    tmp = output / "tokenizer_config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, output / "tokenizer_config.json")
-    tmp = output / "tokenizer.json.tmp"
-    tok.save(str(tmp))
-    os.replace(tmp, output / "tokenizer.json")
+    atomic_write_json(output / "tokenizer_config.json", config)
+    with atomic_path(output / "tokenizer.json") as tmp:
+        tok.save(str(tmp))
     return output / "tokenizer.json"

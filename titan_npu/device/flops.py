@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from titan_npu.atomic import atomic_write_json
 from titan_npu.device.detect import DeviceInfo
 
 TFLOPS = 1e12
@@ -183,9 +184,7 @@ def cpu_peak_flops(dtype: torch.dtype = torch.float32) -> float:
         cache[key] = best
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=1))
-            os.replace(tmp, path)
+            atomic_write_json(path, cache)  # ranks sharing a home each write through their own temporary
         except OSError:
             pass  # a read-only home only loses the memory of the best reading
     return best

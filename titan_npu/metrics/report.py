@@ -12,13 +12,12 @@ import logging
 import math
 import os
 import statistics
-import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from titan_npu.atomic import atomic_path, atomic_write_json, atomic_write_text
 from titan_npu.errors import DataError, TitanError
 
 log = logging.getLogger("titan_npu")
@@ -29,27 +28,12 @@ REPORT_HEADING = "# Run report: "  # report.md's first line: how a report this m
 
 
 # ----------------------------------------------------------------------------------------------------------- files
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Write through a temporary file in the same directory and rename it: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a report is as readable as any file the user writes
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_run_info(log_dir: str | os.PathLike, info: dict[str, Any]) -> Path:
     """Save what the report needs to know about the run that metrics.jsonl does not say (model, layout, device)."""
     path = Path(log_dir) / RUN_INFO
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = dict(info, written_at=time.strftime("%Y-%m-%d %H:%M:%S"))
-    _atomic_write(path, lambda p: p.write_text(json.dumps(payload, indent=2, default=str) + "\n"))
+    atomic_write_json(path, payload, indent=2, default=str)
     return path
 
 
@@ -394,7 +378,8 @@ def plot_report(run: RunMetrics, out_png: Path, title: str = "") -> Path:
     fig = build_figure(run, title)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     try:
-        _atomic_write(out_png, lambda p: fig.savefig(p, format="png"))
+        with atomic_path(out_png) as tmp:
+            fig.savefig(tmp, format="png")
     finally:
         plt.close(fig)
     return out_png
@@ -441,7 +426,7 @@ def write_report(log_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
         png_name = "report.png"
     md = render_markdown(log_dir, run, config, info, png_name)
     md_path = out / "report.md"
-    _atomic_write(md_path, lambda p: p.write_text(md, encoding="utf-8"))
+    atomic_write_text(md_path, md)
     written.append(md_path)
     return written
 
