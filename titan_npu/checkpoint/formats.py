@@ -90,7 +90,8 @@ def read_hf_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def _hf_files(path: Path) -> list[Path]:
+def hf_files(path: Path) -> list[Path]:
+    """The weight files of a Hugging Face directory (its index's, else every *.safetensors, else the .bin)."""
     for index_name in (HF_INDEX, HF_BIN_INDEX):
         index = path / index_name
         if index.is_file():
@@ -111,7 +112,7 @@ def _hf_files(path: Path) -> list[Path]:
 def read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a Hugging Face model directory, under Hugging Face names."""
     tensors: dict[str, torch.Tensor] = {}
-    for file in _hf_files(path):
+    for file in hf_files(path):
         if file.suffix == ".safetensors":
             from safetensors.torch import load_file
 
@@ -124,12 +125,17 @@ def read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _read_hf(path: Path) -> tuple[dict[str, torch.Tensor], Any]:
+def hf_model(path: Path) -> tuple[Any, Any, bool]:
+    """(family spec, args, tie_word_embeddings) of a Hugging Face directory, from its config.json."""
     config = read_hf_config(path)
     spec = spec_for_hf_config(config)
-    args = spec.hf.args_from_config(config)
+    return spec, spec.hf.args_from_config(config), bool(config.get("tie_word_embeddings", False))
+
+
+def _read_hf(path: Path) -> tuple[dict[str, torch.Tensor], Any]:
+    spec, args, tied = hf_model(path)
     hf = read_hf_tensors(path)
-    return spec.hf.from_hf(hf, args, tie_word_embeddings=bool(config.get("tie_word_embeddings", False))), args
+    return spec.hf.from_hf(hf, args, tie_word_embeddings=tied), args
 
 
 # ---------------------------------------------------------------- Meta

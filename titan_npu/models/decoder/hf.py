@@ -113,12 +113,15 @@ def to_hf_layout(key: str, tensor: torch.Tensor, args: DecoderArgs) -> torch.Ten
 
 
 def from_hf_layout(key: str, tensor: torch.Tensor, args: DecoderArgs) -> torch.Tensor:
-    """A Hugging Face tensor, stored under our name `key`, in our row order."""
-    return _permute(key, tensor, args, to_hf=False)
+    """A Hugging Face tensor stored under our name `key`, or a run of whole heads of its rows (any of its
+    columns: a shard read on its own), in our row order."""
+    return _permute(key, tensor, args, to_hf=False, whole_heads=True)
 
 
-def _permute(key: str, tensor: torch.Tensor, args: DecoderArgs, to_hf: bool, label: str = "") -> torch.Tensor:
-    """`key`'s tensor in the other layout; `label` names it in errors (its name in the source, default `key`)."""
+def _permute(key: str, tensor: torch.Tensor, args: DecoderArgs, to_hf: bool, label: str = "",
+             whole_heads: bool = False) -> torch.Tensor:
+    """`key`'s tensor in the other layout; `label` names it in errors (its name in the source, default `key`);
+    whole_heads accepts any run of whole heads of the rows (and of the columns) instead of the full tensor."""
     match = OUR_LAYER_KEY.fullmatch(key)
     which = _ROPE_PERMUTED.get(match.group(2)) if match is not None else None
     if which is None:
@@ -126,9 +129,15 @@ def _permute(key: str, tensor: torch.Tensor, args: DecoderArgs, to_hf: bool, lab
     heads = {"q": args.n_heads, "kv": args.n_kv_heads, "norm": 1}[which]
     is_projection = match.group(2) in ("attention.wq.weight", "attention.wk.weight")
     expected = (heads * args.head_dim, args.dim) if is_projection else (heads * args.head_dim,)
-    if tuple(tensor.shape) != expected:
+    shape = tuple(tensor.shape)
+    fits = shape == expected
+    if whole_heads and len(shape) == len(expected) and shape[0] % args.head_dim == 0:
+        fits = all(n <= limit for n, limit in zip(shape, expected))
+        heads = shape[0] // args.head_dim
+    if not fits:
         raise CheckpointError(
-            f"'{label or key}' has shape {tuple(tensor.shape)} but the model expects {expected}; "
+            f"'{label or key}' has shape {shape} but the model expects {expected}"
+            f"{' (or whole heads of its rows)' if whole_heads else ''}; "
             f"the checkpoint's config does not match the model config"
         )
     half = args.head_dim // 2
