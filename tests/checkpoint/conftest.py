@@ -61,6 +61,7 @@ def fake_checkpoint(root: Path, step: int) -> Path:
     (path / storage.INFO_FILE).write_text(f'{{"format": "{storage.FORMAT_NAME}", "step": {step}}}')
     return path
 
+
 def job_config(tmp_path: Path, **checkpoint) -> JobConfig:
     cfg = JobConfig()
     cfg.checkpoint.dir = str(tmp_path / "ckpt")

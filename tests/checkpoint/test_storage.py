@@ -39,7 +39,7 @@ def test_publish_renames_the_temporary_directory_and_writes_the_info_last(tmp_pa
 
 
 def test_publishing_over_a_checkpoint_replaces_it_and_leaves_nothing_else(tmp_path):
-    _fake_complete(tmp_path, 5)
+    fake_checkpoint(tmp_path, 5)
     tmp = storage.tmp_path(tmp_path, 5)
     tmp.mkdir()
     (tmp / storage.DCP_METADATA).write_bytes(b"new")
@@ -49,7 +49,7 @@ def test_publishing_over_a_checkpoint_replaces_it_and_leaves_nothing_else(tmp_pa
 
 
 def test_a_publish_that_fails_over_a_checkpoint_keeps_the_old_one_under_its_name(tmp_path, monkeypatch):
-    _fake_complete(tmp_path, 5)
+    fake_checkpoint(tmp_path, 5)
     tmp = storage.tmp_path(tmp_path, 5)
     tmp.mkdir()
     (tmp / storage.DCP_METADATA).write_bytes(b"new")
