@@ -1,0 +1,72 @@
+"""Ring attention over 2 and 4 gloo ranks, each holding its load-balanced chunks, equals single-process SDPA on the
+whole sequence: the output and dq, dk, dv within fp32 tolerance, with grouped-query heads and with equal heads."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titan_npu.parallel.context_parallel import load_balanced_positions, shard_sequence
+
+from .harness import run_pool
+
+pytestmark = pytest.mark.distributed
+
+TOL = dict(rtol=1e-5, atol=2e-6)
+SEQ = 48  # 2 * cp chunks of 12 (cp = 2) or 6 (cp = 4)
+
+
+def _inputs(n_heads: int, n_kv_heads: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, SEQ, n_heads, 16, generator=g)
+    k, v = (torch.randn(2, SEQ, n_kv_heads, 16, generator=g) for _ in range(2))
+    return q, k, v, torch.randn(2, SEQ, n_heads, 16, generator=g)
+
+
+def _reference(q, k, v, dout):
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _check_ring(n_heads: int, n_kv_heads: int) -> None:
+    import torch.distributed as dist
+
+    from titan_npu.parallel.ring_attention import ring_attention
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout = _inputs(n_heads, n_kv_heads)
+    want = [shard_sequence(t, rank, cp) for t in _reference(q, k, v, dout)]
+    local = [shard_sequence(t, rank, cp).requires_grad_(True) for t in (q, k, v)]
+    out = ring_attention(*local, dist.group.WORLD)
+    out.backward(shard_sequence(dout, rank, cp))
+    for name, got, expected in zip(("out", "dq", "dk", "dv"), (out.detach(), *(t.grad for t in local)), want):
+        torch.testing.assert_close(got, expected, **TOL, msg=lambda m, n=name: f"cp={cp} rank {rank} {n}: {m}")
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_matches_sdpa_on_the_whole_sequence(cp):
+    # Grouped-query (8 query heads over 2 key/value heads) and plain multi-head attention, in one pool.
+    run_pool(cp, [partial(_check_ring, 8, 2), partial(_check_ring, 4, 4)])
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_load_balanced_chunks_cover_the_sequence_once_with_equal_causal_work(cp):
+    held = [load_balanced_positions(SEQ, r, cp) for r in range(cp)]
+    assert torch.equal(torch.cat(held).sort().values, torch.arange(SEQ))
+    # Causal work of a query at position p: p + 1 keys. Every rank does the same amount.
+    assert len({int((positions + 1).sum()) for positions in held}) == 1
+    x = torch.arange(SEQ)[None, :, None]
+    assert all(torch.equal(shard_sequence(x, r, cp)[0, :, 0], held[r]) for r in range(cp))
+
+
+def test_a_sequence_that_does_not_split_into_2cp_chunks_is_refused():
+    with pytest.raises(ValueError, match="2 \\* cp = 4"):
+        load_balanced_positions(10, 0, 2)

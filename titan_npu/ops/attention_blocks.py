@@ -1,0 +1,105 @@
+"""Attention of one block of queries against one block of keys/values, with the log-sum-exp that merges blocks.
+
+Blockwise attention (the ring of context parallelism, parallel/ring_attention.py) computes softmax(q k^T) v one
+key/value block at a time and merges the partial results with their log-sum-exp; its backward runs each block
+again against the merged output and log-sum-exp (the flash-attention backward: P = exp(q k^T * scale - lse),
+dS = P * (dP - rowsum(dout * out))). These two functions are that block kernel, in the [B, H, S, D] layout:
+
+  block_attention(q, k, v, causal)                        -> (out, lse [B, H, Sq] fp32)
+  block_attention_backward(dout, q, k, v, out, lse, causal) -> (dq, dk, dv)
+
+k/v may have fewer heads than q (grouped-query attention): query head h reads key/value head h // (Hq / Hkv), and
+dk/dv come back with Hkv heads. On cpu they run torch's flash kernel for cpu (which returns its log-sum-exp and
+takes it back in its backward); elsewhere plain math with the same contract. An NPU kernel (npu_fusion_attention,
+which returns the softmax max and sum) plugs in here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _expand_heads(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, Hkv, S, D] -> [B, Hkv * n_rep, S, D], each key/value head repeated for its n_rep query heads."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def _fold_heads(grad: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """The gradient of _expand_heads: [B, Hkv * n_rep, S, D] summed back to [B, Hkv, S, D]."""
+    return grad if n_rep == 1 else grad.unflatten(1, (-1, n_rep)).sum(2)
+
+
+def _causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
+    """True where a query may not see a key: top-left aligned, as SDPA's is_causal."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)
+
+
+def math_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_attention in plain torch: scores and softmax in fp32, out in q's dtype."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = _expand_heads(k, n_rep), _expand_heads(v, n_rep)
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if causal:
+        scores.masked_fill_(_causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
+    return out.to(q.dtype), lse
+
+
+def math_block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  out: torch.Tensor, lse: torch.Tensor, causal: bool
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """block_attention_backward in plain torch, in fp32."""
+    n_rep = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5
+    q32, k32, v32 = q.float(), _expand_heads(k, n_rep).float(), _expand_heads(v, n_rep).float()
+    dout32 = dout.float()
+    scores = torch.matmul(q32, k32.transpose(-2, -1)) * scale
+    if causal:
+        scores.masked_fill_(_causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    probs = torch.exp(scores - lse[..., None])  # the block's share of the merged softmax
+    dv = torch.matmul(probs.transpose(-2, -1), dout32)
+    delta = (dout32 * out.float()).sum(-1, keepdim=True)  # rowsum(dout * out) of the merged output
+    dscores = probs * (torch.matmul(dout32, v32.transpose(-2, -1)) - delta) * scale
+    dq = torch.matmul(dscores, k32)
+    dk = torch.matmul(dscores.transpose(-2, -1), q32)
+    return dq.to(q.dtype), _fold_heads(dk, n_rep).to(k.dtype), _fold_heads(dv, n_rep).to(v.dtype)
+
+
+def cpu_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_attention on torch's flash kernel for cpu."""
+    n_rep = q.shape[1] // k.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, _expand_heads(k, n_rep), _expand_heads(v, n_rep), 0.0, causal)
+    return out, lse.float()
+
+
+def cpu_block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 out: torch.Tensor, lse: torch.Tensor, causal: bool
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """block_attention_backward on torch's flash kernel for cpu."""
+    n_rep = q.shape[1] // k.shape[1]
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q, _expand_heads(k, n_rep), _expand_heads(v, n_rep), out.to(q.dtype).contiguous(),
+        lse.contiguous(), 0.0, causal)
+    return dq, _fold_heads(dk, n_rep), _fold_heads(dv, n_rep)
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T / sqrt(D) [+ causal mask]) v of q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D], and its log-sum-exp
+    [B, Hq, Sq] (fp32) per query row."""
+    if q.device.type == "cpu":
+        return cpu_block_attention(q, k, v, causal)
+    return math_block_attention(q, k, v, causal)
+
+
+def block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, causal: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one block, given the merged output and log-sum-exp of every block q attended to."""
+    if q.device.type == "cpu":
+        return cpu_block_attention_backward(dout, q, k, v, out, lse, causal)
+    return math_block_attention_backward(dout, q, k, v, out, lse, causal)

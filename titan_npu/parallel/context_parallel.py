@@ -1,0 +1,75 @@
+"""Context parallelism: each sequence split over the cp ranks, with causal load balancing.
+
+The sequence is cut into 2 * cp chunks and rank r holds chunks r and 2 * cp - 1 - r: under the causal mask an early
+chunk attends to little and a late one to much, so each rank gets one of each and the same work. Every cp rank
+reads the same window from the loader (the cp ranks share a data-parallel coordinate) and keeps its chunks of the
+inputs and labels (ContextParallelBatch); the model's attention takes the chunks' true positions for RoPE and runs
+ring attention over the cp group (RingContext, which the model's parallelize step installs in each attention).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from titan_npu.ops.cross_entropy import IGNORE_INDEX
+from titan_npu.parallel.ring_attention import ring_attention
+
+
+def load_balanced_positions(seq_len: int, rank: int, cp: int, device: torch.device | str | None = None
+                            ) -> torch.Tensor:
+    """The positions of a seq_len sequence that cp rank `rank` holds: chunks rank and 2 * cp - 1 - rank of 2 * cp."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} does not split into 2 * cp = {2 * cp} equal chunks")
+    chunk = seq_len // (2 * cp)
+    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat((torch.arange(first, first + chunk, device=device),
+                      torch.arange(second, second + chunk, device=device)))
+
+
+def shard_sequence(x: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
+    """This rank's load-balanced chunks of x [B, S, ...] along the sequence (dim 1)."""
+    chunks = x.chunk(2 * cp, dim=1)
+    return torch.cat((chunks[rank], chunks[2 * cp - 1 - rank]), dim=1)
+
+
+class RingContext:
+    """What an attention layer needs under context parallelism: the positions of its local chunks and ring
+    attention over the cp group."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self._positions: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """The true positions (rows of the RoPE tables) of this rank's local_len positions."""
+        key = (local_len, device)
+        if key not in self._positions:
+            self._positions[key] = load_balanced_positions(local_len * self.size, self.rank, self.size, device)
+        return self._positions[key]
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the local q [B, S_local, Hq, D] against the whole sequence's keys/values."""
+        return ring_attention(q, k, v, self.group)
+
+
+class ContextParallelBatch:
+    """This cp rank's share of each batch, and the weight that makes its loss its share of the window's."""
+
+    def __init__(self, rank: int, cp: int) -> None:
+        self.rank, self.cp = rank, cp
+
+    def split(self, inputs: torch.Tensor, labels: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(local inputs, local labels, loss weight) of a batch [B, S] every cp rank holds whole.
+
+        The model's loss is the mean over the local tokens; times the weight local_count * cp / window_count it
+        becomes cp x (local sum / window count), and the data-parallel average of the gradients over the cp ranks
+        turns that into the mean over every token of the window. With no ignored labels the weight is exactly 1.
+        """
+        local = shard_sequence(labels, self.rank, self.cp)
+        window_count = (labels != IGNORE_INDEX).sum()
+        local_count = (local != IGNORE_INDEX).sum()
+        weight = (local_count * self.cp).float() / window_count.clamp(min=1).float()
+        return shard_sequence(inputs, self.rank, self.cp), local, weight

@@ -1,0 +1,128 @@
+"""Causal ring attention over the context-parallel ranks, on the load-balanced split of the sequence.
+
+Each of the cp ranks holds two of the sequence's 2 * cp chunks, r and 2 * cp - 1 - r (context_parallel.py), for
+its queries, keys and values. The keys/values travel around the ring (rank r sends to r + 1, receives from r - 1)
+with batched send/recv while the current block is computed; at ring step i rank r holds those of rank
+src = r - i (mod cp), and causality decides what its queries see of them:
+  i = 0        its own chunks: causal attention over the local sequence (both chunks are in position order);
+  src < r      chunk src precedes both query chunks, chunk 2 * cp - 1 - src follows both: all queries, first half;
+  src > r      both key chunks precede query chunk 2 * cp - 1 - r and follow chunk r: second half, all keys.
+So every rank computes the same amount. Partial outputs merge by their log-sum-exp (in fp32).
+
+Backward is a custom autograd Function, not autograd through the communication: the keys/values go around the
+ring again, each rank computes the blocks' gradients against the merged output and log-sum-exp, dq stays local
+and dk/dv travel with the keys/values, arriving back at their owner after the last step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from titan_npu.ops.attention_blocks import block_attention, block_attention_backward
+
+
+def _ring_exchange(t: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int
+                   ) -> tuple[list, torch.Tensor]:
+    """Start sending t to the next rank and receiving the previous rank's into a new tensor: (works, received)."""
+    received = torch.empty_like(t)
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(rank + 1) % size),
+           dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % size)]
+    return dist.batch_isend_irecv(ops), received
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold a block's (out, lse) into the running fp32 (out, lse), in place."""
+    merged = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - merged)[..., None]).add_(block_out.float() * torch.exp(block_lse - merged)[..., None])
+    lse.copy_(merged)
+
+
+def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merged (out fp32 [B, H, S, D], lse [B, H, S]) of the local queries against every rank's keys/values."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    half = q.shape[2] // 2
+    kv = torch.stack((k, v))
+    out = lse = None
+    for i in range(size):
+        works, next_kv = _ring_exchange(kv, group, rank, size) if i + 1 < size else ([], None)
+        src = (rank - i) % size
+        if i == 0:
+            block_out, lse = block_attention(q, kv[0], kv[1], causal=True)
+            out = block_out.float()
+        elif src < rank:
+            _merge(out, lse, *block_attention(q, kv[0, :, :, :half], kv[1, :, :, :half], causal=False))
+        else:
+            _merge(out[:, :, half:], lse[:, :, half:], *block_attention(q[:, :, half:], kv[0], kv[1], causal=False))
+        _wait(works)
+        kv = next_kv
+    return out, lse
+
+
+def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of the local chunks: dq from every block here, dk/dv summed around the ring."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    half = q.shape[2] // 2
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack((k, v))
+    dkv_works, dkv_in = [], None
+    for i in range(size):
+        works, next_kv = _ring_exchange(kv, group, rank, size) if i + 1 < size else ([], None)
+        src = (rank - i) % size
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # grads of the keys/values held now
+        if i == 0:
+            dq_b, dk_b, dv_b = block_attention_backward(dout, q, kv[0], kv[1], out, lse, causal=True)
+            dq += dq_b
+            dkv[0] += dk_b
+            dkv[1] += dv_b
+        elif src < rank:
+            dq_b, dk_b, dv_b = block_attention_backward(dout, q, kv[0, :, :, :half], kv[1, :, :, :half], out, lse,
+                                                        causal=False)
+            dq += dq_b
+            dkv[0, :, :, :half] += dk_b
+            dkv[1, :, :, :half] += dv_b
+        else:
+            dq_b, dk_b, dv_b = block_attention_backward(dout[:, :, half:], q[:, :, half:], kv[0], kv[1],
+                                                        out[:, :, half:], lse[:, :, half:], causal=False)
+            dq[:, :, half:] += dq_b
+            dkv[0] += dk_b
+            dkv[1] += dv_b
+        _wait(dkv_works)
+        if dkv_in is not None:  # what the ranks before this one added for these keys/values
+            dkv += dkv_in
+        dkv_works, dkv_in = _ring_exchange(dkv, group, rank, size)
+        _wait(works)
+        kv = next_kv
+    _wait(dkv_works)  # the last hop brings each rank the gradients of its own keys/values
+    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out, lse = _ring_forward(q, k, v, group)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*_ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.group), None)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Causal attention of this rank's load-balanced chunks, q [B, S_local, Hq, D] and k/v [B, S_local, Hkv, D]
+    (Hq a multiple of Hkv), against the whole sequence held by the ranks of `group` -> [B, S_local, Hq, D]."""
+    if q.shape[1] % 2:
+        raise ValueError(f"ring attention needs the two chunks of the load-balanced split, got {q.shape[1]} positions")
+    heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
+    return _RingAttention.apply(*heads_first, group).transpose(1, 2)
