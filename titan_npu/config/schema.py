@@ -84,6 +84,8 @@ class ParallelConfig:
     cpu_offload: bool = False
     reshard_after_forward: bool = True
     loss_parallel: bool = True
+    cp_degree: int = 1  # context parallel: ranks each sequence is split over (ring attention, docs/long_context.md)
+    cp_mode: str = "ring"  # ring (ulysses / hybrid: not yet)
 
 
 @dataclass

@@ -19,6 +19,7 @@ DECAY_TYPES = ("cosine", "linear", "constant", "wsd")
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 AC_MODES = ("none", "selective", "full")
 BACKENDS = ("auto", "hccl", "nccl", "gloo")
+CP_MODES = ("ring", "ulysses", "hybrid")  # parallel/layout.py says which of them run yet
 OPTIMIZERS = ("AdamW", "Adam", "SGD")
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 PROGRESS_STYLES = ("auto", "bar", "lines")
@@ -174,8 +175,9 @@ def _check_lr_scheduler(cfg: JobConfig) -> None:
 def _check_parallel(cfg: JobConfig) -> None:
     p = cfg.parallel
     p.backend = _choice("parallel.backend", p.backend, BACKENDS, "backend")
-    for key in ("dp_replicate", "tp_degree", "pp_degree"):
+    for key in ("dp_replicate", "tp_degree", "pp_degree", "cp_degree"):
         _at_least(f"parallel.{key}", getattr(p, key), 1, "1 = this dimension is not split")
+    p.cp_mode = _choice("parallel.cp_mode", p.cp_mode, CP_MODES, "context parallel mode")
     if p.dp_shard != -1 and p.dp_shard < 1:
         raise fail(
             "parallel.dp_shard", f"parallel.dp_shard = {p.dp_shard} must be -1 (all remaining ranks) or >= 1"

@@ -14,6 +14,9 @@ from titan_npu.parallel.process_group import set_collective_timeout
 # Mesh dimension order, outermost first: pipeline stages talk least often, tensor-parallel ranks most, so tp is
 # innermost (adjacent ranks, on one node) and pp outermost (may cross nodes).
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# With context parallelism the cp ranks sit between dp_shard and tp (their ring traffic is heavier than FSDP's,
+# lighter than TP's); FSDP shards parameters over dp_shard x cp flattened ("dp_shard_cp"), as torchtitan does.
+CP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def _divisors(n: int) -> list[int]:
@@ -22,7 +25,8 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass
 class ParallelDims:
-    """Degrees of each parallel dimension; their product is the world size (mesh: pp, dp_replicate, dp_shard, tp)."""
+    """Degrees of each parallel dimension; their product is the world size (mesh: pp, dp_replicate, dp_shard,
+    [cp,] tp)."""
 
     dp_replicate: int
     dp_shard: int
@@ -30,28 +34,32 @@ class ParallelDims:
     pp: int
     world_size: int
     fsdp: bool = True
+    cp: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
         """Resolve dp_shard = -1 to the remaining ranks and check that the product is the world size."""
-        for name in ("dp_replicate", "tp_degree", "pp_degree"):
+        for name in ("dp_replicate", "tp_degree", "pp_degree", "cp_degree"):
             if getattr(cfg, name) < 1:
                 raise LayoutError(f"parallel.{name}={getattr(cfg, name)} must be >= 1")
-        fixed = cfg.dp_replicate * cfg.tp_degree * cfg.pp_degree
+        cp = cfg.cp_degree
+        fixed = cfg.dp_replicate * cfg.tp_degree * cfg.pp_degree * cp
+        cp_term = "*cp_degree" if cp > 1 else ""
+        cp_value = f"*{cp}" if cp > 1 else ""
         dp_shard = cfg.dp_shard
         if dp_shard == -1:
             if world_size % fixed:
                 raise LayoutError(
-                    f"world size {world_size} is not divisible by dp_replicate*tp_degree*pp_degree = "
-                    f"{cfg.dp_replicate}*{cfg.tp_degree}*{cfg.pp_degree} = {fixed}; "
+                    f"world size {world_size} is not divisible by dp_replicate*tp_degree*pp_degree{cp_term} = "
+                    f"{cfg.dp_replicate}*{cfg.tp_degree}*{cfg.pp_degree}{cp_value} = {fixed}; "
                     f"choose degrees whose product divides {world_size} (divisors: {_divisors(world_size)})"
                 )
             dp_shard = world_size // fixed
         if dp_shard < 1:
             raise LayoutError(f"parallel.dp_shard={dp_shard} must be -1 (all remaining ranks) or >= 1")
         product = fixed * dp_shard
-        if product != world_size and world_size == 1 and cfg.tp_degree == cfg.pp_degree == 1:
+        if product != world_size and world_size == 1 and cfg.tp_degree == cfg.pp_degree == cp == 1:
             # A single process asked for data parallelism only: a smoke test of a cluster config. Every rank would
             # run the same per-rank math, so train on one and say how the global batch differs.
             logging.getLogger("titan_npu").warning(
@@ -63,7 +71,8 @@ class ParallelDims:
         if product != world_size:
             raise LayoutError(
                 f"parallel degrees multiply to {product} (dp_replicate={cfg.dp_replicate} x dp_shard={dp_shard} x "
-                f"tp={cfg.tp_degree} x pp={cfg.pp_degree}) but the world size is {world_size}; "
+                f"tp={cfg.tp_degree} x pp={cfg.pp_degree}{f' x cp={cp}' if cp > 1 else ''}) but the world size is "
+                f"{world_size}; "
                 f"set parallel.dp_shard = -1 to use the remaining ranks, or launch {product} processes"
             )
         if not cfg.fsdp and dp_shard > 1 and cfg.dp_replicate > 1:
@@ -71,7 +80,7 @@ class ParallelDims:
                 f"parallel.fsdp=false with dp_shard={dp_shard} and dp_replicate={cfg.dp_replicate} is ambiguous; "
                 "with fsdp=false use dp_replicate only (or dp_shard with dp_replicate=1)"
             )
-        return cls(cfg.dp_replicate, dp_shard, cfg.tp_degree, cfg.pp_degree, world_size, cfg.fsdp)
+        return cls(cfg.dp_replicate, dp_shard, cfg.tp_degree, cfg.pp_degree, world_size, cfg.fsdp, cp)
 
     @property
     def dp(self) -> int:
@@ -80,11 +89,17 @@ class ParallelDims:
 
     @property
     def dp_enabled(self) -> bool:
-        return self.dp > 1
+        """Whether a data-parallel wrapper (FSDP / replicate) holds the model: several data-parallel ranks, or
+        context-parallel ones (which shard the parameters too)."""
+        return self.dp * self.cp > 1
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.fsdp and self.dp_shard > 1
+        return self.fsdp and self.dp_shard * self.cp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -97,7 +112,7 @@ class ParallelDims:
     @property
     def dp_mode(self) -> str:
         """How the data-parallel ranks hold the model: 'fsdp', 'hsdp', 'replicate' (fsdp=false) or 'none'."""
-        if self.dp == 1:
+        if self.dp * self.cp == 1:
             return "none"
         if not self.fsdp:
             return "replicate"
@@ -115,11 +130,18 @@ class ParallelDims:
         """
         if self._mesh is not None:
             return self._mesh
-        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
+        if self.cp_enabled:
+            names, sizes = CP_MESH_DIMS, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        else:
+            names, sizes = MESH_DIMS, (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
         mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        flat = ("dp",)
+        if self.cp_enabled:
+            mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+            flat = ("dp", "dp_shard_cp")
         if collective_timeout_s:
-            for name in (*MESH_DIMS, "dp"):
+            for name in (*names, *flat):
                 set_collective_timeout(mesh[name].get_group(), collective_timeout_s)
         self._mesh = mesh
         return mesh
@@ -132,13 +154,25 @@ class ParallelDims:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        """The mesh FSDP / replicate works on: 2-D (dp_replicate, dp_shard) for HSDP, else 1-D."""
+        """The mesh FSDP / replicate works on: 2-D (dp_replicate, dp_shard) for HSDP, else 1-D; with context
+        parallelism dp_shard x cp flattened takes dp_shard's place."""
         mode = self.dp_mode
+        shard = "dp_shard_cp" if self.cp_enabled else "dp_shard"
         if mode == "hsdp":
-            return self.mesh["dp_replicate", "dp_shard"]
+            return self.mesh["dp_replicate", shard]
         if mode == "replicate":
             return self.mesh["dp"]
-        return self.mesh["dp_shard"]
+        return self.mesh[shard]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh:
+        return self.mesh["cp"]
+
+    def cp_coordinates(self) -> tuple[int, int]:
+        """(cp_rank, cp_degree) of this rank: which chunks of each sequence it holds."""
+        if self.cp == 1:
+            return 0, 1
+        return self.cp_mesh.get_local_rank(), self.cp
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -165,5 +199,5 @@ class ParallelDims:
         """One line for the start-up log."""
         kind = {"fsdp": "FSDP", "hsdp": "HSDP", "replicate": "DP (replicated)", "none": "no DP"}[self.dp_mode]
         return (f"world={self.world_size} pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
-                f"tp={self.tp} ({kind})")
+                f"tp={self.tp}{f' cp={self.cp}' if self.cp > 1 else ''} ({kind})")
 

@@ -49,6 +49,8 @@ def validate_layout(dims: ParallelDims, model_args: Any, cfg: JobConfig) -> None
     model_args: any family's args (models/spec.py names the fields read here).
     """
     _check_data_parallel(dims, cfg)
+    if dims.cp_enabled or cfg.parallel.cp_mode != "ring":
+        _check_context_parallel(dims, cfg)
     if dims.tp_enabled:
         _check_tensor_parallel(dims, model_args, cfg)
     if dims.pp_enabled:
@@ -72,6 +74,31 @@ def _check_data_parallel(dims: ParallelDims, cfg: JobConfig) -> None:
             f"parallel.fsdp=false with dp_shard={p.dp_shard} and dp_replicate={p.dp_replicate} is ambiguous; "
             "with fsdp=false give the data-parallel degree once (dp_shard or dp_replicate)"
         )
+
+
+def _check_context_parallel(dims: ParallelDims, cfg: JobConfig) -> None:
+    p, cp = cfg.parallel, dims.cp
+    if p.cp_mode != "ring":
+        raise LayoutError(
+            f"parallel.cp_mode={p.cp_mode!r} is not yet available (Ulysses and hybrid context parallelism are to "
+            "come); set parallel.cp_mode = \"ring\""
+        )
+    seq_len = cfg.training.seq_len
+    if seq_len % (2 * cp):
+        raise LayoutError(
+            f"training.seq_len={seq_len} does not split into 2 * parallel.cp_degree = {2 * cp} equal chunks (each "
+            f"cp rank holds an early and a late chunk); use a seq_len that is a multiple of {2 * cp}"
+        )
+    not_yet = [(dims.tp_enabled, f"tensor parallelism (tp_degree={dims.tp})", "parallel.tp_degree = 1"),
+               (dims.pp_enabled, f"pipeline parallelism (pp_degree={dims.pp})", "parallel.pp_degree = 1"),
+               (not p.fsdp, "parallel.fsdp=false (the cp ranks shard the parameters with FSDP)",
+                "parallel.fsdp = true"),
+               (cfg.validation.enable, "validation", "validation.enable = false"),
+               (cfg.compile.enable, "compile", "compile.enable = false")]
+    for refused, what, fix in not_yet:
+        if refused:
+            raise LayoutError(
+                f"parallel.cp_degree={cp} with {what} is not yet available; set {fix} or parallel.cp_degree = 1")
 
 
 def _check_tensor_parallel(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:

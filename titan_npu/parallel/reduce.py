@@ -25,7 +25,8 @@ def mean_loss(loss: torch.Tensor | None, dims: ParallelDims) -> float:
     """The step's loss averaged over the data-parallel ranks (a collective: call it on every rank).
 
     `loss` is None on ranks without the last pipeline stage; every tp rank of the last stage holds the same value,
-    so the world sum of the holders' losses divided by dp x tp is the data-parallel mean.
+    and the cp ranks of a data-parallel rank hold cp times their share of its loss (context_parallel.py), so the
+    world sum of the holders' losses divided by dp x tp x cp is the data-parallel mean.
     """
     # On the host in float64: the groups always include gloo for host tensors (process_group.py), and this runs on
     # log steps only, where the value is read anyway.
@@ -34,7 +35,7 @@ def mean_loss(loss: torch.Tensor | None, dims: ParallelDims) -> float:
         return float(value)
     total = value.reshape(1)
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return float(total) / (dims.dp * dims.tp)
+    return float(total) / (dims.dp * dims.tp * dims.cp)
 
 
 def grad_norm(parameters: Iterable[torch.Tensor], dims: ParallelDims, foreach: bool = True,

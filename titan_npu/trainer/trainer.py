@@ -40,6 +40,7 @@ from titan_npu.ops import current_kernels
 from titan_npu.ops.cuda import choose_attention_kernel
 from titan_npu.ops.npu import set_rope_fp32
 from titan_npu.parallel import ParallelDims, init_process_group, validate_layout
+from titan_npu.parallel.context_parallel import ContextParallelBatch
 from titan_npu.parallel.parallelize import build_model_parts
 from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline
 from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, mean_loss, plain_tensor
@@ -134,6 +135,8 @@ class Trainer:
         self.grad_scaler = build_grad_scaler(self.device.type, t.dtype, self.dims.params_are_sharded)
         self.loss_context = lambda: loss_parallel_context(self.dims, cfg.parallel.loss_parallel)
         self.loss_chunk_tokens = loss_chunk_tokens(t.loss_chunk_tokens, self.dims.tp, self.dims.pp)
+        # Context parallel: every cp rank reads the same batch and keeps its chunks of each sequence.
+        self.cp_batch = ContextParallelBatch(*self.dims.cp_coordinates()) if self.dims.cp_enabled else None
 
         # Metrics.
         self.step = 0
@@ -223,8 +226,13 @@ class Trainer:
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
         """One micro-batch: forward, loss, backward; returns the unscaled loss (detached)."""
+        cp_weight = None
+        if self.cp_batch is not None:
+            inputs, labels, cp_weight = self.cp_batch.split(inputs, labels)
         with self.loss_context():  # vocab-sharded logits under TP: the loss and its backward run sharded
             loss = model_loss(self.model, inputs, labels, self.autocast, self.loss_chunk_tokens)
+            if cp_weight is not None:
+                loss = loss * cp_weight
             for hook in self.loss_hooks:
                 loss = hook(self.step, loss)
             scaled = loss * scale

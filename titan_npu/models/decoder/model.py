@@ -102,6 +102,10 @@ class Attention(nn.Module):
         self.wo = Linear(args.q_dim, args.dim)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        # Set by context parallelism (the parallelize step installs parallel/context_parallel.py's RingContext):
+        # the true positions of the chunks of the sequence this rank holds, and attention across the ranks that
+        # hold the rest. None: the whole sequence is here.
+        self.context = None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -126,8 +130,13 @@ class Attention(nn.Module):
                 f"sequence length {seqlen} exceeds model.max_seq_len={cos.shape[0]}; "
                 f"raise model.max_seq_len or lower training.seq_len"
             )
-        xq, xk, xv = self.qkv(x, cos[:seqlen], sin[:seqlen])
-        out = ops.attention(xq, xk, xv, causal=True, use_flash=self.use_flash)  # [B, S, Hq, D]
+        if self.context is None:
+            xq, xk, xv = self.qkv(x, cos[:seqlen], sin[:seqlen])
+            out = ops.attention(xq, xk, xv, causal=True, use_flash=self.use_flash)  # [B, S, Hq, D]
+        else:
+            positions = self.context.positions(seqlen, x.device)
+            xq, xk, xv = self.qkv(x, cos[positions], sin[positions])
+            out = self.context.attention(xq, xk, xv)
         return self.wo(out.reshape(bs, seqlen, -1))
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:

@@ -18,11 +18,13 @@ checkpoint reader use; the dry run (tools/dry_run.py) checks the planner's shard
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_npu.parallel.compile import apply_compile
+from titan_npu.parallel.context_parallel import RingContext
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.fsdp import apply_data_parallel
 from titan_npu.parallel.tp_grads import request_grads_in_param_layout
@@ -84,10 +86,21 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
         parallelize_module(block, tp_mesh, plan)
 
 
+def apply_context_parallel(model: nn.Module, cp_group: ProcessGroup) -> None:
+    """Every attention takes its chunks' positions and attends across the cp ranks (one ring context for all)."""
+    context = RingContext(cp_group)
+    for block in model.layers.values():
+        if block is not None:
+            block.attention.context = context
+
+
 def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
-    """Apply TP, activation checkpointing, compile and data parallelism, in that order, to a model (or stage)."""
+    """Apply TP, context parallelism, activation checkpointing, compile and data parallelism, in that order, to a
+    model (or stage)."""
     if dims.tp_enabled:
         apply_tp(model, dims.tp_mesh, loss_parallel=cfg.parallel.loss_parallel)
+    if dims.cp_enabled:
+        apply_context_parallel(model, dims.cp_mesh.get_group())
     if cfg.activation_checkpoint.mode != "none":
         apply_activation_checkpointing(model, cfg.activation_checkpoint)
     if cfg.compile.enable:

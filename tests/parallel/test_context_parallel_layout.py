@@ -1,0 +1,90 @@
+"""parallel.cp_degree and cp_mode: the layouts this slice of context parallelism runs pass, the ones it does not
+run yet are refused in one line that names the fix; the cp ranks join FSDP's mesh; each cp rank's share of a
+batch and its loss weight add up to the whole batch's mean loss, also with ignored labels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titan_npu.config.loader import load_config
+from titan_npu.config.schema import ParallelConfig
+from titan_npu.errors import ConfigError, LayoutError
+from titan_npu.models.registry import build_model_args
+from titan_npu.ops.cross_entropy import IGNORE_INDEX
+from titan_npu.parallel import ParallelDims, validate_layout
+from titan_npu.parallel.context_parallel import ContextParallelBatch
+
+from .test_layout import check, job
+
+
+def test_context_parallel_layouts_of_this_slice_pass():
+    check(2, cp_degree=2)
+    check(4, cp_degree=4)
+    check(4, cp_degree=2)  # dp_shard 2 x cp 2
+    check(8, cp_degree=2, dp_replicate=2)  # HSDP 2 x (dp_shard 2 x cp 2)
+
+
+@pytest.mark.parametrize(("world", "parallel", "message"), [
+    (4, {"cp_degree": 2, "tp_degree": 2}, r"cp_degree=2 with tensor parallelism \(tp_degree=2\) is not yet "
+                                          r"available; set parallel.tp_degree = 1 or parallel.cp_degree = 1"),
+    (4, {"cp_degree": 2, "pp_degree": 2}, r"with pipeline parallelism \(pp_degree=2\) is not yet available; "
+                                          r"set parallel.pp_degree = 1"),
+    (2, {"cp_degree": 2, "fsdp": False}, r"parallel.fsdp=false .* is not yet available; set parallel.fsdp = true"),
+    (2, {"cp_degree": 2, "cp_mode": "ulysses"}, r"cp_mode=.ulysses. is not yet available .*cp_mode = \"ring\"$"),
+    (1, {"cp_mode": "hybrid"}, r"cp_mode='hybrid' is not yet available"),
+])
+def test_what_context_parallelism_does_not_run_yet_is_refused(world, parallel, message):
+    with pytest.raises(LayoutError, match=message):
+        check(world, **parallel)
+
+
+def test_validation_and_compile_with_context_parallelism_are_refused():
+    for section, key in (("validation", "enable"), ("compile", "enable")):
+        dims, cfg = job(2, cp_degree=2)
+        setattr(getattr(cfg, section), key, True)
+        with pytest.raises(LayoutError, match=f"{section}.{key} = false or parallel.cp_degree = 1"):
+            validate_layout(dims, build_model_args(cfg.model), cfg)
+
+
+def test_sequence_that_does_not_split_into_2cp_chunks_is_refused():
+    with pytest.raises(LayoutError, match=r"seq_len=60 does not split into 2 \* parallel.cp_degree = 8 equal "
+                                          r"chunks .* a multiple of 8"):
+        check(4, cp_degree=4, seq_len=60)
+
+
+def test_cp_ranks_count_in_the_world_size():
+    with pytest.raises(LayoutError, match=r"multiply to 8 .* x cp=2\) but the world size is 4"):
+        ParallelDims.from_config(ParallelConfig(dp_shard=4, cp_degree=2), 4)
+    dims = ParallelDims.from_config(ParallelConfig(cp_degree=2), 8)
+    assert (dims.dp_shard, dims.cp, dims.dp, dims.dp_mode) == (4, 2, 4, "fsdp")
+    # cp alone still shards the parameters over the cp ranks (and so averages their gradients).
+    alone = ParallelDims.from_config(ParallelConfig(cp_degree=2), 2)
+    assert (alone.dp, alone.dp_enabled, alone.fsdp_enabled, alone.dp_mode) == (1, True, True, "fsdp")
+    assert "cp=2" in alone.describe()
+
+
+def test_cp_settings_are_checked_when_the_config_loads():
+    assert load_config(None, ["--parallel.cp_degree=2", "--parallel.cp_mode=Ring"]).parallel.cp_mode == "ring"
+    with pytest.raises(ConfigError, match="parallel.cp_degree"):
+        load_config(None, ["--parallel.cp_degree=0"])
+    with pytest.raises(ConfigError, match="parallel.cp_mode = 'zigzag' is not a known context parallel mode"):
+        load_config(None, ["--parallel.cp_mode=zigzag"])
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_shares_of_the_loss_add_up_to_the_batch_mean_with_ignored_labels(cp):
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(2, 16, 11, generator=g), torch.randint(0, 11, (2, 16), generator=g)
+    labels[0, :7] = IGNORE_INDEX  # uneven counts across the chunks
+    inputs = torch.arange(32).view(2, 16)
+    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    shares = []
+    for rank in range(cp):
+        local_inputs, local_labels, weight = ContextParallelBatch(rank, cp).split(inputs, labels)
+        local_logits = logits[torch.arange(2)[:, None], local_inputs % 16]  # the rows of this rank's positions
+        local = F.cross_entropy(local_logits.flatten(0, 1), local_labels.flatten(), ignore_index=IGNORE_INDEX)
+        shares.append(local * weight)
+    # The gradient average over the cp ranks: the mean of the weighted local losses.
+    torch.testing.assert_close(torch.stack(shares).mean(), want)
