@@ -1,7 +1,7 @@
 """Context parallelism trains exactly like one process: each cp rank holds its load-balanced chunks of the same
 sequences, and from the same training.seed and global batch the per-step losses equal one process's to 1e-5
 relative (gradient norms to 1e-4) over 10 fp32 deterministic steps (gloo); a CP run saved and resumed continues
-as if never stopped."""
+as if never stopped, also when one process without CP resumes it."""
 
 from __future__ import annotations
 
@@ -26,21 +26,33 @@ TWO_RANKS = [
 FOUR_RANKS = [
     Case("cp4", ["--parallel.cp_degree=4"], "ref_b4"),
     Case("fsdp2_cp2", ["--parallel.cp_degree=2"], "ref_b8"),
+    Case("hsdp2_cp2", ["--parallel.cp_degree=2", "--parallel.dp_replicate=2"], "ref_b8"),
 ]
 CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 
 RESUME_BASE = ["--parallel.cp_degree=2", "--lr_scheduler.decay_type=constant"]
 
 
+def _checkpointing(workdir: Path, name: str) -> list[str]:
+    return [f"--checkpoint.dir={workdir / name}", "--checkpoint.enable=true", "--checkpoint.async_save=false"]
+
+
 def resume_runs(workdir: Path) -> list[list[str]]:
-    """10 steps straight, and 5 steps saved then resumed to 10, under cp 2."""
-    ckpt = [f"--checkpoint.dir={workdir / 'cp_ckpt'}", "--checkpoint.enable=true", "--checkpoint.async_save=false"]
+    """10 steps straight, and 5 steps saved then resumed to 10, under cp 2; and the first 5 steps again, saved for
+    a resume in one process."""
+    ckpt, first_half = _checkpointing(workdir, "cp_ckpt"), ["--training.max_steps=5", "--checkpoint.save_interval=5"]
     return [
         tiny_run(workdir, "cp_straight") + RESUME_BASE,
-        tiny_run(workdir, "cp_first_half") + RESUME_BASE + ckpt + ["--training.max_steps=5",
-                                                                   "--checkpoint.save_interval=5"],
+        tiny_run(workdir, "cp_first_half") + RESUME_BASE + ckpt + first_half,
         tiny_run(workdir, "cp_resumed") + RESUME_BASE + ckpt,
+        tiny_run(workdir, "cp_first_half_for_one") + RESUME_BASE + _checkpointing(workdir, "cp_ckpt_one") + first_half,
     ]
+
+
+def resumed_in_one_process(workdir: Path) -> list[str]:
+    """The cp 2 checkpoint of step 5 resumed to step 10 without context parallelism."""
+    return (tiny_run(workdir, "cp_resumed_in_one") + ["--lr_scheduler.decay_type=constant"]
+            + _checkpointing(workdir, "cp_ckpt_one"))
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +61,7 @@ def cp_runs(parallel_workspace: Path) -> Path:
     run_pool(2, [tiny_run(parallel_workspace, c.name) + c.overrides for c in TWO_RANKS]
              + resume_runs(parallel_workspace))
     run_pool(4, [tiny_run(parallel_workspace, c.name) + c.overrides for c in FOUR_RANKS])
+    run_pool(1, [resumed_in_one_process(parallel_workspace)])
     return parallel_workspace
 
 
@@ -76,3 +89,10 @@ def test_context_parallel_run_resumes_exactly_from_its_checkpoint(cp_runs):
     first, resumed = losses_by_step(cp_runs, "cp_first_half"), losses_by_step(cp_runs, "cp_resumed")
     assert sorted(first) == [1, 2, 3, 4, 5] and sorted(resumed) == [6, 7, 8, 9, 10]
     assert {**first, **resumed} == pytest.approx(straight, rel=1e-6)
+
+
+def test_context_parallel_checkpoint_resumes_exactly_without_context_parallelism(cp_runs):
+    # The cp ranks' FSDP shards (over dp_shard x cp) and their shared loader position, read back by one process.
+    straight, resumed = losses_by_step(cp_runs, "cp_straight"), losses_by_step(cp_runs, "cp_resumed_in_one")
+    assert sorted(resumed) == [6, 7, 8, 9, 10]
+    assert resumed == pytest.approx({step: straight[step] for step in resumed}, rel=RTOL)
