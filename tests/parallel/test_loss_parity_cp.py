@@ -22,6 +22,7 @@ TWO_RANKS = [
     # The loss from the whole logits instead of the chunked projection.
     Case("cp2_whole_logits", ["--parallel.cp_degree=2", "--training.loss_chunk_tokens=0"], "ref_b4"),
     Case("cp2_ac_full", ["--parallel.cp_degree=2", "--activation_checkpoint.mode=full"], "ref_b4"),
+    Case("cp2_compile", ["--parallel.cp_degree=2", "--compile.enable=true"], "ref_b4"),
 ]
 FOUR_RANKS = [
     Case("cp4", ["--parallel.cp_degree=4"], "ref_b4"),

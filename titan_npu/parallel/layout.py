@@ -93,8 +93,7 @@ def _check_context_parallel(dims: ParallelDims, cfg: JobConfig) -> None:
                (dims.pp_enabled, f"pipeline parallelism (pp_degree={dims.pp})", "parallel.pp_degree = 1"),
                (not p.fsdp, "parallel.fsdp=false (the cp ranks shard the parameters with FSDP)",
                 "parallel.fsdp = true"),
-               (cfg.validation.enable, "validation", "validation.enable = false"),
-               (cfg.compile.enable, "compile", "compile.enable = false")]
+               (cfg.validation.enable, "validation", "validation.enable = false")]
     for refused, what, fix in not_yet:
         if refused:
             raise LayoutError(
