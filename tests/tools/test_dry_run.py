@@ -12,8 +12,9 @@ import pytest
 
 from titan_npu.config.loader import load_config
 from titan_npu.errors import ConfigError, LayoutError
-from titan_npu.tools import plan as plan_cli
-from titan_npu.tools.dry_run import compare_with_plan, dry_run
+from titan_npu.planner import plan as plan_cli
+from titan_npu.planner.dry_run import dry_run
+from titan_npu.planner.verify import compare_with_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = ROOT / "configs" / "debug.toml"

@@ -20,7 +20,9 @@ from titan_npu import ops
 from titan_npu.config.schema import ActivationCheckpointConfig
 from titan_npu.models.llama import LlamaArgs, Transformer
 from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing
-from titan_npu.tools.memory_model import Job, Layout, rank_activations, temporary_bytes
+from titan_npu.planner.activations import rank_activations
+from titan_npu.planner.layout import Job, Layout
+from titan_npu.planner.temporaries import temporary_bytes
 
 TOLERANCE = 0.10
 BATCH, SEQ = 2, 64

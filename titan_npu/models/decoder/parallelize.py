@@ -12,7 +12,7 @@ Tensor parallel (Megatron-style, with sequence parallelism):
   output          column-wise over the vocabulary; with loss parallel the logits stay sharded into the loss
 A tied output projection shares the embedding's parameter; both are cut by vocabulary, so the one DTensor serves
 both. The dim each parameter ends up split along is sharding.py's table, which the memory planner and the Meta
-checkpoint reader use; the dry run (tools/dry_run.py) checks the planner's shards against this plan's.
+checkpoint reader use; the dry run (planner/dry_run.py) checks the planner's shards against this plan's.
 """
 
 from __future__ import annotations
