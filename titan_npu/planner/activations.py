@@ -34,12 +34,18 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     projections after it keep the normalised output (c D; with
     autocast each projection keeps its own low-precision copy); attention keeps q, k, v and its output
     (c (2 q + 2 kv)) plus the kernel's softmax statistics; SwiGLU keeps gate, silu(gate), up and their product
-    (4 c F). Eager attention keeps its output copy, repeated k/v and the B H S^2 probabilities instead.
+    (4 c F). Eager attention keeps its output copy, repeated k/v and the B H S^2 probabilities instead. q is the
+    query width n_heads x head_dim (Qwen3 sets head_dim apart from D / n_heads), kv the key/value width.
+    Qwen3's per-head q/k RMSNorm keeps what the other norms keep, per (token, head) row and in the projections'
+    dtype: its input (c (q + kv)) and rstd (4 per head) with the cpu reference, else the fp32 input and
+    normalised value (8 (q + kv)) and rstd; it runs on the heads a tensor-parallel rank holds, so sequence
+    parallelism does not split it further. Qwen2's q/k/v biases keep nothing (an add's backward needs no input).
     """
     a, c, tp = job.args, job.compute_bytes, layout.tp
     tokens = micro_batch * job.seq_len
-    d, hd = a.dim, a.head_dim
-    q, kv, f, heads = a.n_heads * hd // tp, a.n_kv_heads * hd // tp, a.ffn_dim // tp, a.n_heads // tp
+    d = a.dim
+    q, kv, f, heads = a.q_dim // tp, a.kv_dim // tp, a.ffn_dim // tp, a.n_heads // tp
+    kv_heads = a.n_kv_heads // tp
     sp = tp if layout.sequence_parallel else 1
     autocast = c < 4 and not layout.fsdp_wrapped
     residual = 4 if autocast else c  # the residual stream stays fp32 under autocast
@@ -48,6 +54,9 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
         norms = 2 * (residual * d + 4)  # the cpu reference norm (hand-written backward) keeps its input + rstd
     else:
         norms = 2 * (8 * d + 4) // sp  # fp32 input + normalised value + rstd; split over the sequence under SP
+    if a.qk_norm:
+        qk_width = c if device_type == "cpu" and tp == 1 else 8
+        norms += qk_width * (q + kv) + 4 * (heads + kv_heads)
     per_token = norms + (5 if autocast else 2) * c * d + 4 * c * f
     if a.use_flash_attention:
         full = tokens * (per_token + c * (2 * q + 2 * kv) + stats)
@@ -108,6 +117,19 @@ def chunked_loss_bytes(job: Job, layout: Layout, micro_batch: int) -> tuple[int,
     return weight_grad, max(forward, backward)
 
 
+def tied_output_gradient_bytes(job: Job, layout: Layout) -> int:
+    """The output projection's weight gradient that a tied model holds from the loss's backward to the embedding's.
+
+    The matrix is one parameter used twice, so autograd sums the two gradients before accumulating: the first
+    waits, whole (its local vocabulary rows under TP), through every block's backward. An untied output
+    accumulates at once; the chunked loss holds its gradient anyway.
+    """
+    if not getattr(job.args, "tie_embeddings", False):
+        return 0
+    grad = job.compute_bytes if layout.fsdp_wrapped else 4  # FSDP's unsharded parameter's dtype, or fp32
+    return job.args.vocab_size // layout.tp * job.args.dim * grad
+
+
 @dataclass(frozen=True)
 class ActivationPeak:
     """A rank's activations at the start of backward and the extra it needs at its backward peak."""
@@ -139,6 +161,7 @@ def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str
     else:
         held = logits_bytes(job, layout, mb) if part.last else tokens * job.args.dim * c
         extra = loss_bytes(job, layout, mb) if part.last else held
+        held += tied_output_gradient_bytes(job, layout) if part.last else 0
     freed = 0  # saved bytes of the blocks whose backward already ran
     for block_saved, recompute in zip(reversed(saved_by), reversed(recompute_by)):
         extra = max(extra, held + recompute + b.backward_transient - freed)
