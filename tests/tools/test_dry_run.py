@@ -35,6 +35,11 @@ LAYOUTS = {
         8, 6, ["--parallel.pp_degree", "2", "--parallel.tp_degree", "2", "--parallel.dp_replicate", "2",
                "--activation_checkpoint.mode", "selective"]),
     "replicated data parallel (fsdp off)": (2, 1, ["--parallel.fsdp", "false"]),
+    "Qwen3 (q/k norms, head_dim apart from dim / n_heads, tied) TP 2 x FSDP 2": (
+        4, 3, ["--model.name", "qwen3", "--model.flavor", "debug", "--parallel.tp_degree", "2"]),
+    "Qwen2 (q/k/v biases, tied) TP 2, op-level selective checkpointing": (
+        2, 1, ["--model.name", "qwen2", "--model.flavor", "debug", "--parallel.tp_degree", "2",
+               "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ops", "true"]),
 }
 
 
