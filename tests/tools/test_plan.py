@@ -234,10 +234,11 @@ def test_unknown_device_and_bad_sizes_are_refused():
 # --- the command --------------------------------------------------------------------------------------------------
 
 
-GUIDE_CASES = [("llama_7b.toml", 1, 4), ("llama_7b.toml", 1, 8), ("llama_13b.toml", 2, 8), ("llama_70b.toml", 8, 8)]
+GUIDE_CASES = [("llama_7b.toml", 1, 4), ("llama_7b.toml", 1, 8), ("llama_13b.toml", 2, 8), ("llama_70b.toml", 8, 8),
+               ("qwen3_32b.toml", 2, 8)]
 
 
-@pytest.mark.parametrize("config,nodes,per_node", GUIDE_CASES, ids=["7B-4", "7B-8", "13B-16", "70B-64"])
+@pytest.mark.parametrize("config,nodes,per_node", GUIDE_CASES, ids=["7B-4", "7B-8", "13B-16", "70B-64", "Qwen3-32B-16"])
 def test_guides_cases_fit_and_rank_layouts_at_the_same_global_batch(config, nodes, per_node, capsys):
     code = plan_cli.main(["--config", str(CONFIGS / config), "--nodes", str(nodes), "--devices-per-node",
                           str(per_node), "--device", "910B2", "--json"])
