@@ -108,6 +108,10 @@ QWEN_CASES = {
     # Qwen2.5: q/k/v biases, tied output.
     "qwen2 fp32, every 2nd block": ("qwen2", {}, "fp32", ("selective", 2, False), "plain"),
     "qwen2 bf16 autocast": ("qwen2", {}, "bf16", ("none", 2, False), "autocast"),
+    # Wide against its 128 tokens: the tied output's gradient, waiting for the embedding's, decides the peak.
+    "qwen2 bf16 autocast, dim 1024, one block": (
+        "qwen2", {"dim": 1024, "n_heads": 8, "n_layers": 1, "ffn_dim": 256, "vocab_size": 2048}, "bf16",
+        ("none", 2, False), "autocast"),
 }
 
 
