@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "import": ("titan_npu.checkpoint.cli", "import_main", "convert Hugging Face / Meta weights to a .pt"),
     "init-weights": ("titan_npu.checkpoint.seed", "init_weights_main",
                      "write a config's initial weights as a checkpoint any layout starts from"),
-    "plan": ("titan_npu.tools.plan", "main", "plan memory and parallel layout before launch"),
+    "plan": ("titan_npu.planner.plan", "main", "plan memory and parallel layout before launch"),
     "doctor": ("titan_npu.tools.doctor", "main", "check versions, devices, environment and collectives"),
     "generate": ("titan_npu.tools.generate", "main", "sample text from a checkpoint"),
     "report": ("titan_npu.metrics.report", "main", "plot and summarise a run from its log dir"),

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
         print(json.dumps(config_to_dict(cfg), indent=2))
         return 0
     if args.dry_run:
-        from titan_npu.tools import dry_run
+        from titan_npu.planner import dry_run
 
         world = args.world_size or (int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
         return dry_run.run(cfg, world, args.rank, args.device_type)

@@ -25,7 +25,13 @@ EXPECTED = {
     "llama_13b.toml": ("llama2", "13B"),
     "llama_70b.toml": ("llama2", "70B"),
     "llama3_7b.yaml": ("llama3", "7B"),
+    "qwen3_32b.toml": ("qwen3", "32B"),
+    "qwen3_8b.toml": ("qwen3", "8B"),
+    "qwen2_7b.toml": ("qwen2", "7B"),
+    "qwen3_32b.yaml": ("qwen3", "32B"),
 }
+# The cards a Qwen config's header names (nodes, 910B per node) and a rank whose dry run is checked.
+QWEN_CLUSTERS = {"qwen3_32b.toml": (2, 8, 6), "qwen3_8b.toml": (1, 8, 7), "qwen2_7b.toml": (1, 4, 3)}
 
 
 def test_every_config_loads_and_names_cards_and_launch(config_files):
@@ -41,6 +47,22 @@ def test_every_config_loads_and_names_cards_and_launch(config_files):
 def test_named_configs_exist_and_select_their_model(name, model):
     cfg = load_config(CONFIGS / name)
     assert (cfg.model.name, cfg.model.flavor) == model
+
+
+@pytest.mark.parametrize("name", list(QWEN_CLUSTERS))
+def test_qwen_configs_hold_the_planners_first_layout_and_dry_run_to_its_bytes(name):
+    from titan_npu.planner.dry_run import dry_run
+    from titan_npu.planner.hardware import hardware
+    from titan_npu.planner.search import make_plan
+    from titan_npu.planner.verify import compare_with_plan
+
+    nodes, per_node, rank = QWEN_CLUSTERS[name]
+    cfg = load_config(CONFIGS / name)
+    plan = make_plan(cfg, nodes, per_node, hardware("910B2"))
+    assert plan.config_candidate is not None and plan.config_candidate.fits, plan.config_error
+    assert plan.ranked[0].layout == plan.config_candidate.layout
+    comparison = compare_with_plan(dry_run(cfg, nodes * per_node, rank), cfg)
+    assert comparison["match"], comparison["problems"]
 
 
 def test_the_1b_benchmark_config_has_llama_3_2_1b_shapes_compiled_in_bf16():
@@ -83,6 +105,16 @@ def test_guide_named_files_describe_the_same_run_as_the_canonical_ones(guide, ca
     }.items():
         for key in keys:
             assert getattr(getattr(a, section), key) == getattr(getattr(b, section), key), f"{section}.{key}"
+
+
+def test_the_yaml_qwen3_32b_is_the_toml_one_in_the_guide_spelling():
+    from titan_npu.config.loader import config_to_dict
+
+    assert config_to_dict(load_config(CONFIGS / "qwen3_32b.yaml")) == config_to_dict(
+        load_config(CONFIGS / "qwen3_32b.toml"))
+    yaml = (CONFIGS / "qwen3_32b.yaml").read_text()
+    for spelling in ("learning_rate:", "  checkpoint:", "max_keep:", "dp_degree:", "tp_size:", "\ndtype: bf16"):
+        assert spelling in yaml
 
 
 def test_guide_named_files_use_the_guide_spellings():

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from hf_reference import logits, randomise
 
 from titan_npu import ops
 from titan_npu.models.decoder.model import precompute_rope
@@ -40,32 +41,17 @@ def _with_flash(args: LlamaArgs, use_flash: bool) -> LlamaArgs:
     return LlamaArgs(**{**fields, "use_flash_attention": use_flash})
 
 
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-    """Weights well away from init, norms included, so a wrongly mapped tensor shows in the logits."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.2 * noise if "norm" in name else 0.08 * noise)
-
-
-def _logits(model, tokens):
-    with torch.no_grad():
-        out = model(tokens)
-    return out.logits if hasattr(out, "logits") else out
-
-
 @pytest.mark.parametrize("use_flash", [True, False], ids=["flash", "eager"])
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_hf_weights_loaded_through_from_hf_give_hf_logits(shape, attn_implementation, use_flash):
     args = _with_flash(SHAPES[shape], use_flash)
     hf = _hf_model(args, attn_implementation)
-    _randomise(hf, seed=0)
+    randomise(hf, seed=0)
     ours = Transformer(args)
     ours.load_state_dict(from_hf(hf.state_dict(), args), strict=True)
     tokens = torch.randint(0, args.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(1))
-    diff = (_logits(ours, tokens) - _logits(hf, tokens)).abs().max().item()
+    diff = (logits(ours, tokens) - logits(hf, tokens)).abs().max().item()
     assert diff < TOL
 
 
@@ -76,22 +62,22 @@ def test_our_weights_exported_through_to_hf_give_our_logits_in_hf(shape, attn_im
     torch.manual_seed(2)
     ours = Transformer(args)
     ours.init_weights()
-    _randomise(ours, seed=3)
+    randomise(ours, seed=3)
     hf = _hf_model(args, attn_implementation)
     hf.load_state_dict(to_hf(ours.state_dict(), args), strict=True)
     tokens = torch.randint(0, args.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(4))
-    diff = (_logits(ours, tokens) - _logits(hf, tokens)).abs().max().item()
+    diff = (logits(ours, tokens) - logits(hf, tokens)).abs().max().item()
     assert diff < TOL
 
 
 def test_the_parity_check_would_catch_a_missing_rope_permutation():
     args = SHAPES["llama3-gqa"]
     hf = _hf_model(args, "eager")
-    _randomise(hf, seed=5)
+    randomise(hf, seed=5)
     ours = Transformer(args)
     ours.load_state_dict(_unpermuted_our_names(hf.state_dict()))
     tokens = torch.randint(0, args.vocab_size, (1, SEQ_LEN), generator=torch.Generator().manual_seed(6))
-    assert (_logits(ours, tokens) - _logits(hf, tokens)).abs().max().item() > 100 * TOL
+    assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() > 100 * TOL
 
 
 def _unpermuted_our_names(hf_state_dict):
@@ -123,8 +109,8 @@ def test_rope_scaling_changes_logits_by_more_than_the_parity_tolerance():
     unscaled = LlamaArgs(**{**fields, "rope_scaling_factor": None})
     torch.manual_seed(7)
     a = Transformer(scaled)
-    _randomise(a, seed=8)
+    randomise(a, seed=8)
     b = Transformer(unscaled)
     b.load_state_dict(a.state_dict())
     tokens = torch.randint(0, scaled.vocab_size, (1, SEQ_LEN), generator=torch.Generator().manual_seed(9))
-    assert (_logits(a, tokens) - _logits(b, tokens)).abs().max().item() > 10 * TOL
+    assert (logits(a, tokens) - logits(b, tokens)).abs().max().item() > 10 * TOL

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from hf_reference import logits, randomise
 
 from titan_npu import ops
 from titan_npu.checkpoint.formats import read_weights
@@ -43,21 +44,6 @@ def _hf_model(args: DecoderArgs) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-    """Weights well away from init, norms and biases included, so a wrongly mapped tensor shows in the logits."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.2 * noise if "norm" in name else 0.08 * noise)
-
-
-def _logits(model, tokens):
-    with torch.no_grad():
-        out = model(tokens)
-    return out.logits if hasattr(out, "logits") else out
-
-
 def _import(hf_model, args) -> torch.nn.Module:
     adapter = get_spec(args.family).hf
     ours = build_model(args)
@@ -74,10 +60,10 @@ def _tokens(args, seed, batch=2):
 def test_hf_weights_imported_give_hf_logits(shape):
     args = SHAPES[shape]
     hf = _hf_model(args)
-    _randomise(hf, seed=0)
+    randomise(hf, seed=0)
     ours = _import(hf, args)
     tokens = _tokens(args, 1)
-    assert (_logits(ours, tokens) - _logits(hf, tokens)).abs().max().item() < TOL
+    assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() < TOL
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -86,13 +72,13 @@ def test_our_weights_exported_give_our_logits_in_hf(shape):
     torch.manual_seed(2)
     ours = build_model(args)
     ours.init_weights(seed=2)
-    _randomise(ours, seed=3)
+    randomise(ours, seed=3)
     hf = _hf_model(args)
     missing, unexpected = hf.load_state_dict(get_spec(args.family).hf.to_hf(ours.state_dict(), args), strict=False)
     assert not unexpected and missing == (["lm_head.weight"] if args.tie_embeddings else [])
     hf.tie_weights()
     tokens = _tokens(args, 4)
-    assert (_logits(ours, tokens) - _logits(hf, tokens)).abs().max().item() < TOL
+    assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() < TOL
 
 
 def test_a_tied_model_holds_one_matrix_for_embedding_and_output():
@@ -108,14 +94,14 @@ def test_a_tied_model_holds_one_matrix_for_embedding_and_output():
 def test_the_parity_check_would_catch_unpermuted_q_k_norms():
     args = SHAPES["qwen3-untied"]
     hf = _hf_model(args)
-    _randomise(hf, seed=5)
+    randomise(hf, seed=5)
     ours = _import(hf, args)
     with torch.no_grad():
         for layer in ours.layers.values():  # the HF channel order, as a mapping without the permutation would give
             i = int(layer.layer_id)
             layer.attention.q_norm.weight.copy_(hf.model.layers[i].self_attn.q_norm.weight)
     tokens = _tokens(args, 6)
-    assert (_logits(ours, tokens) - _logits(hf, tokens)).abs().max().item() > 100 * TOL
+    assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() > 100 * TOL
 
 
 def _train(model, batches) -> list[float]:
@@ -124,8 +110,8 @@ def _train(model, batches) -> list[float]:
                             foreach=False)
     losses = []
     for tokens, labels in batches:
-        logits = _logits_with_grad(model, tokens)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        out = _logits_with_grad(model, tokens)
+        loss = torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), labels.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=False)
         opt.step()
@@ -143,7 +129,7 @@ def _logits_with_grad(model, tokens):
 def test_thirty_steps_from_imported_weights_match_a_transformers_training_loop(shape):
     args = SHAPES[shape]
     hf = _hf_model(args).train()
-    _randomise(hf, seed=7)
+    randomise(hf, seed=7)
     ours = _import(hf, args).train()
     # Batches drawn from 8 fixed sequences: learnable within 30 steps, so the losses move and the check has teeth.
     gen = torch.Generator().manual_seed(8)
@@ -163,7 +149,7 @@ def test_thirty_steps_from_imported_weights_match_a_transformers_training_loop(s
 def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_auto_model(shape, tmp_path):
     args = SHAPES[shape]
     hf = _hf_model(args)
-    _randomise(hf, seed=9)
+    randomise(hf, seed=9)
     hf.save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert spec_for_hf_config(config).name == args.family
@@ -174,7 +160,7 @@ def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_au
     ours.load_state_dict(weights.state_dict, strict=True)
     ours.tie_weights()
     tokens = _tokens(args, 10)
-    assert (_logits(ours, tokens) - _logits(hf, tokens)).abs().max().item() < TOL
+    assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() < TOL
     # Back to a Hugging Face directory, loaded by the Auto class with the original model_type and fields.
     spec = get_spec(args.family)
     out = tmp_path / "back"
@@ -189,4 +175,4 @@ def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_au
     for field in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                   "tie_word_embeddings", "rope_theta", "rms_norm_eps"):
         assert getattr(back.config, field, None) == getattr(hf.config, field, None), field
-    assert (_logits(back, tokens) - _logits(hf, tokens)).abs().max().item() < TOL
+    assert (logits(back, tokens) - logits(hf, tokens)).abs().max().item() < TOL

@@ -12,8 +12,11 @@ import pytest
 
 from titan_npu.config.loader import load_config
 from titan_npu.errors import ConfigError, LayoutError
-from titan_npu.tools import plan as plan_cli
-from titan_npu.tools.dry_run import compare_with_plan, dry_run
+from titan_npu.planner import plan as plan_cli
+from titan_npu.planner.dry_run import dry_run
+from titan_npu.planner.layout import job_from_config, layout_from_config
+from titan_npu.planner.memory import estimate_memory
+from titan_npu.planner.verify import compare_with_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = ROOT / "configs" / "debug.toml"
@@ -34,6 +37,11 @@ LAYOUTS = {
         8, 6, ["--parallel.pp_degree", "2", "--parallel.tp_degree", "2", "--parallel.dp_replicate", "2",
                "--activation_checkpoint.mode", "selective"]),
     "replicated data parallel (fsdp off)": (2, 1, ["--parallel.fsdp", "false"]),
+    "Qwen3 (q/k norms, head_dim apart from dim / n_heads, tied) TP 2 x FSDP 2": (
+        4, 3, ["--model.name", "qwen3", "--model.flavor", "debug", "--parallel.tp_degree", "2"]),
+    "Qwen2 (q/k/v biases, tied) TP 2, op-level selective checkpointing": (
+        2, 1, ["--model.name", "qwen2", "--model.flavor", "debug", "--parallel.tp_degree", "2",
+               "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ops", "true"]),
 }
 
 
@@ -97,6 +105,23 @@ def test_llama_70b_on_64_cards_dry_run_finishes_on_cpu_and_matches():
     assert result.coordinates == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 5}
     assert len(result.parameters) == 80 * 9 + 3
     assert result.seconds < 300  # a generous guard: ~20 s of CPU on an idle laptop core
+
+
+@pytest.mark.parametrize("rank,coordinates", [
+    (0, {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 0}),
+    (15, {"pp": 3, "dp_replicate": 0, "dp_shard": 0, "tp": 3}),
+], ids=["embedding stage", "output stage"])
+def test_qwen3_32b_on_16_cards_dry_run_equals_the_plans_bytes(rank, coordinates):
+    cfg = load_config(ROOT / "configs" / "qwen3_32b.toml", [])
+    result = dry_run(cfg, 16, rank)
+    comparison = compare_with_plan(result, cfg)
+    assert comparison["match"], comparison["problems"]
+    assert result.coordinates == coordinates
+    planned = estimate_memory(job_from_config(cfg), layout_from_config(cfg, 16), "npu", rank=rank)
+    assert (planned.parameters, planned.gradients, planned.optimizer) == (
+        result.parameter_bytes, result.gradient_bytes, result.optimizer_bytes)
+    # 16 of 64 blocks (11 parameters each, the q/k norms included) and the embedding or the final norm and output.
+    assert len(result.parameters) == 16 * 11 + (1 if rank == 0 else 2)
 
 
 def test_a_layout_the_model_cannot_take_is_refused_before_building():

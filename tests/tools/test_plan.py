@@ -14,28 +14,25 @@ from titan_npu.config.schema import ActivationCheckpointConfig, JobConfig
 from titan_npu.errors import ConfigError, LayoutError
 from titan_npu.models.llama import LlamaArgs
 from titan_npu.models.registry import build_model_args
-from titan_npu.tools import plan as plan_cli
-from titan_npu.tools.memory_model import (
+from titan_npu.parallel.arithmetic import chunk_size
+from titan_npu.planner import plan as plan_cli
+from titan_npu.planner import search
+from titan_npu.planner.activations import block_bytes, checkpoint_kind, in_flight_forwards
+from titan_npu.planner.hardware import hardware, parse_bytes
+from titan_npu.planner.layout import (
     GiB,
     Job,
     Layout,
-    block_bytes,
-    checkpoint_kind,
-    chunk_size,
     coordinates_rank,
-    estimate_memory,
-    in_flight_forwards,
     job_from_config,
     layout_from_config,
-    local_numel,
-    local_parameter_numels,
-    parameter_kinds,
     rank_coordinates,
-    rank_parts,
-    state_bytes,
-    temporary_bytes,
 )
-from titan_npu.tools.perf_model import estimate_step, group_crosses_nodes, hardware, parse_bytes, pipeline_bubble
+from titan_npu.planner.memory import estimate_memory
+from titan_npu.planner.parameters import local_numel, local_parameter_numels, parameter_kinds, state_bytes
+from titan_npu.planner.perf import estimate_step, group_crosses_nodes, pipeline_bubble
+from titan_npu.planner.stages import rank_parts
+from titan_npu.planner.temporaries import temporary_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # A small model with awkward sizes: uneven FSDP chunks, GQA, more layers than pipeline stages.
@@ -122,8 +119,8 @@ def test_checkpointed_blocks_are_the_ones_activation_checkpointing_wraps(mode, e
 @pytest.mark.parametrize("pp,schedule", [(2, "1F1B"), (3, "GPipe"), (2, "Interleaved1F1B"), (4, "Interleaved1F1B")])
 def test_pipeline_parts_are_the_stages_the_trainer_cuts(pp, schedule):
     from titan_npu.models.decoder.pipeline import split_layers
+    from titan_npu.parallel.arithmetic import stage_ids_for_rank
     from titan_npu.parallel.layout import pp_stages_per_rank
-    from titan_npu.parallel.pipeline import stage_ids_for_rank
 
     cfg = JobConfig()
     cfg.parallel.pp_schedule = schedule
@@ -237,10 +234,11 @@ def test_unknown_device_and_bad_sizes_are_refused():
 # --- the command --------------------------------------------------------------------------------------------------
 
 
-GUIDE_CASES = [("llama_7b.toml", 1, 4), ("llama_7b.toml", 1, 8), ("llama_13b.toml", 2, 8), ("llama_70b.toml", 8, 8)]
+GUIDE_CASES = [("llama_7b.toml", 1, 4), ("llama_7b.toml", 1, 8), ("llama_13b.toml", 2, 8), ("llama_70b.toml", 8, 8),
+               ("qwen3_32b.toml", 2, 8)]
 
 
-@pytest.mark.parametrize("config,nodes,per_node", GUIDE_CASES, ids=["7B-4", "7B-8", "13B-16", "70B-64"])
+@pytest.mark.parametrize("config,nodes,per_node", GUIDE_CASES, ids=["7B-4", "7B-8", "13B-16", "70B-64", "Qwen3-32B-16"])
 def test_guides_cases_fit_and_rank_layouts_at_the_same_global_batch(config, nodes, per_node, capsys):
     code = plan_cli.main(["--config", str(CONFIGS / config), "--nodes", str(nodes), "--devices-per-node",
                           str(per_node), "--device", "910B2", "--json"])
@@ -261,17 +259,17 @@ def test_every_ranked_layout_passes_the_trainers_layout_checks():
     from titan_npu.parallel.layout import validate_layout
 
     cfg = load_config(CONFIGS / "llama_70b.toml", [])
-    plan = plan_cli.make_plan(cfg, 8, 8, hardware("910B2"), top=30)
+    plan = search.make_plan(cfg, 8, 8, hardware("910B2"), top=30)
     for c in plan.ranked:
-        candidate = plan_cli.config_for_layout(cfg, c.layout)
+        candidate = search.config_for_layout(cfg, c.layout)
         validate_layout(ParallelDims.from_config(candidate.parallel, 64), plan.job.args, candidate)
 
 
 def test_the_suggested_overrides_select_the_ranked_layout():
     cfg = load_config(CONFIGS / "llama_13b.toml", [])
-    plan = plan_cli.make_plan(cfg, 2, 8, hardware("910B2"))
+    plan = search.make_plan(cfg, 2, 8, hardware("910B2"))
     best = plan.ranked[0].layout
-    chosen = load_config(CONFIGS / "llama_13b.toml", plan_cli.config_overrides(best).split())
+    chosen = load_config(CONFIGS / "llama_13b.toml", search.config_overrides(best).split())
     assert layout_from_config(chosen, 16) == best
 
 
@@ -307,7 +305,7 @@ def test_parameter_kinds_cover_the_model():
 
 def test_a_memory_fraction_cap_shrinks_what_a_plan_may_use():
     capped = load_config(CONFIGS / "llama_7b.toml", ["--training.memory_fraction", "0.5"])
-    plan = plan_cli.make_plan(capped, 1, 4, hardware("910B2"))
+    plan = search.make_plan(capped, 1, 4, hardware("910B2"))
     assert plan.config_candidate.usable_bytes == 32 * GiB
     assert all(c.memory.total <= 32 * GiB for c in plan.ranked)
 

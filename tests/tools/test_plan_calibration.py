@@ -17,10 +17,13 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from titan_npu import ops
-from titan_npu.config.schema import ActivationCheckpointConfig
+from titan_npu.config.schema import ActivationCheckpointConfig, ModelConfig
 from titan_npu.models.llama import LlamaArgs, Transformer
+from titan_npu.models.registry import build_model, build_model_args
 from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing
-from titan_npu.tools.memory_model import Job, Layout, rank_activations, temporary_bytes
+from titan_npu.planner.activations import rank_activations
+from titan_npu.planner.layout import Job, Layout
+from titan_npu.planner.temporaries import temporary_bytes
 
 TOLERANCE = 0.10
 BATCH, SEQ = 2, 64
@@ -88,6 +91,42 @@ def test_activation_estimate_matches_measured_cpu_peak(name):
     measured = _peak_step_bytes(model, autocast=held == "autocast")
 
     # dp_shard=2 marks parameters held (and cast) by FSDP, as in the bf16 case; the rest run on one device.
+    layout = Layout(ac=mode, selective_every=every, selective_ops=op_level, batch_size=BATCH,
+                    dp_shard=2 if held == "bf16" else 1)
+    assert_estimate_matches(name, Job(args, SEQ, dtype), layout, measured)
+
+
+QWEN_SHAPES = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=192, max_seq_len=SEQ)
+QWEN_CASES = {
+    # name: (model.name, model changes on the debug flavor, dtype, activation checkpointing, parameters held)
+    # Qwen3: per-head q/k norms, head_dim 64 where dim / n_heads is 16 (q is 256 wide, not 64), tied output.
+    "qwen3 fp32, no checkpointing": ("qwen3", {"head_dim": 64}, "fp32", ("none", 2, False), "plain"),
+    "qwen3 fp32, op-level selective": ("qwen3", {"head_dim": 64}, "fp32", ("selective", 2, True), "plain"),
+    "qwen3 bf16 parameters (FSDP mixed precision)": ("qwen3", {"head_dim": 64}, "bf16", ("none", 2, False), "bf16"),
+    "qwen3 bf16 autocast, large vocabulary": (
+        "qwen3", {"head_dim": 64, "vocab_size": 2048}, "bf16", ("none", 2, False), "autocast"),
+    # Qwen2.5: q/k/v biases, tied output.
+    "qwen2 fp32, every 2nd block": ("qwen2", {}, "fp32", ("selective", 2, False), "plain"),
+    "qwen2 bf16 autocast": ("qwen2", {}, "bf16", ("none", 2, False), "autocast"),
+    # Wide against its 128 tokens: the tied output's gradient, waiting for the embedding's, decides the peak.
+    "qwen2 bf16 autocast, dim 1024, one block": (
+        "qwen2", {"dim": 1024, "n_heads": 8, "n_layers": 1, "ffn_dim": 256, "vocab_size": 2048}, "bf16",
+        ("none", 2, False), "autocast"),
+}
+
+
+@pytest.mark.parametrize("name", list(QWEN_CASES))
+def test_qwen_activation_estimate_matches_measured_cpu_peak(name):
+    family, changes, dtype, (mode, every, op_level), held = QWEN_CASES[name]
+    args = build_model_args(ModelConfig(name=family, flavor="debug", **{**QWEN_SHAPES, **changes}))
+    assert args.tie_embeddings and (args.qk_norm or args.qkv_bias)
+    torch.manual_seed(0)
+    model = build_model(args)
+    if held == "bf16":
+        model = model.to(torch.bfloat16)
+    apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode, selective_every=every,
+                                                                     selective_ops=op_level))
+    measured = _peak_step_bytes(model, autocast=held == "autocast")
     layout = Layout(ac=mode, selective_every=every, selective_ops=op_level, batch_size=BATCH,
                     dp_shard=2 if held == "bf16" else 1)
     assert_estimate_matches(name, Job(args, SEQ, dtype), layout, measured)

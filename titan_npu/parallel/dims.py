@@ -9,18 +9,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_npu.config.schema import ParallelConfig
 from titan_npu.errors import LayoutError
+from titan_npu.parallel.arithmetic import MESH_DIMS, divisors
 from titan_npu.parallel.process_group import set_collective_timeout
 
-# Mesh dimension order, outermost first: pipeline stages talk least often, tensor-parallel ranks most, so tp is
-# innermost (adjacent ranks, on one node) and pp outermost (may cross nodes).
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-# With context parallelism the cp ranks sit between dp_shard and tp (their ring traffic is heavier than FSDP's,
-# lighter than TP's); FSDP shards parameters over dp_shard x cp flattened ("dp_shard_cp"), as torchtitan does.
+# With context parallelism the cp ranks sit between dp_shard and tp (MESH_DIMS' order otherwise; their ring traffic
+# is heavier than FSDP's, lighter than TP's); FSDP shards parameters over dp_shard x cp flattened ("dp_shard_cp"),
+# as torchtitan does.
 CP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass
@@ -53,7 +48,7 @@ class ParallelDims:
                 raise LayoutError(
                     f"world size {world_size} is not divisible by dp_replicate*tp_degree*pp_degree{cp_term} = "
                     f"{cfg.dp_replicate}*{cfg.tp_degree}*{cfg.pp_degree}{cp_value} = {fixed}; "
-                    f"choose degrees whose product divides {world_size} (divisors: {_divisors(world_size)})"
+                    f"choose degrees whose product divides {world_size} (divisors: {divisors(world_size)})"
                 )
             dp_shard = world_size // fixed
         if dp_shard < 1:

@@ -11,14 +11,12 @@ from typing import Any
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import LayoutError
+from titan_npu.parallel import arithmetic
+from titan_npu.parallel.arithmetic import divisors
 from titan_npu.parallel.dims import ParallelDims
 
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _listing(values: list[int]) -> str:
@@ -27,20 +25,17 @@ def _listing(values: list[int]) -> str:
 
 def pp_stages_per_rank(cfg: JobConfig) -> int:
     """Pipeline stages each pp rank runs: parallel.pp_virtual_stages, or 2 for Interleaved1F1B and 1 otherwise."""
-    p = cfg.parallel
-    if p.pp_virtual_stages > 0:
-        return p.pp_virtual_stages
-    return 2 if p.pp_schedule == "Interleaved1F1B" else 1
+    return arithmetic.stages_per_rank(cfg.parallel.pp_schedule, cfg.parallel.pp_virtual_stages)
 
 
 def pp_local_batch(cfg: JobConfig) -> int:
     """Sequences one pipeline runs per optimizer step: gradient accumulation becomes more microbatches under PP."""
-    return cfg.training.batch_size * cfg.training.gradient_accumulation_steps
+    return arithmetic.local_batch(cfg.training.batch_size, cfg.training.gradient_accumulation_steps)
 
 
 def pp_microbatches(cfg: JobConfig, dims: ParallelDims) -> int:
     """Microbatches per pipeline step: parallel.pp_microbatches, 0 = pp_degree * 2."""
-    return cfg.parallel.pp_microbatches or dims.pp * 2
+    return arithmetic.microbatches(cfg.parallel.pp_microbatches, dims.pp)
 
 
 def validate_layout(dims: ParallelDims, model_args: Any, cfg: JobConfig) -> None:
@@ -103,7 +98,7 @@ def _check_context_parallel(dims: ParallelDims, cfg: JobConfig) -> None:
 def _check_tensor_parallel(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:
     tp = dims.tp
     # Degrees that split heads, kv heads and the FFN evenly (the vocabulary can always be padded).
-    choices = _listing(_divisors(math.gcd(a.n_heads, a.n_kv_heads, a.ffn_dim)))
+    choices = _listing(divisors(math.gcd(a.n_heads, a.n_kv_heads, a.ffn_dim)))
     if a.n_heads % tp:
         raise LayoutError(
             f"parallel.tp_degree={tp} does not divide model.n_heads={a.n_heads}: each rank must hold whole "
@@ -171,7 +166,7 @@ def _check_pipeline(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:
             f"step; set parallel.pp_microbatches >= {dims.pp}"
         )
     if local % n_mb:
-        fits = [d for d in _divisors(local) if d >= dims.pp]
+        fits = [d for d in divisors(local) if d >= dims.pp]
         fix = f"set parallel.pp_microbatches to one of {_listing(fits)}, or " if fits else ""
         raise LayoutError(
             f"{origin} does not divide the {local} sequences each pipeline runs per step (training.batch_size="

@@ -15,14 +15,10 @@ import torch
 from torch import nn
 
 from titan_npu.config.schema import JobConfig
+from titan_npu.parallel.arithmetic import stage_ids_for_rank
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.layout import pp_microbatches, pp_stages_per_rank
 from titan_npu.parallel.reduce import plain_tensor
-
-
-def stage_ids_for_rank(pp_rank: int, pp_degree: int, stages_per_rank: int) -> list[int]:
-    """The stage indices pp rank `pp_rank` runs (looped placement, as the interleaved schedule expects)."""
-    return [pp_rank + i * pp_degree for i in range(stages_per_rank)]
 
 
 def split_for_pipeline(spec: Any, model: nn.Module, dims: ParallelDims, cfg: JobConfig

@@ -12,7 +12,7 @@ Tensor parallel (Megatron-style, with sequence parallelism):
   output          column-wise over the vocabulary; with loss parallel the logits stay sharded into the loss
 A tied output projection shares the embedding's parameter; both are cut by vocabulary, so the one DTensor serves
 both. The dim each parameter ends up split along is sharding.py's table, which the memory planner and the Meta
-checkpoint reader use; the dry run (tools/dry_run.py) checks the planner's shards against this plan's.
+checkpoint reader use; the dry run (planner/dry_run.py) checks the planner's shards against this plan's.
 """
 
 from __future__ import annotations
@@ -80,9 +80,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
         }
         if qk_norm:
             # q and k stay DTensors (sharded by head) up to their norms, which see the heads as a sharded "sequence"
-            # dim: the weight is replicated and its gradient, partial on each rank, is summed by DTensor.
-            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2)
-            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2)
+            # dim: the weight is replicated and its gradient, partial on each rank, is summed by DTensor. The norms
+            # hand on their rank's heads as plain tensors, as the column-parallel wv does, for RoPE and attention.
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
 
 

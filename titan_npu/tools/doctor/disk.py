@@ -19,7 +19,8 @@ def _existing_parent(path: Path) -> Path:
 
 def check_disk(report: Report, cfg) -> dict:
     """Free disk where checkpoints and logs go against what the config will write there."""
-    from titan_npu.tools.memory_model import GiB, checkpoint_bytes, job_from_config
+    from titan_npu.planner.layout import GiB, job_from_config
+    from titan_npu.planner.parameters import checkpoint_bytes
 
     s = "disk"
     facts: dict = {}

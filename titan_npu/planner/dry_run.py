@@ -8,6 +8,8 @@ over the sharded parameters. Byte counts come from the local shards of the resul
 
     python train.py --config configs/llama3_70b.toml --dry-run --world-size 64 --rank 5
     titan-npu plan --config configs/llama3_70b.toml --nodes 8 --devices-per-node 8 --verify --rank 5
+
+planner/verify.py compares what it measures with the planner's exact numbers.
 """
 
 from __future__ import annotations
@@ -152,14 +154,12 @@ def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims
 
     from titan_npu.device.dtypes import to_torch_dtype
     from titan_npu.models.registry import build_model_args
+    from titan_npu.parallel.layout import pp_local_batch, pp_microbatches
     from titan_npu.parallel.tp_grads import install_requested_grad_hooks
 
     args = build_model_args(cfg.model)
     t = cfg.training
-    if dims.pp_enabled:
-        batch = (t.batch_size * t.gradient_accumulation_steps) // (cfg.parallel.pp_microbatches or 2 * dims.pp)
-    else:
-        batch = t.batch_size
+    batch = pp_local_batch(cfg) // pp_microbatches(cfg, dims) if dims.pp_enabled else t.batch_size
     hidden_dtype = to_torch_dtype(t.dtype) if dims.dp > 1 else torch.float32
     seq_local = t.seq_len // dims.tp
     shape: tuple[int, ...] = ()
@@ -277,7 +277,7 @@ def _dry_run_in_this_thread(cfg: JobConfig, dims: ParallelDims, world_size: int,
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from titan_npu.tools.memory_model import layout_from_config, rank_coordinates
+    from titan_npu.planner.layout import layout_from_config, rank_coordinates
 
     layout = layout_from_config(cfg, world_size)
     t0 = time.perf_counter()
@@ -307,79 +307,12 @@ def _clear_redistribute_cache() -> None:
     clear_redistribute_planner_cache()
 
 
-def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
-    """The planner's exact numbers for the same rank next to the dry run's; every shard shape is compared too."""
-    from titan_npu.tools.memory_model import (
-        job_from_config,
-        layout_from_config,
-        local_shape,
-        parameter_kind,
-        parameter_kinds,
-        rank_coordinates,
-        rank_parameter_names,
-        state_bytes,
-        tensor_parallel_dims,
-    )
-
-    job = job_from_config(cfg)
-    layout = layout_from_config(cfg, result.world_size)
-    planned = state_bytes(job, layout, result.rank)
-    coords = rank_coordinates(layout, result.rank)
-    kinds = parameter_kinds(job.args)
-    tp_dims = tensor_parallel_dims(job.args)
-    expected_names = rank_parameter_names(job.args, layout, coords["pp"])
-    problems = []
-    missing = sorted(set(expected_names) - set(result.parameters))
-    extra = sorted(set(result.parameters) - set(expected_names))
-    if missing:
-        problems.append(f"{len(missing)} parameters the plan expects are not on this rank (e.g. {missing[0]})")
-    if extra:
-        problems.append(f"{len(extra)} parameters on this rank the plan does not expect (e.g. {extra[0]})")
-    for name in expected_names:
-        if name not in result.parameters:
-            continue
-        kind = parameter_kind(name)
-        want = list(local_shape(kinds[kind], tp_dims[kind], layout, coords))
-        got = result.parameters[name]["local_shape"]
-        if want != got:
-            problems.append(f"{name}: local shard {got} but the plan expects {want}")
-        grad = result.parameters[name].get("grad_local_shape")
-        if grad is not None and grad != want:
-            placements = ", ".join(result.parameters[name].get("grad_placements", [])) or "plain tensor"
-            problems.append(f"{name}: gradient is {grad} ({placements}) but the parameter shard is {want}")
-        grad_placements = result.parameters[name].get("grad_placements")
-        if grad_placements is not None and grad_placements != result.parameters[name]["placements"]:
-            # Same local shape, different layout (e.g. a pending Partial sum): the optimizer would redo that work.
-            problems.append(f"{name}: gradient placements {grad_placements} differ from the parameter's "
-                            f"{result.parameters[name]['placements']}")
-    rows = [("parameters", planned.parameters, result.parameter_bytes),
-            ("gradients", planned.gradients, result.gradient_bytes),
-            ("optimizer", planned.optimizer, result.optimizer_bytes)]
-    for label, want_bytes, got_bytes in rows:
-        if want_bytes != got_bytes:
-            problems.append(f"{label}: dry run {got_bytes} bytes, plan {want_bytes} bytes")
-    lines = ["plan vs dry run (bytes on this rank):"]
-    lines += [f"  {label:<11} plan {want_bytes:>16,}  dry run {got_bytes:>16,}  "
-              f"{'equal' if want_bytes == got_bytes else 'DIFFERENT'}" for label, want_bytes, got_bytes in rows]
-    lines += [f"  mismatch: {p}" for p in problems[:10]]
-    if len(problems) > 10:
-        lines.append(f"  ... and {len(problems) - 10} more")
-    lines.append("  every local shard matches the plan" if not problems else "  the plan and the model disagree")
-    return {
-        "match": not problems,
-        "problems": problems,
-        "planner": {"parameters": planned.parameters, "gradients": planned.gradients,
-                    "optimizer": planned.optimizer},
-        "dry_run": {"parameters": result.parameter_bytes, "gradients": result.gradient_bytes,
-                    "optimizer": result.optimizer_bytes},
-        "text": "\n".join(lines),
-    }
-
-
 def run(cfg: JobConfig, world_size: int | None, rank: int, device_type: str = "npu", forward: bool = True,
         as_json: bool = False) -> int:
     """`train.py --dry-run`: run the dry run, print it with the planner's comparison; 0 when they agree."""
     import json
+
+    from titan_npu.planner.verify import compare_with_plan
 
     result = dry_run(cfg, world_size, rank, device_type, forward)
     comparison = compare_with_plan(result, cfg)

@@ -1,0 +1,64 @@
+"""The integer arithmetic of a parallel layout, free of torch: mesh coordinates, FSDP's dim-0 chunks, pipeline
+stages and microbatches.
+
+The trainer (dims.py, layout.py, pipeline.py) and the memory planner (titan_npu/planner/) both call these, so the
+planner's shards, stages and batch split are the trainer's by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# Mesh dimension order, outermost first: pipeline stages talk least often, tensor-parallel ranks most, so tp is
+# innermost (adjacent ranks, on one node) and pp outermost (may cross nodes).
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending: the degrees a dimension of n ranks can take."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def mesh_coordinates(degrees: Mapping[str, int], rank: int) -> dict[str, int]:
+    """A rank's index along each mesh dimension (MESH_DIMS order), as init_device_mesh lays ranks out (row-major)."""
+    coords, rest = {}, rank
+    for name in reversed(MESH_DIMS):
+        coords[name] = rest % degrees[name]
+        rest //= degrees[name]
+    return {name: coords[name] for name in MESH_DIMS}
+
+
+def mesh_rank(degrees: Mapping[str, int], coords: Mapping[str, int]) -> int:
+    """The rank at the given mesh coordinates (missing ones 0): the inverse of mesh_coordinates."""
+    rank = 0
+    for name in MESH_DIMS:
+        rank = rank * degrees[name] + coords.get(name, 0)
+    return rank
+
+
+def chunk_size(n: int, parts: int, index: int) -> int:
+    """Length of torch.chunk(n, parts)[index] (0 past the last chunk): how DTensor's Shard and FSDP2 cut a dim."""
+    step = -(-n // parts)
+    return max(0, min(step, n - index * step))
+
+
+def stages_per_rank(pp_schedule: str, pp_virtual_stages: int) -> int:
+    """Pipeline stages each pp rank runs: pp_virtual_stages, or 2 for Interleaved1F1B and 1 otherwise."""
+    if pp_virtual_stages > 0:
+        return pp_virtual_stages
+    return 2 if pp_schedule == "Interleaved1F1B" else 1
+
+
+def microbatches(pp_microbatches: int, pp_degree: int) -> int:
+    """Microbatches per pipeline step: pp_microbatches, 0 = pp_degree * 2."""
+    return pp_microbatches or pp_degree * 2
+
+
+def local_batch(batch_size: int, gradient_accumulation_steps: int) -> int:
+    """Sequences one data-parallel rank runs per optimizer step (under PP, one pipeline step's microbatches)."""
+    return batch_size * gradient_accumulation_steps
+
+
+def stage_ids_for_rank(pp_rank: int, pp_degree: int, stages_per_rank: int) -> list[int]:
+    """The stage indices pp rank `pp_rank` runs (looped placement, as the interleaved schedule expects)."""
+    return [pp_rank + i * pp_degree for i in range(stages_per_rank)]

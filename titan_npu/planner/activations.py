@@ -1,0 +1,193 @@
+"""Activations: the tensors autograd saves for backward in the dense decoder (models/decoder/model.py) with the
+reference ops, per token, and a block-by-block walk of backward for the peak (loss buffers, a checkpointed block's
+recomputation). tests/tools/test_plan_calibration.py holds them to measured CPU peaks; docs/planning.md has the
+formulas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_npu.planner.layout import Job, Layout
+from titan_npu.planner.stages import StagePart, rank_parts
+
+# Bytes that the attention kernel keeps per (token, local head) besides q, k, v and the output: the log-sum-exp of
+# SDPA's flash/efficient kernels (fp32), or npu_fusion_attention's softmax max and sum (2 x 8 fp32 values).
+ATTENTION_STAT_BYTES = {"cpu": 4, "cuda": 4, "npu": 64}
+
+
+@dataclass(frozen=True)
+class BlockBytes:
+    """Per micro-batch: what a block saves for backward without checkpointing, and its pieces."""
+
+    full: int  # every tensor autograd saves (no checkpointing)
+    block_input: int  # the residual stream entering the block (what full checkpointing keeps)
+    op_saves: int  # what op-level selective checkpointing keeps: matmul and attention outputs + the input
+    backward_transient: int  # gradients alive while the block's backward runs
+
+
+def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "cpu") -> BlockBytes:
+    """Saved-tensor bytes of one transformer block for one micro-batch (the reference ops).
+
+    Per token, with c the compute dtype's bytes and sizes local to a tensor-parallel rank: each RMSNorm keeps its
+    fp32 input and normalised value (8 D; the cpu reference without TP keeps only its input) and the
+    projections after it keep the normalised output (c D; with
+    autocast each projection keeps its own low-precision copy); attention keeps q, k, v and its output
+    (c (2 q + 2 kv)) plus the kernel's softmax statistics; SwiGLU keeps gate, silu(gate), up and their product
+    (4 c F). Eager attention keeps its output copy, repeated k/v and the B H S^2 probabilities instead. q is the
+    query width n_heads x head_dim (Qwen3 sets head_dim apart from D / n_heads), kv the key/value width.
+    Qwen3's per-head q/k RMSNorm keeps what the other norms keep, per (token, head) row and in the projections'
+    dtype: its input (c (q + kv)) and rstd (4 per head) with the cpu reference, else the fp32 input and
+    normalised value (8 (q + kv)) and rstd; it runs on the heads a tensor-parallel rank holds, so sequence
+    parallelism does not split it further. Qwen2's q/k/v biases keep nothing (an add's backward needs no input).
+    """
+    a, c, tp = job.args, job.compute_bytes, layout.tp
+    tokens = micro_batch * job.seq_len
+    d = a.dim
+    q, kv, f, heads = a.q_dim // tp, a.kv_dim // tp, a.ffn_dim // tp, a.n_heads // tp
+    kv_heads = a.n_kv_heads // tp
+    sp = tp if layout.sequence_parallel else 1
+    autocast = c < 4 and not layout.fsdp_wrapped
+    residual = 4 if autocast else c  # the residual stream stays fp32 under autocast
+    stats = heads * ATTENTION_STAT_BYTES.get(device_type, 4)
+    if device_type == "cpu" and tp == 1:
+        norms = 2 * (residual * d + 4)  # the cpu reference norm (hand-written backward) keeps its input + rstd
+    else:
+        norms = 2 * (8 * d + 4) // sp  # fp32 input + normalised value + rstd; split over the sequence under SP
+    if a.qk_norm:
+        qk_width = c if device_type == "cpu" and tp == 1 else 8
+        norms += qk_width * (q + kv) + 4 * (heads + kv_heads)
+    per_token = norms + (5 if autocast else 2) * c * d + 4 * c * f
+    if a.use_flash_attention:
+        full = tokens * (per_token + c * (2 * q + 2 * kv) + stats)
+    else:
+        probs = micro_batch * heads * job.seq_len**2 * (4 + (c if c != 4 else 0))
+        full = tokens * (per_token + 4 * c * q) + probs + job.seq_len**2
+    block_input = tokens * d * residual // sp
+    # Op-level selective checkpointing keeps the outputs of every matmul (q, k, v, wo, w1, w3, w2) and of attention.
+    op_saves = block_input + tokens * (c * (q + 2 * kv + 2 * d + 2 * f + q) + stats)
+    # Measured on CPU: about one fp32 F-wide gradient is alive beyond the saved tensors while a block's backward runs.
+    transient = tokens * 4 * f
+    return BlockBytes(full, block_input, op_saves, transient)
+
+
+def checkpoint_kind(layer_id: int, layout: Layout) -> str:
+    """How block `layer_id` is checkpointed: 'none', 'full' or 'ops' (activation_checkpoint.py's choice)."""
+    if layout.ac == "full":
+        return "full"
+    if layout.ac == "selective":
+        if layout.selective_ops:
+            return "ops"
+        return "full" if (layer_id + 1) % layout.selective_every == 0 else "none"
+    return "none"
+
+
+def loss_bytes(job: Job, layout: Layout, micro_batch: int) -> int:
+    """Logits and loss buffers at their peak (backward of the loss): logits (c), fp32 log-softmax, two fp32 grads."""
+    vocab = job.args.vocab_size // layout.tp if (layout.tp > 1 and layout.loss_parallel) else job.args.vocab_size
+    return micro_batch * job.seq_len * vocab * (job.compute_bytes + 12)
+
+
+def logits_bytes(job: Job, layout: Layout, micro_batch: int) -> int:
+    """The logits the training step holds through backward."""
+    vocab = job.args.vocab_size // layout.tp if (layout.tp > 1 and layout.loss_parallel) else job.args.vocab_size
+    return micro_batch * job.seq_len * vocab * job.compute_bytes
+
+
+def chunked_loss_bytes(job: Job, layout: Layout, micro_batch: int) -> tuple[int, int]:
+    """(held, peak) of the chunked loss (trainer/loss.py): it takes both gradients in the forward, so backward
+    starts holding the output weight's gradient (the hidden states' one replaces the output's saved input, counted
+    with the activations); the peak is a chunk's logits with the fp32 weight-gradient sum, or backward's scaling."""
+    a, c = job.args, job.compute_bytes
+    tokens, vocab, dim = micro_batch * job.seq_len, a.vocab_size, a.dim
+    chunk = min(layout.loss_chunk, tokens)
+    autocast = c < 4 and not layout.fsdp_wrapped
+    narrow = c if c < 4 else 0  # the low-precision copies the fp32 path does not make
+    casts = (tokens + vocab) * dim * c if autocast else 0  # autocast's rounding of the hidden states and weight
+    weight_grad = vocab * dim * c
+    if narrow:
+        # fp32 logits beside the low-precision ones; then the low-precision softmax gradient beside the weight
+        # gradient's chunk product, widened to fp32 as it is added to the fp32 sum.
+        chunk_peak = max(chunk * vocab * (4 + narrow), chunk * vocab * narrow + vocab * dim * (narrow + 4))
+    else:
+        chunk_peak = chunk * vocab * 4 + vocab * dim * 4  # the softmax gradient (the logits, in place) and a product
+    forward = casts + vocab * dim * 4 + max(chunk_peak, vocab * dim * narrow)
+    # Backward of the loss: the held gradients, their scaled copies, and autocast's widening back to fp32.
+    backward = 2 * weight_grad + tokens * dim * c + ((vocab + tokens) * dim * 4 if autocast else 0)
+    return weight_grad, max(forward, backward)
+
+
+def tied_output_gradient_bytes(job: Job, layout: Layout) -> int:
+    """The output projection's weight gradient that a tied model holds from the loss's backward to the embedding's.
+
+    The matrix is one parameter used twice, so autograd sums the two gradients before accumulating: the first
+    waits, whole (its local vocabulary rows under TP), through every block's backward. An untied output
+    accumulates at once; the chunked loss holds its gradient anyway.
+    """
+    if not getattr(job.args, "tie_embeddings", False):
+        return 0
+    grad = job.compute_bytes if layout.fsdp_wrapped else 4  # FSDP's unsharded parameter's dtype, or fp32
+    return job.args.vocab_size // layout.tp * job.args.dim * grad
+
+
+@dataclass(frozen=True)
+class ActivationPeak:
+    """A rank's activations at the start of backward and the extra it needs at its backward peak."""
+
+    saved: int  # saved tensors of every in-flight micro-batch
+    extra: int  # loss buffers, or a recomputed block with its gradients, at the worst moment of backward
+
+
+def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str = "cpu") -> ActivationPeak:
+    """One micro-batch through one stage: its saved bytes and the peak over a block-by-block walk of backward."""
+    mb = layout.micro_batch
+    tokens = mb * job.seq_len
+    b = block_bytes(job, layout, mb, device_type)
+    saved_by, recompute_by = [], []
+    for layer in part.layers:
+        kind = checkpoint_kind(layer, layout)
+        saved_by.append({"none": b.full, "full": b.block_input, "ops": b.op_saves}[kind])
+        recompute_by.append({"none": 0, "full": b.full, "ops": max(0, b.full - b.op_saves)}[kind])
+    saved = sum(saved_by)
+    if part.first:
+        saved += 8 * tokens  # int64 token ids kept by the embedding
+    if part.last:
+        sp = layout.tp if layout.sequence_parallel else 1
+        saved += tokens * ((8 * job.args.dim + 4) // sp + job.compute_bytes * job.args.dim)  # final norm, output
+    c = job.compute_bytes
+    # Backward starts at the loss (last stage) or with the gradient the next stage sent (others).
+    if part.last and layout.loss_chunk:
+        held, extra = chunked_loss_bytes(job, layout, mb)
+    else:
+        held = logits_bytes(job, layout, mb) if part.last else tokens * job.args.dim * c
+        extra = loss_bytes(job, layout, mb) if part.last else held
+        held += tied_output_gradient_bytes(job, layout) if part.last else 0
+    freed = 0  # saved bytes of the blocks whose backward already ran
+    for block_saved, recompute in zip(reversed(saved_by), reversed(recompute_by)):
+        extra = max(extra, held + recompute + b.backward_transient - freed)
+        freed += block_saved
+    return ActivationPeak(saved, extra)
+
+
+def in_flight_forwards(layout: Layout, pp_rank: int) -> int:
+    """Stage forwards whose activations a pipeline rank holds at its peak (torch.distributed.pipelining's order).
+
+    1F1B: pp - pp_rank micro-batches; GPipe: all of them; interleaved: the schedule's warm-up forwards plus one.
+    """
+    if layout.pp == 1:
+        return 1
+    m, pp, v = layout.n_microbatches, layout.pp, layout.stages_per_rank
+    if layout.pp_schedule == "GPipe":
+        return m * v
+    if v == 1:
+        return min(m, pp - pp_rank)
+    per_round = m // max(1, m // pp)
+    warmup = (v - 1) * per_round + 2 * (pp - 1 - pp_rank)
+    return min(warmup + 1, m * v)
+
+
+def rank_activations(job: Job, layout: Layout, pp_rank: int, device_type: str = "cpu") -> ActivationPeak:
+    """Activations of a pipeline rank: its in-flight forwards' saved tensors, plus one backward's peak extra."""
+    peaks = [part_activations(job, layout, part, device_type) for part in rank_parts(job.args, layout, pp_rank)]
+    largest = max(p.saved for p in peaks)
+    return ActivationPeak(in_flight_forwards(layout, pp_rank) * largest, max(p.extra for p in peaks))

@@ -1,0 +1,81 @@
+"""The devices the planner knows: memory, peak FLOPs and the effective bandwidth of the links between them."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from titan_npu.device.flops import lookup_peak_flops
+from titan_npu.errors import ConfigError
+from titan_npu.planner.layout import GiB
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device kind and the links between devices (bandwidths: effective collective bus bandwidth per device)."""
+
+    name: str
+    device_type: str  # npu | cuda | cpu
+    memory_bytes: int
+    peak_flops: float  # dense bf16 FLOP/s
+    intra_node_bw: float  # bytes/s
+    inter_node_bw: float  # bytes/s
+    intra_link: str
+    inter_link: str
+    host_bw: float = 25 * GB  # PCIe to host memory (cpu_offload traffic)
+
+
+def _spec(name: str, device_type: str, memory_gib: float, intra_gbs: float, inter_gbs: float, intra: str,
+          inter: str, flops_name: str | None = None) -> Hardware:
+    peak = lookup_peak_flops(flops_name or name)
+    assert peak is not None, name
+    return Hardware(name, device_type, int(memory_gib * GiB), peak, intra_gbs * GB, inter_gbs * GB, intra, inter)
+
+
+# Bandwidths are what a ring collective typically reaches per device (bus bandwidth), below the links' line rate:
+# 910B HCCS ~160 GB/s in an 8-card Atlas 800T A2, 200GE RoCE per NPU ~20 GB/s; NVLink 3/4 ~230/360 GB/s;
+# HDR/NDR InfiniBand per GPU ~22/45 GB/s. Measure yours with `titan-npu doctor` under torchrun and override.
+DEVICES: dict[str, Hardware] = {
+    spec.name.lower(): spec
+    for spec in (
+        _spec("910B1", "npu", 64, 160, 20, "HCCS", "RoCE"),
+        _spec("910B2", "npu", 64, 160, 20, "HCCS", "RoCE"),
+        _spec("910B2C", "npu", 64, 160, 20, "HCCS", "RoCE"),
+        _spec("910B3", "npu", 64, 160, 20, "HCCS", "RoCE"),
+        _spec("910B4", "npu", 32, 160, 20, "HCCS", "RoCE"),
+        _spec("A100", "cuda", 80, 230, 22, "NVLink", "InfiniBand"),
+        _spec("A800", "cuda", 80, 150, 22, "NVLink", "InfiniBand"),
+        _spec("H100", "cuda", 80, 360, 45, "NVLink", "InfiniBand"),
+        _spec("H800", "cuda", 80, 150, 45, "NVLink", "InfiniBand"),
+        _spec("H200", "cuda", 141, 360, 45, "NVLink", "InfiniBand"),
+        _spec("H20", "cuda", 96, 360, 45, "NVLink", "InfiniBand"),
+    )
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'64GB' / '64G' / '64GiB' / '65536MB' -> bytes; GB means GiB here, as npu-smi and nvidia-smi count."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if match is None:
+        raise ConfigError(f"--device-memory {text!r} is not a size; write it like 64GB, 80GiB or 32768MB")
+    value, unit = float(match.group(1)), match.group(2)
+    return int(value * 1024 ** "_kmgt".index(unit or "_"))
+
+
+def hardware(name: str, memory: str | None = None, intra_node_gbs: float | None = None,
+             inter_node_gbs: float | None = None) -> Hardware:
+    """A device from the table, with optional overrides of its memory and link bandwidths (GB/s)."""
+    spec = DEVICES.get(name.lower().replace("ascend", "").replace("-", "").strip())
+    if spec is None:
+        raise ConfigError(f"--device {name!r} is unknown (known: {', '.join(s.name for s in DEVICES.values())}); "
+                          "pick the closest and set --device-memory / --intra-node-bw / --inter-node-bw")
+    changes: dict = {}
+    if memory:
+        changes["memory_bytes"] = parse_bytes(memory)
+    if intra_node_gbs:
+        changes["intra_node_bw"] = intra_node_gbs * GB
+    if inter_node_gbs:
+        changes["inter_node_bw"] = inter_node_gbs * GB
+    return replace(spec, **changes)

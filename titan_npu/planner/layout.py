@@ -1,0 +1,193 @@
+"""How a job is laid out for the planner: the parallel degrees, checkpointing and batch split (Layout), what it
+trains (Job), both read from a config, and where a rank sits on the device mesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from titan_npu.config.schema import JobConfig
+from titan_npu.errors import LayoutError
+from titan_npu.models.registry import build_model_args
+from titan_npu.parallel import arithmetic
+
+GiB = 1024**3
+MiB = 1024**2
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+AC_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one job is laid out: parallel degrees, activation checkpointing and the batch split per rank."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    fsdp: bool = True
+    ac: str = "none"  # none | selective | full
+    selective_every: int = 2
+    selective_ops: bool = False
+    batch_size: int = 1  # training.batch_size: sequences per rank per forward (per accumulation step)
+    grad_accum: int = 1
+    pp_microbatches: int = 0  # 0 = 2 * pp
+    pp_schedule: str = "1F1B"
+    pp_virtual_stages: int = 0  # 0 = 2 for Interleaved1F1B, else 1
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
+    loss_parallel: bool = True
+    loss_chunk_tokens: int = 0  # training.loss_chunk_tokens; 0 = the whole logits at once
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "batch_size", "grad_accum", "selective_every"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"layout {name}={getattr(self, name)} must be >= 1")
+        if self.ac not in AC_MODES:
+            raise LayoutError(f"activation_checkpoint.mode={self.ac!r} is unknown (choose {', '.join(AC_MODES)})")
+        if self.pp > 1 and self.local_batch % self.n_microbatches:
+            raise LayoutError(
+                f"{self.local_batch} sequences per pipeline step (batch_size x gradient_accumulation_steps) do not "
+                f"split into {self.n_microbatches} micro-batches; make them a multiple of parallel.pp_microbatches"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shards_parameters(self) -> bool:
+        """FSDP splits parameters, gradients and optimizer state over dp_shard."""
+        return self.fsdp and self.dp_shard > 1
+
+    @property
+    def fsdp_wrapped(self) -> bool:
+        """FSDP2 (fully_shard or replicate) holds the parameters: it casts them, so no autocast weight copies."""
+        return self.dp > 1
+
+    @property
+    def loss_chunk(self) -> int:
+        """Tokens per chunk of the loss's output projection; 0 = whole logits (always so under TP or PP, as the
+        trainer does: titan_npu/trainer/loss.py)."""
+        return self.loss_chunk_tokens if self.tp == 1 and self.pp == 1 else 0
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """The tensor-parallel plan keeps norms and the residual stream split over the sequence."""
+        return self.tp > 1
+
+    @property
+    def local_batch(self) -> int:
+        """Sequences one data-parallel rank processes per optimizer step."""
+        return arithmetic.local_batch(self.batch_size, self.grad_accum)
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each pp rank runs (1 without pipelining)."""
+        return arithmetic.stages_per_rank(self.pp_schedule, self.pp_virtual_stages) if self.pp > 1 else 1
+
+    @property
+    def n_microbatches(self) -> int:
+        """Pipeline micro-batches per step: under pipelining the accumulation steps become micro-batches."""
+        return arithmetic.microbatches(self.pp_microbatches, self.pp) if self.pp > 1 else 1
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences in one forward/backward pass of one stage."""
+        return self.local_batch // self.n_microbatches if self.pp > 1 else self.batch_size
+
+    @property
+    def passes(self) -> int:
+        """Forward/backward passes per optimizer step (accumulation steps, or pipeline micro-batches)."""
+        return self.n_microbatches if self.pp > 1 else self.grad_accum
+
+    def degrees(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+
+    def describe(self) -> str:
+        """One line: degrees, activation checkpointing and batch split."""
+        parts = [f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}", f"tp={self.tp}", f"pp={self.pp}"]
+        if not self.fsdp:
+            parts.append("fsdp=off")
+        if self.cpu_offload:
+            parts.append("cpu_offload")
+        if self.ac == "selective":
+            ac = "selective ops" if self.selective_ops else f"selective 1/{self.selective_every}"
+        else:
+            ac = self.ac
+        if self.pp > 1:
+            batch = (f"{self.n_microbatches} micro-batches of {self.micro_batch} per step ({self.pp_schedule}, "
+                     f"{self.stages_per_rank} stage(s) per rank)")
+        else:
+            batch = f"micro-batch {self.batch_size} x accum {self.grad_accum}"
+        return f"{' '.join(parts)}, AC {ac}, {batch}"
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the estimate needs from the config besides the layout."""
+
+    args: Any  # the model's args (models/spec.py)
+    seq_len: int
+    dtype: str = "bf16"
+    optimizer: str = "adamw"
+    momentum: float = 0.9  # SGD keeps a momentum buffer only when this is non-zero
+
+    @property
+    def compute_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+def job_from_config(cfg: JobConfig) -> Job:
+    """The model and training settings of a config, resolved."""
+    return Job(
+        args=build_model_args(cfg.model),
+        seq_len=cfg.training.seq_len,
+        dtype=cfg.training.dtype,
+        optimizer=cfg.optimizer.name.lower(),
+        momentum=float(cfg.optimizer.betas[0]) if cfg.optimizer.betas else 0.0,
+    )
+
+
+def layout_from_config(cfg: JobConfig, world_size: int) -> Layout:
+    """The config's layout on `world_size` ranks (dp_shard = -1 resolved the way ParallelDims does)."""
+    from titan_npu.parallel.dims import ParallelDims
+
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    p, ac = cfg.parallel, cfg.activation_checkpoint
+    return Layout(
+        dp_replicate=dims.dp_replicate,
+        dp_shard=dims.dp_shard,
+        tp=dims.tp,
+        pp=dims.pp,
+        fsdp=p.fsdp,
+        ac=ac.mode,
+        selective_every=ac.selective_every,
+        selective_ops=ac.selective_ops,
+        batch_size=cfg.training.batch_size,
+        grad_accum=cfg.training.gradient_accumulation_steps,
+        pp_microbatches=p.pp_microbatches,
+        pp_schedule=p.pp_schedule,
+        pp_virtual_stages=p.pp_virtual_stages,
+        cpu_offload=p.cpu_offload,
+        reshard_after_forward=p.reshard_after_forward,
+        loss_parallel=p.loss_parallel,
+        loss_chunk_tokens=cfg.training.loss_chunk_tokens,
+    )
+
+
+
+def rank_coordinates(layout: Layout, rank: int) -> dict[str, int]:
+    """A rank's index along each mesh dimension (pp, dp_replicate, dp_shard, tp), as init_device_mesh lays it out."""
+    if not 0 <= rank < layout.world_size:
+        raise LayoutError(f"rank {rank} is outside a {layout.world_size}-rank job (choose 0..{layout.world_size - 1})")
+    return arithmetic.mesh_coordinates(layout.degrees(), rank)
+
+
+def coordinates_rank(layout: Layout, coords: dict[str, int]) -> int:
+    """The rank at the given mesh coordinates (the inverse of rank_coordinates)."""
+    return arithmetic.mesh_rank(layout.degrees(), coords)

@@ -1,0 +1,129 @@
+"""Exact parameter, gradient and optimizer-state bytes of a rank.
+
+The planner walks the same parameter shapes and tensor-parallel placements (the family's
+ModelSpec.parameter_kinds: biases, q/k norms and a tied output included), pipeline split and FSDP2 dim-0 chunking
+as the real parallelized model; the dry run (planner/verify.py) checks that they are equal, shard by shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from titan_npu.errors import LayoutError
+from titan_npu.models.registry import spec_of
+from titan_npu.parallel.arithmetic import chunk_size
+from titan_npu.planner.layout import Job, Layout, rank_coordinates
+from titan_npu.planner.stages import FIRST_STAGE_KINDS, LAST_STAGE_KINDS, rank_parts
+
+# Per-parameter optimizer state, in parameter-sized tensors (the dry run measures the real optimizer's).
+OPTIMIZER_STATE_MULTIPLIER = {"adamw": 2, "adam": 2, "sgd": 1}
+
+
+def parameter_kinds(args: Any) -> dict[str, tuple[int, ...]]:
+    """Full shape of each kind of parameter the model has (its family's table), in the model's order: the block
+    ones by their name inside a block, the root ones by their own."""
+    return {kind: shape for kind, (shape, _) in spec_of(args).parameter_kinds(args).items()}
+
+
+def tensor_parallel_dims(args: Any) -> dict[str, int | None]:
+    """The dim tensor parallelism splits each kind of parameter along (None = replicated)."""
+    return {kind: dim for kind, (_, dim) in spec_of(args).parameter_kinds(args).items()}
+
+
+def block_kinds(args: Any) -> list[str]:
+    """The kinds of parameter one block holds, in the model's order (a rank's parameter names follow it)."""
+    return [k for k in parameter_kinds(args) if k not in FIRST_STAGE_KINDS + LAST_STAGE_KINDS]
+
+
+def parameter_kind(name: str) -> str:
+    """'layers.3.attention.wq.weight' -> 'attention.wq.weight'; root parameters are their own kind."""
+    return name.split(".", 2)[-1] if name.startswith("layers.") else name
+
+
+
+def rank_parameter_names(args: Any, layout: Layout, pp_rank: int) -> list[str]:
+    """Names of the parameters a pipeline rank holds (layer names stay global: 'layers.41.attention.wq.weight')."""
+    names = []
+    kinds = parameter_kinds(args)
+    block = block_kinds(args)
+    for part in rank_parts(args, layout, pp_rank):
+        names += [f"layers.{i}.{kind}" for i in part.layers for kind in block]
+        names += part.root_kinds(kinds)
+    return names
+
+
+
+def local_shape(shape: tuple[int, ...], tp_dim: int | None, layout: Layout, coords: dict[str, int]
+                ) -> tuple[int, ...]:
+    """The shape of a parameter's local shard on a rank: tensor-parallel cut first (along tp_dim, None = none),
+    then FSDP's dim-0 chunk of it."""
+    local = list(shape)
+    if layout.tp > 1 and tp_dim is not None:
+        local[tp_dim] = chunk_size(local[tp_dim], layout.tp, coords["tp"])
+    if layout.shards_parameters:
+        local[0] = chunk_size(local[0], layout.dp_shard, coords["dp_shard"])
+    return tuple(local)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    """Elements of a tensor of `shape`."""
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def _local_numels(args: Any, layout: Layout, coords: dict[str, int]) -> dict[str, int]:
+    """Elements of one local shard of each kind of parameter at `coords`."""
+    return {kind: numel(local_shape(shape, dim, layout, coords))
+            for kind, (shape, dim) in spec_of(args).parameter_kinds(args).items()}
+
+
+def local_parameter_numels(args: Any, layout: Layout, rank: int) -> dict[str, int]:
+    """Elements of every parameter shard that `rank` holds, by name."""
+    coords = rank_coordinates(layout, rank)
+    per_kind = _local_numels(args, layout, coords)
+    return {name: per_kind[parameter_kind(name)] for name in rank_parameter_names(args, layout, coords["pp"])}
+
+
+def local_numel(args: Any, layout: Layout, rank: int) -> int:
+    """Total elements of the parameter shards on `rank` (local_parameter_numels summed, without the names)."""
+    coords = rank_coordinates(layout, rank)
+    per_kind = _local_numels(args, layout, coords)
+    block = sum(per_kind[k] for k in block_kinds(args))
+    return sum(len(p.layers) * block + sum(per_kind[k] for k in p.root_kinds(per_kind))
+               for p in rank_parts(args, layout, coords["pp"]))
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of the training state one rank holds: fp32 parameter shards, their gradients, optimizer moments."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    numel: int
+
+
+def optimizer_state_multiplier(job: Job) -> int:
+    """Optimizer state per parameter, in parameter-sized tensors."""
+    name = job.optimizer.lower()
+    if name not in OPTIMIZER_STATE_MULTIPLIER:
+        raise LayoutError(f"optimizer.name={job.optimizer!r} has no state model (known: AdamW, Adam, SGD)")
+    if name == "sgd" and job.momentum == 0:
+        return 0
+    return OPTIMIZER_STATE_MULTIPLIER[name]
+
+
+def state_bytes(job: Job, layout: Layout, rank: int) -> StateBytes:
+    """Exact parameter/gradient/optimizer bytes on `rank` (the model keeps fp32 parameters and fp32 gradients)."""
+    numel = local_numel(job.args, layout, rank)
+    param = 4 * numel
+    return StateBytes(param, param, optimizer_state_multiplier(job) * param, numel)
+
+
+def checkpoint_bytes(job: Job) -> int:
+    """Size of one training checkpoint: fp32 weights plus optimizer moments, all ranks together."""
+    n = job.args.num_params()
+    return 4 * n * (1 + optimizer_state_multiplier(job))

@@ -1,0 +1,171 @@
+"""`titan-npu plan`: per-rank memory of the config's layout, whether it fits, and the fastest layouts that do.
+
+    titan-npu plan --config configs/llama2_70b.toml --nodes 8 --devices-per-node 8 --device 910B2
+    titan-npu plan --config configs/llama2_7b.toml --nodes 1 --devices-per-node 4 --json
+    titan-npu plan --config configs/llama2_7b.toml --nodes 1 --devices-per-node 4 --verify --rank 3
+
+Every candidate keeps the config's global batch (sequences per optimizer step): a plan that silently changed it
+would change the training run, not only its speed. Candidates pass the same layout checks as the trainer
+(parallel/layout.py). Exit code 0 when the config's own layout fits (and --verify agrees), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from titan_npu.errors import ConfigError, LayoutError
+from titan_npu.planner.hardware import DEVICES, hardware
+from titan_npu.planner.layout import GiB, Layout
+from titan_npu.planner.search import Candidate, Plan, config_overrides, make_plan
+
+# Llama 2 and 3 pretrained with ~4M-token batches; far larger global batches at the same lr are a common cause of
+# loss oscillation in the guides' runs.
+LARGE_GLOBAL_BATCH_TOKENS = 4 * 1024 * 1024
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f}"
+
+
+def _ac_label(layout: Layout) -> str:
+    if layout.ac == "selective":
+        return "sel-ops" if layout.selective_ops else f"sel/{layout.selective_every}"
+    return layout.ac
+
+
+def format_breakdown(c: Candidate) -> list[str]:
+    """Per-rank memory lines of one candidate."""
+    m, lay = c.memory, c.layout
+    shard = f"sharded over {lay.dp_shard}" if lay.shards_parameters else "not sharded"
+    if lay.tp > 1:
+        shard += f", tp {lay.tp}"
+    where = f"rank {m.rank}" + (f", pipeline rank {m.pp_rank} of {lay.pp}" if lay.pp > 1 else "")
+    ac = {"none": "no checkpointing", "full": "full checkpointing"}.get(lay.ac) or (
+        "selective ops" if lay.selective_ops else f"1 block in {lay.selective_every} checkpointed")
+    rows = [
+        (f"parameters (fp32, {shard})", m.parameters),
+        ("gradients (fp32)", m.gradients),
+        ("optimizer state", m.optimizer),
+        (f"activations (micro-batch {lay.micro_batch}, {ac})", m.activations),
+        ("temporary (loss/recompute, unsharded FSDP or autocast copies)", m.temporary),
+        ("communication buffers", m.communication),
+        ("runtime reserve", m.runtime),
+    ]
+    lines = [f"per-rank memory ({where}, the busiest):"]
+    lines += [f"  {label:<64} {_gib(value):>7} GiB" for label, value in rows]
+    if lay.cpu_offload:
+        lines.append(f"  {'(in host memory instead: parameters, gradients, optimizer)':<64} "
+                     f"{_gib(m.host_offload):>7} GiB")
+    verdict = "fits" if c.fits else "DOES NOT FIT"
+    lines.append(f"  {'total':<64} {_gib(m.total):>7} GiB of {_gib(c.usable_bytes)} usable -> {verdict}")
+    return lines
+
+
+def format_table(ranked: list[Candidate]) -> list[str]:
+    """The ranked layouts as a fixed-width table ('passes': accumulation steps or pipeline micro-batches)."""
+    header = (f"{'#':>2}  {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3}  {'AC':<8} {'mb':>3} {'passes':>6} "
+              f"{'offload':>7}  {'mem/rank':>9}  {'tokens/s':>10}  {'MFU':>5}")
+    lines = [header, "-" * len(header)]
+    for i, c in enumerate(ranked, 1):
+        lay = c.layout
+        lines.append(
+            f"{i:>2}  {lay.dp_replicate:>6} {lay.dp_shard:>8} {lay.tp:>3} {lay.pp:>3}  {_ac_label(lay):<8} "
+            f"{lay.micro_batch:>3} {lay.passes:>6} {('yes' if lay.cpu_offload else 'no'):>7}  "
+            f"{_gib(c.memory.total):>5} GiB  {c.step.tokens_per_s:>10,.0f}  {100 * c.step.mfu:>4.1f}%"
+        )
+    return lines
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as text: model, cluster, the config's layout, then the ranked table."""
+    a, hw = plan.job.args, plan.hw
+    tokens = plan.global_batch * plan.job.seq_len
+    lines = [
+        f"model: {a.family} {a.flavor}, {a.num_params() / 1e9:.2f}B parameters (dim {a.dim}, {a.n_layers} layers, "
+        f"{a.n_heads}/{a.n_kv_heads} heads, ffn {a.ffn_dim}, vocab {a.vocab_size}); seq {plan.job.seq_len}, "
+        f"{plan.job.dtype}, {plan.job.optimizer}",
+        f"cluster: {plan.nodes} node(s) x {plan.devices_per_node} {hw.name} ({_gib(hw.memory_bytes)} GiB, "
+        f"{hw.peak_flops / 1e12:.0f} TFLOP/s bf16; {hw.intra_link} {hw.intra_node_bw / 1e9:.0f} GB/s, "
+        f"{hw.inter_link} {hw.inter_node_bw / 1e9:.0f} GB/s; compute at {100 * plan.efficiency:.0f}% of peak)",
+        f"global batch: {plan.global_batch} sequences = {tokens:,} tokens per step (kept by every layout below)",
+    ]
+    if tokens > LARGE_GLOBAL_BATCH_TOKENS:
+        lines.append(f"note: {tokens / 2**20:.1f}M tokens per step is above the ~4M Llama 2/3 pretrained with; "
+                     "if the loss oscillates, lower gradient_accumulation_steps or the peak lr")
+    lines.append("")
+    if plan.config_candidate is not None:
+        c = plan.config_candidate
+        lines.append(f"config layout: {c.layout.describe()}")
+        lines += format_breakdown(c)
+        s = c.step
+        lines.append(f"estimate: {s.tokens_per_s:,.0f} tokens/s, MFU {100 * s.mfu:.1f}%, step {s.step_time:.2f}s "
+                     f"(compute {s.compute:.2f}s, tp {s.tp_comm:.2f}s, pp {s.pp_comm + s.bubble:.2f}s, "
+                     f"exposed fsdp {s.fsdp_exposed:.2f}s, offload {s.offload:.2f}s)")
+    else:
+        lines.append(f"config layout does not apply to {plan.nodes * plan.devices_per_node} ranks: {plan.config_error}")
+    lines.append("")
+    if plan.ranked:
+        lines.append("layouts that fit, fastest first:")
+        lines += format_table(plan.ranked)
+        lines += ["", "to use #1: " + config_overrides(plan.ranked[0].layout)]
+    else:
+        lines.append("no layout fits: use more devices, a shorter training.seq_len, or a smaller global batch")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="titan-npu plan",
+        description="Per-rank memory of a config's layout, whether it fits, and the fastest layouts that do. "
+                    "Config keys can be overridden as --section.key value.",
+    )
+    p.add_argument("--config", help="TOML or YAML config file")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--devices-per-node", type=int, default=8)
+    p.add_argument("--device", default="910B2", help=f"device kind ({', '.join(s.name for s in DEVICES.values())})")
+    p.add_argument("--device-memory", help="memory per device, e.g. 64GB (default: the device's)")
+    p.add_argument("--intra-node-bw", type=float, help="effective collective bandwidth inside a node, GB/s")
+    p.add_argument("--inter-node-bw", type=float, help="effective collective bandwidth between nodes, GB/s")
+    p.add_argument("--efficiency", type=float, default=0.4, help="fraction of peak FLOPs compute reaches (0.4)")
+    p.add_argument("--top", type=int, default=10, help="how many ranked layouts to show")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--verify", action="store_true",
+                   help="also build the real parallelized model for --rank on the meta device and compare")
+    p.add_argument("--rank", type=int, default=0, help="rank the --verify dry run builds (default 0)")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """Entry of `titan-npu plan`."""
+    from titan_npu.config.loader import load_config
+
+    args, overrides = build_parser().parse_known_args(argv)
+    if not 0 < args.efficiency <= 1:
+        raise ConfigError(f"--efficiency {args.efficiency} must be in (0, 1]; 0.3-0.5 is typical")
+    cfg = load_config(args.config, overrides)
+    hw = hardware(args.device, args.device_memory, args.intra_node_bw, args.inter_node_bw)
+    plan = make_plan(cfg, args.nodes, args.devices_per_node, hw, args.efficiency, args.top)
+    report = plan.as_dict()
+    agree = True
+    verify_text = ""
+    if args.verify:
+        if plan.config_candidate is None:
+            raise LayoutError(f"--verify needs a valid config layout: {plan.config_error}")
+        from titan_npu.planner.dry_run import dry_run
+        from titan_npu.planner.verify import compare_with_plan
+
+        result = dry_run(cfg, args.nodes * args.devices_per_node, args.rank, device_type=hw.device_type)
+        comparison = compare_with_plan(result, cfg)
+        agree = comparison["match"]
+        report["verify"] = {"dry_run": result.as_dict(), "comparison": comparison}
+        verify_text = "\n\n" + result.format() + "\n" + comparison["text"]
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        print()
+    else:
+        print(format_plan(plan) + verify_text)
+    fits = plan.config_candidate is not None and plan.config_candidate.fits
+    return 0 if agree and fits else 1

@@ -1,0 +1,42 @@
+"""The pipeline stages a rank runs, cut as the trainer cuts them (the family's split_layers, looped placement)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from titan_npu.models.registry import spec_of
+from titan_npu.parallel.arithmetic import stage_ids_for_rank
+from titan_npu.planner.layout import Layout
+
+# Parameters outside the blocks, in the model's order (a pipeline stage holds those of its end of the model).
+FIRST_STAGE_KINDS = ("tok_embeddings.weight",)
+LAST_STAGE_KINDS = ("norm.weight", "output.weight")
+
+
+@dataclass(frozen=True)
+class StagePart:
+    """One pipeline stage a rank runs: its blocks and whether it holds the embedding / the norm and output."""
+
+    stage: int
+    layers: tuple[int, ...]
+    first: bool
+    last: bool
+
+    def root_kinds(self, kinds: Collection[str]) -> list[str]:
+        """The parameters outside the blocks this stage holds, of those the model has (`kinds`: a tied model
+        has no output.weight of its own)."""
+        held = (FIRST_STAGE_KINDS if self.first else ()) + (LAST_STAGE_KINDS if self.last else ())
+        return [k for k in held if k in kinds]
+
+
+
+def rank_parts(args: Any, layout: Layout, pp_rank: int) -> list[StagePart]:
+    """The stages pipeline rank `pp_rank` runs (looped: pp_rank, pp_rank + pp, ...), cut as the trainer cuts them."""
+    if layout.pp == 1:
+        return [StagePart(0, tuple(range(args.n_layers)), True, True)]
+    n_stages = layout.pp * layout.stages_per_rank
+    layers = spec_of(args).split_layers(args.n_layers, n_stages)
+    ids = stage_ids_for_rank(pp_rank, layout.pp, layout.stages_per_rank)
+    return [StagePart(i, tuple(layers[i]), i == 0, i == n_stages - 1) for i in ids]

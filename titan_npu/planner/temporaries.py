@@ -1,0 +1,58 @@
+"""Temporary buffers of a rank: unsharded FSDP parameters and gradients, autocast's weight copies, the optimizer
+step's intermediates, and the backward peak the activation walk found."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_npu.planner.layout import Job, Layout
+from titan_npu.planner.parameters import block_kinds, numel, optimizer_state_multiplier, parameter_kinds
+from titan_npu.planner.stages import rank_parts
+
+
+@dataclass(frozen=True)
+class TemporaryBytes:
+    """Buffers that live only during forward/backward (or the optimizer step)."""
+
+    backward: int  # loss buffers or a block's recomputation (ActivationPeak.extra)
+    fsdp: int  # unsharded parameters and gradients of the blocks being computed
+    autocast: int  # low-precision weight copies autocast keeps for backward (no FSDP mixed precision)
+    optimizer_step: int  # foreach optimizer intermediates (after backward, when activations are gone)
+
+    @property
+    def during_backward(self) -> int:
+        return self.backward + self.fsdp + self.autocast
+
+
+def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int, device_type: str = "cpu",
+                    local_param_bytes: int = 0) -> TemporaryBytes:
+    """Temporary buffers of a pipeline rank; local_param_bytes sizes the optimizer step's intermediates."""
+    kinds = parameter_kinds(job.args)
+    tp, c = layout.tp, job.compute_bytes
+    parts = rank_parts(job.args, layout, pp_rank)
+    n_blocks = sum(len(p.layers) for p in parts)
+    block = sum(numel(kinds[k]) for k in block_kinds(job.args)) // tp
+    root = sum(numel(kinds[k]) for p in parts for k in p.root_kinds(kinds)) // tp
+    fsdp = autocast = 0
+    if layout.fsdp_wrapped and layout.pp > 1:
+        # Under pipelining the schedule skips FSDP's resharding and gradient reduction until the last micro-batch:
+        # every block of the rank stays unsharded (compute dtype) and accumulates an unsharded fp32 gradient.
+        fsdp = (n_blocks * block + root) * (c + 4)
+    elif layout.fsdp_wrapped:
+        # Unsharded copies in the compute dtype: the block being computed and the one prefetched (the last block
+        # is never resharded after forward), and the root (embedding, norm, output); in backward, the block's
+        # unsharded gradient and its fp32 copy for the reduce-scatter.
+        grad_copy = 4 if c < 4 else 0
+        fsdp = min(n_blocks, 2) * block * c + (block * (c + grad_copy) if n_blocks else 0) + root * c
+        if not layout.reshard_after_forward:
+            fsdp += max(0, n_blocks - 2) * block * c
+    elif c < 4:
+        # autocast caches one low-precision copy of every matmul weight for backward (not the embedding table).
+        autocast = n_blocks * sum(numel(kinds[k]) for k in block_kinds(job.args) if len(kinds[k]) == 2) // tp * c
+        if any(p.last for p in parts) and not layout.loss_chunk:  # the chunked loss rounds it itself, briefly
+            output = kinds.get("output.weight", kinds["tok_embeddings.weight"])  # tied: the embedding's matrix
+            autocast += numel(output) // tp * c
+    # foreach AdamW (the NPU default) materialises sqrt(exp_avg_sq) for every parameter at once; fused kernels
+    # (cuda, cpu) need no such buffer.
+    optimizer_step = local_param_bytes if device_type == "npu" and optimizer_state_multiplier(job) == 2 else 0
+    return TemporaryBytes(backward_extra, fsdp, autocast, optimizer_step)
