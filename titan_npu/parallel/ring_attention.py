@@ -22,18 +22,22 @@ import torch.distributed as dist
 from titan_npu.ops.attention_blocks import block_attention, block_attention_backward
 
 
-def _ring_exchange(t: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int
-                   ) -> tuple[list, torch.Tensor]:
-    """Start sending t to the next rank and receiving the previous rank's into a new tensor: (works, received)."""
-    received = torch.empty_like(t)
-    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(rank + 1) % size),
-           dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % size)]
-    return dist.batch_isend_irecv(ops), received
+class _RingExchange:
+    """t sent to the next rank of the ring and the previous rank's received, in flight until wait()."""
 
+    def __init__(self, t: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> None:
+        self.sent = t  # held until the send has completed
+        self.received = torch.empty_like(t)
+        self.works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, t, group=group, group_peer=(rank + 1) % size),
+            dist.P2POp(dist.irecv, self.received, group=group, group_peer=(rank - 1) % size),
+        ])
 
-def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
+    def wait(self) -> torch.Tensor:
+        """The previous rank's tensor, once both transfers are done."""
+        for work in self.works:
+            work.wait()
+        return self.received
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -51,7 +55,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist
     kv = torch.stack((k, v))
     out = lse = None
     for i in range(size):
-        works, next_kv = _ring_exchange(kv, group, rank, size) if i + 1 < size else ([], None)
+        exchange = _RingExchange(kv, group, rank, size) if i + 1 < size else None  # the next step's keys/values
         src = (rank - i) % size
         if i == 0:
             block_out, lse = block_attention(q, kv[0], kv[1], causal=True)
@@ -60,8 +64,8 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist
             _merge(out, lse, *block_attention(q, kv[0, :, :, :half], kv[1, :, :, :half], causal=False))
         else:
             _merge(out[:, :, half:], lse[:, :, half:], *block_attention(q[:, :, half:], kv[0], kv[1], causal=False))
-        _wait(works)
-        kv = next_kv
+        if exchange is not None:
+            kv = exchange.wait()
     return out, lse
 
 
@@ -72,9 +76,9 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     half = q.shape[2] // 2
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack((k, v))
-    dkv_works, dkv_in = [], None
+    dkv_exchange = None  # the gradients of the keys/values held next, as the ranks before this one left them
     for i in range(size):
-        works, next_kv = _ring_exchange(kv, group, rank, size) if i + 1 < size else ([], None)
+        exchange = _RingExchange(kv, group, rank, size) if i + 1 < size else None
         src = (rank - i) % size
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # grads of the keys/values held now
         if i == 0:
@@ -94,17 +98,18 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             dq[:, :, half:] += dq_b
             dkv[0] += dk_b
             dkv[1] += dv_b
-        _wait(dkv_works)
-        if dkv_in is not None:  # what the ranks before this one added for these keys/values
-            dkv += dkv_in
-        dkv_works, dkv_in = _ring_exchange(dkv, group, rank, size)
-        _wait(works)
-        kv = next_kv
-    _wait(dkv_works)  # the last hop brings each rank the gradients of its own keys/values
-    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+        if dkv_exchange is not None:
+            dkv += dkv_exchange.wait()
+        dkv_exchange = _RingExchange(dkv, group, rank, size)
+        if exchange is not None:
+            kv = exchange.wait()
+    dkv = dkv_exchange.wait()  # the last hop brings each rank the gradients of its own keys/values
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
+    """ring attention with its own backward: the ring again, not autograd through the sends and receives."""
+
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         out, lse = _ring_forward(q, k, v, group)
