@@ -24,6 +24,10 @@ def test_context_parallel_layouts_of_this_slice_pass():
     check(4, cp_degree=4)
     check(4, cp_degree=2)  # dp_shard 2 x cp 2
     check(8, cp_degree=2, dp_replicate=2)  # HSDP 2 x (dp_shard 2 x cp 2)
+    dims, cfg = job(2, cp_degree=2)
+    cfg.validation.enable = cfg.compile.enable = True
+    cfg.activation_checkpoint.mode = "full"
+    validate_layout(dims, build_model_args(cfg.model), cfg)
 
 
 @pytest.mark.parametrize(("world", "parallel", "message"), [
@@ -38,13 +42,6 @@ def test_context_parallel_layouts_of_this_slice_pass():
 def test_what_context_parallelism_does_not_run_yet_is_refused(world, parallel, message):
     with pytest.raises(LayoutError, match=message):
         check(world, **parallel)
-
-
-def test_validation_with_context_parallelism_is_refused():
-    dims, cfg = job(2, cp_degree=2)
-    cfg.validation.enable = True
-    with pytest.raises(LayoutError, match="validation.enable = false or parallel.cp_degree = 1"):
-        validate_layout(dims, build_model_args(cfg.model), cfg)
 
 
 def test_sequence_that_does_not_split_into_2cp_chunks_is_refused():

@@ -5,6 +5,7 @@ as if never stopped, also when one process without CP resumes it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,17 @@ pytestmark = pytest.mark.distributed
 RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
 
+# Validation every 5 steps on 2 held-out batches (a tenth of the documents, so its own reference run).
+VALIDATION = ["--validation.enable=true", "--validation.interval=5", "--validation.steps=2",
+              "--data.val_fraction=0.1"]
+
 TWO_RANKS = [
     Case("cp2", ["--parallel.cp_degree=2"], "ref_b4"),
     # The loss from the whole logits instead of the chunked projection.
     Case("cp2_whole_logits", ["--parallel.cp_degree=2", "--training.loss_chunk_tokens=0"], "ref_b4"),
     Case("cp2_ac_full", ["--parallel.cp_degree=2", "--activation_checkpoint.mode=full"], "ref_b4"),
     Case("cp2_compile", ["--parallel.cp_degree=2", "--compile.enable=true"], "ref_b4"),
+    Case("cp2_validation", ["--parallel.cp_degree=2", *VALIDATION], "ref_b4_validation"),
 ]
 FOUR_RANKS = [
     Case("cp4", ["--parallel.cp_degree=4"], "ref_b4"),
@@ -62,7 +68,8 @@ def cp_runs(parallel_workspace: Path) -> Path:
     run_pool(2, [tiny_run(parallel_workspace, c.name) + c.overrides for c in TWO_RANKS]
              + resume_runs(parallel_workspace))
     run_pool(4, [tiny_run(parallel_workspace, c.name) + c.overrides for c in FOUR_RANKS])
-    run_pool(1, [resumed_in_one_process(parallel_workspace)])
+    run_pool(1, [resumed_in_one_process(parallel_workspace), tiny_run(parallel_workspace, "ref_b4_validation")
+                 + VALIDATION])
     return parallel_workspace
 
 
@@ -97,3 +104,14 @@ def test_context_parallel_checkpoint_resumes_exactly_without_context_parallelism
     straight, resumed = losses_by_step(cp_runs, "cp_straight"), losses_by_step(cp_runs, "cp_resumed_in_one")
     assert sorted(resumed) == [6, 7, 8, 9, 10]
     assert resumed == pytest.approx({step: straight[step] for step in resumed}, rel=RTOL)
+
+
+def _validation_losses(workdir: Path, name: str) -> dict[int, float]:
+    lines = (workdir / name / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["val_loss"] for r in map(json.loads, filter(str.strip, lines)) if "val_loss" in r}
+
+
+def test_context_parallel_validation_loss_matches_single_process(cp_runs):
+    got, want = _validation_losses(cp_runs, "cp2_validation"), _validation_losses(cp_runs, "ref_b4_validation")
+    assert sorted(want) == [5, 10]
+    assert got == pytest.approx(want, rel=RTOL)

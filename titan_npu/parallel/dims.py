@@ -134,7 +134,8 @@ class ParallelDims:
         flat = ("dp",)
         if self.cp_enabled:
             mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
-            flat = ("dp", "dp_shard_cp")
+            mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")
+            flat = ("dp", "dp_shard_cp", "dp_cp")
         if collective_timeout_s:
             for name in (*names, *flat):
                 set_collective_timeout(mesh[name].get_group(), collective_timeout_s)
@@ -162,6 +163,12 @@ class ParallelDims:
     @property
     def cp_mesh(self) -> DeviceMesh:
         return self.mesh["cp"]
+
+    @property
+    def token_mesh(self) -> DeviceMesh:
+        """The ranks that hold different tokens of a step (data-parallel x context-parallel): a sum over the
+        step's tokens reduces over this mesh."""
+        return self.mesh["dp_cp"] if self.cp_enabled else self.mesh["dp"]
 
     def cp_coordinates(self) -> tuple[int, int]:
         """(cp_rank, cp_degree) of this rank: which chunks of each sequence it holds."""

@@ -87,8 +87,7 @@ def _check_context_parallel(dims: ParallelDims, cfg: JobConfig) -> None:
     not_yet = [(dims.tp_enabled, f"tensor parallelism (tp_degree={dims.tp})", "parallel.tp_degree = 1"),
                (dims.pp_enabled, f"pipeline parallelism (pp_degree={dims.pp})", "parallel.pp_degree = 1"),
                (not p.fsdp, "parallel.fsdp=false (the cp ranks shard the parameters with FSDP)",
-                "parallel.fsdp = true"),
-               (cfg.validation.enable, "validation", "validation.enable = false")]
+                "parallel.fsdp = true")]
     for refused, what, fix in not_yet:
         if refused:
             raise LayoutError(

@@ -189,9 +189,9 @@ class Trainer:
         if cfg.validation.enable:
             from titan_npu.trainer.validate import Validator
 
-            dp_group = self.dims.mesh["dp"].get_group() if self.world_size > 1 else None
+            dp_group = self.dims.token_mesh.get_group() if self.world_size > 1 else None
             self.validator = Validator(cfg, self.tokenizer, self.dp_rank, self.dp_degree, self.device,
-                                       self.model_args.vocab_size, dp_group)
+                                       self.model_args.vocab_size, dp_group, self.cp_batch)
         self._log_start()
 
     def _log_start(self) -> None:

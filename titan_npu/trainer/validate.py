@@ -17,6 +17,7 @@ from titan_npu.config.schema import JobConfig
 from titan_npu.device import DeviceInfo
 from titan_npu.errors import ConfigError
 from titan_npu.metrics.meter import perplexity
+from titan_npu.parallel.context_parallel import ContextParallelBatch
 
 IGNORE_INDEX = -100  # labels the loss skips (F.cross_entropy's default)
 
@@ -25,7 +26,8 @@ class Validator:
     """Every validation.interval steps (and at the last step): mean token loss over validation.steps batches.
 
     The batches come from build_dataloader(split="validation"): validation.data when set, else the held-out
-    data.val_fraction of data.path. Every rank runs it (the result is reduced over data-parallel ranks).
+    data.val_fraction of data.path. Every rank runs it (the result is reduced over the ranks that hold different
+    tokens: data-parallel, and context-parallel ones, which keep their chunks of each sequence by cp_batch).
     """
 
     def __init__(
@@ -37,6 +39,7 @@ class Validator:
         device: DeviceInfo,
         model_vocab_size: int,
         process_group: dist.ProcessGroup | None = None,
+        cp_batch: ContextParallelBatch | None = None,
     ) -> None:
         from titan_npu.data import build_dataloader
 
@@ -47,6 +50,7 @@ class Validator:
         self.steps = cfg.validation.steps
         self.device = device
         self.process_group = process_group
+        self.cp_batch = cp_batch
         self.loader = build_dataloader(cfg, tokenizer, dp_rank, dp_degree, split="validation",
                                        device_type=device.type, model_vocab_size=model_vocab_size)
         self._start = self.loader.state_dict()
@@ -76,6 +80,8 @@ class Validator:
                 inputs, labels = next(self.loader)
                 inputs = inputs.to(self.device.torch_device, non_blocking=True)
                 labels = labels.to(self.device.torch_device, non_blocking=True)
+                if self.cp_batch is not None:
+                    inputs, labels, _ = self.cp_batch.split(inputs, labels)
                 with autocast():
                     logits = model(inputs)
                 with loss_context():
