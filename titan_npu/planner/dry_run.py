@@ -239,7 +239,9 @@ def dry_run(cfg: JobConfig, world_size: int | None = None, rank: int = 0, device
     from titan_npu.models.registry import build_model_args
     from titan_npu.parallel.dims import ParallelDims
     from titan_npu.parallel.layout import validate_layout
+    from titan_npu.planner.layout import refuse_context_parallel
 
+    refuse_context_parallel(cfg)
     world_size = resolve_world_size(cfg, world_size)
     if not 0 <= rank < world_size:
         raise ConfigError(f"--rank {rank} is outside a {world_size}-rank job (choose 0..{world_size - 1})")

@@ -153,10 +153,20 @@ def job_from_config(cfg: JobConfig) -> Job:
     )
 
 
+def refuse_context_parallel(cfg: JobConfig) -> None:
+    """Refuse a config with context parallelism, which the planner does not model yet."""
+    if cfg.parallel.cp_degree > 1:
+        raise LayoutError(
+            f"parallel.cp_degree={cfg.parallel.cp_degree}: the planner and dry run do not model context parallelism "
+            "yet; plan with parallel.cp_degree = 1 (docs/long_context.md)"
+        )
+
+
 def layout_from_config(cfg: JobConfig, world_size: int) -> Layout:
     """The config's layout on `world_size` ranks (dp_shard = -1 resolved the way ParallelDims does)."""
     from titan_npu.parallel.dims import ParallelDims
 
+    refuse_context_parallel(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     p, ac = cfg.parallel, cfg.activation_checkpoint
     return Layout(
