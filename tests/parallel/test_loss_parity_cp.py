@@ -28,6 +28,11 @@ TWO_RANKS = [
     Case("cp2_whole_logits", ["--parallel.cp_degree=2", "--training.loss_chunk_tokens=0"], "ref_b4"),
     Case("cp2_ac_full", ["--parallel.cp_degree=2", "--activation_checkpoint.mode=full"], "ref_b4"),
     Case("cp2_compile", ["--parallel.cp_degree=2", "--compile.enable=true"], "ref_b4"),
+    Case("cp2_ac_selective_ops", ["--parallel.cp_degree=2", "--activation_checkpoint.mode=selective",
+                                  "--activation_checkpoint.selective_ops=true"], "ref_b4"),
+    # Two micro-batches of 2 per step, each split over the cp ranks.
+    Case("cp2_grad_accum", ["--parallel.cp_degree=2", "--training.batch_size=2",
+                            "--training.gradient_accumulation_steps=2"], "ref_b4"),
     Case("cp2_validation", ["--parallel.cp_degree=2", *VALIDATION], "ref_b4_validation"),
 ]
 FOUR_RANKS = [

@@ -58,8 +58,10 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist
         exchange = _RingExchange(kv, group, rank, size) if i + 1 < size else None  # the next step's keys/values
         src = (rank - i) % size
         if i == 0:
-            block_out, lse = block_attention(q, kv[0], kv[1], causal=True)
-            out = block_out.float()
+            # Copies: the merges below work in place, and a kernel's outputs may be cached elsewhere (selective
+            # activation checkpointing keeps the attention kernel's outputs and refuses them mutated).
+            block_out, block_lse = block_attention(q, kv[0], kv[1], causal=True)
+            out, lse = block_out.to(torch.float32, copy=True), block_lse.to(torch.float32, copy=True)
         elif src < rank:
             _merge(out, lse, *block_attention(q, kv[0, :, :, :half], kv[1, :, :, :half], causal=False))
         else:
