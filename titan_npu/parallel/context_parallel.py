@@ -55,7 +55,7 @@ class RingContext:
 
 
 class ContextParallelBatch:
-    """This cp rank's share of each batch, and the weight that makes its loss its share of the window's."""
+    """This cp rank's share of each batch, and the weight that makes its loss its share of the batch's."""
 
     def __init__(self, rank: int, cp: int) -> None:
         self.rank, self.cp = rank, cp
@@ -64,12 +64,12 @@ class ContextParallelBatch:
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(local inputs, local labels, loss weight) of a batch [B, S] every cp rank holds whole.
 
-        The model's loss is the mean over the local tokens; times the weight local_count * cp / window_count it
-        becomes cp x (local sum / window count), and the data-parallel average of the gradients over the cp ranks
-        turns that into the mean over every token of the window. With no ignored labels the weight is exactly 1.
+        The model's loss is the mean over the local tokens; times the weight local_count * cp / batch_count it
+        becomes cp x (local sum / batch count), and the data-parallel average of the gradients over the cp ranks
+        turns that into the mean over every token of the batch. With no ignored labels the weight is exactly 1.
         """
         local = shard_sequence(labels, self.rank, self.cp)
-        window_count = (labels != IGNORE_INDEX).sum()
+        batch_count = (labels != IGNORE_INDEX).sum()
         local_count = (local != IGNORE_INDEX).sum()
-        weight = (local_count * self.cp).float() / window_count.clamp(min=1).float()
+        weight = (local_count * self.cp).float() / batch_count.clamp(min=1).float()
         return shard_sequence(inputs, self.rank, self.cp), local, weight
