@@ -78,9 +78,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
         }
         if qk_norm:
             # q and k stay DTensors (sharded by head) up to their norms, which see the heads as a sharded "sequence"
-            # dim: the weight is replicated and its gradient, partial on each rank, is summed by DTensor.
-            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2)
-            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2)
+            # dim: the weight is replicated and its gradient, partial on each rank, is summed by DTensor. The norms
+            # hand back local heads, as v arrives: RoPE and attention work on this rank's heads as plain tensors.
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
 
 
