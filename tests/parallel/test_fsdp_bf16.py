@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -18,8 +19,11 @@ from titan_npu.models.llama import Transformer
 from titan_npu.models.registry import build_model_args, spec_of
 from titan_npu.parallel.process_group import free_port
 
-MODEL = ["--model.name=llama3", "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
-         "--model.vocab_size=256", "--model.max_seq_len=128", "--model.rope_theta=10000"]
+LLAMA3 = ["--model.name=llama3", "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+          "--model.vocab_size=256", "--model.max_seq_len=128", "--model.rope_theta=10000"]
+# Qwen3 at the same size: q/k norms (in bf16 under FSDP), head size 32, the output tied to the embedding.
+MODELS = {"llama3": LLAMA3,
+          "qwen3": [*LLAMA3, "--model.name=qwen3", "--model.head_dim=32", "--model.ffn_dim=128"]}
 SEQ = 128
 
 
@@ -30,7 +34,7 @@ def _model_and_batch(cfg) -> tuple[Transformer, torch.Tensor]:
     return model, torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def _fsdp_worker(rank: int, world: int, port: int, out: Path) -> None:
+def _fsdp_worker(rank: int, world: int, port: int, out: Path, model_args: list[str]) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TITAN_DEVICE="cpu")
     torch.set_num_threads(1)
@@ -40,7 +44,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: Path) -> None:
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        cfg = load_config(None, [*MODEL, "--training.dtype=bf16"])
+        cfg = load_config(None, [*model_args, "--training.dtype=bf16"])
         dims = ParallelDims.from_config(cfg.parallel, world)
         dims.build_mesh("cpu")
         model, tokens = _model_and_batch(cfg)
@@ -56,13 +60,14 @@ def _fsdp_worker(rank: int, world: int, port: int, out: Path) -> None:
         dist.destroy_process_group()
 
 
-def test_bf16_fsdp_first_logits_equal_one_process_within_bf16_tolerance(tmp_path):
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_bf16_fsdp_first_logits_equal_one_process_within_bf16_tolerance(tmp_path, model_name):
     out = tmp_path / "fsdp.pt"
-    mp.spawn(_fsdp_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    mp.spawn(_fsdp_worker, args=(2, free_port(), out, MODELS[model_name]), nprocs=2, join=True)
     fsdp = torch.load(out)
     assert fsdp["table_dtypes"] == ["torch.float32"]  # what the blocks receive, after FSDP's input cast
 
-    cfg = load_config(None, [*MODEL, "--training.dtype=bf16"])
+    cfg = load_config(None, [*MODELS[model_name], "--training.dtype=bf16"])
     model, tokens = _model_and_batch(cfg)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         mixed = model(tokens).float()
