@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import BATCH, MODELS, Case, run_pool, tiny_run, write_seed_checkpoint, write_tokens
+from .harness import BATCH, Case, reference_name, run_pool, tiny_run, write_seed_checkpoint, write_tokens
 
 # The single-process reference batches: batch_size x dp sequences per step is exactly what dp ranks read together
 # (the loader gives rank r the r-th batch_size slice of each global batch).
@@ -41,22 +41,15 @@ FOUR_RANKS = [
 ]
 
 
-
-def reference_name(model: str, batch: str) -> str:
-    """The single-process run of `model` with reference batch `batch` (a key of BATCHES): Llama's keep the bare
-    name."""
-    return batch if model == "llama3" else f"{model}_{batch}"
-
-
 def qwen3(case: Case) -> Case:
     """The Qwen3 run of a Llama layout: tied, untied under pipeline parallelism (which refuses a tied output)."""
     model = "qwen3_untied" if any(o.startswith("--parallel.pp_degree") for o in case.overrides) else "qwen3"
-    return Case(f"qwen3_{case.name}", case.overrides, reference_name(model, case.reference), model)
+    return Case(f"qwen3_{case.name}", case.overrides, case.reference, model)
 
 
 def qwen2(case: Case) -> Case:
     """The Qwen2 run of a Llama layout (tied: no pipeline layouts)."""
-    return Case(f"qwen2_{case.name}", case.overrides, reference_name("qwen2", case.reference), "qwen2")
+    return Case(f"qwen2_{case.name}", case.overrides, case.reference, "qwen2")
 
 
 # Qwen3 in every layout, Qwen2 (q/k/v biases sharded with their columns) under FSDP, TP and FSDP x TP; run in the
@@ -68,10 +61,12 @@ FOUR_RANKS += [qwen3(case) for case in FOUR_RANKS] + [qwen2(case) for case in FO
 
 CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 
-# run name -> (batch size, model) of every single-process reference a case (or a test below) compares with.
-REFERENCES = {reference_name(model, batch): (size, model) for model in MODELS for batch, size in BATCHES.items()}
-REFERENCES = {name: REFERENCES[name] for name in sorted({"ref_b4", "ref_b8", "qwen3_ref_b4", "qwen3_untied_ref_b8",
-                                                          *(case.reference for case in CASES.values())})}
+# (model, reference batch) of the single-process runs that tests compare with besides CASES' own: the seed
+# checkpoints' (ref_b4), the 2-node run's and the 3-D layouts' (ref_b8).
+OTHER_REFERENCES = {("llama3", "ref_b4"), ("qwen3", "ref_b4"), ("llama3", "ref_b8"), ("qwen3_untied", "ref_b8")}
+# run name -> (batch size, model) of every single-process reference.
+REFERENCES = {reference_name(model, batch): (BATCHES[batch], model) for model, batch in
+              sorted({(case.model, case.reference) for case in CASES.values()} | OTHER_REFERENCES)}
 
 # Checkpoint and resume under the interleaved schedule (two stages, so two optimizers, per rank): 10 steps straight,
 # and 5 steps saved then resumed to 10, with a constant lr so both halves follow the same schedule.

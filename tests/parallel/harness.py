@@ -40,12 +40,23 @@ Job = list[str] | Callable[[], None]
 @dataclass
 class Case:
     """One training run: its name, its overrides on top of the tiny run of `model` (a key of MODELS), and the
-    single-process reference run it must match."""
+    reference batch it must match."""
 
     name: str
     overrides: list[str] = field(default_factory=list)
     reference: str = "ref_b4"
     model: str = "llama3"
+
+    @property
+    def reference_run(self) -> str:
+        """The single-process run this one must match: `model` with the reference batch."""
+        return reference_name(self.model, self.reference)
+
+
+def reference_name(model: str, run: str) -> str:
+    """The name of run `run` (a reference batch such as ref_b8, a seed checkpoint) of the tiny `model`: Llama's
+    keep the bare name."""
+    return run if model == "llama3" else f"{model}_{run}"
 
 
 def write_tokens(path: Path, n_docs: int = 120, seed: int = 0) -> Path:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .conftest import CASES, SEED_CHECKPOINTS, reference_name
-from .harness import STEPS, initial_weights, losses, losses_by_step
+from .conftest import CASES, SEED_CHECKPOINTS
+from .harness import STEPS, initial_weights, losses, losses_by_step, reference_name
 
 pytestmark = pytest.mark.distributed
 
@@ -22,16 +22,16 @@ GRAD_NORM_RTOL = 1e-4
 @pytest.mark.parametrize("name", list(CASES))
 def test_layout_losses_match_single_process(layout_runs, name):
     case = CASES[name]
-    got, want = losses(layout_runs, name), losses(layout_runs, case.reference)
+    got, want = losses(layout_runs, name), losses(layout_runs, case.reference_run)
     assert len(want) == STEPS and len(got) == STEPS, f"{name}: logged {len(got)} steps, reference {len(want)}"
-    assert got == pytest.approx(want, rel=RTOL), f"{name} vs {case.reference}:\n{got}\n{want}"
-    norms, want_norms = losses(layout_runs, name, "grad_norm"), losses(layout_runs, case.reference, "grad_norm")
+    assert got == pytest.approx(want, rel=RTOL), f"{name} vs {case.reference_run}:\n{got}\n{want}"
+    norms, want_norms = losses(layout_runs, name, "grad_norm"), losses(layout_runs, case.reference_run, "grad_norm")
     assert norms == pytest.approx(want_norms, rel=GRAD_NORM_RTOL), f"{name} grad_norm:\n{norms}\n{want_norms}"
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_layout_starts_from_the_single_process_weights(layout_runs, name):
-    (want,) = initial_weights(layout_runs, CASES[name].reference)
+    (want,) = initial_weights(layout_runs, CASES[name].reference_run)
     per_rank = initial_weights(layout_runs, name)
     assert per_rank, f"{name}: no initial weights saved"
     seen = set()

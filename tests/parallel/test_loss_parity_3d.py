@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import reference_name
-from .harness import STEPS, losses, run_pool, tiny_run
+from .harness import STEPS, losses, reference_name, run_pool, tiny_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-# name: (model, overrides); the Qwen3 run untied (pipeline parallelism refuses a tied output).
+# name: (model, overrides); each layout for Llama 3 and for Qwen3, untied (pipeline parallelism refuses a tied output).
 LAYOUTS = {
     "fsdp2_tp2_pp2": ("llama3", ["--parallel.tp_degree=2", "--parallel.pp_degree=2"]),
     "fsdp2_tp2_pp2_interleaved_ac_compile": ("llama3", ["--parallel.tp_degree=2", "--parallel.pp_degree=2",
                                                         "--parallel.pp_schedule=Interleaved1F1B",
                                                         "--activation_checkpoint.mode=full", "--compile.enable=true"]),
-    "qwen3_fsdp2_tp2_pp2": ("qwen3_untied", ["--parallel.tp_degree=2", "--parallel.pp_degree=2"]),
 }
+LAYOUTS.update({f"qwen3_{name}": ("qwen3_untied", overrides) for name, (_, overrides) in LAYOUTS.items()})
 
 
 @pytest.fixture(scope="module")
