@@ -34,7 +34,7 @@ def _model_and_batch(cfg) -> tuple[Transformer, torch.Tensor]:
     return model, torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def _fsdp_worker(rank: int, world: int, port: int, out: Path, model_args: list[str]) -> None:
+def _fsdp_worker(rank: int, world: int, port: int, out: Path) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TITAN_DEVICE="cpu")
     torch.set_num_threads(1)
@@ -44,27 +44,36 @@ def _fsdp_worker(rank: int, world: int, port: int, out: Path, model_args: list[s
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        cfg = load_config(None, [*model_args, "--training.dtype=bf16"])
-        dims = ParallelDims.from_config(cfg.parallel, world)
-        dims.build_mesh("cpu")
-        model, tokens = _model_and_batch(cfg)
-        table_dtypes = set()
-        for block in model.layers.values():
-            block.register_forward_pre_hook(lambda mod, args: table_dtypes.update(a.dtype for a in args[1:]))
-        model = spec_of(model.args).parallelize(model, dims, cfg)
-        with torch.no_grad():
-            logits = model(tokens)
-        if rank == 0:
-            torch.save({"logits": logits.float(), "table_dtypes": sorted(map(str, table_dtypes))}, out)
+        for name, model_args in MODELS.items():  # one process group for every model
+            cfg = load_config(None, [*model_args, "--training.dtype=bf16"])
+            dims = ParallelDims.from_config(cfg.parallel, world)
+            dims.build_mesh("cpu")
+            model, tokens = _model_and_batch(cfg)
+            table_dtypes: set[torch.dtype] = set()
+            for block in model.layers.values():
+                block.register_forward_pre_hook(
+                    lambda mod, args, seen=table_dtypes: seen.update(a.dtype for a in args[1:]))
+            model = spec_of(model.args).parallelize(model, dims, cfg)
+            with torch.no_grad():
+                logits = model(tokens)
+            if rank == 0:
+                torch.save({"logits": logits.float(), "table_dtypes": sorted(map(str, table_dtypes))},
+                           out / f"{name}.pt")
     finally:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def fsdp_logits(tmp_path_factory) -> Path:
+    """The first logits of every model of MODELS under bf16 FSDP(2), in <model>.pt (one pool of two ranks)."""
+    out = tmp_path_factory.mktemp("fsdp_bf16")
+    mp.spawn(_fsdp_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    return out
+
+
 @pytest.mark.parametrize("model_name", list(MODELS))
-def test_bf16_fsdp_first_logits_equal_one_process_within_bf16_tolerance(tmp_path, model_name):
-    out = tmp_path / "fsdp.pt"
-    mp.spawn(_fsdp_worker, args=(2, free_port(), out, MODELS[model_name]), nprocs=2, join=True)
-    fsdp = torch.load(out)
+def test_bf16_fsdp_first_logits_equal_one_process_within_bf16_tolerance(fsdp_logits, model_name):
+    fsdp = torch.load(fsdp_logits / f"{model_name}.pt")
     assert fsdp["table_dtypes"] == ["torch.float32"]  # what the blocks receive, after FSDP's input cast
 
     cfg = load_config(None, [*MODELS[model_name], "--training.dtype=bf16"])
