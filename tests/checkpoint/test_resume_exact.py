@@ -16,12 +16,19 @@ from titan_npu.checkpoint.dcp_io import load_tensors, read_metadata
 
 from .runs import PROBE, copy_checkpoint, losses, overrides, run_distributed, run_here
 
+# The tiny run's model as Qwen3: q/k norms, a head size (32) set apart from dim / n_heads, the output tied to the
+# embedding (one parameter saved under both names and restored into one).
+QWEN3 = dict(model__name="qwen3", model__head_dim=32, model__ffn_dim=128, model__tie_embeddings=True)
+MODELS = {"llama3": {}, "qwen3": QWEN3}
 
-def test_single_process_resume_gives_bitwise_equal_losses(tmp_path):
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_single_process_resume_gives_bitwise_equal_losses(tmp_path, model):
     run_here(overrides(tmp_path, "full", training__max_steps=6, checkpoint__save_interval=3,
-                       checkpoint__async_save=True))
+                       checkpoint__async_save=True, **MODELS[model]))
     copy_checkpoint(tmp_path, "full", 3, "resumed")
-    trainer = run_here(overrides(tmp_path, "resumed", training__max_steps=6, checkpoint__save_interval=3))
+    trainer = run_here(overrides(tmp_path, "resumed", training__max_steps=6, checkpoint__save_interval=3,
+                                 **MODELS[model]))
 
     full, resumed = losses(tmp_path, "full"), losses(tmp_path, "resumed")
     assert sorted(resumed) == [4, 5, 6]
@@ -42,7 +49,8 @@ def test_a_finished_run_resumed_again_does_nothing(tmp_path):
 def fsdp_runs(tmp_path_factory):
     """FSDP over 2 gloo ranks: 6 steps with checkpoints at 3 and 6 (async) and a run resumed from step 3; then the
     step-6 checkpoint continued for one step under TP 2 and under PP 2 (checked on load and against their own
-    step-7 checkpoints), and its exported .pt as the initial_load of a new FSDP run."""
+    step-7 checkpoints), and its exported .pt as the initial_load of a new FSDP run. Then the tied Qwen3: 6 steps
+    and a run resumed from step 3, under FSDP and under TP 2."""
     tmp = tmp_path_factory.mktemp("fsdp")
     step6 = tmp / "full" / "ckpt" / "step-6"
     one_more = dict(training__max_steps=7, checkpoint__resume=str(step6), checkpoint__async_save=True)
@@ -57,13 +65,25 @@ def fsdp_runs(tmp_path_factory):
          "compare_to": (step6, tmp / "pp2"), "then_compare_to": (tmp / "pp2" / "ckpt" / "step-7", tmp / "pp2_7")},
         {"args": overrides(tmp, "init", checkpoint__initial_load=str(tmp / "step6.pt")), "train": False,
          "export": (step6, tmp / "step6.pt"), "probe": tmp / "probe_init.pt"},
+        *[job for layout, extra in QWEN3_LAYOUTS.items() for job in (
+            {"args": overrides(tmp, f"{layout}_full", training__max_steps=6, checkpoint__save_interval=3,
+                               **QWEN3, **extra)},
+            {"args": overrides(tmp, f"{layout}_resumed", training__max_steps=6, checkpoint__save_interval=3,
+                               **QWEN3, **extra),
+             "copy": (tmp, f"{layout}_full", 3, f"{layout}_resumed")})],
     ])
     return tmp
 
 
+# Run names and overrides of the tied Qwen3 runs of fsdp_runs.
+QWEN3_LAYOUTS = {"qwen3_fsdp2": {}, "qwen3_tp2": dict(parallel__tp_degree=2)}
+
+
 @pytest.mark.distributed
-def test_fsdp_two_ranks_resume_gives_bitwise_equal_losses(fsdp_runs):
-    full, resumed = losses(fsdp_runs, "full"), losses(fsdp_runs, "resumed")
+@pytest.mark.parametrize("layout", ["llama3_fsdp2", *QWEN3_LAYOUTS])
+def test_two_ranks_resume_gives_bitwise_equal_losses(fsdp_runs, layout):
+    run = "" if layout == "llama3_fsdp2" else f"{layout}_"
+    full, resumed = losses(fsdp_runs, f"{run}full"), losses(fsdp_runs, f"{run}resumed")
     assert sorted(resumed) == [4, 5, 6]
     assert [resumed[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from .harness import BATCH, Case, run_pool, tiny_run, write_seed_checkpoint, write_tokens
+from .harness import BATCH, Case, reference_name, run_pool, tiny_run, write_seed_checkpoint, write_tokens
 
-# The single-process references: batch_size x dp sequences per step is exactly what dp ranks read together
+# The single-process reference batches: batch_size x dp sequences per step is exactly what dp ranks read together
 # (the loader gives rank r the r-th batch_size slice of each global batch).
-REFERENCES = {"ref_b4": BATCH, "ref_b8": 2 * BATCH, "ref_b16": 4 * BATCH}
+BATCHES = {"ref_b4": BATCH, "ref_b8": 2 * BATCH, "ref_b16": 4 * BATCH}
 
 TWO_RANKS = [
     Case("fsdp", [], "ref_b8"),
@@ -40,12 +40,42 @@ FOUR_RANKS = [
     Case("tp2_pp2", ["--parallel.tp_degree=2", "--parallel.pp_degree=2"], "ref_b4"),
 ]
 
+
+def qwen3(case: Case) -> Case:
+    """The Qwen3 run of a Llama layout: tied, untied under pipeline parallelism (which refuses a tied output)."""
+    model = "qwen3_untied" if any(o.startswith("--parallel.pp_degree") for o in case.overrides) else "qwen3"
+    return Case(f"qwen3_{case.name}", case.overrides, case.reference, model)
+
+
+def qwen2(case: Case) -> Case:
+    """The Qwen2 run of a Llama layout (tied: no pipeline layouts)."""
+    return Case(f"qwen2_{case.name}", case.overrides, case.reference, "qwen2")
+
+
+# Qwen3 in every layout, Qwen2 (q/k/v biases sharded with their columns) under FSDP, TP and FSDP x TP; run in the
+# same pools as Llama's.
+QWEN2_LAYOUTS = ("fsdp", "tp", "fsdp2_tp2")
+TWO_RANKS += [qwen3(case) for case in TWO_RANKS] + [qwen2(case) for case in TWO_RANKS if case.name in QWEN2_LAYOUTS]
+FOUR_RANKS += [qwen3(case) for case in FOUR_RANKS] + [qwen2(case) for case in FOUR_RANKS
+                                                      if case.name in QWEN2_LAYOUTS]
+
 CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
+
+# (model, reference batch) of the single-process runs that tests compare with besides CASES' own: the seed
+# checkpoints' (ref_b4), the 2-node run's and the 3-D layouts' (ref_b8).
+OTHER_REFERENCES = {("llama3", "ref_b4"), ("qwen3", "ref_b4"), ("llama3", "ref_b8"), ("qwen3_untied", "ref_b8")}
+# run name -> (batch size, model) of every single-process reference.
+REFERENCES = {reference_name(model, batch): (BATCHES[batch], model) for model, batch in
+              sorted({(case.model, case.reference) for case in CASES.values()} | OTHER_REFERENCES)}
 
 # Checkpoint and resume under the interleaved schedule (two stages, so two optimizers, per rank): 10 steps straight,
 # and 5 steps saved then resumed to 10, with a constant lr so both halves follow the same schedule.
 RESUME_BASE = ["--parallel.pp_degree=2", "--parallel.pp_schedule=Interleaved1F1B",
                "--lr_scheduler.decay_type=constant"]
+
+# Models whose seed checkpoint (`titan-npu init-weights` in one process) starts a tensor-parallel run: Qwen3's tied
+# output must come out of it as the embedding's one matrix.
+SEED_CHECKPOINTS = ("llama3", "qwen3")
 
 
 def resume_runs(workdir: Path) -> list[list[str]]:
@@ -59,10 +89,11 @@ def resume_runs(workdir: Path) -> list[list[str]]:
     ]
 
 
-def seed_checkpoint_run(workdir: Path) -> list[str]:
-    """Tensor parallel 2 from the seed checkpoint that one process wrote (compared with ref_b4)."""
-    return tiny_run(workdir, "tp_from_seed_checkpoint") + [
-        "--parallel.tp_degree=2", f"--checkpoint.initial_load={workdir / 'seed_ckpt'}"]
+def seed_checkpoint_run(workdir: Path, model: str = "llama3") -> list[str]:
+    """Tensor parallel 2 from the seed checkpoint of `model` that one process wrote (compared with its ref_b4)."""
+    name = reference_name(model, "tp_from_seed_checkpoint")
+    return tiny_run(workdir, name, model=model) + [
+        "--parallel.tp_degree=2", f"--checkpoint.initial_load={workdir / reference_name(model, 'seed_ckpt')}"]
 
 
 @pytest.fixture(scope="session")
@@ -71,8 +102,9 @@ def parallel_workspace(tmp_path_factory) -> Path:
     process, run one after another)."""
     workdir = tmp_path_factory.mktemp("parallel")
     write_tokens(workdir / "tokens.jsonl")
-    run_pool(1, [partial(write_seed_checkpoint, workdir),
-                 *[tiny_run(workdir, name, batch_size=batch) for name, batch in REFERENCES.items()]])
+    run_pool(1, [*[partial(write_seed_checkpoint, workdir, model, reference_name(model, "seed_ckpt"))
+                   for model in SEED_CHECKPOINTS],
+                 *[tiny_run(workdir, name, batch, model) for name, (batch, model) in REFERENCES.items()]])
     return workdir
 
 
@@ -80,7 +112,8 @@ def parallel_workspace(tmp_path_factory) -> Path:
 def layout_runs(parallel_workspace: Path) -> Path:
     """Every layout of CASES trained for 10 steps (and the resume runs, and a run from the seed checkpoint): one
     2-rank pool and one 4-rank pool."""
-    two = [tiny_run(parallel_workspace, case.name) + case.overrides for case in TWO_RANKS]
-    run_pool(2, two + resume_runs(parallel_workspace) + [seed_checkpoint_run(parallel_workspace)])
-    run_pool(4, [tiny_run(parallel_workspace, case.name) + case.overrides for case in FOUR_RANKS])
+    two = [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides for case in TWO_RANKS]
+    run_pool(2, two + resume_runs(parallel_workspace)
+             + [seed_checkpoint_run(parallel_workspace, model) for model in SEED_CHECKPOINTS])
+    run_pool(4, [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides for case in FOUR_RANKS])
     return parallel_workspace

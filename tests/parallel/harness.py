@@ -21,6 +21,16 @@ STEPS = 10
 BATCH = 4  # per data-parallel rank
 MODEL = {"name": "llama3", "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512,
          "max_seq_len": 64}
+# The other families at the same size, each with what sets it apart from Llama: Qwen3's per-head q/k norms, a head
+# size (32) set apart from dim / n_heads (16) and a tied output (untied for pipeline parallelism, which refuses a
+# tied one); Qwen2's q/k/v biases, grouped-query attention 4:1 and a tied output.
+_QWEN3 = {**MODEL, "name": "qwen3", "head_dim": 32, "ffn_dim": 192, "tie_embeddings": True}
+MODELS = {
+    "llama3": MODEL,
+    "qwen3": _QWEN3,
+    "qwen3_untied": {**_QWEN3, "tie_embeddings": False},
+    "qwen2": {**MODEL, "name": "qwen2", "n_heads": 8, "ffn_dim": 192, "tie_embeddings": True},
+}
 
 
 # What a pool runs: a training run's overrides, or a function (picklable) called in every process of the pool.
@@ -29,11 +39,24 @@ Job = list[str] | Callable[[], None]
 
 @dataclass
 class Case:
-    """One training run: its name, its overrides on top of the tiny run, and the reference batch it must match."""
+    """One training run: its name, its overrides on top of the tiny run of `model` (a key of MODELS), and the
+    reference batch it must match."""
 
     name: str
     overrides: list[str] = field(default_factory=list)
     reference: str = "ref_b4"
+    model: str = "llama3"
+
+    @property
+    def reference_run(self) -> str:
+        """The single-process run this one must match: `model` with the reference batch."""
+        return reference_name(self.model, self.reference)
+
+
+def reference_name(model: str, run: str) -> str:
+    """The name of run `run` (a reference batch such as ref_b8, a seed checkpoint) of the tiny `model`: Llama's
+    keep the bare name."""
+    return run if model == "llama3" else f"{model}_{run}"
 
 
 def write_tokens(path: Path, n_docs: int = 120, seed: int = 0) -> Path:
@@ -46,10 +69,16 @@ def write_tokens(path: Path, n_docs: int = 120, seed: int = 0) -> Path:
     return path
 
 
-def tiny_run(workdir: Path, name: str, batch_size: int = BATCH) -> list[str]:
-    """Overrides of a 10-step fp32 deterministic run from training.seed's weights, logging every step to
-    workdir/name."""
-    args = [f"--model.{key}={value}" for key, value in MODEL.items()]
+def model_overrides(model: str = "llama3") -> list[str]:
+    """The [model] overrides of the tiny model `model` (a key of MODELS)."""
+    return [f"--model.{key}={str(value).lower() if isinstance(value, bool) else value}"
+            for key, value in MODELS[model].items()]
+
+
+def tiny_run(workdir: Path, name: str, batch_size: int = BATCH, model: str = "llama3") -> list[str]:
+    """Overrides of a 10-step fp32 deterministic run of the tiny `model` from training.seed's weights, logging
+    every step to workdir/name."""
+    args = model_overrides(model)
     args += [
         "--training.seq_len=32", f"--training.batch_size={batch_size}", f"--training.max_steps={STEPS}",
         "--training.dtype=fp32", "--training.deterministic=true", "--training.seed=7",
@@ -76,11 +105,11 @@ def losses_by_step(workdir: Path, name: str, key: str = "loss") -> dict[int, flo
     return {r["step"]: r[key] for r in records if "loss" in r and "step" in r}
 
 
-def write_seed_checkpoint(workdir: Path) -> None:
-    """`titan-npu init-weights` with the tiny run's config: its seed checkpoint, in workdir/seed_ckpt."""
+def write_seed_checkpoint(workdir: Path, model: str = "llama3", name: str = "seed_ckpt") -> None:
+    """`titan-npu init-weights` with the tiny run of `model`'s config: its seed checkpoint, in workdir/name."""
     from titan_npu.cli import main
 
-    code = main(["init-weights", "--output", str(workdir / "seed_ckpt"), *tiny_run(workdir, "seed_ckpt")])
+    code = main(["init-weights", "--output", str(workdir / name), *tiny_run(workdir, name, model=model)])
     assert code == 0, f"titan-npu init-weights exited {code}"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -18,8 +19,11 @@ from titan_npu.models.llama import Transformer
 from titan_npu.models.registry import build_model_args, spec_of
 from titan_npu.parallel.process_group import free_port
 
-MODEL = ["--model.name=llama3", "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
-         "--model.vocab_size=256", "--model.max_seq_len=128", "--model.rope_theta=10000"]
+LLAMA3 = ["--model.name=llama3", "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+          "--model.vocab_size=256", "--model.max_seq_len=128", "--model.rope_theta=10000"]
+# Qwen3 at the same size: q/k norms (in bf16 under FSDP), head size 32, the output tied to the embedding.
+MODELS = {"llama3": LLAMA3,
+          "qwen3": [*LLAMA3, "--model.name=qwen3", "--model.head_dim=32", "--model.ffn_dim=128"]}
 SEQ = 128
 
 
@@ -40,29 +44,39 @@ def _fsdp_worker(rank: int, world: int, port: int, out: Path) -> None:
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        cfg = load_config(None, [*MODEL, "--training.dtype=bf16"])
-        dims = ParallelDims.from_config(cfg.parallel, world)
-        dims.build_mesh("cpu")
-        model, tokens = _model_and_batch(cfg)
-        table_dtypes = set()
-        for block in model.layers.values():
-            block.register_forward_pre_hook(lambda mod, args: table_dtypes.update(a.dtype for a in args[1:]))
-        model = spec_of(model.args).parallelize(model, dims, cfg)
-        with torch.no_grad():
-            logits = model(tokens)
-        if rank == 0:
-            torch.save({"logits": logits.float(), "table_dtypes": sorted(map(str, table_dtypes))}, out)
+        for name, model_args in MODELS.items():  # one process group for every model
+            cfg = load_config(None, [*model_args, "--training.dtype=bf16"])
+            dims = ParallelDims.from_config(cfg.parallel, world)
+            dims.build_mesh("cpu")
+            model, tokens = _model_and_batch(cfg)
+            table_dtypes: set[torch.dtype] = set()
+            for block in model.layers.values():
+                block.register_forward_pre_hook(
+                    lambda mod, args, seen=table_dtypes: seen.update(a.dtype for a in args[1:]))
+            model = spec_of(model.args).parallelize(model, dims, cfg)
+            with torch.no_grad():
+                logits = model(tokens)
+            if rank == 0:
+                torch.save({"logits": logits.float(), "table_dtypes": sorted(map(str, table_dtypes))},
+                           out / f"{name}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_bf16_fsdp_first_logits_equal_one_process_within_bf16_tolerance(tmp_path):
-    out = tmp_path / "fsdp.pt"
+@pytest.fixture(scope="module")
+def fsdp_logits(tmp_path_factory) -> Path:
+    """The first logits of every model of MODELS under bf16 FSDP(2), in <model>.pt (one pool of two ranks)."""
+    out = tmp_path_factory.mktemp("fsdp_bf16")
     mp.spawn(_fsdp_worker, args=(2, free_port(), out), nprocs=2, join=True)
-    fsdp = torch.load(out)
+    return out
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_bf16_fsdp_first_logits_equal_one_process_within_bf16_tolerance(fsdp_logits, model_name):
+    fsdp = torch.load(fsdp_logits / f"{model_name}.pt")
     assert fsdp["table_dtypes"] == ["torch.float32"]  # what the blocks receive, after FSDP's input cast
 
-    cfg = load_config(None, [*MODEL, "--training.dtype=bf16"])
+    cfg = load_config(None, [*MODELS[model_name], "--training.dtype=bf16"])
     model, tokens = _model_and_batch(cfg)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         mixed = model(tokens).float()

@@ -22,6 +22,12 @@ from titan_npu.parallel.activation_checkpoint import apply_activation_checkpoint
 
 ARGS = build_model_args(ModelConfig(name="llama3", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256,
                                     max_seq_len=32))
+# Qwen3 at the same size (q/k norms, head size 32): tied, and untied as pipeline parallelism runs it.
+QWEN3_ARGS = build_model_args(ModelConfig(name="qwen3", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
+                                          ffn_dim=128, vocab_size=256, max_seq_len=32))
+UNTIED_QWEN3_ARGS = build_model_args(ModelConfig(name="qwen3", dim=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                                                 head_dim=32, ffn_dim=128, vocab_size=256, max_seq_len=32,
+                                                 tie_embeddings=False))
 
 # (global shape, mesh shape, placements): the shardings FSDP, HSDP, TP and their combinations give a parameter.
 LAYOUTS = {
@@ -140,8 +146,8 @@ def test_a_sharded_parameter_is_never_drawn_whole(monkeypatch):
     assert sum(math.prod(s) for s in drawn) == local.numel() == math.prod(shape) // ranks
 
 
-def _model(seed: int = 5, **kwargs) -> Transformer:
-    model = Transformer(ARGS)
+def _model(seed: int = 5, args=ARGS, **kwargs) -> Transformer:
+    model = Transformer(args)
     model.init_weights(seed=seed, **kwargs)
     return model
 
@@ -154,17 +160,32 @@ def test_the_seed_argument_not_torchs_generator_decides_the_weights():
         assert torch.equal(value, first[key]), key
 
 
-def test_pipeline_stages_initialise_to_their_slice_of_the_whole_model():
-    whole = _model().state_dict()
+@pytest.mark.parametrize("args", [ARGS, UNTIED_QWEN3_ARGS], ids=["llama3", "qwen3_untied"])
+def test_pipeline_stages_initialise_to_their_slice_of_the_whole_model(args):
+    whole = _model(args=args).state_dict()
     with torch.device("meta"):
-        meta = Transformer(ARGS)
-    split = split_layers(ARGS.n_layers, 4)  # interleaved: several stages per rank, each keeps global layer ids
+        meta = Transformer(args)
+    split = split_layers(args.n_layers, 4)  # interleaved: several stages per rank, each keeps global layer ids
     for i, layers in enumerate(split):
         stage = build_stage(meta, layers, is_first=i == 0, is_last=i == len(split) - 1)
         stage.to_empty(device="cpu")
         stage.init_weights(seed=5)
         for key, value in stage.state_dict().items():
             assert torch.equal(value, whole[key]), key
+
+
+def test_a_tied_model_materialised_from_meta_holds_one_matrix_drawn_once():
+    # to_empty gives the embedding and the output projection a new parameter each; init_weights ties them again
+    # before drawing, so the one matrix is drawn (as the embedding) once and serves both.
+    whole = _model(args=QWEN3_ARGS)
+    with torch.device("meta"):
+        model = Transformer(QWEN3_ARGS)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=5)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert len(list(model.parameters())) == len(list(whole.parameters()))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, whole.state_dict()[key]), key
 
 
 def test_wrapped_blocks_and_pure_bf16_parameters_get_the_same_values():

@@ -18,11 +18,17 @@ from titan_npu.parallel.pipeline import PartOptimizers, build_part_optimizers, s
 
 ARGS = build_model_args(ModelConfig(name="llama3", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256,
                                     max_seq_len=32))
+# The same size as Qwen3: q/k norms, head size 32 (not dim / n_heads), the output tied to the embedding.
+QWEN3_ARGS = build_model_args(ModelConfig(name="qwen3", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
+                                          ffn_dim=128, vocab_size=256, max_seq_len=32))
+UNTIED_QWEN3_ARGS = build_model_args(ModelConfig(name="qwen3", dim=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                                                 head_dim=32, ffn_dim=128, vocab_size=256, max_seq_len=32,
+                                                 tie_embeddings=False))
 
 
-def tiny_model(seed: int = 0) -> Transformer:
+def tiny_model(seed: int = 0, args=ARGS) -> Transformer:
     torch.manual_seed(seed)
-    model = Transformer(ARGS)
+    model = Transformer(args)
     model.init_weights()
     return model
 
@@ -50,14 +56,15 @@ def test_interleaved_placement_loops_over_the_ranks():
     assert stage_ids_for_rank(0, 2, 1) == [0]
 
 
-def test_stages_keep_global_names_and_chain_to_the_whole_model():
-    model = tiny_model()
-    split = split_layers(ARGS.n_layers, 2)
+@pytest.mark.parametrize("args", [ARGS, UNTIED_QWEN3_ARGS], ids=["llama3", "qwen3_untied"])
+def test_stages_keep_global_names_and_chain_to_the_whole_model(args):
+    model = tiny_model(args=args)
+    split = split_layers(args.n_layers, 2)
     first, last = build_stage(model, split[0], True, False), build_stage(model, split[1], False, True)
     assert first.output is None and first.norm is None and last.tok_embeddings is None
     assert set(first.state_dict()) | set(last.state_dict()) == set(model.state_dict())
     assert "layers.3.attention.wq.weight" in last.state_dict()
-    tokens = torch.randint(0, ARGS.vocab_size, (2, 16))
+    tokens = torch.randint(0, args.vocab_size, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(last(first(tokens)), model(tokens), rtol=0, atol=0)
 
@@ -77,16 +84,17 @@ def _loss_and_grads(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Ten
     return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("args", [ARGS, QWEN3_ARGS], ids=["llama3", "qwen3"])
 @pytest.mark.parametrize("ac", [
     ActivationCheckpointConfig(mode="full"),
     ActivationCheckpointConfig(mode="selective", selective_every=2),
     ActivationCheckpointConfig(mode="selective", selective_ops=True),
 ])
-def test_activation_checkpointing_keeps_names_and_gradients(ac):
-    tokens = torch.randint(0, ARGS.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))
-    reference = tiny_model()
+def test_activation_checkpointing_keeps_names_and_gradients(ac, args):
+    tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))
+    reference = tiny_model(args=args)
     ref_loss, ref_grads = _loss_and_grads(reference, tokens)
-    model = tiny_model()
+    model = tiny_model(args=args)
     wrapped = apply_activation_checkpointing(model, ac)
     assert wrapped == len(blocks_to_checkpoint(list(model.layers.keys()), ac)) > 0
     assert set(model.state_dict()) == set(reference.state_dict())

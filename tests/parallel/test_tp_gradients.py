@@ -12,49 +12,56 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from .harness import MODEL, free_port
+from .harness import free_port, model_overrides
 
 pytestmark = pytest.mark.distributed
 
 WORLD = 2
-# name: overrides on top of tp_degree=2 with dp_shard=1 (the tensor-parallel group is the whole world)
+# name: (tiny model of harness.MODELS, overrides on top of tp_degree=2 with dp_shard=1: the tensor-parallel group is
+# the whole world). Qwen3: the per-head q/k norm weights, replicated, get the sum of every rank's heads' gradient;
+# Qwen2: the q/k/v biases are cut with their columns; both tie the output to the vocab-parallel embedding.
 CASES = {
-    "tp2": [],
-    "tp2_replicated_logits": ["--parallel.loss_parallel=false"],
-    "tp2_ac_selective_ops": ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ops=true"],
+    "tp2": ("llama3", []),
+    "tp2_replicated_logits": ("llama3", ["--parallel.loss_parallel=false"]),
+    "tp2_ac_selective_ops": ("llama3", ["--activation_checkpoint.mode=selective",
+                                        "--activation_checkpoint.selective_ops=true"]),
+    "qwen3_tp2": ("qwen3", []),
+    "qwen3_tp2_replicated_logits_ac_selective_ops": ("qwen3", ["--parallel.loss_parallel=false",
+                                                               "--activation_checkpoint.mode=selective",
+                                                               "--activation_checkpoint.selective_ops=true"]),
+    "qwen2_tp2": ("qwen2", []),
 }
 # fp32 on one host: the sharded matmuls and reductions only reorder sums.
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _overrides(extra: list[str]) -> list[str]:
-    model = [f"--model.{key}={value}" for key, value in MODEL.items()]
-    return model + ["--training.dtype=fp32", "--parallel.tp_degree=2", "--parallel.dp_shard=1", *extra]
+def _overrides(model: str, extra: list[str]) -> list[str]:
+    return model_overrides(model) + ["--training.dtype=fp32", "--parallel.tp_degree=2", "--parallel.dp_shard=1",
+                                     *extra]
 
 
-def _check_case(name: str, extra: list[str]) -> list[str]:
+def _check_case(name: str, model_name: str, extra: list[str]) -> list[str]:
     """Two backward passes (gradient accumulation) under this case's layout; the problems found, if any."""
     import torch.distributed as dist
 
     from titan_npu.config.loader import load_config
-    from titan_npu.models.llama import Transformer
-    from titan_npu.models.registry import build_model_args, spec_of
+    from titan_npu.models.registry import build_model, build_model_args, spec_of
     from titan_npu.parallel.dims import ParallelDims
     from titan_npu.parallel.parallelize import materialize
     from titan_npu.parallel.reduce import loss_parallel_context
     from titan_npu.trainer.loss import cross_entropy_loss
 
-    cfg = load_config(None, _overrides(extra))
+    cfg = load_config(None, _overrides(model_name, extra))
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
     assert dims.tp == WORLD and not dims.dp_enabled, dims.describe()
     dims.build_mesh("cpu")
     args = build_model_args(cfg.model)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build_model(args)
     model = spec_of(model.args).parallelize(model, dims, cfg)
     materialize(model, torch.device("cpu"), cfg)
 
-    reference = Transformer(args)
+    reference = build_model(args)
     reference.init_weights(seed=cfg.training.seed)
 
     generator = torch.Generator().manual_seed(11)
@@ -92,7 +99,7 @@ def _worker(rank: int, port: int, workdir: str) -> None:
     torch.set_num_threads(1)  # both ranks share two cores
     dist.init_process_group("gloo")
     try:
-        report = {name: _check_case(name, extra) for name, extra in CASES.items()}
+        report = {name: _check_case(name, model, extra) for name, (model, extra) in CASES.items()}
         (Path(workdir) / f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()

@@ -76,9 +76,13 @@ def test_without_autograd_only_the_loss_is_computed():
     torch.testing.assert_close(loss, unchunked(h, w, labels).detach(), **FP32)
 
 
-def test_the_model_returns_the_chunked_loss_with_the_unchunked_gradients():
-    args = build_model_args(ModelConfig(name="llama3", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96,
+@pytest.mark.parametrize("family", [{"name": "llama3"}, {"name": "qwen3", "head_dim": 16, "ffn_dim": 64}],
+                         ids=["llama3", "qwen3_tied"])
+def test_the_model_returns_the_chunked_loss_with_the_unchunked_gradients(family):
+    # Qwen3 ties the output to the embedding: the chunked loss's weight gradient adds to the lookup's.
+    args = build_model_args(ModelConfig(**family, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96,
                                         max_seq_len=16))
+    assert args.tie_embeddings == (family["name"] == "qwen3")
     torch.manual_seed(1)
     model = Transformer(args)
     model.init_weights()
