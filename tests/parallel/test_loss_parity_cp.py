@@ -34,11 +34,15 @@ TWO_RANKS = [
     Case("cp2_grad_accum", ["--parallel.cp_degree=2", "--training.batch_size=2",
                             "--training.gradient_accumulation_steps=2"], "ref_b4"),
     Case("cp2_validation", ["--parallel.cp_degree=2", *VALIDATION], "ref_b4_validation"),
+    # Qwen3 (q/k norms, head size apart from dim / n_heads, tied) and Qwen2 (q/k/v biases, tied).
+    Case("qwen3_cp2", ["--parallel.cp_degree=2"], "ref_b4", "qwen3"),
+    Case("qwen2_cp2", ["--parallel.cp_degree=2"], "ref_b4", "qwen2"),
 ]
 FOUR_RANKS = [
     Case("cp4", ["--parallel.cp_degree=4"], "ref_b4"),
     Case("fsdp2_cp2", ["--parallel.cp_degree=2"], "ref_b8"),
     Case("hsdp2_cp2", ["--parallel.cp_degree=2", "--parallel.dp_replicate=2"], "ref_b8"),
+    Case("qwen3_fsdp2_cp2", ["--parallel.cp_degree=2"], "ref_b8", "qwen3"),
 ]
 CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 
@@ -70,9 +74,9 @@ def resumed_in_one_process(workdir: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def cp_runs(parallel_workspace: Path) -> Path:
     """Every case trained for 10 steps, and the resume runs: one 2-rank pool and one 4-rank pool."""
-    run_pool(2, [tiny_run(parallel_workspace, c.name) + c.overrides for c in TWO_RANKS]
+    run_pool(2, [tiny_run(parallel_workspace, c.name, model=c.model) + c.overrides for c in TWO_RANKS]
              + resume_runs(parallel_workspace))
-    run_pool(4, [tiny_run(parallel_workspace, c.name) + c.overrides for c in FOUR_RANKS])
+    run_pool(4, [tiny_run(parallel_workspace, c.name, model=c.model) + c.overrides for c in FOUR_RANKS])
     run_pool(1, [resumed_in_one_process(parallel_workspace), tiny_run(parallel_workspace, "ref_b4_validation")
                  + VALIDATION])
     return parallel_workspace
@@ -81,16 +85,16 @@ def cp_runs(parallel_workspace: Path) -> Path:
 @pytest.mark.parametrize("name", list(CASES))
 def test_context_parallel_losses_match_single_process(cp_runs, name):
     case = CASES[name]
-    got, want = losses(cp_runs, name), losses(cp_runs, case.reference)
+    got, want = losses(cp_runs, name), losses(cp_runs, case.reference_run)
     assert len(want) == STEPS and len(got) == STEPS, f"{name}: logged {len(got)} steps, reference {len(want)}"
-    assert got == pytest.approx(want, rel=RTOL), f"{name} vs {case.reference}:\n{got}\n{want}"
-    norms, want_norms = losses(cp_runs, name, "grad_norm"), losses(cp_runs, case.reference, "grad_norm")
+    assert got == pytest.approx(want, rel=RTOL), f"{name} vs {case.reference_run}:\n{got}\n{want}"
+    norms, want_norms = losses(cp_runs, name, "grad_norm"), losses(cp_runs, case.reference_run, "grad_norm")
     assert norms == pytest.approx(want_norms, rel=GRAD_NORM_RTOL), f"{name} grad_norm:\n{norms}\n{want_norms}"
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_context_parallel_starts_from_the_single_process_weights(cp_runs, name):
-    (want,) = initial_weights(cp_runs, CASES[name].reference)
+    (want,) = initial_weights(cp_runs, CASES[name].reference_run)
     for rank, got in enumerate(initial_weights(cp_runs, name)):
         assert set(got) == set(want), f"{name} rank {rank}"
         for key, value in got.items():
