@@ -40,6 +40,9 @@ class HFAdapter:
     # The dims of our tensor whose HF counterpart is a permutation within whole blocks of this many entries: a
     # slice of ours is read from HF as the slice rounded out to whole blocks, then permuted and cut (q/k heads).
     permuted_block: Callable[[str, Any], int] = lambda name, args: 1
+    # A tensor of ours that stacks several HF tensors along dim 0 (MoE experts) -> their HF names in order; None for
+    # one HF holds whole (hf_name then names it).
+    stacked_names: Callable[[str, Any], list[str] | None] = lambda name, args: None
 
 
 @dataclass(frozen=True)

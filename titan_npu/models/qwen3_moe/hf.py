@@ -32,15 +32,23 @@ _HF_GATE = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.weight")
 
 
 def hf_name(key: str) -> str:
-    """Our parameter name -> its Hugging Face name (a CheckpointError for stacked experts: one HF name each)."""
+    """Our parameter name -> its Hugging Face name (a CheckpointError for stacked experts: see stacked_names)."""
     match = _OUR_MOE.fullmatch(key)
     if match is None:
         return hf.hf_name(key)
     if match.group(3) is None:
         return f"model.layers.{match.group(1)}.mlp.gate.weight"
-    raise CheckpointError(f"'{key}' stacks every expert of layer {match.group(1)} but Hugging Face holds one tensor "
-                          f"per expert, which a shard-wise read does not combine yet; convert the directory with "
-                          f"`titan-npu import` and load that")
+    raise CheckpointError(f"'{key}' stacks every expert of layer {match.group(1)}; Hugging Face holds one tensor per "
+                          f"expert (stacked_names gives their names)")
+
+
+def stacked_names(key: str, args: MoEDecoderArgs) -> list[str] | None:
+    """The Hugging Face names of a stacked expert tensor's experts in order; None for any other tensor."""
+    match = _OUR_MOE.fullmatch(key)
+    if match is None or match.group(3) is None:
+        return None
+    proj = EXPERT_PROJECTIONS[match.group(3)]
+    return [f"model.layers.{match.group(1)}.mlp.experts.{e}.{proj}.weight" for e in range(args.n_experts)]
 
 
 def to_hf(state_dict: StateDict, args: MoEDecoderArgs) -> StateDict:
@@ -53,9 +61,7 @@ def to_hf(state_dict: StateDict, args: MoEDecoderArgs) -> StateDict:
         elif match.group(3) is None:
             out[hf_name(key)] = tensor
         else:
-            layer, proj = match.group(1), EXPERT_PROJECTIONS[match.group(3)]
-            for e in range(tensor.shape[0]):
-                out[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = tensor[e]
+            out.update(zip(stacked_names(key, args), tensor.unbind(0)))
     return {**hf.to_hf(dense, args), **out}
 
 

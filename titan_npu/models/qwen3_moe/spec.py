@@ -30,6 +30,6 @@ QWEN3_MOE = ModelSpec(
     parameter_kinds=parameter_kinds,
     hf=HFAdapter(model_types=("qwen3_moe",), args_from_config=hf.args_from_hf_config, config=hf.hf_config,
                  to_hf=hf.to_hf, from_hf=hf.from_hf, hf_name=hf.hf_name, from_hf_layout=decoder_hf.from_hf_layout,
-                 permuted_block=permuted_block),
+                 permuted_block=permuted_block, stacked_names=hf.stacked_names),
     args_from_dict=args_from_dict,
 )
