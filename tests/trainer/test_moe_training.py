@@ -60,3 +60,36 @@ def test_a_capacity_factor_logs_the_dropped_tokens(tmp_path, one_thread):
     records = _run(tmp_path, 2, "--model.capacity_factor", "0.5")
     # Capacity 0.5 x 256 tokens x 2 / 8 experts = 32 per expert per layer: at most half the 512 assignments fit.
     assert all(r["dropped_tokens"] >= 4 * 256 for r in records)
+
+
+def _torchrun(tmp_path: Path, *extra: str) -> list[float]:
+    """debug_moe shrunk as _run does, on 2 CPU processes (gloo); the logged losses."""
+    import os
+    import subprocess
+    import sys
+
+    root = CONFIG.parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))
+           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env.update(TITAN_DEVICE="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "--config", str(CONFIG), "--training.seq_len", "64", "--training.max_steps", "3",
+           "--lr_scheduler.warmup_steps", "2", "--metrics.log_dir", str(tmp_path / "logs"),
+           "--metrics.log_interval", "1", "--metrics.tensorboard", "false", "--metrics.report", "false",
+           "--metrics.progress", "lines", "--checkpoint.dir", str(tmp_path / "ckpt"), "--checkpoint.enable", "false",
+           "--training.deterministic", "true", *extra]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+# The aux loss is pooled over each rank's micro-batch (as transformers pools one forward's tokens), so a layout
+# that splits the batch optimises a slightly different sum: the layouts agree exactly with it off.
+@pytest.mark.parametrize("layout", [["--parallel.dp_shard", "2", "--training.batch_size", "2"],
+                                    ["--parallel.pp_degree", "2", "--training.batch_size", "4"]], ids=["fsdp", "pp"])
+def test_fsdp_and_pipeline_runs_give_the_single_process_losses(tmp_path, one_thread, layout):
+    single = [r["loss"] for r in _run(tmp_path / "one", 3, "--model.router_aux_loss_coef", "0",
+                                      "--training.deterministic", "true")]
+    split = _torchrun(tmp_path / "two", "--model.router_aux_loss_coef", "0", *layout)
+    assert split == pytest.approx(single, rel=1e-5)

@@ -150,8 +150,14 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, max_grou
     padded_grouped_mm, a batched matmul over the groups padded to max_group_rows rows each.
     """
     if grouped_mm_supported(x, w):
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        return _eager_grouped_mm(x, w.transpose(-2, -1), offsets)
     return padded_grouped_mm(x, w, offsets, max_group_rows)
+
+
+@torch.compiler.disable
+def _eager_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm, run eagerly under torch.compile: its shape rule there accepts only bf16 (CUDA's)."""
+    return torch._grouped_mm(x, w, offs=offsets)
 
 
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
