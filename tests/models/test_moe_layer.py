@@ -142,3 +142,10 @@ def test_the_load_balancing_loss_is_transformers_load_balancing_loss_func():
     ours = load_balancing_loss([s[0] for s in stats], [s[1] for s in stats], rows_per_layer=30)
     theirs = qwen3_moe.load_balancing_loss_func(tuple(logits), 6, 2)
     assert abs(ours.item() - theirs.item()) < 1e-6
+
+
+def test_the_layer_compiles_and_gives_its_eager_outputs_and_gradients():
+    moe = _moe(seed=4)
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(9))
+    compiled = torch.compile(moe, backend="aot_eager")
+    _assert_same(_forward_backward(lambda x: compiled(x)[0], moe, x), _forward_backward(lambda x: moe(x)[0], moe, x))
