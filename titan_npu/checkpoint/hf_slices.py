@@ -138,6 +138,7 @@ def load_hf_slices(parts: list[nn.Module], tensors: dict[str, HFTensor], spec: A
     return read
 
 
+@torch.no_grad()
 def _load_stacked(param: torch.Tensor, name: str, keys: list[str], tensors: dict[str, HFTensor]) -> int:
     """Fill the rank's piece of a tensor stacking HF tensors `keys` along dim 0 (experts): for each dim-0 index it
     holds, the slice of that HF tensor it holds. Returns the bytes read."""
