@@ -149,3 +149,13 @@ def test_the_layer_compiles_and_gives_its_eager_outputs_and_gradients():
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(9))
     compiled = torch.compile(moe, backend="aot_eager")
     _assert_same(_forward_backward(lambda x: compiled(x)[0], moe, x), _forward_backward(lambda x: moe(x)[0], moe, x))
+
+
+def test_the_layer_runs_on_fake_tensors_as_a_dry_run_does():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # torch._grouped_mm's shape rule there takes only bf16: the padded path runs instead
+        moe = _moe()
+        out, (tokens, _, _) = moe(torch.randn(40, 32))
+        out.sum().backward()
+    assert tuple(out.shape) == (40, 32) and tuple(tokens.shape) == (6,)

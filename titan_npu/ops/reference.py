@@ -162,8 +162,11 @@ def _eager_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -
 
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether torch._grouped_mm's CPU kernel takes these operands, backward included: both in one of its dtypes,
-    plain tensors, and K and M (row lengths of x, w and the gradients) multiples of 16 bytes."""
-    if x.device.type != "cpu" or _is_dtensor(x) or _is_dtensor(w):
+    real plain tensors (not fake ones, whose shape rule accepts only bf16: a dry run's), and K and M (row lengths of
+    x, w and the gradients) multiples of 16 bytes."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if x.device.type != "cpu" or any(_is_dtensor(t) or isinstance(t, FakeTensor) for t in (x, w)):
         return False
     if x.dtype not in GROUPED_MM_DTYPES or w.dtype != x.dtype:
         return False
