@@ -2,9 +2,9 @@
 
 A model says it has them by its methods (models/qwen3_moe/model.py): `auxiliary_loss()`, the term its last forward
 adds to the optimised loss (None: nothing), and `routing_metrics()`, device tensors of that forward (aux_loss,
-expert_tokens [MoE layers, n_experts], dropped_tokens). A model without them (every dense family) makes this inert.
-The logged `loss` stays the cross entropy; the step's values accumulate on the device and are read on the host
-only at log steps.
+expert_tokens [MoE layers, n_experts], dropped_tokens under a capacity). A model without them (every dense
+family) makes this inert. The logged `loss` stays the cross entropy; the step's values accumulate on the device
+and are read on the host only at log steps.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from titan_npu.parallel.reduce import mean_loss
 class RoutingMeter:
     """Adds the model's auxiliary loss to each micro-batch's loss and sums what one step routed."""
 
-    def __init__(self, model: nn.Module, capacity_set: bool) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.model = model if hasattr(model, "routing_metrics") else None
-        self.capacity_set = capacity_set
         self.sums: dict[str, torch.Tensor] = {}
 
     @property
@@ -55,13 +54,14 @@ class RoutingMeter:
             return {}
         out: dict[str, Any] = {"aux_loss": mean_loss(self.sums["aux_loss"], dims)}
         tokens = self.sums["expert_tokens"].detach().double().cpu()
-        dropped = self.sums["dropped_tokens"].detach().double().cpu().reshape(1)
         if dims.world_size > 1:  # every rank's tokens (tensor-parallel ranks would repeat them: TP is refused)
             dist.all_reduce(tokens)
-            dist.all_reduce(dropped)
         per_layer = (tokens.max(dim=1).values / tokens.mean(dim=1).clamp(min=1e-9)).tolist()
         out["expert_load_max_mean"] = sum(per_layer) / len(per_layer)
         out["expert_load_per_layer"] = [round(v, 4) for v in per_layer]
-        if self.capacity_set:
+        if "dropped_tokens" in self.sums:  # the model routes with a capacity
+            dropped = self.sums["dropped_tokens"].detach().double().cpu().reshape(1)
+            if dims.world_size > 1:
+                dist.all_reduce(dropped)
             out["dropped_tokens"] = int(dropped.item())
         return out

@@ -121,7 +121,7 @@ class Trainer:
                                                         self.pure_dtype)
         self.model = self.model_parts[0]
         # A MoE model's auxiliary loss joins the optimised loss; its routing is logged (inert for dense models).
-        self.routing = RoutingMeter(self.model, getattr(self.model_args, "capacity_factor", None) is not None)
+        self.routing = RoutingMeter(self.model)
         self.pipeline = None
         if self.dims.pp_enabled:
             self.pipeline = build_pipeline(self.model_parts, stage_ids, self.dims, cfg, self.device.torch_device,

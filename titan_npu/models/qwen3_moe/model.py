@@ -75,9 +75,12 @@ class MoETransformer(Transformer):
     @torch.no_grad()
     def routing_metrics(self) -> dict[str, torch.Tensor]:
         """Device tensors of the last forward, detached: aux_loss (the unweighted load-balancing loss),
-        expert_tokens [MoE layers, n_experts] (assignments per expert) and dropped_tokens (over all layers)."""
+        expert_tokens [MoE layers, n_experts] (assignments per expert) and, with a capacity factor, dropped_tokens
+        (over all layers)."""
         if not self.routing:
             return {}
-        return {"aux_loss": self.load_balancing_loss().detach(),
-                "expert_tokens": torch.stack([r[0] for r in self.routing]),
-                "dropped_tokens": torch.stack([r[2] for r in self.routing]).sum()}
+        metrics = {"aux_loss": self.load_balancing_loss().detach(),
+                   "expert_tokens": torch.stack([r[0] for r in self.routing])}
+        if self.args.capacity_factor is not None:
+            metrics["dropped_tokens"] = torch.stack([r[2] for r in self.routing]).sum()
+        return metrics
