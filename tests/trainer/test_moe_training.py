@@ -93,3 +93,24 @@ def test_fsdp_and_pipeline_runs_give_the_single_process_losses(tmp_path, one_thr
                                       "--training.deterministic", "true")]
     split = _torchrun(tmp_path / "two", "--model.router_aux_loss_coef", "0", *layout)
     assert split == pytest.approx(single, rel=1e-5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--parallel.tp_degree", "2"], "tensor parallelism of a MoE model"),
+    (["--parallel.pp_degree", "2"], "the load-balancing loss spans every stage's layers"),
+], ids=["tp", "pp-with-aux-loss"])
+def test_layouts_a_moe_model_does_not_take_yet_are_refused_in_one_line(overrides, message):
+    import torch
+
+    from titan_npu.errors import LayoutError
+    from titan_npu.models.registry import build_model_args, get_spec
+    from titan_npu.parallel import ParallelDims
+
+    cfg = load_config(CONFIG, ["--parallel.dp_shard", "1", *overrides])
+    dims = ParallelDims.from_config(cfg.parallel, 2)
+    spec, args = get_spec("qwen3_moe"), build_model_args(cfg.model)
+    with torch.device("meta"):
+        model = spec.build_model(args)
+    with pytest.raises(LayoutError, match=message) as error:
+        spec.parallelize(model, dims, cfg)
+    assert "\n" not in str(error.value)
