@@ -1,10 +1,10 @@
 """checkpoint.initial_load of a safetensors Hugging Face directory reads only each rank's slices.
 
-Tiny Qwen3 (q/k norms, untied, several files with an index) and Qwen2.5 (q/k/v biases, tied, bf16 on disk) models
-are saved with transformers' save_pretrained, then loaded by 2 and 4 gloo ranks under FSDP, TP and FSDP x TP. The
-gathered weights equal the full read's (read_weights: every tensor of every file) bit for bit, and a hook around
-the slice reader shows that each rank read exactly its shard's elements, q/k rows rounded out to whole heads, and
-never a whole file.
+Tiny Qwen3 (q/k norms, untied, several files with an index), Qwen2.5 (q/k/v biases, tied, bf16 on disk) and
+Qwen3-MoE (one HF tensor per expert, stacked in ours: a rank reads only its experts) models are saved with
+transformers' save_pretrained, then loaded by 2 and 4 gloo ranks under FSDP, TP and FSDP x TP. The gathered weights
+equal the full read's (read_weights: every tensor of every file) bit for bit, and a hook around the slice reader
+shows that each rank read exactly its shard's elements, q/k rows rounded out to whole heads, and never a whole file.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from titan_npu.checkpoint.initial_load import load_initial_weights
 from titan_npu.errors import CheckpointError
 from titan_npu.models.decoder.args import DecoderArgs
 from titan_npu.models.init import local_indices
+from titan_npu.models.qwen3_moe.args import MoEDecoderArgs
 from titan_npu.models.registry import get_spec
 from titan_npu.parallel.process_group import free_port
 
@@ -36,6 +37,7 @@ _SHAPE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_si
 MODELS = {
     "qwen3": DecoderArgs(**_SHAPE, qk_norm=True, family="qwen3"),
     "qwen2": DecoderArgs(**_SHAPE, qkv_bias=True, tie_embeddings=True, family="qwen2"),
+    "qwen3_moe": MoEDecoderArgs(**_SHAPE, qk_norm=True, family="qwen3_moe", n_experts=4, top_k=2, moe_ffn_dim=32),
 }
 # (case, model, parallel overrides)
 TWO_RANKS = [
@@ -45,6 +47,8 @@ TWO_RANKS = [
     # Activation checkpointing puts a wrapper's name into the parameters' names.
     ("qwen2_fsdp_ac", "qwen2", ["--parallel.dp_shard=2", "--activation_checkpoint.mode=full"]),
     ("qwen3_pp", "qwen3", ["--parallel.dp_shard=1", "--parallel.pp_degree=2"]),
+    # FSDP cuts the 4 stacked experts 2 and 2.
+    ("qwen3_moe_fsdp", "qwen3_moe", ["--parallel.dp_shard=2"]),
 ]
 FOUR_RANKS = [
     ("qwen3_fsdp2_tp2", "qwen3", ["--parallel.dp_shard=2", "--parallel.tp_degree=2"]),
@@ -71,6 +75,7 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     _save_hf(MODELS["qwen3"], root / "qwen3", seed=1, dtype=torch.float32, max_shard_size="60KB")
     _save_hf(MODELS["qwen2"], root / "qwen2", seed=2, dtype=torch.bfloat16, max_shard_size="50MB")
+    _save_hf(MODELS["qwen3_moe"], root / "qwen3_moe", seed=3, dtype=torch.float32, max_shard_size="60KB")
     assert (root / "qwen3" / "model.safetensors.index.json").is_file()
     assert len(list((root / "qwen3").glob("*.safetensors"))) > 2
     return {name: root / name for name in MODELS}
@@ -136,6 +141,12 @@ def _load_case(workdir: Path, case: str, model: str, overrides: list[str], hf_di
         held = {id(p): (canonical_name(n), p) for n, p in part.named_parameters(remove_duplicate=False)}
         for name, param in held.values():
             source = "tok_embeddings.weight" if name == "output.weight" and args.tie_embeddings else name
+            stacked = spec.hf.stacked_names(source, args)
+            if stacked is not None:  # one HF tensor per index of dim 0: the rank's slice of each it holds
+                indices = local_indices(param)
+                for index in indices[0].tolist():
+                    expected[stacked[index]] = len(indices[1]) * len(indices[2])
+                continue
             key = spec.hf.hf_name(source)
             expected[key] = expected.get(key, 0) + _expected_elements(name, param, spec.hf.permuted_block(name, args))
     weights = {}

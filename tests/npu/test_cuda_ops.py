@@ -23,7 +23,8 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 def test_only_attention_has_a_cuda_kernel():
     assert current_kernels("cuda") == {"attention": "cuda", "rms_norm": "reference", "apply_rotary_emb": "reference",
-                                       "swiglu": "reference", "linear": "reference", "swiglu_linear": "reference"}
+                                       "swiglu": "reference", "linear": "reference", "swiglu_linear": "reference",
+                                       "grouped_mm": "reference"}
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])

@@ -38,7 +38,7 @@ def test_auto_picks_the_backend_named_after_the_device_type_for_the_ops_it_provi
     ops.register_backend("testdev", {"swiglu": _doubling_swiglu})
     assert ops.current_kernels("testdev") == {
         "attention": "reference", "rms_norm": "reference", "apply_rotary_emb": "reference", "swiglu": "testdev",
-        "linear": "reference", "swiglu_linear": "reference",
+        "linear": "reference", "swiglu_linear": "reference", "grouped_mm": "reference",
     }
     assert ops.current_kernels("cpu")["swiglu"] == "reference"
 

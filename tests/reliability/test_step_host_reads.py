@@ -70,6 +70,15 @@ def test_a_run_reads_device_values_on_the_host_only_at_log_steps(tmp_path, one_t
     assert {step for step, _, _ in reads.reads} >= {1, 5, 10, 12}  # the log steps do read: the hook sees them
 
 
+def test_a_moe_run_reads_device_values_on_the_host_only_at_log_steps(tmp_path, one_thread):
+    # Routing, capacity drops, the aux loss and the expert load stay on the device until a log step reads them.
+    trainer = _trainer(tmp_path, model__name="qwen3_moe", model__capacity_factor=1.0)
+    assert trainer.routing.active
+    reads = HostReads(trainer)
+    _train(trainer, reads)
+    assert [r for r in reads.reads if r[0] not in (0, 1, 5, 10, 12)] == []
+
+
 @pytest.mark.parametrize("implementation", ["fused", "foreach"])  # on the device flag / read on the host
 def test_a_nan_between_log_steps_is_skipped_exactly_and_counted_at_the_next_log_step(
         tmp_path, one_thread, caplog, implementation):

@@ -40,6 +40,25 @@ def test_cached_decoding_equals_the_full_forward(use_flash):
     torch.testing.assert_close(cached, full, atol=ATOL, rtol=0)
 
 
+def test_cached_decoding_of_a_moe_model_equals_the_full_forward():
+    from titan_npu.models.qwen3_moe.args import MoEDecoderArgs
+    from titan_npu.models.registry import build_model
+
+    args = MoEDecoderArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=97, ffn_dim=96,
+                          max_seq_len=64, qk_norm=True, family="qwen3_moe", n_experts=4, top_k=2, moe_ffn_dim=32,
+                          decoder_sparse_step=2)  # layer 0 dense, layer 1 MoE
+    model = build_model(args)
+    model.init_weights(seed=0)
+    model.eval()
+    tokens = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+    dec = CachedLlama(model, max_len=20, batch_size=2)
+    cached = torch.cat([dec.forward(tokens[:, :12], 0), *[dec.forward(tokens[:, i : i + 1], i) for i in range(12, 20)]],
+                       dim=1)
+    torch.testing.assert_close(cached, full, atol=ATOL, rtol=0)
+
+
 def test_greedy_generation_equals_argmax_of_repeated_full_forwards():
     model = tiny_model()
     prompt = [5, 17, 42]

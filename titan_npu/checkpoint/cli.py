@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -91,6 +92,11 @@ def model_section(args) -> str:
         lines.append(f"rope_scaling_factor = {args.rope_scaling_factor}")
     for key in ("qkv_bias", "qk_norm", "tie_embeddings"):
         lines.append(f"{key} = {str(bool(getattr(args, key, False))).lower()}")
+    # A mixture-of-experts model's routing (qwen3_moe): TOML spells these values as JSON does.
+    for key in ("n_experts", "top_k", "moe_ffn_dim", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                "router_aux_loss_coef"):
+        if hasattr(args, key):
+            lines.append(f"{key} = {json.dumps(getattr(args, key))}")
     return "\n".join(lines)
 
 

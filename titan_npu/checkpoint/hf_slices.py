@@ -5,7 +5,9 @@ strided, uneven, replicated), models/init.py's `local_indices` gives the global 
 They are read as runs of consecutive indices with safetensors' `get_slice` (the file is memory-mapped: only those
 bytes are read), brought into our layout by the family's `from_hf_layout` (q/k rows are permuted within each head,
 so their runs are read rounded out to whole heads, permuted, then cut), cast to the parameter's dtype and copied
-into the rank's local shard. No collective: a replicated parameter is read by every rank that holds it.
+into the rank's local shard. A tensor that stacks HF tensors along dim 0 (MoE experts, the family's
+`stacked_names`) reads, for each of its dim-0 indices the rank holds, that HF tensor's slice: a rank holding some
+experts reads only those. No collective: a replicated parameter is read by every rank that holds it.
 """
 
 from __future__ import annotations
@@ -113,11 +115,15 @@ def load_hf_slices(parts: list[nn.Module], tensors: dict[str, HFTensor], spec: A
         for raw_name, param in part.named_parameters(remove_duplicate=False):
             params[id(param)] = (canonical_name(raw_name), param)
     by_file: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
+    read = 0
     for name, param in params.values():
         source = TIED_OUTPUT[1] if tied and name == TIED_OUTPUT[0] else name
+        stacked = spec.hf.stacked_names(source, args)
+        if stacked is not None:
+            read += _load_stacked(param, name, stacked, tensors)
+            continue
         key = spec.hf.hf_name(source)
         by_file.setdefault(tensors[key].file, []).append((name, key, param))
-    read = 0
     for file, entries in sorted(by_file.items()):
         with safe_open(str(file), framework="pt") as handle:
             for name, key, param in entries:
@@ -129,6 +135,26 @@ def load_hf_slices(parts: list[nn.Module], tensors: dict[str, HFTensor], spec: A
                                           f"{tuple(local.shape)}; this layout cannot be read shard-wise")
                 read += read_shard(handle, key, local, indices, spec.hf.permuted_block(name, args),
                                    lambda values, name=name: spec.hf.from_hf_layout(name, values, args))
+    return read
+
+
+@torch.no_grad()
+def _load_stacked(param: torch.Tensor, name: str, keys: list[str], tensors: dict[str, HFTensor]) -> int:
+    """Fill the rank's piece of a tensor stacking HF tensors `keys` along dim 0 (experts): for each dim-0 index it
+    holds, the slice of that HF tensor it holds. Returns the bytes read."""
+    from safetensors import safe_open
+
+    local = param.to_local() if hasattr(param, "to_local") else param
+    indices = local_indices(param)
+    if tuple(len(ix) for ix in indices) != tuple(local.shape):
+        raise CheckpointError(f"{name}: the placements {getattr(param, 'placements', ())} give a "
+                              f"{tuple(len(ix) for ix in indices)} shard but the rank holds {tuple(local.shape)}; "
+                              f"this layout cannot be read shard-wise")
+    read = 0
+    for row, index in enumerate(indices[0].tolist()):
+        key = keys[index]
+        with safe_open(str(tensors[key].file), framework="pt") as handle:
+            read += read_shard(handle, key, local[row], indices[1:], 1, lambda values: values)
     return read
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class ModelConfig:
     """Model family, preset size and explicit overrides of the preset (None = take the flavor's value)."""
 
-    name: str = "llama3"  # a family of models/registry.py (llama2, llama3, qwen2, qwen3), optionally sized: qwen3_8b
+    name: str = "llama3"  # a family of models/registry.py (llama2, llama3, qwen2, qwen3, qwen3_moe), optionally sized
     flavor: str = "debug"
     dim: int | None = None
     n_layers: int | None = None
@@ -27,6 +27,16 @@ class ModelConfig:
     qkv_bias: bool | None = None  # biases on the q/k/v projections (Qwen2's flavors)
     qk_norm: bool | None = None  # RMSNorm over each q/k head before RoPE (Qwen3's flavors)
     tie_embeddings: bool | None = None  # output projection = embedding matrix (the small Llama 3.2 / Qwen flavors)
+    # Mixture of experts (qwen3_moe; docs/moe.md).
+    n_experts: int | None = None  # routed experts per MoE layer
+    top_k: int | None = None  # experts each token is routed to
+    moe_ffn_dim: int | None = None  # SwiGLU width of one routed expert
+    norm_topk_prob: bool | None = None  # renormalise a token's top-k weights to sum to 1
+    decoder_sparse_step: int | None = None  # every n-th layer is MoE (1 = all)
+    mlp_only_layers: list[int] | None = None  # layer ids kept dense
+    router_aux_loss_coef: float | None = None  # weight of the load-balancing loss in the optimised loss; 0 = off
+    capacity_factor: float | None = None  # expert capacity = factor x tokens x top_k / n_experts; 0 = dropless
+    shared_ffn_dim: int | None = None  # width of an always-on shared expert; 0 = none
     use_flash_attention: bool = True
     attention_backend: str = "auto"  # CUDA SDPA kernel: auto (by GPU capability) | cudnn | flash | efficient
     rope_fp32: bool = False  # NPU: npu_rotary_mul on fp32 q/k and tables (cast back), as torchtitan-npu runs RoPE

@@ -18,6 +18,8 @@ log = logging.getLogger("titan_npu")
 def format_step_line(m: dict[str, Any]) -> str:
     """The console line: `[Step 100] loss=7.1203, lr=2.70e-04, grad_norm=1.234, throughput=980 tokens/s, ...`."""
     parts = [f"loss={m['loss']:.4f}", f"lr={m['lr']:.2e}", f"grad_norm={m['grad_norm']:.3f}"]
+    if "aux_loss" in m:  # a MoE model: its load-balancing loss and how uneven the experts' load is
+        parts.append(f"aux_loss={m['aux_loss']:.4f}, expert_load={m['expert_load_max_mean']:.2f}x")
     parts.append(f"throughput={m['tokens_per_s']:,.0f} tokens/s")
     parts.append(f"mfu={100 * m['mfu']:.1f}%")
     parts.append(f"mem={m['mem_used_gb']:.1f}GB/{m['mem_total_gb']:.1f}GB")

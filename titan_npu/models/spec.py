@@ -7,8 +7,9 @@ family fills it from its own modules, and families that share an architecture sh
 
 The args object a spec builds is the family's own dataclass; the framework reads these fields of it: dim, n_layers,
 n_heads, n_kv_heads, head_dim, vocab_size, max_seq_len, norm_eps, rope_theta, rope_scaling_factor,
-use_flash_attention, tie_embeddings, family, flavor, and the methods num_params(exclude_embedding) and
-num_flops_per_token(seq_len).
+use_flash_attention, tie_embeddings, family, flavor, and the methods num_params(exclude_embedding),
+num_active_params(exclude_embedding) (what a token meets: MFU counts these) and num_flops_per_token(seq_len).
+A model that routes tokens (MoE) has auxiliary_loss() and routing_metrics() (trainer/routing.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class HFAdapter:
     # The dims of our tensor whose HF counterpart is a permutation within whole blocks of this many entries: a
     # slice of ours is read from HF as the slice rounded out to whole blocks, then permuted and cut (q/k heads).
     permuted_block: Callable[[str, Any], int] = lambda name, args: 1
+    # A tensor of ours that stacks several HF tensors along dim 0 (MoE experts) -> their HF names in order; None for
+    # one HF holds whole (hf_name then names it).
+    stacked_names: Callable[[str, Any], list[str] | None] = lambda name, args: None
 
 
 @dataclass(frozen=True)

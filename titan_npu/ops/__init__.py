@@ -1,5 +1,5 @@
-"""The model's compute ops (attention, rms_norm, rotary embedding, swiglu, linear, swiglu_linear) behind one
-dispatch point per op.
+"""The model's compute ops (attention, rms_norm, rotary embedding, swiglu, linear, swiglu_linear, grouped_mm) behind
+one dispatch point per op.
 
 Every op has a plain-torch reference (ops/reference.py); vendor backends (ops/npu.py, ops/cuda.py) register
 faster kernels per op with register_backend, and set_kernels chooses between them (see docs/model.md).
@@ -11,6 +11,7 @@ from titan_npu.ops.dispatch import (
     attention,
     available_backends,
     current_kernels,
+    grouped_mm,
     linear,
     register_backend,
     rms_norm,
@@ -25,6 +26,7 @@ __all__ = [
     "attention",
     "available_backends",
     "current_kernels",
+    "grouped_mm",
     "linear",
     "register_backend",
     "rms_norm",

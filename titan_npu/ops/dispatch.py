@@ -16,7 +16,8 @@ import torch
 from titan_npu.errors import ConfigError
 from titan_npu.ops import reference
 
-OP_NAMES: tuple[str, ...] = ("attention", "rms_norm", "apply_rotary_emb", "swiglu", "linear", "swiglu_linear")
+OP_NAMES: tuple[str, ...] = ("attention", "rms_norm", "apply_rotary_emb", "swiglu", "linear", "swiglu_linear",
+                             "grouped_mm")
 
 
 def _composed_swiglu_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -31,6 +32,7 @@ REFERENCE: dict[str, Callable] = {
     "swiglu": reference.swiglu,
     "linear": reference.linear,
     "swiglu_linear": _composed_swiglu_linear,
+    "grouped_mm": reference.grouped_mm,
 }
 
 # Modules that register a vendor backend when imported; a module that does not exist (yet) is skipped.
@@ -130,6 +132,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def swiglu_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
     """silu(x @ w_gate^T) * (x @ w_up^T): the SwiGLU MLP's two input projections and its gating in one op."""
     return _table(x.device.type)["swiglu_linear"][1](x, w_gate, w_up)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, max_group_rows: int | None = None
+               ) -> torch.Tensor:
+    """Per group g of w [G, M, K], the rows offsets[g-1]:offsets[g] of x [N, K] (sorted by group; offsets the
+    int32 cumulative ends) times w[g]^T -> [N, M]: the routed experts' projections. max_group_rows bounds the rows
+    of one group (for kernels that pad)."""
+    return _table(x.device.type)["grouped_mm"][1](x, w, offsets, max_group_rows)
 
 
 def _table(device_type: str) -> dict[str, tuple[str, Callable]]:

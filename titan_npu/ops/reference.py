@@ -135,3 +135,55 @@ class _RotatePairs(torch.autograd.Function):
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gating: silu(gate) * up."""
     return F.silu(gate) * up
+
+
+# Element sizes torch._grouped_mm's CPU kernel takes, and the stride alignment it needs (bytes).
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+GROUPED_MM_ALIGNMENT = 16
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, max_group_rows: int | None = None
+               ) -> torch.Tensor:
+    """Rows offsets[g-1]:offsets[g] of x [N, K] times w[g]^T for each group g of w [G, M, K] -> [N, M].
+
+    One kernel: torch._grouped_mm where it runs (CPU, fp32/bf16/fp16, 16-byte aligned rows), otherwise
+    padded_grouped_mm, a batched matmul over the groups padded to max_group_rows rows each.
+    """
+    if grouped_mm_supported(x, w):
+        return _eager_grouped_mm(x, w.transpose(-2, -1), offsets)
+    return padded_grouped_mm(x, w, offsets, max_group_rows)
+
+
+@torch.compiler.disable
+def _eager_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm, run eagerly under torch.compile: its shape rule there accepts only bf16 (CUDA's)."""
+    return torch._grouped_mm(x, w, offs=offsets)
+
+
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm's CPU kernel takes these operands, backward included: both in one of its dtypes,
+    real plain tensors (not fake ones, whose shape rule accepts only bf16: a dry run's), and K and M (row lengths of
+    x, w and the gradients) multiples of 16 bytes."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if x.device.type != "cpu" or any(_is_dtensor(t) or isinstance(t, FakeTensor) for t in (x, w)):
+        return False
+    if x.dtype not in GROUPED_MM_DTYPES or w.dtype != x.dtype:
+        return False
+    size = x.element_size()
+    return (w.shape[-1] * size) % GROUPED_MM_ALIGNMENT == 0 and (w.shape[-2] * size) % GROUPED_MM_ALIGNMENT == 0
+
+
+def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, max_group_rows: int | None = None
+                      ) -> torch.Tensor:
+    """grouped_mm as one batched matmul: each group's rows scattered into a [G, R, K] buffer (R = max_group_rows,
+    at least the largest group; default all N rows), multiplied, gathered back. Costs G x R x K memory."""
+    n_rows, groups = x.shape[0], w.shape[0]
+    rows = n_rows if max_group_rows is None else max_group_rows
+    row = torch.arange(n_rows, device=x.device)
+    ends = offsets.long()
+    group = torch.searchsorted(ends, row, right=True).clamp_(max=groups - 1)
+    starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))
+    slot = row - starts[group]
+    buffer = x.new_zeros(groups, rows, x.shape[1]).index_put((group, slot), x)
+    return torch.bmm(buffer, w.transpose(1, 2))[group, slot]

@@ -77,7 +77,8 @@ class CachedLlama:
         h = m.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
             h = h + self._attention(i, layer.attention, layer.attention_norm(h), cos, sin, start_pos)
-            h = h + layer.feed_forward(layer.ffn_norm(h))
+            out = layer.feed_forward(layer.ffn_norm(h))
+            h = h + (out[0] if isinstance(out, tuple) else out)  # a MoE layer returns its routing beside
         if last_only:
             h = h[:, -1:]
         return m.output(m.norm(h))

@@ -57,6 +57,7 @@ from titan_npu.trainer.precision import (
     set_fp32_matmul_precision,
     to_torch_dtype,
 )
+from titan_npu.trainer.routing import RoutingMeter
 
 log = logging.getLogger("titan_npu")
 
@@ -120,6 +121,8 @@ class Trainer:
                                                         self.device.torch_device,
                                                         self.pure_dtype)
         self.model = self.model_parts[0]
+        # A MoE model's auxiliary loss joins the optimised loss; its routing is logged (inert for dense models).
+        self.routing = RoutingMeter(self.model)
         self.pipeline = None
         if self.dims.pp_enabled:
             self.pipeline = build_pipeline(self.model_parts, stage_ids, self.dims, cfg, self.device.torch_device,
@@ -162,8 +165,8 @@ class Trainer:
         self.checkpointer.load()
         empty_cache(self.device)  # hand the load's staging buffers back before the first step allocates
         self.tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps * self.dims.dp
-        self.flops_per_token = flops_per_token(
-            self.model_args.num_params(exclude_embedding=True), self.model_args.n_layers, self.model_args.dim,
+        self.flops_per_token = flops_per_token(  # a token meets only its experts of a MoE model: active parameters
+            self.model_args.num_active_params(exclude_embedding=True), self.model_args.n_layers, self.model_args.dim,
             t.seq_len,
         )
         compute_dtype = to_torch_dtype(t.dtype)
@@ -235,7 +238,7 @@ class Trainer:
                 loss = loss * cp_weight
             for hook in self.loss_hooks:
                 loss = hook(self.step, loss)
-            scaled = loss * scale
+            scaled = self.routing.add_auxiliary(loss, scale) * scale
             if self.grad_scaler is not None:
                 scaled = self.grad_scaler.scale(scaled)
             scaled.backward()
@@ -257,6 +260,7 @@ class Trainer:
         """One optimizer step over gradient_accumulation_steps micro-batches; (loss, grad_norm, data seconds)."""
         accum = self.cfg.training.gradient_accumulation_steps
         data_time = 0.0
+        self.routing.begin_step()
         loss_sum = torch.zeros((), device=self.device.torch_device)
         if self.pipeline is not None:
             loss_sum, data_time = self.pipeline_forward_backward(data_iter)
@@ -351,6 +355,7 @@ class Trainer:
                              self.meter.throughput(window), window, memory_stats(self.device), self.tokens_seen)
         record["eta_s"] = self.progress.eta_seconds()
         record["skipped_steps"] = self.reliability.guard.total
+        record.update(self.routing.record(self.dims))
         flags = health_flags(window.first_step, window.losses, norm_value, self.spikes)
         if flags:
             record["flags"] = flags

@@ -82,9 +82,15 @@ class DecoderArgs:
         total = embedding + self.n_layers * per_layer + self.dim + output  # + norm
         return total - embedding if exclude_embedding and not self.tie_embeddings else total
 
+    def num_active_params(self, exclude_embedding: bool = False) -> int:
+        """Parameters one token meets (what its FLOPs count): every parameter of a dense model."""
+        return self.num_params(exclude_embedding)
+
     def num_flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (forward + backward), PaLM's convention: 6 N + 12 L H D S (no causal halving)."""
-        return 6 * self.num_params(exclude_embedding=True) + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        """Training FLOPs per token (forward + backward), PaLM's convention: 6 N + 12 L H D S (no causal halving),
+        N the active non-embedding parameters."""
+        return (6 * self.num_active_params(exclude_embedding=True)
+                + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len)
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:

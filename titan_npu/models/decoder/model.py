@@ -11,6 +11,7 @@ titan_npu.ops, which picks a fused kernel per device.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -171,13 +172,15 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """One pre-norm layer: h = x + attention(norm(x)); out = h + feed_forward(norm(h))."""
+    """One pre-norm layer: h = x + attention(norm(x)); out = h + feed_forward(norm(h)).
 
-    def __init__(self, layer_id: int, args: DecoderArgs) -> None:
+    `feed_forward` replaces the SwiGLU MLP (a family's MoE layer, whose block subclass defines its forward)."""
+
+    def __init__(self, layer_id: int, args: DecoderArgs, feed_forward: nn.Module | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(args.dim, args.ffn_dim)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         # Depth-scaled init of the projections that write into the residual stream (torchtitan's depth_init):
@@ -207,7 +210,7 @@ class Transformer(nn.Module):
     tok_embeddings takes hidden states [B, S, dim] as input, one without norm/output returns hidden states.
     """
 
-    def __init__(self, args: DecoderArgs) -> None:
+    def __init__(self, args: DecoderArgs, block: Callable[[int, DecoderArgs], nn.Module] = TransformerBlock) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
@@ -216,7 +219,7 @@ class Transformer(nn.Module):
         self.register_buffer("freqs_cos", cos, persistent=False)
         self.register_buffer("freqs_sin", sin, persistent=False)
         # A dict keyed "0".."N-1" rather than a list, so a pipeline stage can delete layers and keep FQNs stable.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): block(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = Linear(args.dim, args.vocab_size)
         self.tie_weights()
@@ -264,6 +267,14 @@ class Transformer(nn.Module):
         self.tie_weights()
         init_parameters(self, self.param_inits(), torch.initial_seed() if seed is None else seed)
 
+    def run_layers(self, h: torch.Tensor) -> torch.Tensor:
+        """The blocks this model (or stage) holds, in order, on hidden states [B, S, dim]."""
+        # The whole tables: each attention takes the rows of the sequence it sees (and refuses one that is too long).
+        for layer in self.layers.values():
+            if layer is not None:
+                h = layer(h, self.freqs_cos, self.freqs_sin)
+        return h
+
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_chunk_tokens: int = 0) -> torch.Tensor:
         """tokens [B, S] (or hidden states [B, S, dim] when tok_embeddings is None) -> logits [B, S, vocab].
@@ -272,10 +283,7 @@ class Transformer(nn.Module):
         projected loss_chunk_tokens tokens at a time (titan_npu/ops/cross_entropy.py), so the logits are never whole.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        # The whole tables: each attention takes the rows of the sequence it sees (and refuses one that is too long).
-        for layer in self.layers.values():
-            if layer is not None:
-                h = layer(h, self.freqs_cos, self.freqs_sin)
+        h = self.run_layers(h)
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h

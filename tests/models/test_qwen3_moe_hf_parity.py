@@ -1,0 +1,176 @@
+"""Qwen3-MoE against Hugging Face transformers' Qwen3MoeForCausalLM (fp32, CPU): the same logits after import and
+export, the same first-step loss (cross entropy + router_aux_loss_coef x aux loss), and losses that track a plain
+transformers training loop for 20 steps from the imported weights."""
+
+import json
+
+import pytest
+import torch
+
+from titan_npu import ops
+from titan_npu.checkpoint.formats import read_weights
+from titan_npu.models.qwen3_moe.args import MoEDecoderArgs
+from titan_npu.models.registry import build_model, get_spec, spec_for_hf_config
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-5  # max abs logit difference, fp32 (logits of unit scale)
+LOSS_RTOL = 1e-5  # the first step's loss, relative
+STEP_RTOL = 1e-4  # each of 20 training steps' loss, relative (measured: at most 7e-6)
+SEQ_LEN = 32
+
+_BASE = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=160, ffn_dim=96, norm_eps=1e-6,
+             rope_theta=1000000.0, max_seq_len=128, qk_norm=True, family="qwen3_moe", n_experts=8, top_k=2,
+             moe_ffn_dim=32, router_aux_loss_coef=0.02)
+SHAPES = {
+    "all-moe-normalised": MoEDecoderArgs(**_BASE),
+    # Layer 1 dense by mlp_only_layers, layer 0 by the sparse step (only odd ids are MoE), top-k not renormalised.
+    "mixed-unnormalised": MoEDecoderArgs(**{**_BASE, "norm_topk_prob": False, "decoder_sparse_step": 2,
+                                            "n_layers": 4, "mlp_only_layers": [3]}),
+}
+
+
+@pytest.fixture(autouse=True)
+def _reference_kernels():
+    ops.set_kernels("reference")
+    yield
+    ops.set_kernels("auto")
+
+
+def _hf_model(args: MoEDecoderArgs) -> torch.nn.Module:
+    config = transformers.AutoConfig.for_model(**get_spec("qwen3_moe").hf.config(args), attn_implementation="eager")
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    """Weights well away from init (norms near 1, router logits of order 1), so a wrong mapping shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.2 * noise if "norm" in name else (0.3 if "gate." in name else 0.08) * noise)
+
+
+def _import(hf_model, args) -> torch.nn.Module:
+    ours = build_model(args)
+    ours.load_state_dict(get_spec("qwen3_moe").hf.from_hf(hf_model.state_dict(), args), strict=True)
+    return ours
+
+
+def _logits(model, tokens):
+    out = model(tokens)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _tokens(args, seed, batch=2):
+    return torch.randint(0, args.vocab_size, (batch, SEQ_LEN), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_model_counts_its_parameters_and_builds_the_layers_transformers_does():
+    args = SHAPES["mixed-unnormalised"]
+    ours = build_model(args)
+    assert sum(p.numel() for p in ours.parameters()) == args.num_params()
+    hf = _hf_model(args)
+    assert sum(p.numel() for p in hf.parameters()) == args.num_params()
+    moe = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+    assert moe == [i for i in range(args.n_layers) if args.is_moe_layer(i)] == [1]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_hf_weights_imported_give_hf_logits(shape):
+    args = SHAPES[shape]
+    hf = _hf_model(args)
+    _randomise(hf, seed=0)
+    ours = _import(hf, args)
+    tokens = _tokens(args, 1)
+    with torch.no_grad():
+        assert (_logits(ours, tokens) - _logits(hf, tokens)).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_the_first_step_loss_with_the_aux_term_equals_transformers(shape):
+    args = SHAPES[shape]
+    hf = _hf_model(args)
+    _randomise(hf, seed=11)
+    ours = _import(hf, args)
+    tokens = _tokens(args, 12)
+    with torch.no_grad():
+        out = hf(tokens, labels=tokens, output_router_logits=True)  # shifts the labels itself
+        logits = ours(tokens)
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    assert abs(ours.load_balancing_loss().item() - out.aux_loss.item()) <= LOSS_RTOL * out.aux_loss.item()
+    total = (ce + ours.auxiliary_loss()).item()
+    assert abs(total - out.loss.item()) <= LOSS_RTOL * out.loss.item()
+    assert args.router_aux_loss_coef * out.aux_loss.item() > 100 * LOSS_RTOL * out.loss.item()  # the aux term counts
+
+
+def _train(model, batches, ours: bool) -> list[float]:
+    """20 AdamW steps (fixed lr, clipping at 1.0) on cross entropy + the aux term; the optimised losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                            foreach=False)
+    losses = []
+    for tokens, labels in batches:
+        if ours:
+            logits = model(tokens)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()) + model.auxiliary_loss()
+        else:
+            out = model(tokens, output_router_logits=True)
+            loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten()) \
+                + model.router_aux_loss_coef * out.aux_loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=False)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_twenty_steps_from_imported_weights_track_a_transformers_training_loop(shape):
+    args = SHAPES[shape]
+    hf = _hf_model(args).train()
+    _randomise(hf, seed=7)
+    ours = _import(hf, args).train()
+    gen = torch.Generator().manual_seed(8)
+    pool = torch.randint(0, args.vocab_size, (8, SEQ_LEN + 1), generator=gen)
+    batches = []
+    for _ in range(20):
+        seq = pool[torch.randint(0, 8, (4,), generator=gen)]
+        batches.append((seq[:, :-1], seq[:, 1:]))
+    ours_losses = _train(ours, batches, ours=True)
+    hf_losses = _train(hf, batches, ours=False)
+    assert ours_losses[-1] < ours_losses[0] - 1.0  # it learns: the comparison is not between two flat lines
+    for step, (a, b) in enumerate(zip(ours_losses, hf_losses)):
+        assert abs(a - b) <= STEP_RTOL * abs(b), f"step {step + 1}: ours {a} vs transformers {b}"
+
+
+def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_auto_model(tmp_path):
+    args = SHAPES["mixed-unnormalised"]
+    hf = _hf_model(args)
+    _randomise(hf, seed=9)
+    hf.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert spec_for_hf_config(config).name == "qwen3_moe"
+    weights = read_weights(tmp_path / "hf")  # per-expert tensors on disk
+    assert weights.format == "hf" and weights.args == args
+    ours = build_model(weights.args)
+    ours.load_state_dict(weights.state_dict, strict=True)
+    tokens = _tokens(args, 10)
+    with torch.no_grad():
+        assert (_logits(ours, tokens) - _logits(hf, tokens)).abs().max().item() < TOL
+    spec = get_spec("qwen3_moe")
+    exported = spec.hf.to_hf(ours.state_dict(), weights.args)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in exported and "model.layers.1.mlp.gate.weight" in exported
+    out = tmp_path / "back"
+    out.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in exported.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(spec.hf.config(weights.args)))
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "head_dim"):
+        assert getattr(back.config, field) == getattr(hf.config, field), field
+    with torch.no_grad():
+        assert (_logits(back, tokens) - _logits(hf, tokens)).abs().max().item() < TOL

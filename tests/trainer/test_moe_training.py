@@ -1,0 +1,116 @@
+"""configs/debug_moe.toml trains: a falling cross entropy, the load-balancing loss optimised beside it and logged
+with the expert load (and dropped tokens under a capacity)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from titan_npu.config.loader import load_config
+from titan_npu.trainer import Trainer
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "debug_moe.toml"
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TITAN_DEVICE", "cpu")
+
+
+def _run(tmp_path: Path, steps: int, *extra: str) -> list[dict]:
+    """debug_moe shrunk to 4 sequences of 64 tokens, every step logged; its training records."""
+    overrides = ["--training.seq_len", "64", "--training.batch_size", "4", "--training.max_steps", str(steps),
+                 "--lr_scheduler.warmup_steps", "2", "--metrics.log_dir", str(tmp_path / "logs"),
+                 "--metrics.log_interval", "1", "--metrics.tensorboard", "false", "--metrics.report", "false",
+                 "--metrics.progress", "lines", "--checkpoint.dir", str(tmp_path / "ckpt"),
+                 "--checkpoint.enable", "false", *extra]
+    trainer = Trainer(load_config(CONFIG, overrides))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def test_debug_moe_trains_with_a_falling_loss_and_logs_the_aux_loss_and_expert_load(tmp_path, one_thread):
+    records = _run(tmp_path, 8)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    for r in records:
+        # An even load gives top_k = 2 (transformers' normalisation); any load gives at least that much.
+        assert 2.0 <= r["aux_loss"] < 8.0
+        assert len(r["expert_load_per_layer"]) == 4 and r["expert_load_max_mean"] >= 1.0
+        assert "dropped_tokens" not in r  # dropless
+
+
+def test_the_logged_loss_is_the_cross_entropy_and_the_aux_term_moves_the_weights(tmp_path, one_thread):
+    off = _run(tmp_path / "off", 2, "--model.router_aux_loss_coef", "0")
+    on = _run(tmp_path / "on", 2, "--model.router_aux_loss_coef", "1.0")
+    assert on[0]["loss"] == off[0]["loss"]  # the same weights and batch: the logged loss excludes the aux term
+    assert on[0]["aux_loss"] == off[0]["aux_loss"]  # logged even where it is not optimised
+    assert on[1]["loss"] != off[1]["loss"]  # the first update differed: the aux term was in the optimised loss
+
+
+def test_a_capacity_factor_logs_the_dropped_tokens(tmp_path, one_thread):
+    records = _run(tmp_path, 2, "--model.capacity_factor", "0.5")
+    # Capacity 0.5 x 256 tokens x 2 / 8 experts = 32 per expert per layer: at most half the 512 assignments fit.
+    assert all(r["dropped_tokens"] >= 4 * 256 for r in records)
+
+
+def _torchrun(tmp_path: Path, *extra: str) -> list[float]:
+    """debug_moe shrunk as _run does, on 2 CPU processes (gloo); the logged losses."""
+    import os
+    import subprocess
+    import sys
+
+    root = CONFIG.parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))
+           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env.update(TITAN_DEVICE="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "--config", str(CONFIG), "--training.seq_len", "64", "--training.max_steps", "3",
+           "--lr_scheduler.warmup_steps", "2", "--metrics.log_dir", str(tmp_path / "logs"),
+           "--metrics.log_interval", "1", "--metrics.tensorboard", "false", "--metrics.report", "false",
+           "--metrics.progress", "lines", "--checkpoint.dir", str(tmp_path / "ckpt"), "--checkpoint.enable", "false",
+           "--training.deterministic", "true", *extra]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+# The aux loss is pooled over each rank's micro-batch (as transformers pools one forward's tokens), so a layout
+# that splits the batch optimises a slightly different sum: the layouts agree exactly with it off.
+@pytest.mark.parametrize("layout", [["--parallel.dp_shard", "2", "--training.batch_size", "2"],
+                                    ["--parallel.pp_degree", "2", "--training.batch_size", "4"]], ids=["fsdp", "pp"])
+def test_fsdp_and_pipeline_runs_give_the_single_process_losses(tmp_path, one_thread, layout):
+    single = [r["loss"] for r in _run(tmp_path / "one", 3, "--model.router_aux_loss_coef", "0",
+                                      "--training.deterministic", "true")]
+    split = _torchrun(tmp_path / "two", "--model.router_aux_loss_coef", "0", *layout)
+    assert split == pytest.approx(single, rel=1e-5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--parallel.tp_degree", "2"], "tensor parallelism of a MoE model"),
+    (["--parallel.pp_degree", "2"], "the load-balancing loss spans every stage's layers"),
+], ids=["tp", "pp-with-aux-loss"])
+def test_layouts_a_moe_model_does_not_take_yet_are_refused_in_one_line(overrides, message):
+    import torch
+
+    from titan_npu.errors import LayoutError
+    from titan_npu.models.registry import build_model_args, get_spec
+    from titan_npu.parallel import ParallelDims
+
+    cfg = load_config(CONFIG, ["--parallel.dp_shard", "1", *overrides])
+    dims = ParallelDims.from_config(cfg.parallel, 2)
+    spec, args = get_spec("qwen3_moe"), build_model_args(cfg.model)
+    with torch.device("meta"):
+        model = spec.build_model(args)
+    with pytest.raises(LayoutError, match=message) as error:
+        spec.parallelize(model, dims, cfg)
+    assert "\n" not in str(error.value)

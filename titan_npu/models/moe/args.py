@@ -1,0 +1,55 @@
+"""The shape and routing options of one mixture-of-experts layer, independent of the family that uses it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from titan_npu.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """One MoE feed-forward: n_experts SwiGLU experts of width ffn_dim, top_k of them per token."""
+
+    dim: int
+    n_experts: int
+    top_k: int
+    ffn_dim: int  # width of one routed expert
+    norm_topk_prob: bool = True  # renormalise the top-k weights of a token to sum to 1
+    # Tokens an expert takes per forward = ceil(capacity_factor * tokens * top_k / n_experts); assignments past it
+    # are dropped (their weight is lost, the residual carries the token). None = dropless.
+    capacity_factor: float | None = None
+    shared_ffn_dim: int = 0  # width of an always-on shared SwiGLU expert added to the routed output; 0 = none
+    # A per-expert bias added to the scores for the choice of experts only (aux-loss-free balancing, DeepSeek-V3);
+    # False = no bias buffer at all.
+    score_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("dim", "n_experts", "top_k", "ffn_dim"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model.{key}={value!r} must be a positive integer")
+        if self.top_k > self.n_experts:
+            raise ConfigError(f"model.top_k={self.top_k} exceeds model.n_experts={self.n_experts}; "
+                              f"route each token to at most n_experts experts")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ConfigError(f"model.capacity_factor={self.capacity_factor} must be positive, or 0 / unset for "
+                              f"dropless routing")
+        if self.shared_ffn_dim < 0:
+            raise ConfigError(f"model.shared_ffn_dim={self.shared_ffn_dim} must be 0 (no shared expert) or positive")
+
+    def capacity(self, n_tokens: int) -> int:
+        """Assignments one expert takes from n_tokens tokens: the capacity, or n_tokens when dropless (an expert
+        is chosen at most once per token)."""
+        if self.capacity_factor is None:
+            return n_tokens
+        return min(n_tokens, max(1, math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)))
+
+    def active_params(self) -> int:
+        """Parameters one token meets in this layer: the router, top_k experts and the shared expert."""
+        return self.n_experts * self.dim + (self.top_k * self.ffn_dim + self.shared_ffn_dim) * 3 * self.dim
+
+    def total_params(self) -> int:
+        """Every parameter of the layer."""
+        return self.n_experts * self.dim + (self.n_experts * self.ffn_dim + self.shared_ffn_dim) * 3 * self.dim

@@ -1,0 +1,55 @@
+"""The routed experts: n_experts SwiGLU MLPs held as stacked weights [n_experts, out, in], computed over the tokens
+sorted by expert as one grouped GEMM per projection (ops.grouped_mm), never a Python loop over experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_npu import ops
+from titan_npu.models.init import ParamInit, trunc_normal
+
+
+class GroupedExperts(nn.Module):
+    """w1 (gate) and w3 (up) [n_experts, ffn_dim, dim], w2 (down) [n_experts, dim, ffn_dim]: expert e computes
+    w2[e] (silu(w1[e] x) * w3[e] x), as the dense FeedForward does with its Linear weights."""
+
+    def __init__(self, n_experts: int, dim: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+
+    def _weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The weights and input in the compute dtype: autocast's when it is on (it does not cover grouped GEMMs)."""
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        return tuple(w if w.dtype == dtype else w.to(dtype) for w in (self.w1, self.w2, self.w3))
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_group_rows: int) -> torch.Tensor:
+        """x [N, dim]: the rows of expert e are offsets[e-1]:offsets[e] (int32 cumulative ends); at most
+        max_group_rows per expert. Returns [N, dim] in the same order."""
+        w1, w2, w3 = self._weights(x)
+        x = x.to(w1.dtype)
+        gate = ops.grouped_mm(x, w1, offsets, max_group_rows)
+        hidden = ops.swiglu(gate, ops.grouped_mm(x, w3, offsets, max_group_rows))
+        return ops.grouped_mm(hidden, w2, offsets, max_group_rows)
+
+    def forward_padded(self, x: torch.Tensor, expert: torch.Tensor, slot: torch.Tensor, capacity: int
+                       ) -> torch.Tensor:
+        """Capacity routing: row i of x [N, dim] goes to `slot[i]` of expert `expert[i]`'s `capacity` slots (slot ==
+        capacity: dropped). One batched matmul per projection over [n_experts, capacity, dim]; dropped rows
+        return zeros."""
+        w1, w2, w3 = self._weights(x)
+        x = x.to(w1.dtype)
+        # One spill slot past the capacity takes the dropped rows (summed there, never computed).
+        slots = x.new_zeros(w1.shape[0], capacity + 1, x.shape[1]).index_put((expert, slot), x, accumulate=True)
+        slots = slots[:, :capacity]
+        hidden = ops.swiglu(torch.bmm(slots, w1.transpose(1, 2)), torch.bmm(slots, w3.transpose(1, 2)))
+        out = F.pad(torch.bmm(hidden, w2.transpose(1, 2)), (0, 0, 0, 1))  # the spill slot reads back zeros
+        return out[expert, slot]
+
+    def param_inits(self, init_std: float) -> dict[str, ParamInit]:
+        """Gate and up ~ N(0, 0.02); down, which writes into the residual stream, ~ N(0, init_std)."""
+        return {"w1": trunc_normal(0.02), "w3": trunc_normal(0.02), "w2": trunc_normal(init_std)}

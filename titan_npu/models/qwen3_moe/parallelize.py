@@ -1,0 +1,26 @@
+"""How a Qwen3-MoE model is parallelised: as the dense decoder (parallelize_decoder: activation checkpointing,
+compile per block, FSDP / HSDP / replicate with the stacked experts sharded on their expert dim like any
+parameter's dim 0), pipeline stages split as the decoder's. Tensor parallelism and expert parallelism are not in
+this version: a run asking for them is refused with a one-line error."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from titan_npu.config.schema import JobConfig
+from titan_npu.errors import LayoutError
+from titan_npu.models.decoder.parallelize import parallelize_decoder
+from titan_npu.parallel.dims import ParallelDims
+
+
+def parallelize_moe(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
+    """Activation checkpointing, compile and data parallelism, as for the dense decoder; TP refused."""
+    if dims.tp_enabled:
+        raise LayoutError(f"parallel.tp_degree={dims.tp}: tensor parallelism of a MoE model ({cfg.model.name}) is not "
+                          f"supported yet; set parallel.tp_degree = 1 and shard it with FSDP (parallel.dp_shard)")
+    if dims.pp_enabled and model.args.router_aux_loss_coef > 0:
+        raise LayoutError(f"parallel.pp_degree={dims.pp} with model.router_aux_loss_coef="
+                          f"{model.args.router_aux_loss_coef}: the load-balancing loss spans every stage's layers, "
+                          f"which the pipeline does not combine yet; set model.router_aux_loss_coef = 0 or "
+                          f"parallel.pp_degree = 1")
+    return parallelize_decoder(model, dims, cfg)

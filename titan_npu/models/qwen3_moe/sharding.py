@@ -1,0 +1,28 @@
+"""Every kind of parameter of a Qwen3-MoE model: the dense decoder's, with the MoE layers' router and stacked
+experts. Under tensor parallelism the MoE parameters are replicated (tensor-parallel dim None): this slice runs the
+experts whole on every tensor-parallel rank (see parallelize.py)."""
+
+from __future__ import annotations
+
+from titan_npu.models.decoder.sharding import parameter_kinds as decoder_kinds
+from titan_npu.models.qwen3_moe.args import MoEDecoderArgs
+
+DENSE_FFN = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
+
+
+def parameter_kinds(args: MoEDecoderArgs) -> dict[str, tuple[tuple[int, ...], int | None]]:
+    """Each kind of parameter -> (full shape, tensor-parallel dim): the dense SwiGLU's kinds only if some layer is
+    dense, the MoE kinds if some layer is MoE (a kind names a parameter inside any block that has it)."""
+    d, e, f = args.dim, args.n_experts, args.moe_ffn_dim
+    kinds = decoder_kinds(args)
+    if all(args.is_moe_layer(i) for i in range(args.n_layers)):
+        kinds = {k: v for k, v in kinds.items() if k not in DENSE_FFN}
+    if args.n_moe_layers:
+        kinds.update({"feed_forward.router.gate.weight": ((e, d), None), "feed_forward.experts.w1": ((e, f, d), None),
+                      "feed_forward.experts.w2": ((e, d, f), None), "feed_forward.experts.w3": ((e, f, d), None)})
+        if args.shared_ffn_dim:
+            s = args.shared_ffn_dim
+            kinds.update({"feed_forward.shared_experts.w1.weight": ((s, d), None),
+                          "feed_forward.shared_experts.w2.weight": ((d, s), None),
+                          "feed_forward.shared_experts.w3.weight": ((s, d), None)})
+    return kinds
