@@ -15,7 +15,7 @@ from titan_npu.errors import ConfigError, LayoutError
 from titan_npu.models.registry import build_model_args
 from titan_npu.ops.cross_entropy import IGNORE_INDEX
 from titan_npu.parallel import ParallelDims, validate_layout
-from titan_npu.parallel.context_parallel import ContextParallelBatch
+from titan_npu.parallel.context_parallel import ContextParallelBatch, context_for
 
 from .test_layout import check, job
 
@@ -118,3 +118,8 @@ def test_the_planner_and_dry_run_refuse_context_parallelism_until_they_model_it(
         layout_from_config(cfg, 2)
     with pytest.raises(LayoutError, match="do not model context parallelism yet"):
         dry_run(cfg, world_size=2)
+
+
+def test_a_cp_mode_without_an_attention_context_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"cp_mode = 'hybrid' has no attention context; use one of ring, ulysses$"):
+        context_for("hybrid", None)
