@@ -94,7 +94,7 @@ class ParallelConfig:
     cpu_offload: bool = False
     reshard_after_forward: bool = True
     loss_parallel: bool = True
-    cp_degree: int = 1  # context parallel: ranks each sequence is split over (ring attention, docs/long_context.md)
+    cp_degree: int = 1  # context parallel: ranks each sequence is split over (docs/long_context.md)
     cp_mode: str = "ring"  # ring or ulysses (hybrid: not yet)
 
 

@@ -35,7 +35,7 @@ def shard_sequence(x: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
     return torch.cat((chunks[rank], chunks[2 * cp - 1 - rank]), dim=1)
 
 
-class _LoadBalancedContext:
+class LoadBalancedContext:
     """What an attention layer needs under context parallelism: the positions of its local chunks (the
     load-balanced split) and, in a subclass, attention across the cp group."""
 
@@ -52,8 +52,7 @@ class _LoadBalancedContext:
         return self._positions[key]
 
 
-
-class RingContext(_LoadBalancedContext):
+class RingContext(LoadBalancedContext):
     """The local chunks' positions, and ring attention over the cp group."""
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -61,7 +60,7 @@ class RingContext(_LoadBalancedContext):
         return ring_attention(q, k, v, self.group)
 
 
-class UlyssesContext(_LoadBalancedContext):
+class UlyssesContext(LoadBalancedContext):
     """The local chunks' positions, and Ulysses attention (all-to-all to a head split) over the cp group."""
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -72,7 +71,7 @@ class UlyssesContext(_LoadBalancedContext):
 CONTEXTS = {"ring": RingContext, "ulysses": UlyssesContext}
 
 
-def context_for(mode: str, group: dist.ProcessGroup) -> _LoadBalancedContext:
+def context_for(mode: str, group: dist.ProcessGroup) -> LoadBalancedContext:
     """The attention context of parallel.cp_mode `mode` over the cp group."""
     if mode not in CONTEXTS:
         raise ValueError(f"parallel.cp_mode = {mode!r} has no attention context; use one of {', '.join(CONTEXTS)}")
