@@ -91,14 +91,14 @@ def _chunk(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, valid: torch
     # torch.logsumexp's shift: the row max, 0 where it is infinite (a row of -inf gives -inf, an inf gives inf).
     shift = logits.amax(dim=-1)
     shift.masked_fill_(shift.abs() == float("inf"), 0.0)
-    exp = logits.sub_(shift[:, None]).exp_()  # exp(logit - shift), in place of the logits
-    sums = exp.sum(dim=-1)
+    logits.sub_(shift[:, None]).exp_()  # exp(logit - shift), in place
+    sums = logits.sum(dim=-1)
     lse = sums.log() + shift
     loss = ((lse - target_logits) * valid).sum()
     if grad_h is None:
         return loss
     # d(lse - logit_t)/d logits = softmax - one_hot(t), zero for ignored tokens; in place of the logits.
-    grad = exp.div_(sums[:, None])
+    grad = logits.div_(sums[:, None])
     grad.scatter_add_(1, targets[:, None], torch.full((len(targets), 1), -1.0, device=grad.device))
     grad = grad.mul_(valid[:, None]).to(h.dtype)
     del logits
