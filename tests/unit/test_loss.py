@@ -122,7 +122,7 @@ def _allocations_of_at_least(nbytes: int, fn) -> int:
 
 def test_each_chunk_allocates_one_logits_sized_buffer_for_its_loss_and_gradient():
     # A second [chunk, V] buffer (torch.logsumexp's shifted copy), allocated and freed inside the forward, made
-    # glibc hand the top of its heap back to the system and fault it in again every step on CPU.
+    # glibc hand the top of its heap back to the system on CPU, to be faulted in again by the next step.
     tokens, vocab, chunk = 256, 1024, 64
     h, w, labels = _inputs(tokens=tokens, dim=32, vocab=vocab, ignore=0)
     logits_bytes = chunk * vocab * 4  # 256 KiB; the gradients of h and w are smaller

@@ -83,8 +83,8 @@ def _chunk(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, valid: torch
 
     One fp32 [C, V] buffer, the logits, serves the log-sum-exp and the gradient: the log-sum-exp is taken in place
     (torch.logsumexp's shifted copy would be a second one). On CPU two such buffers, allocated and freed inside the
-    forward, left so much free memory at the top of glibc's heap that it went back to the system and was faulted
-    in again every step.
+    forward, often left enough free memory at the top of glibc's heap for it to go back to the system, to be
+    faulted in again by the next step.
     """
     logits = ops.linear(h, w).float()  # [C, V]
     target_logits = logits.gather(1, targets[:, None]).squeeze(1)
