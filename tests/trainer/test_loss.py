@@ -119,6 +119,22 @@ def test_peak_memory_is_bounded_by_the_chunk_not_the_micro_batch():
     assert chunked < logits_fp32 / 4, (chunked, whole)
 
 
+def _allocations_of_at_least(nbytes: int, fn) -> int:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(1 for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() >= nbytes)
+
+
+def test_each_chunk_allocates_one_logits_sized_buffer_for_its_loss_and_gradient():
+    # A second [chunk, V] buffer (torch.logsumexp's shifted copy), allocated and freed inside the forward, made
+    # glibc hand the top of its heap back to the system on CPU, to be faulted in again by the next step.
+    tokens, vocab, chunk = 256, 1024, 64
+    h, w, labels = _inputs(tokens=tokens, dim=32, vocab=vocab, ignore=0)
+    logits_bytes = chunk * vocab * 4  # 256 KiB; the gradients of h and w are smaller
+    n = _allocations_of_at_least(logits_bytes, lambda: chunked_linear_cross_entropy(h, w, labels, chunk).backward())
+    assert n == tokens // chunk
+
+
 def test_tensor_and_pipeline_parallel_runs_take_the_whole_logits():
     assert loss_chunk_tokens(2048, tp=1, pp=1) == 2048
     assert loss_chunk_tokens(2048, tp=2, pp=1) == 0  # loss_parallel: vocab-sharded logits

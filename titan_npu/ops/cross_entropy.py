@@ -75,14 +75,26 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 def _chunk(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
            grad_h: torch.Tensor | None, grad_w: torch.Tensor | None) -> torch.Tensor:
     """One chunk's summed loss; with grad_h (this chunk's rows) and grad_w given, its gradients written / added
-    there. A function of its own, so the chunk's logits are freed before the next chunk's exist."""
+    there. A function of its own, so the chunk's logits are freed before the next chunk's exist.
+
+    One fp32 [C, V] buffer, the logits, serves the log-sum-exp and the gradient: the log-sum-exp is taken in place
+    (torch.logsumexp's shifted copy would be a second one). On CPU two such buffers, allocated and freed inside the
+    forward, often left enough free memory at the top of glibc's heap for it to go back to the system, to be
+    faulted in again by the next step.
+    """
     logits = linear(h, w).float()  # [C, V]
-    lse = torch.logsumexp(logits, dim=-1)
-    loss = ((lse - logits.gather(1, targets[:, None]).squeeze(1)) * valid).sum()
+    target_logits = logits.gather(1, targets[:, None]).squeeze(1)
+    # torch.logsumexp's shift: the row max, 0 where it is infinite (a row of -inf gives -inf, an inf gives inf).
+    shift = logits.amax(dim=-1)
+    shift.masked_fill_(shift.abs() == float("inf"), 0.0)
+    logits.sub_(shift[:, None]).exp_()  # exp(logit - shift), in place
+    sums = logits.sum(dim=-1)
+    lse = sums.log() + shift
+    loss = ((lse - target_logits) * valid).sum()
     if grad_h is None:
         return loss
     # d(lse - logit_t)/d logits = softmax - one_hot(t), zero for ignored tokens; in place of the logits.
-    grad = logits.sub_(lse[:, None]).exp_()
+    grad = logits.div_(sums[:, None])
     grad.scatter_add_(1, targets[:, None], torch.full((len(targets), 1), -1.0, device=grad.device))
     grad = grad.mul_(valid[:, None]).to(h.dtype)
     del logits
