@@ -95,7 +95,7 @@ def logits_bytes(job: Job, layout: Layout, micro_batch: int) -> int:
 
 
 def chunked_loss_bytes(job: Job, layout: Layout, micro_batch: int) -> tuple[int, int]:
-    """(held, peak) of the chunked loss (trainer/loss.py): it takes both gradients in the forward, so backward
+    """(held, peak) of the chunked loss (ops/cross_entropy.py): it takes both gradients in the forward, so backward
     starts holding the output weight's gradient (the hidden states' one replaces the output's saved input, counted
     with the activations); the peak is a chunk's logits with the fp32 weight-gradient sum, or backward's scaling."""
     a, c = job.args, job.compute_bytes

@@ -72,7 +72,7 @@ class Layout:
     @property
     def loss_chunk(self) -> int:
         """Tokens per chunk of the loss's output projection; 0 = whole logits (always so under TP or PP, as the
-        trainer does: titan_npu/trainer/loss.py)."""
+        trainer does: titan_npu/ops/cross_entropy.py)."""
         return self.loss_chunk_tokens if self.tp == 1 and self.pp == 1 else 0
 
     @property
