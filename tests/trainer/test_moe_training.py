@@ -85,10 +85,13 @@ def _torchrun(tmp_path: Path, *extra: str) -> list[float]:
 
 
 # The aux loss is pooled over each rank's micro-batch (as transformers pools one forward's tokens), so a layout
-# that splits the batch optimises a slightly different sum: the layouts agree exactly with it off.
+# that splits the batch optimises a slightly different sum: the layouts agree exactly with it off. Expert
+# parallelism moves tokens between ranks but routes each on the rank that holds it: the same per-rank pooling.
 @pytest.mark.parametrize("layout", [["--parallel.dp_shard", "2", "--training.batch_size", "2"],
-                                    ["--parallel.pp_degree", "2", "--training.batch_size", "4"]], ids=["fsdp", "pp"])
-def test_fsdp_and_pipeline_runs_give_the_single_process_losses(tmp_path, one_thread, layout):
+                                    ["--parallel.pp_degree", "2", "--training.batch_size", "4"],
+                                    ["--parallel.ep_degree", "2", "--training.batch_size", "2"]],
+                         ids=["fsdp", "pp", "ep"])
+def test_fsdp_pipeline_and_expert_parallel_runs_give_the_single_process_losses(tmp_path, one_thread, layout):
     single = [r["loss"] for r in _run(tmp_path / "one", 3, "--model.router_aux_loss_coef", "0",
                                       "--training.deterministic", "true")]
     split = _torchrun(tmp_path / "two", "--model.router_aux_loss_coef", "0", *layout)
@@ -114,3 +117,25 @@ def test_layouts_a_moe_model_does_not_take_yet_are_refused_in_one_line(overrides
     with pytest.raises(LayoutError, match=message) as error:
         spec.parallelize(model, dims, cfg)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (2, ["--parallel.ep_degree", "3"], "parallel.ep_degree=3 must divide dp_shard=2"),
+    (3, ["--parallel.ep_degree", "3"], "does not divide model.n_experts=8"),
+    (4, ["--parallel.ep_degree", "2", "--parallel.tp_degree", "2"], "with tensor parallelism (tp_degree=2)"),
+    (4, ["--parallel.ep_degree", "2", "--parallel.pp_degree", "2"], "with pipeline parallelism (pp_degree=2)"),
+    (4, ["--parallel.ep_degree", "2"], "with dp_shard=4 (experts sharded by FSDP over the remaining"),
+    (2, ["--parallel.ep_degree", "2", "--model.capacity_factor", "1.0"], "expert parallelism is dropless only"),
+    (2, ["--parallel.ep_degree", "2", "--model.name", "qwen3"], "has no MoE layer"),
+], ids=["ep-not-dividing-dp-shard", "ep-not-dividing-experts", "ep-x-tp", "ep-x-pp", "ep-below-dp-shard",
+        "ep-with-capacity", "ep-on-a-dense-model"])
+def test_expert_parallel_layouts_this_version_does_not_take_are_refused_in_one_line(world, overrides, message):
+    from titan_npu.errors import LayoutError
+    from titan_npu.models.registry import build_model_args
+    from titan_npu.parallel import ParallelDims
+    from titan_npu.parallel.layout import validate_layout
+
+    cfg = load_config(CONFIG, overrides)
+    with pytest.raises(LayoutError) as error:
+        validate_layout(ParallelDims.from_config(cfg.parallel, world), build_model_args(cfg.model), cfg)
+    assert message in str(error.value) and "\n" not in str(error.value)

@@ -30,6 +30,7 @@ class ParallelDims:
     world_size: int
     fsdp: bool = True
     cp: int = 1
+    ep: int = 1  # expert parallel: borrowed from dp_shard (not a factor of the world size)
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     @classmethod
@@ -75,7 +76,11 @@ class ParallelDims:
                 f"parallel.fsdp=false with dp_shard={dp_shard} and dp_replicate={cfg.dp_replicate} is ambiguous; "
                 "with fsdp=false use dp_replicate only (or dp_shard with dp_replicate=1)"
             )
-        return cls(cfg.dp_replicate, dp_shard, cfg.tp_degree, cfg.pp_degree, world_size, cfg.fsdp, cp)
+        ep = cfg.ep_degree
+        if ep < 1 or dp_shard % ep:
+            raise LayoutError(f"parallel.ep_degree={ep} must divide dp_shard={dp_shard} (the expert-parallel ranks "
+                              f"are taken from the FSDP ranks); choose ep_degree from {divisors(dp_shard)}")
+        return cls(cfg.dp_replicate, dp_shard, cfg.tp_degree, cfg.pp_degree, world_size, cfg.fsdp, cp, ep)
 
     @property
     def dp(self) -> int:
@@ -95,6 +100,15 @@ class ParallelDims:
     @property
     def cp_enabled(self) -> bool:
         return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        """The ranks one MoE layer's experts are split over: dp_shard (this version takes ep_degree = dp_shard)."""
+        return self.mesh["dp_shard"]
 
     @property
     def tp_enabled(self) -> bool:
@@ -201,5 +215,6 @@ class ParallelDims:
         """One line for the start-up log."""
         kind = {"fsdp": "FSDP", "hsdp": "HSDP", "replicate": "DP (replicated)", "none": "no DP"}[self.dp_mode]
         return (f"world={self.world_size} pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
-                f"tp={self.tp}{f' cp={self.cp}' if self.cp > 1 else ''} ({kind})")
+                f"tp={self.tp}{f' cp={self.cp}' if self.cp > 1 else ''}{f' ep={self.ep}' if self.ep > 1 else ''} "
+                f"({kind})")
 

@@ -37,6 +37,10 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     kwargs = {"mesh": dims.dp_mesh}
+    if dims.ep_enabled:
+        # Expert-parallel experts are DTensors over the ep ranks already (one shard of the experts per rank):
+        # FSDP leaves them, and their gradients are complete on the rank that holds them.
+        kwargs["ignored_params"] = {p for p in model.parameters() if getattr(p, "device_mesh", None) is not None}
     if cfg.parallel.cpu_offload:
         # Pinned host memory needs an accelerator; on a cpu-only run the parameters are host memory already.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
