@@ -98,6 +98,22 @@ def test_fsdp_pipeline_and_expert_parallel_runs_give_the_single_process_losses(t
     assert split == pytest.approx(single, rel=1e-5)
 
 
+def test_a_checkpoint_saved_under_expert_parallelism_resumes_in_one_process_exactly(tmp_path, one_thread):
+    import shutil
+
+    # The experts are saved under their global names and shapes (DTensors sharded on the expert dim), so one
+    # process loads them whole: resumed at step 3 of a 2-rank ep 2 run, it goes on as an uninterrupted run does.
+    common = ["--model.router_aux_loss_coef", "0", "--training.deterministic", "true", "--training.max_steps", "6",
+              "--checkpoint.enable", "true", "--checkpoint.save_interval", "3", "--checkpoint.keep_last_n", "5",
+              "--checkpoint.dir", str(tmp_path / "ckpt")]
+    _torchrun(tmp_path / "ep", *common, "--parallel.ep_degree", "2", "--training.batch_size", "2")
+    shutil.rmtree(tmp_path / "ckpt" / "step-6")  # resume from step 3
+    resumed = _run(tmp_path / "resumed", 6, *common)
+    whole = _run(tmp_path / "whole", 6, "--model.router_aux_loss_coef", "0", "--training.deterministic", "true")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in whole[3:]], rel=1e-5)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["--parallel.tp_degree", "2"], "tensor parallelism of a MoE model"),
     (["--parallel.pp_degree", "2"], "the load-balancing loss spans every stage's layers"),
