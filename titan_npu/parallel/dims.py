@@ -32,6 +32,7 @@ class ParallelDims:
     cp: int = 1
     ep: int = 1  # expert parallel: borrowed from dp_shard (not a factor of the world size)
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -107,8 +108,15 @@ class ParallelDims:
 
     @property
     def ep_mesh(self) -> DeviceMesh:
-        """The ranks one MoE layer's experts are split over: dp_shard (this version takes ep_degree = dp_shard)."""
-        return self.mesh["dp_shard"]
+        """The ranks one MoE layer's experts are split over: ep consecutive dp_shard ranks (all of them when
+        ep_degree = dp_shard)."""
+        return self.mesh["dp_shard"] if self._expert_mesh is None else self._expert_mesh["ep"]
+
+    @property
+    def efsdp_mesh(self) -> DeviceMesh | None:
+        """The dp_shard / ep ranks that hold the same experts and shard them with FSDP; None when ep = dp_shard."""
+        self.mesh  # noqa: B018 (built first)
+        return None if self._expert_mesh is None else self._expert_mesh["efsdp"]
 
     @property
     def tp_enabled(self) -> bool:
@@ -153,6 +161,14 @@ class ParallelDims:
         if collective_timeout_s:
             for name in (*names, *flat):
                 set_collective_timeout(mesh[name].get_group(), collective_timeout_s)
+        if 1 < self.ep < self.dp_shard:
+            # The experts' own mesh: dp_shard split into (efsdp, ep), consecutive dp_shard ranks forming an ep group.
+            sizes = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+            self._expert_mesh = DeviceMesh(device_type, mesh.mesh.reshape(sizes),
+                                           mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
+            if collective_timeout_s:
+                for name in ("efsdp", "ep"):
+                    set_collective_timeout(self._expert_mesh[name].get_group(), collective_timeout_s)
         self._mesh = mesh
         return mesh
 

@@ -112,9 +112,7 @@ def _check_expert_parallel(dims: ParallelDims, a: Any) -> None:
                (dims.pp_enabled, f"pipeline parallelism (pp_degree={dims.pp})", "parallel.pp_degree = 1"),
                (dims.cp_enabled, f"context parallelism (cp_degree={dims.cp})", "parallel.cp_degree = 1"),
                (dims.dp_replicate > 1, f"dp_replicate={dims.dp_replicate}", "parallel.dp_replicate = 1"),
-               (not dims.fsdp, "parallel.fsdp=false", "parallel.fsdp = true"),
-               (dims.ep != dims.dp_shard, f"dp_shard={dims.dp_shard} (experts sharded by FSDP over the remaining "
-                f"dp_shard / ep ranks)", f"parallel.ep_degree = dp_shard = {dims.dp_shard}")]
+               (not dims.fsdp, "parallel.fsdp=false", "parallel.fsdp = true")]
     for refused, what, fix in not_yet:
         if refused:
             raise LayoutError(f"parallel.ep_degree={ep} with {what} is not yet available; set {fix} or "
