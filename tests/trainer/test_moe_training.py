@@ -157,3 +157,13 @@ def test_expert_parallel_layouts_this_version_does_not_take_are_refused_in_one_l
     with pytest.raises(LayoutError) as error:
         validate_layout(ParallelDims.from_config(cfg.parallel, world), build_model_args(cfg.model), cfg)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_expert_parallel_dry_run_measures_each_ranks_experts_without_a_forward():
+    from titan_npu.planner.dry_run import dry_run
+
+    # The exchange's split sizes are routed token counts, which fake tensors do not hold: no forward is run.
+    result = dry_run(load_config(CONFIG, ["--parallel.ep_degree", "2"]), 4, 1)
+    assert not result.forward_checked
+    w1 = result.parameters["layers.0.feed_forward.experts.w1"]
+    assert w1["shape"] == [8, 128, 128] and w1["local_shape"] == [2, 128, 128]  # 8 experts over ep 2 x FSDP 2
