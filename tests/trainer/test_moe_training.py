@@ -167,3 +167,11 @@ def test_an_expert_parallel_dry_run_measures_each_ranks_experts_without_a_forwar
     assert not result.forward_checked
     w1 = result.parameters["layers.0.feed_forward.experts.w1"]
     assert w1["shape"] == [8, 128, 128] and w1["local_shape"] == [2, 128, 128]  # 8 experts over ep 2 x FSDP 2
+
+
+def test_with_the_aux_loss_on_expert_parallel_gives_the_fsdp_runs_losses(tmp_path, one_thread):
+    # Tokens are routed, and the aux loss pooled, on the rank that holds them under either layout: only where the
+    # experts run differs, so the optimised sums are the same (fp32, deterministic).
+    fsdp = _torchrun(tmp_path / "fsdp", "--training.batch_size", "2")
+    ep = _torchrun(tmp_path / "ep", "--training.batch_size", "2", "--parallel.ep_degree", "2")
+    assert ep == pytest.approx(fsdp, rel=1e-5)

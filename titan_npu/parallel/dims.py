@@ -115,7 +115,8 @@ class ParallelDims:
     @property
     def efsdp_mesh(self) -> DeviceMesh | None:
         """The dp_shard / ep ranks that hold the same experts and shard them with FSDP; None when ep = dp_shard."""
-        self.mesh  # noqa: B018 (built first)
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called")
         return None if self._expert_mesh is None else self._expert_mesh["efsdp"]
 
     @property
