@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_npu import ops
 from titan_npu.models.init import ParamInit, trunc_normal
@@ -33,7 +34,7 @@ class GroupedExperts(nn.Module):
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         weights = []
         for w in (self.w1, self.w2, self.w3):
-            if hasattr(w, "to_local"):
+            if isinstance(w, DTensor):  # (compile traces isinstance, not hasattr, of a DTensor parameter)
                 w = scale_grad(w.to_local(), self.grad_scale)
             weights.append(w if w.dtype == dtype else w.to(dtype))
         return tuple(weights)
