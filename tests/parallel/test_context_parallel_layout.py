@@ -1,6 +1,7 @@
-"""parallel.cp_degree and cp_mode: the layouts this slice of context parallelism runs pass, the ones it does not
-run yet are refused in one line that names the fix; the cp ranks join FSDP's mesh; each cp rank's share of a
-batch and its loss weight add up to the whole batch's mean loss, also with ignored labels."""
+"""parallel.cp_degree and cp_mode: the layouts context parallelism runs pass (Ulysses where the heads split over
+the cp ranks), the ones it does not run yet are refused in one line that names the fix; the cp ranks join FSDP's
+mesh; each cp rank's share of a batch and its loss weight add up to the whole batch's mean loss, also with ignored
+labels."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from titan_npu.config.loader import load_config
-from titan_npu.config.schema import ParallelConfig
+from titan_npu.config.schema import ModelConfig, ParallelConfig
 from titan_npu.errors import ConfigError, LayoutError
 from titan_npu.models.registry import build_model_args
 from titan_npu.ops.cross_entropy import IGNORE_INDEX
 from titan_npu.parallel import ParallelDims, validate_layout
-from titan_npu.parallel.context_parallel import ContextParallelBatch
+from titan_npu.parallel.context_parallel import ContextParallelBatch, context_for
 
 from .test_layout import check, job
 
@@ -30,13 +31,34 @@ def test_context_parallel_layouts_of_this_slice_pass():
     validate_layout(dims, build_model_args(cfg.model), cfg)
 
 
+def test_ulysses_layouts_whose_heads_split_over_cp_pass():
+    # 4 query heads over 2 key/value heads: cp 2 splits both, cp 4 repeats each key/value head for two ranks.
+    check(2, cp_degree=2, cp_mode="ulysses")
+    check(4, cp_degree=4, cp_mode="ulysses")
+    check(8, cp_degree=2, dp_replicate=2, cp_mode="ulysses")
+    check(1, cp_mode="ulysses")  # no context parallelism: the mode is not used
+
+
+@pytest.mark.parametrize(("world", "heads", "message"), [
+    (8, (4, 2), r"cp_degree=8 ranks, but model.n_heads=4 / n_kv_heads=2 do not split 8 ways .* choose cp_degree "
+                r"from 2, 4 or set parallel.cp_mode = \"ring\"$"),
+    (2, (6, 3), r"cp_degree=2 ranks, but model.n_heads=6 / n_kv_heads=3 .* choose cp_degree from 3, 6 or set"),
+])
+def test_ulysses_with_heads_that_do_not_split_over_cp_is_refused(world, heads, message):
+    model = ModelConfig(name="llama3", dim=96, n_layers=2, n_heads=heads[0], n_kv_heads=heads[1], vocab_size=512,
+                        max_seq_len=64)
+    with pytest.raises(LayoutError, match=message):
+        check(world, model=model, cp_degree=world, cp_mode="ulysses")
+
+
 @pytest.mark.parametrize(("world", "parallel", "message"), [
     (4, {"cp_degree": 2, "tp_degree": 2}, r"cp_degree=2 with tensor parallelism \(tp_degree=2\) is not yet "
                                           r"available; set parallel.tp_degree = 1 or parallel.cp_degree = 1"),
     (4, {"cp_degree": 2, "pp_degree": 2}, r"with pipeline parallelism \(pp_degree=2\) is not yet available; "
                                           r"set parallel.pp_degree = 1"),
     (2, {"cp_degree": 2, "fsdp": False}, r"parallel.fsdp=false .* is not yet available; set parallel.fsdp = true"),
-    (2, {"cp_degree": 2, "cp_mode": "ulysses"}, r"cp_mode=.ulysses. is not yet available .*cp_mode = \"ring\"$"),
+    (2, {"cp_degree": 2, "cp_mode": "hybrid"}, r"cp_mode='hybrid' is not yet available .*cp_mode = \"ring\" or "
+                                               r"\"ulysses\"$"),
     (1, {"cp_mode": "hybrid"}, r"cp_mode='hybrid' is not yet available"),
 ])
 def test_what_context_parallelism_does_not_run_yet_is_refused(world, parallel, message):
@@ -96,3 +118,8 @@ def test_the_planner_and_dry_run_refuse_context_parallelism_until_they_model_it(
         layout_from_config(cfg, 2)
     with pytest.raises(LayoutError, match="do not model context parallelism yet"):
         dry_run(cfg, world_size=2)
+
+
+def test_a_cp_mode_without_an_attention_context_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"cp_mode = 'hybrid' has no attention context; use one of ring, ulysses$"):
+        context_for("hybrid", None)

@@ -1,7 +1,8 @@
 """Context parallel 2 (2 gloo ranks, FSDP over the cp ranks) of each dense family -- Llama 3, Qwen3 (q/k norms, a
-head size apart from dim / n_heads, tied embeddings), Qwen2 (q/k/v biases) -- gives every parameter the gradient
-one process gets on the whole sequences, over two backward passes (gradient accumulation), within fp32 tolerance.
-Both models start from the weights of the same seed."""
+head size apart from dim / n_heads, tied embeddings), Qwen2 (q/k/v biases) -- with ring attention, and of Llama 3
+and Qwen3 with Ulysses attention, gives every parameter the gradient one process gets on the whole sequences, over
+two backward passes (gradient accumulation), within fp32 tolerance. Both models start from the weights of the same
+seed."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ FAMILIES = {
     "qwen3": ["--model.name=qwen3", "--model.flavor=debug", *SMALL, "--model.head_dim=32"],
     "qwen2": ["--model.name=qwen2", "--model.flavor=debug", *SMALL],
 }
+FAMILIES.update({f"{name}_ulysses": [*FAMILIES[name], "--parallel.cp_mode=ulysses"] for name in ("llama3", "qwen3")})
 RTOL, ATOL = 1e-5, 1e-6
 
 

@@ -1,5 +1,5 @@
-"""Context parallelism trains exactly like one process: each cp rank holds its load-balanced chunks of the same
-sequences, and from the same training.seed and global batch the per-step losses equal one process's to 1e-5
+"""Context parallelism, ring or Ulysses, trains exactly like one process: each cp rank holds its load-balanced chunks
+of the same sequences, and from the same training.seed and global batch the per-step losses equal one process's to 1e-5
 relative (gradient norms to 1e-4) over 10 fp32 deterministic steps (gloo); a CP run saved and resumed continues
 as if never stopped, also when one process without CP resumes it."""
 
@@ -37,9 +37,16 @@ TWO_RANKS = [
     # Qwen3 (q/k norms, head size apart from dim / n_heads, tied) and Qwen2 (q/k/v biases, tied).
     Case("qwen3_cp2", ["--parallel.cp_degree=2"], "ref_b4", "qwen3"),
     Case("qwen2_cp2", ["--parallel.cp_degree=2"], "ref_b4", "qwen2"),
+    # Ulysses: the all-to-all to a head split instead of the ring, on the same chunks.
+    Case("ulysses_cp2", ["--parallel.cp_degree=2", "--parallel.cp_mode=ulysses"], "ref_b4"),
+    Case("ulysses_cp2_compile", ["--parallel.cp_degree=2", "--parallel.cp_mode=ulysses", "--compile.enable=true"],
+         "ref_b4"),
+    Case("qwen3_ulysses_cp2", ["--parallel.cp_degree=2", "--parallel.cp_mode=ulysses"], "ref_b4", "qwen3"),
 ]
 FOUR_RANKS = [
     Case("cp4", ["--parallel.cp_degree=4"], "ref_b4"),
+    # 2 key/value heads over 4 ranks: each repeated for two.
+    Case("ulysses_cp4", ["--parallel.cp_degree=4", "--parallel.cp_mode=ulysses"], "ref_b4"),
     Case("fsdp2_cp2", ["--parallel.cp_degree=2"], "ref_b8"),
     Case("hsdp2_cp2", ["--parallel.cp_degree=2", "--parallel.dp_replicate=2"], "ref_b8"),
     Case("qwen3_fsdp2_cp2", ["--parallel.cp_degree=2"], "ref_b8", "qwen3"),

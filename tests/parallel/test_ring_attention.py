@@ -1,6 +1,7 @@
-"""Ring attention over 2 and 4 gloo ranks, each holding its load-balanced chunks, equals single-process SDPA on the
-whole sequence: the output and dq, dk, dv within fp32 tolerance, with grouped-query heads and with equal heads; in
-bf16 within bf16's rounding of fp32 SDPA on the same inputs."""
+"""Ring and Ulysses attention over 2 and 4 gloo ranks, each holding its load-balanced chunks, equal single-process
+SDPA on the whole sequence: the output and dq, dk, dv within fp32 tolerance, with grouped-query heads (for Ulysses
+at cp 4 fewer key/value heads than ranks, each repeated) and with equal heads; in bf16 within bf16's rounding of
+fp32 SDPA on the same inputs. Ulysses refuses heads that do not split over the ranks."""
 
 from __future__ import annotations
 
@@ -35,29 +36,47 @@ def _reference(q, k, v, dout):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _check_ring(n_heads: int, n_kv_heads: int, dtype: torch.dtype = torch.float32) -> None:
+def _check(mode: str, n_heads: int, n_kv_heads: int, dtype: torch.dtype = torch.float32) -> None:
     import torch.distributed as dist
 
     from titan_npu.parallel.ring_attention import ring_attention
+    from titan_npu.parallel.ulysses_attention import ulysses_attention
 
+    attention = {"ring": ring_attention, "ulysses": ulysses_attention}[mode]
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     rank, cp = dist.get_rank(), dist.get_world_size()
     q, k, v, dout = (t.to(dtype) for t in _inputs(n_heads, n_kv_heads))
     want = [shard_sequence(t, rank, cp) for t in _reference(*(t.float() for t in (q, k, v, dout)))]
     local = [shard_sequence(t, rank, cp).requires_grad_(True) for t in (q, k, v)]
-    out = ring_attention(*local, dist.group.WORLD)
+    out = attention(*local, dist.group.WORLD)
     out.backward(shard_sequence(dout, rank, cp))
     for name, got, expected in zip(("out", "dq", "dk", "dv"), (out.detach(), *(t.grad for t in local)), want):
         assert got.dtype == dtype, f"{name}: {got.dtype}"
         torch.testing.assert_close(got.float(), expected, **TOL[dtype],
-                                   msg=lambda m, n=name: f"cp={cp} {dtype} rank {rank} {n}: {m}")
+                                   msg=lambda m, n=name: f"{mode} cp={cp} {dtype} rank {rank} {n}: {m}")
+
+
+def _check_ulysses_refuses_heads_that_do_not_split() -> None:
+    import torch.distributed as dist
+
+    from titan_npu.parallel.ulysses_attention import ulysses_attention
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    cp = dist.get_world_size()
+    q, k, v, _ = _inputs(3 * cp, 3 * cp)
+    with pytest.raises(ValueError, match=rf"multiple of {cp} query heads \(got {3 * cp + 1}\).*cp_mode = \"ring\""):
+        ulysses_attention(torch.cat((q, q[:, :, :1]), dim=2), k, v, dist.group.WORLD)
+    with pytest.raises(ValueError, match=rf"multiple or divisor of {cp} \(got 3\)"):
+        ulysses_attention(q, k[:, :, :3], v[:, :, :3], dist.group.WORLD)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_ring_attention_matches_sdpa_on_the_whole_sequence(cp):
+def test_ring_and_ulysses_attention_match_sdpa_on_the_whole_sequence(cp):
     # Grouped-query (8 query heads over 2 key/value heads) and plain multi-head attention, fp32 and bf16, one pool.
-    run_pool(cp, [partial(_check_ring, 8, 2), partial(_check_ring, 4, 4), partial(_check_ring, 8, 2, torch.bfloat16)])
+    run_pool(cp, [partial(_check, mode, *heads) for mode in ("ring", "ulysses") for heads in
+                  [(8, 2), (4, 4), (8, 2, torch.bfloat16)]] + [_check_ulysses_refuses_heads_that_do_not_split])
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

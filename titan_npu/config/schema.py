@@ -94,8 +94,8 @@ class ParallelConfig:
     cpu_offload: bool = False
     reshard_after_forward: bool = True
     loss_parallel: bool = True
-    cp_degree: int = 1  # context parallel: ranks each sequence is split over (ring attention, docs/long_context.md)
-    cp_mode: str = "ring"  # ring (ulysses / hybrid: not yet)
+    cp_degree: int = 1  # context parallel: ranks each sequence is split over (docs/long_context.md)
+    cp_mode: str = "ring"  # ring or ulysses (hybrid: not yet)
     ep_degree: int = 1  # expert parallel: ranks (taken from dp_shard) the MoE experts are split over (docs/moe.md)
 
 

@@ -3,8 +3,9 @@
 The sequence is cut into 2 * cp chunks and rank r holds chunks r and 2 * cp - 1 - r: under the causal mask an early
 chunk attends to little and a late one to much, so each rank gets one of each and the same work. Every cp rank
 reads the same window from the loader (the cp ranks share a data-parallel coordinate) and keeps its chunks of the
-inputs and labels (ContextParallelBatch); the model's attention takes the chunks' true positions for RoPE and runs
-ring attention over the cp group (RingContext, which the model's parallelize step installs in each attention).
+inputs and labels (ContextParallelBatch); the model's attention takes the chunks' true positions for RoPE and
+attends across the cp group: ring attention (RingContext, parallel.cp_mode = "ring") or Ulysses attention
+(UlyssesContext, "ulysses"), which the model's parallelize step installs in each attention (context_for).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from titan_npu.ops.cross_entropy import IGNORE_INDEX
 from titan_npu.parallel.ring_attention import ring_attention
+from titan_npu.parallel.ulysses_attention import ulysses_attention
 
 
 def load_balanced_positions(seq_len: int, rank: int, cp: int, device: torch.device | str | None = None
@@ -33,9 +35,9 @@ def shard_sequence(x: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
     return torch.cat((chunks[rank], chunks[2 * cp - 1 - rank]), dim=1)
 
 
-class RingContext:
-    """What an attention layer needs under context parallelism: the positions of its local chunks and ring
-    attention over the cp group."""
+class LoadBalancedContext:
+    """What an attention layer needs under context parallelism: the positions of its local chunks (the
+    load-balanced split) and, in a subclass, attention across the cp group."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -49,9 +51,31 @@ class RingContext:
             self._positions[key] = load_balanced_positions(local_len * self.size, self.rank, self.size, device)
         return self._positions[key]
 
+
+class RingContext(LoadBalancedContext):
+    """The local chunks' positions, and ring attention over the cp group."""
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of the local q [B, S_local, Hq, D] against the whole sequence's keys/values."""
         return ring_attention(q, k, v, self.group)
+
+
+class UlyssesContext(LoadBalancedContext):
+    """The local chunks' positions, and Ulysses attention (all-to-all to a head split) over the cp group."""
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the local q [B, S_local, Hq, D] against the whole sequence's keys/values."""
+        return ulysses_attention(q, k, v, self.group)
+
+
+CONTEXTS = {"ring": RingContext, "ulysses": UlyssesContext}
+
+
+def context_for(mode: str, group: dist.ProcessGroup) -> LoadBalancedContext:
+    """The attention context of parallel.cp_mode `mode` over the cp group."""
+    if mode not in CONTEXTS:
+        raise ValueError(f"parallel.cp_mode = {mode!r} has no attention context; use one of {', '.join(CONTEXTS)}")
+    return CONTEXTS[mode](group)
 
 
 class ContextParallelBatch:

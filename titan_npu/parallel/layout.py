@@ -45,7 +45,7 @@ def validate_layout(dims: ParallelDims, model_args: Any, cfg: JobConfig) -> None
     """
     _check_data_parallel(dims, cfg)
     if dims.cp_enabled or cfg.parallel.cp_mode != "ring":
-        _check_context_parallel(dims, cfg)
+        _check_context_parallel(dims, model_args, cfg)
     if dims.tp_enabled:
         _check_tensor_parallel(dims, model_args, cfg)
     if dims.ep_enabled:
@@ -73,13 +73,17 @@ def _check_data_parallel(dims: ParallelDims, cfg: JobConfig) -> None:
         )
 
 
-def _check_context_parallel(dims: ParallelDims, cfg: JobConfig) -> None:
+def _check_context_parallel(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:
     p, cp = cfg.parallel, dims.cp
-    if p.cp_mode != "ring":
+    if p.cp_mode not in ("ring", "ulysses"):
         raise LayoutError(
-            f"parallel.cp_mode={p.cp_mode!r} is not yet available (Ulysses and hybrid context parallelism are to "
-            "come); set parallel.cp_mode = \"ring\""
+            f"parallel.cp_mode={p.cp_mode!r} is not yet available (hybrid context parallelism is to come); set "
+            "parallel.cp_mode = \"ring\" or \"ulysses\""
         )
+    if not dims.cp_enabled:
+        return
+    if p.cp_mode == "ulysses":
+        _check_ulysses_heads(cp, a)
     seq_len = cfg.training.seq_len
     if seq_len % (2 * cp):
         raise LayoutError(
@@ -94,6 +98,19 @@ def _check_context_parallel(dims: ParallelDims, cfg: JobConfig) -> None:
         if refused:
             raise LayoutError(
                 f"parallel.cp_degree={cp} with {what} is not yet available; set {fix} or parallel.cp_degree = 1")
+
+
+def _check_ulysses_heads(cp: int, a: Any) -> None:
+    """Ulysses splits the heads over the cp ranks: query heads a multiple of cp, key/value heads a multiple of cp
+    or a divisor of it (each then repeated for the cp / n_kv_heads ranks that read it)."""
+    if a.n_heads % cp or (a.n_kv_heads % cp and cp % a.n_kv_heads):
+        choices = _listing([d for d in divisors(a.n_heads) if d > 1 and not (a.n_kv_heads % d and d % a.n_kv_heads)])
+        raise LayoutError(
+            f"parallel.cp_mode=\"ulysses\" splits the attention heads over parallel.cp_degree={cp} ranks, but "
+            f"model.n_heads={a.n_heads} / n_kv_heads={a.n_kv_heads} do not split {cp} ways (n_heads a multiple of "
+            f"cp_degree, n_kv_heads a multiple or divisor of it); choose cp_degree from {choices} or set "
+            "parallel.cp_mode = \"ring\""
+        )
 
 
 def _check_expert_parallel(dims: ParallelDims, a: Any) -> None:

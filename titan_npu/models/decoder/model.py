@@ -103,9 +103,9 @@ class Attention(nn.Module):
         self.wo = Linear(args.q_dim, args.dim)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        # Set by context parallelism (the parallelize step installs parallel/context_parallel.py's RingContext):
-        # the true positions of the chunks of the sequence this rank holds, and attention across the ranks that
-        # hold the rest. None: the whole sequence is here.
+        # Set by context parallelism (the parallelize step installs parallel/context_parallel.py's RingContext or
+        # UlyssesContext): the true positions of the chunks of the sequence this rank holds, and attention across
+        # the ranks that hold the rest. None: the whole sequence is here.
         self.context = None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

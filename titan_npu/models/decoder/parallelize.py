@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_npu.config.schema import JobConfig
 from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_npu.parallel.compile import apply_compile
-from titan_npu.parallel.context_parallel import RingContext
+from titan_npu.parallel.context_parallel import context_for
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.fsdp import apply_data_parallel
 from titan_npu.parallel.tp_grads import request_grads_in_param_layout
@@ -87,9 +87,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
         parallelize_module(block, tp_mesh, plan)
 
 
-def apply_context_parallel(model: nn.Module, cp_group: ProcessGroup) -> None:
-    """Every attention takes its chunks' positions and attends across the cp ranks (one ring context for all)."""
-    context = RingContext(cp_group)
+def apply_context_parallel(model: nn.Module, cp_group: ProcessGroup, mode: str) -> None:
+    """Every attention takes its chunks' positions and attends across the cp ranks (one context of parallel.cp_mode
+    `mode` for all)."""
+    context = context_for(mode, cp_group)
     for block in model.layers.values():
         if block is not None:
             block.attention.context = context
@@ -101,7 +102,7 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig) ->
     if dims.tp_enabled:
         apply_tp(model, dims.tp_mesh, loss_parallel=cfg.parallel.loss_parallel)
     if dims.cp_enabled:
-        apply_context_parallel(model, dims.cp_mesh.get_group())
+        apply_context_parallel(model, dims.cp_mesh.get_group(), cfg.parallel.cp_mode)
     if cfg.activation_checkpoint.mode != "none":
         apply_activation_checkpointing(model, cfg.activation_checkpoint)
     if cfg.compile.enable:
