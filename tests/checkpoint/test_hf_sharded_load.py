@@ -49,6 +49,8 @@ TWO_RANKS = [
     ("qwen3_pp", "qwen3", ["--parallel.dp_shard=1", "--parallel.pp_degree=2"]),
     # FSDP cuts the 4 stacked experts 2 and 2.
     ("qwen3_moe_fsdp", "qwen3_moe", ["--parallel.dp_shard=2"]),
+    # Expert parallelism: each rank holds 2 of the 4 experts whole and reads only those.
+    ("qwen3_moe_ep", "qwen3_moe", ["--parallel.dp_shard=2", "--parallel.ep_degree=2"]),
 ]
 FOUR_RANKS = [
     ("qwen3_fsdp2_tp2", "qwen3", ["--parallel.dp_shard=2", "--parallel.tp_degree=2"]),

@@ -96,6 +96,7 @@ class ParallelConfig:
     loss_parallel: bool = True
     cp_degree: int = 1  # context parallel: ranks each sequence is split over (docs/long_context.md)
     cp_mode: str = "ring"  # ring or ulysses (hybrid: not yet)
+    ep_degree: int = 1  # expert parallel: ranks (taken from dp_shard) the MoE experts are split over (docs/moe.md)
 
 
 @dataclass

@@ -30,7 +30,9 @@ class ParallelDims:
     world_size: int
     fsdp: bool = True
     cp: int = 1
+    ep: int = 1  # expert parallel: borrowed from dp_shard (not a factor of the world size)
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -75,7 +77,11 @@ class ParallelDims:
                 f"parallel.fsdp=false with dp_shard={dp_shard} and dp_replicate={cfg.dp_replicate} is ambiguous; "
                 "with fsdp=false use dp_replicate only (or dp_shard with dp_replicate=1)"
             )
-        return cls(cfg.dp_replicate, dp_shard, cfg.tp_degree, cfg.pp_degree, world_size, cfg.fsdp, cp)
+        ep = cfg.ep_degree
+        if ep < 1 or dp_shard % ep:
+            raise LayoutError(f"parallel.ep_degree={ep} must divide dp_shard={dp_shard} (the expert-parallel ranks "
+                              f"are taken from the FSDP ranks); choose ep_degree from {divisors(dp_shard)}")
+        return cls(cfg.dp_replicate, dp_shard, cfg.tp_degree, cfg.pp_degree, world_size, cfg.fsdp, cp, ep)
 
     @property
     def dp(self) -> int:
@@ -95,6 +101,23 @@ class ParallelDims:
     @property
     def cp_enabled(self) -> bool:
         return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        """The ranks one MoE layer's experts are split over: ep consecutive dp_shard ranks (all of them when
+        ep_degree = dp_shard)."""
+        return self.mesh["dp_shard"] if self._expert_mesh is None else self._expert_mesh["ep"]
+
+    @property
+    def efsdp_mesh(self) -> DeviceMesh | None:
+        """The dp_shard / ep ranks that hold the same experts and shard them with FSDP; None when ep = dp_shard."""
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called")
+        return None if self._expert_mesh is None else self._expert_mesh["efsdp"]
 
     @property
     def tp_enabled(self) -> bool:
@@ -139,6 +162,14 @@ class ParallelDims:
         if collective_timeout_s:
             for name in (*names, *flat):
                 set_collective_timeout(mesh[name].get_group(), collective_timeout_s)
+        if 1 < self.ep < self.dp_shard:
+            # The experts' own mesh: dp_shard split into (efsdp, ep), consecutive dp_shard ranks forming an ep group.
+            sizes = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+            self._expert_mesh = DeviceMesh(device_type, mesh.mesh.reshape(sizes),
+                                           mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
+            if collective_timeout_s:
+                for name in ("efsdp", "ep"):
+                    set_collective_timeout(self._expert_mesh[name].get_group(), collective_timeout_s)
         self._mesh = mesh
         return mesh
 
@@ -201,5 +232,6 @@ class ParallelDims:
         """One line for the start-up log."""
         kind = {"fsdp": "FSDP", "hsdp": "HSDP", "replicate": "DP (replicated)", "none": "no DP"}[self.dp_mode]
         return (f"world={self.world_size} pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
-                f"tp={self.tp}{f' cp={self.cp}' if self.cp > 1 else ''} ({kind})")
+                f"tp={self.tp}{f' cp={self.cp}' if self.cp > 1 else ''}{f' ep={self.ep}' if self.ep > 1 else ''} "
+                f"({kind})")
 

@@ -42,6 +42,8 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> None:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
     blocks = _blocks(model)
     block_policy = mixed_precision_policy(cfg.training.dtype, cast_forward_inputs=False)
+    if dims.ep_enabled:
+        _shard_experts(model, dims, cfg, kwargs, block_policy)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keeping them gathered saves an
         # all-gather per step at no extra peak memory.
@@ -49,6 +51,24 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> None:
         fully_shard(block, reshard_after_forward=reshard, mp_policy=block_policy, **kwargs)
     fully_shard(model, reshard_after_forward=cfg.parallel.reshard_after_forward,
                 mp_policy=mixed_precision_policy(cfg.training.dtype), **kwargs)
+
+
+def _shard_experts(model: nn.Module, dims: ParallelDims, cfg: JobConfig, kwargs: dict, policy) -> None:
+    """Expert-parallel experts (DTensors over the ep ranks already, one slice of the experts per rank): with
+    ep_degree = dp_shard FSDP leaves them (kwargs gets them as ignored_params); otherwise each module holding them is
+    sharded by FSDP over the dp_shard / ep ranks that hold the same experts."""
+    from torch.distributed.fsdp import fully_shard
+
+    def is_expert(p: nn.Parameter) -> bool:
+        return getattr(p, "device_mesh", None) is not None
+
+    if dims.efsdp_mesh is None:
+        kwargs["ignored_params"] = {p for p in model.parameters() if is_expert(p)}
+        return
+    for module in list(model.modules()):
+        if any(is_expert(p) for p in module.parameters(recurse=False)):
+            fully_shard(module, **{**kwargs, "mesh": dims.efsdp_mesh},
+                        reshard_after_forward=cfg.parallel.reshard_after_forward, mp_policy=policy)
 
 
 def apply_replicate(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> None:

@@ -48,6 +48,8 @@ def validate_layout(dims: ParallelDims, model_args: Any, cfg: JobConfig) -> None
         _check_context_parallel(dims, model_args, cfg)
     if dims.tp_enabled:
         _check_tensor_parallel(dims, model_args, cfg)
+    if dims.ep_enabled:
+        _check_expert_parallel(dims, model_args)
     if dims.pp_enabled:
         _check_pipeline(dims, model_args, cfg)
     elif cfg.parallel.pp_virtual_stages > 1:
@@ -109,6 +111,29 @@ def _check_ulysses_heads(cp: int, a: Any) -> None:
             f"cp_degree, n_kv_heads a multiple or divisor of it); choose cp_degree from {choices} or set "
             "parallel.cp_mode = \"ring\""
         )
+
+
+def _check_expert_parallel(dims: ParallelDims, a: Any) -> None:
+    ep = dims.ep
+    n_experts = getattr(a, "n_experts", None)
+    if not getattr(a, "n_moe_layers", 0):
+        raise LayoutError(f"parallel.ep_degree={ep} splits the experts of a MoE model, but {a.family} {a.flavor} has "
+                          f"no MoE layer; set parallel.ep_degree = 1")
+    if n_experts % ep:
+        raise LayoutError(f"parallel.ep_degree={ep} does not divide model.n_experts={n_experts}: each rank must hold "
+                          f"as many whole experts; choose ep_degree from {_listing(divisors(n_experts))}")
+    if getattr(a, "capacity_factor", None) is not None:
+        raise LayoutError(f"parallel.ep_degree={ep} with model.capacity_factor={a.capacity_factor}: expert "
+                          f"parallelism is dropless only; set model.capacity_factor = 0 or parallel.ep_degree = 1")
+    not_yet = [(dims.tp_enabled, f"tensor parallelism (tp_degree={dims.tp})", "parallel.tp_degree = 1"),
+               (dims.pp_enabled, f"pipeline parallelism (pp_degree={dims.pp})", "parallel.pp_degree = 1"),
+               (dims.cp_enabled, f"context parallelism (cp_degree={dims.cp})", "parallel.cp_degree = 1"),
+               (dims.dp_replicate > 1, f"dp_replicate={dims.dp_replicate}", "parallel.dp_replicate = 1"),
+               (not dims.fsdp, "parallel.fsdp=false", "parallel.fsdp = true")]
+    for refused, what, fix in not_yet:
+        if refused:
+            raise LayoutError(f"parallel.ep_degree={ep} with {what} is not yet available; set {fix} or "
+                              f"parallel.ep_degree = 1")
 
 
 def _check_tensor_parallel(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:

@@ -38,18 +38,23 @@ def mean_loss(loss: torch.Tensor | None, dims: ParallelDims) -> float:
     return float(total) / (dims.dp * dims.tp * dims.cp)
 
 
+def _by_mesh(tensors: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    """The tensors grouped by (mesh, placements) for DTensors, by device for plain tensors."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for t in tensors:
+        key = (t.device_mesh, tuple(t.placements)) if hasattr(t, "device_mesh") else ("plain", t.device)
+        groups.setdefault(key, []).append(t)
+    return groups
+
+
 def grad_norm(parameters: Iterable[torch.Tensor], dims: ParallelDims, foreach: bool = True,
               device: torch.device | str = "cpu") -> torch.Tensor:
     """Global L2 norm of all gradients of the model, whatever the layout (a collective under FSDP/TP/PP).
 
     `device` holds the zero of a rank without gradients.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
     # Gradients on different meshes (or plain tensors) cannot be stacked together: take each group's norm.
-    groups: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
-        key = (g.device_mesh, tuple(g.placements)) if hasattr(g, "device_mesh") else ("plain", g.device)
-        groups.setdefault(key, []).append(g)
+    groups = _by_mesh([p.grad for p in parameters if p.grad is not None])
     # Summed where the gradients live: a zero made on the host would be a blocking copy that waits for the backward.
     total_sq = None
     for group in groups.values():
@@ -72,7 +77,9 @@ def clip_grad_norm_(parameters: list[torch.Tensor], max_norm: float, dims: Paral
     device = parameters[0].device if parameters else "cpu"
     total = grad_norm(parameters, dims, foreach=foreach, device=device)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=foreach)
+        # Per mesh: one foreach op cannot take DTensors of different meshes (expert-parallel experts and FSDP's).
+        for group in _by_mesh([p for p in parameters if p.grad is not None]).values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
     return total
 
 

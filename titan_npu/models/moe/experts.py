@@ -6,9 +6,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_npu import ops
 from titan_npu.models.init import ParamInit, trunc_normal
+from titan_npu.models.moe.dispatch import scale_grad
 
 
 class GroupedExperts(nn.Module):
@@ -20,12 +22,22 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+        # Under expert parallelism (dispatch.py) the weights are DTensors sharded on the expert dim over the ep
+        # ranks; a rank's local experts see every ep rank's tokens, so their gradient is scaled by 1 / ep to be the
+        # data-parallel mean that FSDP takes of the other parameters.
+        self.grad_scale = 1.0
 
     def _weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The weights and input in the compute dtype: autocast's when it is on (it does not cover grouped GEMMs)."""
+        """This rank's experts' weights in the compute dtype: autocast's when it is on (it does not cover grouped
+        GEMMs)."""
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        return tuple(w if w.dtype == dtype else w.to(dtype) for w in (self.w1, self.w2, self.w3))
+        weights = []
+        for w in (self.w1, self.w2, self.w3):
+            if isinstance(w, DTensor):  # (compile traces isinstance, not hasattr, of a DTensor parameter)
+                w = scale_grad(w.to_local(), self.grad_scale)
+            weights.append(w if w.dtype == dtype else w.to(dtype))
+        return tuple(weights)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_group_rows: int) -> torch.Tensor:
         """x [N, dim]: the rows of expert e are offsets[e-1]:offsets[e] (int32 cumulative ends); at most

@@ -4,17 +4,20 @@ each token's top-k outputs, add the shared expert.
 Dropless by default: every expert takes every token routed to it (the grouped GEMM's groups have any size). With a
 capacity factor an expert takes at most `capacity` assignments per forward, the earliest tokens first; the rest
 are dropped (counted, and their weight lost: the residual carries the token) and the experts run as one batched
-matmul over [n_experts, capacity, dim]. Nothing here reads a device value on the host.
+matmul over [n_experts, capacity, dim]. Nothing here reads a device value on the host, except the split sizes of
+the token exchange under expert parallelism (dispatch.py: experts split over ranks, dropless only).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from titan_npu.models.decoder.model import FeedForward
 from titan_npu.models.init import ParamInit, prefixed
 from titan_npu.models.moe.args import MoEArgs
+from titan_npu.models.moe.dispatch import run_experts_parallel
 from titan_npu.models.moe.experts import GroupedExperts
 from titan_npu.models.moe.router import Router
 
@@ -32,6 +35,8 @@ class MoE(nn.Module):
         self.router = Router(args)
         self.experts = GroupedExperts(args.n_experts, args.dim, args.ffn_dim)
         self.shared_experts = FeedForward(args.dim, args.shared_ffn_dim) if args.shared_ffn_dim else None
+        # The group the experts are split over (expert parallelism, dispatch.py); None = every expert here.
+        self.ep_group: ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
         shape = x.shape
@@ -45,7 +50,10 @@ class MoE(nn.Module):
         counts = torch.zeros(n_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         ends = counts.cumsum(0)
         routed = x[order // top_k]
-        if self.args.capacity_factor is None:
+        if self.ep_group is not None:
+            out_sorted = run_experts_parallel(self.experts, routed, counts, self.ep_group)
+            dropped = torch.zeros((), dtype=torch.int64, device=x.device)
+        elif self.args.capacity_factor is None:
             out_sorted = self.experts(routed, ends.to(torch.int32), max_group_rows=n_tokens)
             dropped = torch.zeros((), dtype=torch.int64, device=x.device)
         else:

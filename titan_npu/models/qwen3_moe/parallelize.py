@@ -1,7 +1,9 @@
 """How a Qwen3-MoE model is parallelised: as the dense decoder (parallelize_decoder: activation checkpointing,
 compile per block, FSDP / HSDP / replicate with the stacked experts sharded on their expert dim like any
-parameter's dim 0), pipeline stages split as the decoder's. Tensor parallelism and expert parallelism are not in
-this version: a run asking for them is refused with a one-line error."""
+parameter's dim 0), pipeline stages split as the decoder's; under expert parallelism (parallel.ep_degree) the
+experts are split over the ep ranks first (models/moe/parallelize.py) and FSDP leaves them. Tensor parallelism is
+not in this version: a run asking for it is refused with a one-line error (and so are the layouts
+parallel/layout.py refuses with expert parallelism)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ from torch import nn
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import LayoutError
 from titan_npu.models.decoder.parallelize import parallelize_decoder
+from titan_npu.models.moe.parallelize import apply_expert_parallel
 from titan_npu.parallel.dims import ParallelDims
 
 
 def parallelize_moe(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
-    """Activation checkpointing, compile and data parallelism, as for the dense decoder; TP refused."""
+    """Expert parallelism, then activation checkpointing, compile and data parallelism as for the dense decoder; TP
+    refused."""
     if dims.tp_enabled:
         raise LayoutError(f"parallel.tp_degree={dims.tp}: tensor parallelism of a MoE model ({cfg.model.name}) is not "
                           f"supported yet; set parallel.tp_degree = 1 and shard it with FSDP (parallel.dp_shard)")
@@ -23,4 +27,6 @@ def parallelize_moe(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.
                           f"{model.args.router_aux_loss_coef}: the load-balancing loss spans every stage's layers, "
                           f"which the pipeline does not combine yet; set model.router_aux_loss_coef = 0 or "
                           f"parallel.pp_degree = 1")
+    if dims.ep_enabled:
+        apply_expert_parallel(model, dims.ep_mesh)
     return parallelize_decoder(model, dims, cfg)

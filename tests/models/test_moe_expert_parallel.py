@@ -1,0 +1,105 @@
+"""Expert parallelism of the MoE layer (models/moe/dispatch.py) on 2 gloo ranks: each rank routes half of the
+tokens, holds half of the experts as a DTensor shard and exchanges its tokens with the other; the outputs, every
+expert's gradient and the router's equal one process's over all the tokens, eager and compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from titan_npu.parallel.process_group import free_port
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+TOKENS = 24  # over both ranks
+RTOL, ATOL = 1e-5, 1e-6  # fp32 on one host: the exchange only moves rows, the sums are reordered
+
+
+def _moe():
+    from titan_npu.models.moe.args import MoEArgs
+    from titan_npu.models.moe.layer import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(MoEArgs(dim=16, n_experts=6, top_k=2, ffn_dim=8))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    return moe
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A mean over the tokens, as the cross entropy is: each rank's mean, averaged over ranks, is one process's."""
+    return (out * target).sum(-1).pow(2).mean()
+
+
+def _check(rank: int, compiled: bool) -> list[str]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_npu.models.moe.parallelize import apply_expert_parallel
+
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(TOKENS, 16, generator=generator)
+    target = torch.randn(TOKENS, 16, generator=generator)
+
+    reference = _moe()
+    ref_x = x.clone().requires_grad_()
+    ref_out, _ = reference(ref_x)
+    _loss(ref_out, target).backward()
+
+    moe = _moe()
+    apply_expert_parallel(moe, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",)))
+    if compiled:
+        moe.compile()  # as compile.enable does per block: the split sizes' host read breaks the graph there
+    mine = slice(rank * TOKENS // WORLD, (rank + 1) * TOKENS // WORLD)
+    local_x = x[mine].clone().requires_grad_()
+    out, (counts, _, _) = moe(local_x)
+    _loss(out, target[mine]).backward()
+
+    problems = []
+
+    def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
+            problems.append(f"{what}: differs from one process by up to {(got - want).abs().max().item():.3g}")
+
+    compare("output", out, ref_out[mine].detach())
+    # This rank's loss is the mean over half the tokens: its input gradient is WORLD x one process's.
+    compare("input gradient", local_x.grad / WORLD, ref_x.grad[mine])
+    for name in ("w1", "w2", "w3"):
+        param = getattr(moe.experts, name)
+        if param.to_local().shape[0] != 6 // WORLD:
+            problems.append(f"experts.{name}: holds {param.to_local().shape[0]} experts, not {6 // WORLD}")
+        compare(f"experts.{name} gradient", param.grad.full_tensor(), getattr(reference.experts, name).grad)
+    router_grad = moe.router.gate.weight.grad.clone()
+    dist.all_reduce(router_grad)  # the data-parallel mean FSDP takes
+    compare("router gradient", router_grad / WORLD, reference.router.gate.weight.grad)
+    if counts.sum().item() != TOKENS // WORLD * 2:
+        problems.append(f"routing counts cover {counts.sum().item()} assignments, not this rank's tokens x top_k")
+    return problems
+
+
+def _worker(rank: int, port: int, workdir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TITAN_DEVICE="cpu")
+    torch.set_num_threads(1)  # both ranks share two cores
+    dist.init_process_group("gloo")
+    try:
+        problems = [f"{mode}: {p}" for mode, compiled in (("eager", False), ("compiled", True))
+                    for p in _check(rank, compiled)]
+        (Path(workdir) / f"rank{rank}.json").write_text(json.dumps(problems))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_layer_gives_one_process_outputs_and_every_expert_gradient_eager_and_compiled(tmp_path):
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    problems = [f"rank {r}: {p}" for r in range(WORLD) for p in json.loads((tmp_path / f"rank{r}.json").read_text())]
+    assert not problems, "\n".join(problems)
