@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 
 
@@ -19,3 +25,48 @@ def logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = model(tokens)
     return out.logits if hasattr(out, "logits") else out
+
+
+def memorisable_batches(vocab_size: int, seq_len: int, steps: int, seed: int = 8, batch: int = 4
+                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` (inputs, labels) batches drawn from 8 fixed sequences: learnable within a few dozen steps, so a
+    training comparison sees losses that move."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randint(0, vocab_size, (8, seq_len + 1), generator=gen)
+    batches = []
+    for _ in range(steps):
+        seq = pool[torch.randint(0, 8, (batch,), generator=gen)]
+        batches.append((seq[:, :-1], seq[:, 1:]))
+    return batches
+
+
+def adamw_steps(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                loss_fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]) -> list[float]:
+    """One AdamW step (fixed lr, clipping at 1.0, for-loop kernels) per batch on loss_fn(model, inputs, labels);
+    the losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                            foreach=False)
+    losses = []
+    for tokens, labels in batches:
+        loss = loss_fn(model, tokens, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=False)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+# A tiny train.py run on the byte tokenizer (vocab 512), seq 32: the CLI tests' settings.
+TINY_TRAIN_ARGS = ["--training.seq_len", "32", "--training.batch_size", "2", "--training.dtype", "fp32",
+                   "--training.deterministic", "true", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
+                   "--data.tokenizer", "byte", "--data.num_workers", "0", "--metrics.log_interval", "1",
+                   "--metrics.tensorboard", "false", "--metrics.report", "false", "--metrics.progress", "lines",
+                   "--checkpoint.async_save", "false"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_python(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python *argv` with this checkout's package first on the path, as a user runs it from a clone."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)

@@ -6,13 +6,11 @@ transformers loads as the same model with the same logits."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import ROOT, TINY_TRAIN_ARGS, run_python
 
 from titan_npu.checkpoint.formats import read_weights
 from titan_npu.cli import main
@@ -21,21 +19,10 @@ from titan_npu.models.registry import build_model, get_spec
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
 # The tiny run's byte tokenizer (vocab 512) and seq 32; layer 0 dense by the sparse step, layers 1 and 3 MoE.
 ARGS = MoEDecoderArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=512, ffn_dim=96,
                       norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=64, qk_norm=True, family="qwen3_moe",
                       n_experts=4, top_k=2, moe_ffn_dim=32, decoder_sparse_step=2, router_aux_loss_coef=0.01)
-RUN = ["--training.seq_len", "32", "--training.batch_size", "2", "--training.dtype", "fp32",
-       "--training.deterministic", "true", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
-       "--data.tokenizer", "byte", "--data.num_workers", "0", "--metrics.log_interval", "1",
-       "--metrics.tensorboard", "false", "--metrics.report", "false", "--metrics.progress", "lines",
-       "--checkpoint.async_save", "false"]
-
-
-def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def _hf_dir(path: Path) -> torch.nn.Module:
@@ -61,7 +48,7 @@ def test_import_train_from_the_hf_directory_and_export_back(tmp_path, capsys):
     model_lines = lines[lines.index("[model]"):lines.index("[checkpoint]")]
     (tmp_path / "run.toml").write_text(model_lines + f'\n[checkpoint]\ninitial_load = "{tmp_path / "hf"}"\n'
                                        f'dir = "{tmp_path / "ckpt"}"\n\n[metrics]\nlog_dir = "{tmp_path / "logs"}"\n')
-    trained = _cli(str(ROOT / "train.py"), "--config", str(tmp_path / "run.toml"), *RUN,
+    trained = run_python(str(ROOT / "train.py"), "--config", str(tmp_path / "run.toml"), *TINY_TRAIN_ARGS,
                    "--training.max_steps", "3", cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "shard-wise" in trained.stderr + trained.stdout  # read by the shard-wise reader (experts stacked)
@@ -87,7 +74,7 @@ def _hf_losses_on_first_batch(hf: torch.nn.Module, tmp_path: Path) -> tuple[floa
     from titan_npu.config.loader import load_config
     from titan_npu.data import build_dataloader, build_tokenizer
 
-    cfg = load_config(tmp_path / "run.toml", RUN)
+    cfg = load_config(tmp_path / "run.toml", TINY_TRAIN_ARGS)
     loader = build_dataloader(cfg, build_tokenizer(cfg.data.tokenizer), 0, 1)
     inputs, labels = next(iter(loader))
     with torch.no_grad():

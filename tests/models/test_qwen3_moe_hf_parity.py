@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from hf_reference import adamw_steps, logits, memorisable_batches, randomise
 
 from titan_npu import ops
 from titan_npu.checkpoint.formats import read_weights
@@ -44,22 +45,17 @@ def _hf_model(args: MoEDecoderArgs) -> torch.nn.Module:
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:
     """Weights well away from init (norms near 1, router logits of order 1), so a wrong mapping shows."""
-    gen = torch.Generator().manual_seed(seed)
+    randomise(model, seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.2 * noise if "norm" in name else (0.3 if "gate." in name else 0.08) * noise)
+            if "gate." in name:
+                p.mul_(0.3 / 0.08)
 
 
 def _import(hf_model, args) -> torch.nn.Module:
     ours = build_model(args)
     ours.load_state_dict(get_spec("qwen3_moe").hf.from_hf(hf_model.state_dict(), args), strict=True)
     return ours
-
-
-def _logits(model, tokens):
-    out = model(tokens)
-    return out.logits if hasattr(out, "logits") else out
 
 
 def _tokens(args, seed, batch=2):
@@ -84,7 +80,7 @@ def test_hf_weights_imported_give_hf_logits(shape):
     ours = _import(hf, args)
     tokens = _tokens(args, 1)
     with torch.no_grad():
-        assert (_logits(ours, tokens) - _logits(hf, tokens)).abs().max().item() < TOL
+        assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() < TOL
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -104,25 +100,16 @@ def test_the_first_step_loss_with_the_aux_term_equals_transformers(shape):
     assert args.router_aux_loss_coef * out.aux_loss.item() > 100 * LOSS_RTOL * out.loss.item()  # the aux term counts
 
 
-def _train(model, batches, ours: bool) -> list[float]:
-    """20 AdamW steps (fixed lr, clipping at 1.0) on cross entropy + the aux term; the optimised losses."""
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                            foreach=False)
-    losses = []
-    for tokens, labels in batches:
-        if ours:
-            logits = model(tokens)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()) + model.auxiliary_loss()
-        else:
-            out = model(tokens, output_router_logits=True)
-            loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten()) \
-                + model.router_aux_loss_coef * out.aux_loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=False)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+def _ours_loss(model, tokens, labels):
+    """Cross entropy + the aux term, as our trainer optimises it."""
+    return torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten()) + model.auxiliary_loss()
+
+
+def _hf_loss(model, tokens, labels):
+    """transformers' cross entropy + coef x its aux loss."""
+    out = model(tokens, output_router_logits=True)
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten()) \
+        + model.router_aux_loss_coef * out.aux_loss
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -131,14 +118,9 @@ def test_twenty_steps_from_imported_weights_track_a_transformers_training_loop(s
     hf = _hf_model(args).train()
     _randomise(hf, seed=7)
     ours = _import(hf, args).train()
-    gen = torch.Generator().manual_seed(8)
-    pool = torch.randint(0, args.vocab_size, (8, SEQ_LEN + 1), generator=gen)
-    batches = []
-    for _ in range(20):
-        seq = pool[torch.randint(0, 8, (4,), generator=gen)]
-        batches.append((seq[:, :-1], seq[:, 1:]))
-    ours_losses = _train(ours, batches, ours=True)
-    hf_losses = _train(hf, batches, ours=False)
+    batches = memorisable_batches(args.vocab_size, SEQ_LEN, 20)
+    ours_losses = adamw_steps(ours, batches, _ours_loss)
+    hf_losses = adamw_steps(hf, batches, _hf_loss)
     assert ours_losses[-1] < ours_losses[0] - 1.0  # it learns: the comparison is not between two flat lines
     for step, (a, b) in enumerate(zip(ours_losses, hf_losses)):
         assert abs(a - b) <= STEP_RTOL * abs(b), f"step {step + 1}: ours {a} vs transformers {b}"
@@ -157,7 +139,7 @@ def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_au
     ours.load_state_dict(weights.state_dict, strict=True)
     tokens = _tokens(args, 10)
     with torch.no_grad():
-        assert (_logits(ours, tokens) - _logits(hf, tokens)).abs().max().item() < TOL
+        assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() < TOL
     spec = get_spec("qwen3_moe")
     exported = spec.hf.to_hf(ours.state_dict(), weights.args)
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in exported and "model.layers.1.mlp.gate.weight" in exported
@@ -173,4 +155,4 @@ def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_au
                   "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "head_dim"):
         assert getattr(back.config, field) == getattr(hf.config, field), field
     with torch.no_grad():
-        assert (_logits(back, tokens) - _logits(hf, tokens)).abs().max().item() < TOL
+        assert (logits(back, tokens) - logits(hf, tokens)).abs().max().item() < TOL

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from hf_reference import logits, randomise
+from hf_reference import adamw_steps, logits, memorisable_batches, randomise
 
 from titan_npu import ops
 from titan_npu.checkpoint.formats import read_weights
@@ -104,25 +104,10 @@ def test_the_parity_check_would_catch_unpermuted_q_k_norms():
     assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() > 100 * TOL
 
 
-def _train(model, batches) -> list[float]:
-    """30 AdamW steps (fixed lr, clipping at 1.0) on `batches`; the losses, in fp32."""
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                            foreach=False)
-    losses = []
-    for tokens, labels in batches:
-        out = _logits_with_grad(model, tokens)
-        loss = torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), labels.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=False)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
-
-def _logits_with_grad(model, tokens):
+def _cross_entropy(model, tokens, labels):
     out = model(tokens)
-    return out.logits if hasattr(out, "logits") else out
+    out = out.logits if hasattr(out, "logits") else out
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), labels.flatten())
 
 
 @pytest.mark.parametrize("shape", ["qwen3-tied", "qwen2-untied"])
@@ -131,15 +116,9 @@ def test_thirty_steps_from_imported_weights_match_a_transformers_training_loop(s
     hf = _hf_model(args).train()
     randomise(hf, seed=7)
     ours = _import(hf, args).train()
-    # Batches drawn from 8 fixed sequences: learnable within 30 steps, so the losses move and the check has teeth.
-    gen = torch.Generator().manual_seed(8)
-    pool = torch.randint(0, args.vocab_size, (8, SEQ_LEN + 1), generator=gen)
-    batches = []
-    for _ in range(30):
-        seq = pool[torch.randint(0, 8, (4,), generator=gen)]
-        batches.append((seq[:, :-1], seq[:, 1:]))
-    ours_losses = _train(ours, batches)
-    hf_losses = _train(hf, batches)
+    batches = memorisable_batches(args.vocab_size, SEQ_LEN, 30)
+    ours_losses = adamw_steps(ours, batches, _cross_entropy)
+    hf_losses = adamw_steps(hf, batches, _cross_entropy)
     assert ours_losses[-1] < ours_losses[0] - 1.0  # it learns: the comparison is not between two flat lines
     for step, (a, b) in enumerate(zip(ours_losses, hf_losses)):
         assert abs(a - b) <= STEP_RTOL * abs(b), f"step {step + 1}: ours {a} vs transformers {b}"
