@@ -3,7 +3,9 @@
 On Ascend these are the torch_npu kernels the project calls: npu_fusion_attention, npu_rms_norm (also with an fp32
 weight beside bf16 activations, as mixed precision runs it), npu_rotary_mul, npu_swiglu (also fed by one projection
 over the concatenated w1/w3), and the _fused_adamw_ kernel behind torch's fused AdamW (a few optimizer steps
-against torch's for-loop AdamW).
+against torch's for-loop AdamW). For mixture of experts: npu_grouped_matmul (forward, and the backward built from it:
+rows and contracted-axis groups, empty groups included) against a per-expert loop, npu_moe_gating_top_k_softmax
+(the router's top-k), npu_moe_token_permute / npu_moe_token_unpermute (bf16 only; fp32 takes the reference).
 
     python examples/op_check.py            # the device titan-npu would train on (npu > cuda > cpu, or TITAN_DEVICE)
     python examples/op_check.py --quick    # small shapes only
@@ -31,9 +33,11 @@ from titan_npu.ops import current_kernels, dispatch, reference
 # The optimizer check compares parameters after ADAMW_STEPS steps (fp32 and bf16 parameters).
 TOLERANCE = {
     torch.float32: {"attention": 1e-4, "rms_norm": 1e-5, "apply_rotary_emb": 1e-5, "swiglu": 1e-5, "adamw": 1e-5,
-                    "swiglu_linear": 1e-4},  # a reduction over D: matmul accumulation order differs
+                    "swiglu_linear": 1e-4,  # a reduction over D: matmul accumulation order differs
+                    "grouped_mm": 1e-4, "moe_topk_softmax": 1e-5, "moe_permute": 1e-6, "moe_unpermute": 1e-5},
     torch.bfloat16: {"attention": 2e-2, "rms_norm": 2e-2, "apply_rotary_emb": 2e-2, "swiglu": 2e-2, "adamw": 1e-2,
-                     "swiglu_linear": 2e-2},
+                     "swiglu_linear": 2e-2,
+                     "grouped_mm": 2e-2, "moe_topk_softmax": 2e-2, "moe_permute": 2e-2, "moe_unpermute": 2e-2},
 }
 ADAMW_STEPS = 3
 
@@ -99,6 +103,42 @@ def cases(device: torch.device, quick: bool):
                [randn(1, t, d), randn(f, d) * d**-0.5, randn(f, d) * d**-0.5])
 
 
+def grouped_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The grouped GEMM as a loop over the groups: rows offsets[g-1]:offsets[g] of x times w[g]^T."""
+    starts = [0, *offsets.tolist()[:-1]]
+    return torch.cat([x[a:b] @ w[g].T for g, (a, b) in enumerate(zip(starts, offsets.tolist()))])
+
+
+def moe_cases(device: torch.device, quick: bool, randn: Callable):
+    """(op, description, fused fn, reference fn, inputs) for the mixture-of-experts kernels."""
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    # (group sizes, K, M): uneven groups with an empty one; then Qwen3-30B-A3B-like expert shapes
+    gemm_shapes = [([37, 0, 120, 5], 256, 512)] if quick else [
+        ([37, 0, 120, 5], 256, 512), (torch.randint(0, 1024, (64,), generator=gen).tolist(), 2048, 768)]
+    for sizes, k, m in gemm_shapes:
+        offsets = torch.tensor(sizes).cumsum(0).to(torch.int32).to(device)
+        yield ("grouped_mm", f"G={len(sizes)} N={sum(sizes)} K={k} M={m}",
+               lambda x, w, o=offsets: dispatch.grouped_mm(x, w, o), lambda x, w, o=offsets: grouped_loop(x, w, o),
+               [randn(sum(sizes), k), randn(len(sizes), m, k) * k**-0.5])
+    for tokens, n_experts, top_k, dim in ([(74, 8, 2, 64)] if quick else [(74, 8, 2, 64), (8192, 128, 8, 2048)]):
+        desc = f"T={tokens} E={n_experts} k={top_k}"
+
+        def weights(fn, z, k=top_k):
+            probs, experts = fn(z, k)
+            return probs.gather(-1, experts)  # the chosen experts' probabilities, in descending order
+
+        yield ("moe_topk_softmax", desc, lambda z, w=weights: w(dispatch.moe_topk_softmax, z),
+               lambda z, w=weights: w(reference.moe_topk_softmax, z),
+               [randn(tokens, n_experts).bfloat16().float()])  # bf16 values: both runs choose from the same logits
+        experts = torch.rand(tokens, n_experts, generator=gen).topk(top_k, dim=-1).indices.to(device)
+        order = torch.argsort(experts.reshape(-1), stable=True)
+        yield ("moe_permute", desc + f" D={dim}", lambda x, e=experts: dispatch.moe_permute(x, e)[0],
+               lambda x, e=experts: reference.moe_permute(x, e)[0], [randn(tokens, dim)])
+        yield ("moe_unpermute", desc + f" D={dim}", lambda r, p, o=order: dispatch.moe_unpermute(r, o, p),
+               lambda r, p, o=order: reference.moe_unpermute(r, o, p),
+               [randn(tokens * top_k, dim), torch.rand(tokens, top_k, generator=gen).to(device)])
+
+
 def check_fused_adamw(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
     """(worst parameter error, 0) of torch's fused AdamW (the device's _fused_adamw_) against its for-loop AdamW."""
     gen = torch.Generator(device="cpu").manual_seed(2)
@@ -147,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {dev.type} ({dev.name}); kernels: {', '.join(f'{k}={v}' for k, v in kernels.items())}")
     dtypes = [torch.float32] + ([torch.bfloat16] if dev.type != "cpu" or not args.quick else [])
     failures = 0
-    for op, desc, fused, ref, inputs in cases(device, args.quick):
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    moe = moe_cases(device, args.quick, lambda *shape: torch.randn(*shape, generator=gen).to(device))
+    for op, desc, fused, ref, inputs in (*cases(device, args.quick), *moe):
         for dtype in dtypes:
             try:
                 fwd, bwd = compare(fused, ref, inputs, dtype)

@@ -1,9 +1,10 @@
 """CUDA kernels behind the op dispatch: SDPA on the fused backends, in an order chosen by the GPU's capability.
 
-Only attention has a CUDA-specific choice; rms_norm, rotary embedding and swiglu keep the reference (which
-torch.compile fuses). SDPA tries the fused kernels in a priority order: cuDNN attention first on Hopper and later
-(sm90+), where it is usually the fastest, FlashAttention-2 first on Ampere and Ada (sm80/sm89), the
-memory-efficient kernel last (it also runs fp32 and pre-Ampere GPUs). model.attention_backend forces one of them.
+Attention and the MoE grouped GEMM (torch._grouped_mm on bf16 sm90+ inputs) have CUDA-specific choices; rms_norm,
+rotary embedding and swiglu keep the reference (which torch.compile fuses). SDPA tries the fused kernels in a
+priority order: cuDNN attention first on Hopper and later (sm90+), where it is usually the fastest, FlashAttention-2
+first on Ampere and Ada (sm80/sm89), the memory-efficient kernel last (it also runs fp32 and pre-Ampere GPUs).
+model.attention_backend forces one of them.
 The math SDPA backend is left out on purpose: falling back to it silently would turn the fused path into the
 O(S^2) baseline, so an input no allowed kernel takes is an error that says why.
 """
@@ -113,4 +114,32 @@ def choose_attention_kernel(device: torch.device, forced: str, dtype: torch.dtyp
     return f"{resolve_attention_backend(q, kv, kv)} (order {' > '.join(order)})"
 
 
-register_backend("cuda", {"attention": attention})
+# torch._grouped_mm (torch 2.13): CUTLASS grouped GEMM kernels for bf16 on sm90 and later; elsewhere it runs a slow
+# per-group fallback, so those inputs take the reference instead. Every row stride (x's and the output's, the
+# weight's in either layout, the gradients') must be a multiple of 16 bytes; offsets are int32 cumulative ends.
+GROUPED_MM_MIN_CAPABILITY = (9, 0)
+GROUPED_MM_ALIGNMENT = 16
+
+
+def grouped_mm_eligible(x: torch.Tensor, w: torch.Tensor, capability: tuple[int, int] | None) -> bool:
+    """Whether torch._grouped_mm's fast kernel takes x [N, K] and w [G, M, K], backward included, on a GPU of this
+    compute capability (None: not a GPU): both bf16, sm90+, K and M multiples of 16 bytes, plain tensors."""
+    if capability is None or tuple(capability) < GROUPED_MM_MIN_CAPABILITY:
+        return False
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or any(hasattr(t, "device_mesh") for t in (x, w)):
+        return False
+    size = x.element_size()
+    return (w.shape[-1] * size) % GROUPED_MM_ALIGNMENT == 0 and (w.shape[-2] * size) % GROUPED_MM_ALIGNMENT == 0
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, max_group_rows: int | None = None
+               ) -> torch.Tensor:
+    """torch._grouped_mm (x [N, K] sorted by group, w [G, M, K] read as its [G, K, M] transpose, int32 offsets) where
+    grouped_mm_eligible says it runs fast; the reference otherwise. Its backward is torch's (grouped GEMMs too)."""
+    capability = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
+    if not grouped_mm_eligible(x, w, capability):
+        return reference.grouped_mm(x, w, offsets, max_group_rows)
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets.to(torch.int32))
+
+
+register_backend("cuda", {"attention": attention, "grouped_mm": grouped_mm})

@@ -17,7 +17,7 @@ from titan_npu.errors import ConfigError
 from titan_npu.ops import reference
 
 OP_NAMES: tuple[str, ...] = ("attention", "rms_norm", "apply_rotary_emb", "swiglu", "linear", "swiglu_linear",
-                             "grouped_mm")
+                             "grouped_mm", "moe_topk_softmax", "moe_permute", "moe_unpermute")
 
 
 def _composed_swiglu_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -33,6 +33,9 @@ REFERENCE: dict[str, Callable] = {
     "linear": reference.linear,
     "swiglu_linear": _composed_swiglu_linear,
     "grouped_mm": reference.grouped_mm,
+    "moe_topk_softmax": reference.moe_topk_softmax,
+    "moe_permute": reference.moe_permute,
+    "moe_unpermute": reference.moe_unpermute,
 }
 
 # Modules that register a vendor backend when imported; a module that does not exist (yet) is skipped.
@@ -140,6 +143,22 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, max_grou
     int32 cumulative ends) times w[g]^T -> [N, M]: the routed experts' projections. max_group_rows bounds the rows
     of one group (for kernels that pad)."""
     return _table(x.device.type)["grouped_mm"][1](x, w, offsets, max_group_rows)
+
+
+def moe_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax of the router logits [T, E] in fp32, with its gradient; the top_k experts [T, top_k] int64)."""
+    return _table(logits.device.type)["moe_topk_softmax"][1](logits, top_k)
+
+
+def moe_permute(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(routed [T * k, D], order [T * k] int64): x [T, D]'s copies sorted stably by their expert in experts [T, k];
+    routed[i] = x[order[i] // k]."""
+    return _table(x.device.type)["moe_permute"][1](x, experts)
+
+
+def moe_unpermute(routed: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Back to token order, each token's k copies weighted by weights [T, k] and summed -> [T, D]."""
+    return _table(routed.device.type)["moe_unpermute"][1](routed, order, weights)
 
 
 def _table(device_type: str) -> dict[str, tuple[str, Callable]]:

@@ -187,3 +187,26 @@ def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, m
     slot = row - starts[group]
     buffer = x.new_zeros(groups, rows, x.shape[1]).index_put((group, slot), x)
     return torch.bmm(buffer, w.transpose(1, 2))[group, slot]
+
+
+def moe_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's choice: (softmax of logits [T, E] in fp32, with its gradient; the top_k experts of each token
+    [T, top_k] int64, by descending probability)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    return probs, torch.topk(probs, top_k, dim=-1).indices
+
+
+def moe_permute(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token copies sorted by expert: (routed [T * k, D], order [T * k] int64) for x [T, D] and experts [T, k];
+    order is the stable sort of the flattened experts (within an expert, token order) and routed[i] is
+    x[order[i] // k]."""
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    return x[order // experts.shape[-1]], order
+
+
+def moe_unpermute(routed: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """moe_permute's inverse with each token's copies weighted and summed: out[t] = sum_j weights[t, j] *
+    routed[i] for the i with order[i] = t * k + j; routed [T * k, D], weights [T, k] -> [T, D] in routed's dtype."""
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+    out = routed[inverse].view(weights.shape[0], weights.shape[1], -1)
+    return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
