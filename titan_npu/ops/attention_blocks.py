@@ -5,13 +5,15 @@ key/value block at a time and merges the partial results with their log-sum-exp;
 again against the merged output and log-sum-exp (the flash-attention backward: P = exp(q k^T * scale - lse),
 dS = P * (dP - rowsum(dout * out))). These two functions are that block kernel, in the [B, H, S, D] layout:
 
-  block_attention(q, k, v, causal)                        -> (out, lse [B, H, Sq] fp32)
-  block_attention_backward(dout, q, k, v, out, lse, causal) -> (dq, dk, dv)
+  block_attention(q, k, v, causal, mask=None)                        -> (out, lse [B, H, Sq] fp32)
+  block_attention_backward(dout, q, k, v, out, lse, causal, mask=None) -> (dq, dk, dv)
 
-k/v may have fewer heads than q (grouped-query attention): query head h reads key/value head h // (Hq / Hkv), and
-dk/dv come back with Hkv heads. On cpu they run torch's flash kernel for cpu (which returns its log-sum-exp and
-takes it back in its backward); elsewhere plain math with the same contract. An NPU kernel (npu_fusion_attention,
-which returns the softmax max and sum) plugs in here.
+mask (optional, [B, 1, Sq, Sk] bool, True where a query may attend a key: the block's part of a document mask,
+ops/documents.py) restricts the block further; a query row that sees no key of the block gets out 0 and lse -inf,
+so it adds nothing when blocks merge. k/v may have fewer heads than q (grouped-query attention): query head h
+reads key/value head h // (Hq / Hkv), and dk/dv come back with Hkv heads. On cpu they run torch's flash kernel for
+cpu (which returns its log-sum-exp and takes it back in its backward); elsewhere plain math with the same
+contract. An NPU kernel (npu_fusion_attention, which returns the softmax max and sum) plugs in here.
 """
 
 from __future__ import annotations
@@ -34,30 +36,38 @@ def _causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)
 
 
-def math_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_attention in plain torch: scores and softmax in fp32, out in q's dtype."""
-    n_rep = q.shape[1] // k.shape[1]
-    k, v = _expand_heads(k, n_rep), _expand_heads(v, n_rep)
+def _masked_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> torch.Tensor:
+    """q k^T / sqrt(D) in fp32, -inf where the causal mask or `mask` hides a key."""
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5
     if causal:
         scores.masked_fill_(_causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return scores
+
+
+def math_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                         mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_attention in plain torch: scores and softmax in fp32, out in q's dtype."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = _expand_heads(k, n_rep), _expand_heads(v, n_rep)
+    scores = _masked_scores(q, k, causal, mask)
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
+    finite_lse = lse.masked_fill(lse == float("-inf"), 0.0)  # rows that see nothing: exp(-inf) = 0, not NaN
+    out = torch.matmul(torch.exp(scores - finite_lse[..., None]), v.float())
     return out.to(q.dtype), lse
 
 
 def math_block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                  out: torch.Tensor, lse: torch.Tensor, causal: bool
+                                  out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                                  mask: torch.Tensor | None = None
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """block_attention_backward in plain torch, in fp32."""
     n_rep = q.shape[1] // k.shape[1]
     scale = q.shape[-1] ** -0.5
     q32, k32, v32 = q.float(), _expand_heads(k, n_rep).float(), _expand_heads(v, n_rep).float()
     dout32 = dout.float()
-    scores = torch.matmul(q32, k32.transpose(-2, -1)) * scale
-    if causal:
-        scores.masked_fill_(_causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    scores = _masked_scores(q32, k32, causal, mask)
     probs = torch.exp(scores - lse[..., None])  # the block's share of the merged softmax
     dv = torch.matmul(probs.transpose(-2, -1), dout32)
     delta = (dout32 * out.float()).sum(-1, keepdim=True)  # rowsum(dout * out) of the merged output
@@ -67,39 +77,50 @@ def math_block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.
     return dq.to(q.dtype), _fold_heads(dk, n_rep).to(k.dtype), _fold_heads(dv, n_rep).to(v.dtype)
 
 
-def cpu_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_attention on torch's flash kernel for cpu."""
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask as the additive one (0 / -inf, in the query's dtype) torch's flash kernel for cpu takes."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def cpu_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_attention on torch's flash kernel for cpu (which takes an additive mask, forward and backward)."""
     n_rep = q.shape[1] // k.shape[1]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, _expand_heads(k, n_rep), _expand_heads(v, n_rep), 0.0, causal)
-    return out, lse.float()
+        q, _expand_heads(k, n_rep), _expand_heads(v, n_rep), 0.0, causal, attn_mask=_additive(mask, q.dtype))
+    lse = lse.float()
+    if mask is not None:  # the kernel gives 0, not -inf, for a row that sees no key
+        lse = lse.masked_fill(~mask.any(-1), float("-inf"))
+    return out, lse
 
 
 def cpu_block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                 out: torch.Tensor, lse: torch.Tensor, causal: bool
+                                 out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                                 mask: torch.Tensor | None = None
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """block_attention_backward on torch's flash kernel for cpu."""
     n_rep = q.shape[1] // k.shape[1]
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout.contiguous(), q, _expand_heads(k, n_rep), _expand_heads(v, n_rep), out.to(q.dtype).contiguous(),
-        lse.contiguous(), 0.0, causal)
+        lse.contiguous(), 0.0, causal, attn_mask=_additive(mask, q.dtype))
     return dq, _fold_heads(dk, n_rep), _fold_heads(dv, n_rep)
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T / sqrt(D) [+ causal mask]) v of q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D], and its log-sum-exp
-    [B, Hq, Sq] (fp32) per query row."""
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T / sqrt(D) [+ causal mask] [+ mask]) v of q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D], and its
+    log-sum-exp [B, Hq, Sq] (fp32) per query row."""
     if q.device.type == "cpu":
-        return cpu_block_attention(q, k, v, causal)
-    return math_block_attention(q, k, v, causal)
+        return cpu_block_attention(q, k, v, causal, mask)
+    return math_block_attention(q, k, v, causal, mask)
 
 
 def block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             out: torch.Tensor, lse: torch.Tensor, causal: bool
+                             out: torch.Tensor, lse: torch.Tensor, causal: bool, mask: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one block, given the merged output and log-sum-exp of every block q attended to."""
     if q.device.type == "cpu":
-        return cpu_block_attention_backward(dout, q, k, v, out, lse, causal)
-    return math_block_attention_backward(dout, q, k, v, out, lse, causal)
+        return cpu_block_attention_backward(dout, q, k, v, out, lse, causal, mask)
+    return math_block_attention_backward(dout, q, k, v, out, lse, causal, mask)

@@ -152,8 +152,62 @@ def _npu_fusion_attention(
     offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     """softmax(mask(scale * Q K^T)) V; returns (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset,
-    numels), attention_out in the input layout."""
+    numels), attention_out in the input layout. TND: query [T, N1, D], key/value [T, N2, D] hold sequences one after
+    the other, actual_seq_qlen / actual_seq_kvlen their cumulative ends; each attends within itself (the mask and
+    sparse mode apply per sequence); softmax_max / softmax_sum are [T, N1, 8]."""
     calls["npu_fusion_attention"] += 1
+    args = (pse, padding_mask, atten_mask, scale, keep_prob, pre_tockens, next_tockens, inner_precise, prefix)
+    rest = (sparse_mode, gen_mask_parallel, sync, softmax_layout, sink, dropout_mask, seed, offset)
+    if input_layout != "TND":
+        return _fusion_attention_dense(query, key, value, head_num, input_layout, *args, actual_seq_qlen,
+                                       actual_seq_kvlen, *rest)
+    if actual_seq_qlen is None or actual_seq_kvlen is None:
+        raise RuntimeError("npu_fusion_attention: layout TND needs actual_seq_qlen and actual_seq_kvlen")
+    if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+        raise RuntimeError("npu_fusion_attention: layout TND needs 3-D query/key/value")
+    if len(actual_seq_qlen) != len(actual_seq_kvlen):
+        raise RuntimeError("npu_fusion_attention: actual_seq_qlen and actual_seq_kvlen differ in length")
+    for ends, t in ((actual_seq_qlen, query.shape[0]), (actual_seq_kvlen, key.shape[0])):
+        if not ends or ends[-1] != t or any(b <= a for a, b in zip([0, *ends], ends)):
+            raise RuntimeError(f"npu_fusion_attention: cumulative lengths {list(ends)} must rise to T={t}")
+    outs, maxes, sums = [], [], []
+    for q0, q1, k0, k1 in zip([0, *actual_seq_qlen], actual_seq_qlen, [0, *actual_seq_kvlen], actual_seq_kvlen):
+        out, row_max, row_sum, *_ = _fusion_attention_dense(
+            query[None, q0:q1], key[None, k0:k1], value[None, k0:k1], head_num, "BSND", *args, None, None, *rest)
+        outs.append(out[0])
+        maxes.append(row_max[0].transpose(0, 1))
+        sums.append(row_sum[0].transpose(0, 1))
+    softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
+    return torch.cat(outs), torch.cat(maxes), torch.cat(sums), softmax_out, 0, 0, 0
+
+
+def _fusion_attention_dense(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    pse: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = 2147483647,
+    next_tockens: int = 2147483647,
+    inner_precise: int = 0,
+    prefix: list[int] | None = None,
+    actual_seq_qlen: list[int] | None = None,
+    actual_seq_kvlen: list[int] | None = None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+    softmax_layout: str = "",
+    sink: torch.Tensor | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    seed: int = 0,
+    offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
+    """npu_fusion_attention in the layouts with whole sequences (BSH, SBH, BSND, BNSD)."""
     if input_layout not in _LAYOUTS:
         raise RuntimeError(f"npu_fusion_attention: input_layout {input_layout!r} is not one of {_LAYOUTS}")
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (torch.float16, torch.bfloat16,
@@ -323,8 +377,8 @@ KERNELS = {
     "npu_rotary_mul": _npu_rotary_mul,
     "npu_swiglu": _npu_swiglu,
 }
-# Ops defined from the wheel without a kernel yet: the MoE routing and grouped-matmul ops and the varlen attention
-# (npu_fusion_attention with actual_seq_qlen / TND) that mixture-of-experts and context parallelism will call.
+# Ops defined from the wheel without a kernel yet: the MoE routing and grouped-matmul ops that mixture-of-experts
+# will call.
 SCHEMA_ONLY = (
     "npu_grouped_matmul", "npu_grouped_matmul_add_", "npu_moe_init_routing_v2", "npu_moe_gating_top_k",
     "npu_moe_gating_top_k_softmax", "npu_moe_compute_expert_tokens", "npu_moe_finalize_routing",
