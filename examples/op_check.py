@@ -1,9 +1,9 @@
 """Check every fused kernel on this machine's device against the plain-torch reference, forward and backward.
 
-On Ascend these are the torch_npu kernels the project calls: npu_fusion_attention, npu_rms_norm (also with an fp32
-weight beside bf16 activations, as mixed precision runs it), npu_rotary_mul, npu_swiglu (also fed by one projection
-over the concatenated w1/w3), and the _fused_adamw_ kernel behind torch's fused AdamW (a few optimizer steps
-against torch's for-loop AdamW).
+On Ascend these are the torch_npu kernels the project calls: npu_fusion_attention (also in TND layout within
+packed documents), npu_rms_norm (also with an fp32 weight beside bf16 activations, as mixed precision runs it),
+npu_rotary_mul, npu_swiglu (also fed by one projection over the concatenated w1/w3), and the _fused_adamw_ kernel
+behind torch's fused AdamW (a few optimizer steps against torch's for-loop AdamW).
 
     python examples/op_check.py            # the device titan-npu would train on (npu > cuda > cpu, or TITAN_DEVICE)
     python examples/op_check.py --quick    # small shapes only
@@ -17,14 +17,17 @@ error relative to the reference's largest magnitude. The exit status is 1 if any
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from titan_npu.device import setup_device, synchronize
 from titan_npu.ops import current_kernels, dispatch, reference
+from titan_npu.ops.documents import Documents
 
 # Largest error / largest reference magnitude allowed: accumulation order differs between kernels, so long
 # reductions (attention) get more room than elementwise ops; bf16 keeps about 3 significant digits.
@@ -75,6 +78,15 @@ def cases(device: torch.device, quick: bool):
     for b, s, h, kv, d in attn_shapes:
         desc = f"B={b} S={s} H={h} KV={kv} D={d}"
         yield ("attention", desc, dispatch.attention, reference.eager_attention,
+               [randn(b, s, h, d), randn(b, s, kv, d), randn(b, s, kv, d)])
+    # Attention within the documents of packed windows (data.document_mask): TND varlen npu_fusion_attention on
+    # Ascend; a document runs in from the window before, others start inside and one at the window's start.
+    for b, s, h, kv, d in [(2, 300, 8, 2, 64)] if quick else [(2, 300, 8, 2, 64), (1, 4096, 32, 8, 128)]:
+        starts = [np.array([s // 5, s // 2]), np.array([0, s - 7])][:b]
+        docs = Documents.from_starts(starts, s, reset_positions=False).to(device)
+        yield ("attention", f"B={b} S={s} H={h} KV={kv} D={d} documents",
+               functools.partial(dispatch.attention, documents=docs),
+               functools.partial(reference.eager_attention, documents=docs),
                [randn(b, s, h, d), randn(b, s, kv, d), randn(b, s, kv, d)])
     for shape in ([(2, 37, 256)] if quick else [(2, 37, 256), (4, 2048, 4096)]):
         yield ("rms_norm", f"x={list(shape)}", lambda x, w: dispatch.rms_norm(x, w, 1e-5),

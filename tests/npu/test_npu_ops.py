@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 from op_compare import assert_same_forward_and_backward, qkv
 
 from titan_npu.ops import npu as npu_ops
 from titan_npu.ops import reference
+from titan_npu.ops.documents import Documents
 
 
 def rope_tables(seq: int, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +126,47 @@ def test_the_fake_kernel_returns_the_documented_seven_outputs(fake_torch_npu):
                                                scale=0.25, sparse_mode=2)
     assert len(full) == 7 and torch.equal(full[0], out)
     assert full[1].shape == (2, 4, 12, 8) and full[1].dtype == torch.float32  # softmax_max, BNS8
+
+
+# --- attention within packed documents (TND varlen) --------------------------------------------------------------
+
+def _documents(seq: int) -> Documents:
+    """Row 0: three documents (one from the window before); row 1: one starting at 0, one near the end."""
+    return Documents.from_starts([np.array([seq // 3, seq // 2]), np.array([0, seq - 2])], seq, False)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("seq", [12, 37])
+def test_document_attention_through_tnd_matches_the_masked_reference(fake_torch_npu, heads, kv_heads, seq):
+    documents = _documents(seq)
+    assert_same_forward_and_backward(functools.partial(npu_ops.attention, documents=documents),
+                                     functools.partial(reference.attention, documents=documents),
+                                     list(qkv(2, seq, heads, kv_heads)))
+
+
+def test_document_attention_passes_the_loaders_cumulative_ends_as_host_ints_in_one_tnd_call(fake_torch_npu,
+                                                                                           monkeypatch):
+    seen = []
+    kernel = fake_torch_npu.npu_fusion_attention
+
+    def spy(q, k, v, head_num, layout, **kwargs):
+        seen.append((tuple(q.shape), layout, kwargs))
+        return kernel(q, k, v, head_num, layout, **kwargs)
+
+    monkeypatch.setattr(fake_torch_npu, "npu_fusion_attention", spy)
+    documents = _documents(12)
+    npu_ops.attention(*qkv(2, 12, 4, 2), documents=documents)
+    ((shape, layout, kwargs),) = seen
+    assert shape == (24, 4, 16) and layout == "TND"
+    assert kwargs["actual_seq_qlen"] == kwargs["actual_seq_kvlen"] == [4, 6, 12, 22, 24]
+    assert kwargs["sparse_mode"] == npu_ops.SPARSE_MODE_LEFT_UP_CAUSAL
+
+
+def test_document_lengths_instead_of_cumulative_ends_are_refused_by_the_kernel(fake_torch_npu):
+    q, k, v = (t.reshape(24, -1, 16) for t in qkv(2, 12, 4, 4))
+    with pytest.raises(RuntimeError, match="cumulative lengths"):
+        fake_torch_npu.npu_fusion_attention(q, k, v, 4, "TND", actual_seq_qlen=[4, 2, 6, 10, 2],
+                                            actual_seq_kvlen=[4, 2, 6, 10, 2], scale=0.25)
 
 
 # --- rms_norm ----------------------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """Document masking (data.document_mask, data.reset_position_ids): attention stops at the documents of a packed
 window. A token's output does not change when the other documents of its window change, in one process and under
 context parallelism (ring and Ulysses, cp 2); the masked model equals the same documents run one by one; and a
-cp 2 run with masking gives one process's per-step losses (fp32, 1e-5 relative)."""
+cp 2 run with masking gives one process's per-step losses and validation loss (fp32, 1e-5 relative)."""
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from titan_npu.parallel.context_parallel import shard_sequence
 from .harness import losses, run_pool, tiny_run, write_tokens
 
 SEQ = 32
-STEPS = 5
+STEPS = 3
 RTOL = 1e-5
 # Row 0: documents [0, 7), [7, 20), [20, 32); row 1: [0, 13), [13, 32) -- boundaries inside chunks and at none.
 STARTS = [np.array([7, 20]), np.array([0, 13, SEQ])]
@@ -107,7 +108,10 @@ def _check_context_parallel(workdir: Path, mode: str, reset_positions: bool) -> 
 
 
 CHECKS = [(mode, reset) for mode in ("ring", "ulysses") for reset in (False, True)]
-MASKED = ["--data.document_mask=true", "--data.reset_position_ids=true", f"--training.max_steps={STEPS}"]
+# Validation at the last step on 2 held-out batches: the validation loader carries documents too.
+MASKED = ["--data.document_mask=true", "--data.reset_position_ids=true", f"--training.max_steps={STEPS}",
+          "--validation.enable=true", f"--validation.interval={STEPS}", "--validation.steps=2",
+          "--data.val_fraction=0.1"]
 RUNS = {"masked_cp2_ring": ["--parallel.cp_degree=2"],
         "masked_cp2_ulysses": ["--parallel.cp_degree=2", "--parallel.cp_mode=ulysses"]}
 
@@ -136,3 +140,10 @@ def test_masked_context_parallel_losses_match_one_process(masked_runs, name):
     want = losses(masked_runs, "masked_one_process")
     assert len(want) == STEPS
     assert losses(masked_runs, name) == pytest.approx(want, rel=RTOL)
+    want_val = _validation_losses(masked_runs, "masked_one_process")
+    assert len(want_val) == 1 and _validation_losses(masked_runs, name) == pytest.approx(want_val, rel=RTOL)
+
+
+def _validation_losses(workdir: Path, name: str) -> list[float]:
+    lines = (workdir / name / "metrics.jsonl").read_text().splitlines()
+    return [r["val_loss"] for r in map(json.loads, filter(str.strip, lines)) if "val_loss" in r]
