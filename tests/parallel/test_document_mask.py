@@ -1,7 +1,8 @@
 """Document masking (data.document_mask, data.reset_position_ids): attention stops at the documents of a packed
 window. A token's output does not change when the other documents of its window change, in one process and under
-context parallelism (ring and Ulysses, cp 2); the masked model equals the same documents run one by one; and a
-cp 2 run with masking gives one process's per-step losses and validation loss (fp32, 1e-5 relative)."""
+context parallelism (ring and Ulysses, cp 2); the masked model equals the same documents run one by one; ring
+attention with documents on the NPU block kernels (fake torch_npu) equals masked SDPA; and a cp 2 run with masking
+gives one process's per-step losses and validation loss (fp32, 1e-5 relative)."""
 
 from __future__ import annotations
 
@@ -107,6 +108,42 @@ def _check_context_parallel(workdir: Path, mode: str, reset_positions: bool) -> 
     (workdir / f"checked_{mode}_{reset_positions}_rank{rank}").touch()
 
 
+def _check_ring_on_npu_blocks(workdir: Path) -> None:
+    """Ring attention with documents on the NPU block kernels (the fake torch_npu on CPU tensors, installed for this
+    check): the output and dq, dk, dv equal masked SDPA on the whole sequence."""
+    import sys
+
+    import torch.distributed as dist
+
+    from titan_npu.ops import attention_blocks, reference
+    from titan_npu.parallel.ring_attention import ring_attention
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "npu" / "fake_torch_npu"))
+    import torch_npu  # noqa: F401  (the fake: npu_fusion_attention and its grad on the CPU)
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    documents = Documents.from_starts(STARTS, SEQ, reset_positions=False)
+    g = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(2, SEQ, h, 16, generator=g) for h in (4, 2, 2, 4))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = reference.attention(*whole, documents=documents)
+    want.backward(dout)
+    local = [shard_sequence(t, rank, cp).requires_grad_() for t in (q, k, v)]
+    choose = attention_blocks.block_kernels
+    attention_blocks.block_kernels = lambda device_type: choose("npu")
+    try:
+        out = ring_attention(*local, dist.group.WORLD, documents)
+        out.backward(shard_sequence(dout, rank, cp))
+    finally:
+        attention_blocks.block_kernels = choose
+    for got, expected in zip((out, *(t.grad for t in local)), (want, *(t.grad for t in whole)), strict=True):
+        torch.testing.assert_close(got.detach(), shard_sequence(expected.detach(), rank, cp), rtol=1e-5, atol=2e-6)
+    assert torch_npu.calls["npu_fusion_attention_grad"] == cp  # one block per ring step
+    (workdir / f"checked_npu_blocks_rank{rank}").touch()
+
+
 CHECKS = [(mode, reset) for mode in ("ring", "ulysses") for reset in (False, True)]
 # Validation at the last step on 2 held-out batches: the validation loader carries documents too.
 MASKED = ["--data.document_mask=true", "--data.reset_position_ids=true", f"--training.max_steps={STEPS}",
@@ -122,7 +159,9 @@ def masked_runs(tmp_path_factory) -> Path:
     workdir = tmp_path_factory.mktemp("document_mask")
     write_tokens(workdir / "tokens.jsonl")
     checks = [partial(_check_context_parallel, workdir, mode, reset) for mode, reset in CHECKS]
-    run_pool(2, [*checks, *[tiny_run(workdir, name) + MASKED + extra for name, extra in RUNS.items()]])
+    # The NPU check last: it imports the fake torch_npu into the pool's processes.
+    run_pool(2, [*checks, *[tiny_run(workdir, name) + MASKED + extra for name, extra in RUNS.items()],
+                 partial(_check_ring_on_npu_blocks, workdir)])
     run_pool(1, [tiny_run(workdir, "masked_one_process") + MASKED])
     return workdir
 
@@ -132,6 +171,12 @@ def masked_runs(tmp_path_factory) -> Path:
 def test_context_parallel_attention_stops_at_documents_like_one_process(masked_runs, mode, reset):
     # _check_context_parallel compared each rank's logits (an assertion there fails the pool and this fixture).
     assert all((masked_runs / f"checked_{mode}_{reset}_rank{rank}").exists() for rank in range(2))
+
+
+@pytest.mark.distributed
+def test_ring_attention_with_documents_on_the_npu_block_kernels_equals_masked_sdpa(masked_runs):
+    # _check_ring_on_npu_blocks compared each rank's output and gradients (an assertion there fails the pool).
+    assert all((masked_runs / f"checked_npu_blocks_rank{rank}").exists() for rank in range(2))
 
 
 @pytest.mark.distributed
