@@ -12,6 +12,7 @@ O(S^2) baseline, so an input no allowed kernel takes is an error that says why.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from titan_npu.errors import ConfigError
 from titan_npu.ops import reference
 from titan_npu.ops.dispatch import register_backend
+
+if TYPE_CHECKING:
+    from titan_npu.ops.documents import Documents
 
 SDPA_BACKENDS: dict[str, SDPBackend] = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -84,8 +88,14 @@ def _sdpa_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gqa
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
-    """SDPA on the fused kernels in the configured priority; q [B,S,Hq,D], k/v [B,S,Hkv,D] -> [B,S,Hq,D]."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+              documents: Documents | None = None) -> torch.Tensor:
+    """SDPA on the fused kernels in the configured priority; q [B,S,Hq,D], k/v [B,S,Hkv,D] -> [B,S,Hq,D].
+
+    documents: SDPA with their boolean mask, on whichever kernel torch picks for a mask (FlashAttention takes none).
+    """
+    if documents is not None:
+        return reference.attention(q, k, v, causal=causal, documents=documents)
     q, k, v, gqa = _sdpa_inputs(q, k, v)
     with sdpa_kernel([SDPA_BACKENDS[name] for name in _priority], set_priority=True):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)

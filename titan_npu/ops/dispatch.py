@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from titan_npu.errors import ConfigError
 from titan_npu.ops import reference
+
+if TYPE_CHECKING:
+    from titan_npu.ops.documents import Documents
 
 OP_NAMES: tuple[str, ...] = ("attention", "rms_norm", "apply_rotary_emb", "swiglu", "linear", "swiglu_linear",
                              "grouped_mm", "moe_topk_softmax", "moe_permute", "moe_unpermute")
@@ -99,15 +103,19 @@ def available_backends() -> list[str]:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, use_flash: bool = True
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, use_flash: bool = True,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """Multi-head attention, q [B,S,Hq,D], k/v [B,S,Hkv,D] (Hq a multiple of Hkv) -> [B,S,Hq,D].
 
     use_flash=True runs the chosen fused kernel; use_flash=False always runs the eager O(S^2) baseline.
+    documents (ops/documents.py): each query attends within its own document only (packed windows).
     """
     if not use_flash:
-        return reference.eager_attention(q, k, v, causal=causal)
-    return _table(q.device.type)["attention"][1](q, k, v, causal=causal)
+        return reference.eager_attention(q, k, v, causal=causal, documents=documents)
+    if documents is None:
+        return _table(q.device.type)["attention"][1](q, k, v, causal=causal)
+    return _table(q.device.type)["attention"][1](q, k, v, causal=causal, documents=documents)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import logging
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ import torch.nn.functional as F
 from titan_npu.errors import DeviceError
 from titan_npu.ops import reference
 from titan_npu.ops.dispatch import register_backend
+
+if TYPE_CHECKING:
+    from titan_npu.ops.documents import Documents
 
 log = logging.getLogger("titan_npu")
 
@@ -64,10 +68,16 @@ def causal_mask(device: torch.device) -> torch.Tensor:
     return mask
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
-    """npu_fusion_attention on q [B,S,Hq,D], k/v [B,S,Hkv,D] in BSND layout; GQA by the kernel's kv-head support."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+              documents: Documents | None = None) -> torch.Tensor:
+    """npu_fusion_attention on q [B,S,Hq,D], k/v [B,S,Hkv,D] in BSND layout; GQA by the kernel's kv-head support.
+
+    documents: the variable-length TND layout, each document a sequence of its own (see document_attention).
+    """
     if _any_dtensor(q, k, v):
-        return reference.attention(q, k, v, causal=causal)
+        return reference.attention(q, k, v, causal=causal, documents=documents)
+    if documents is not None:
+        return document_attention(q, k, v, documents, causal)
     kwargs: dict = {"scale": q.shape[-1] ** -0.5, "keep_prob": 1.0}
     if causal:
         kwargs.update(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_MODE_LEFT_UP_CAUSAL)
@@ -75,6 +85,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     return _torch_npu().npu_fusion_attention(
         q.contiguous(), k.contiguous(), v.contiguous(), q.shape[2], "BSND", **kwargs
     )[0]
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, causal: bool
+                       ) -> torch.Tensor:
+    """npu_fusion_attention in TND layout: the B * S positions flattened (a view of [B, S, H, D]), the documents'
+    cumulative ends as actual_seq_qlen / actual_seq_kvlen (host ints from the loader, no read from the device), and
+    per document the causal mask of sparse_mode 2 -- how MindSpeed runs packed documents
+    (mindspeed/core/context_parallel/dot_product_attention.py: TND with cu_seqlens, sparse_mode 2 when the attention
+    mask is reset at document ends without context parallelism or with Ulysses)."""
+    b, s, hq, d = q.shape
+    kwargs: dict = {"scale": d ** -0.5, "keep_prob": 1.0, "actual_seq_qlen": documents.cu_seqlens,
+                    "actual_seq_kvlen": documents.cu_seqlens}
+    if causal:
+        kwargs.update(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_MODE_LEFT_UP_CAUSAL)
+    out = _torch_npu().npu_fusion_attention(
+        q.reshape(b * s, hq, d), k.reshape(b * s, k.shape[2], d), v.reshape(b * s, v.shape[2], d), hq, "TND",
+        **kwargs)[0]
+    return out.view(b, s, hq, d)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,14 +125,15 @@ def apply_rotary_emb(
     """npu_rotary_mul in "interleave" mode on Meta's interleaved pairs.
 
     cos/sin [S, D/2] hold one angle per pair (2i, 2i+1); the kernel wants r1/r2 [1, S, 1, D] (BSND) with that
-    angle at both dims of the pair. Shapes outside the kernel's documented limits, and any it refuses
+    angle at both dims of the pair. Per-row tables [B, S, D/2] (positions restarting at documents), shapes outside
+    the kernel's documented limits, and any it refuses
     (RuntimeError), take the reference path.
     """
     bn = max(xq.shape[0] * xq.shape[2], xk.shape[0] * xk.shape[2])
     d = xq.shape[-1]
     shape = (bn, d)
     if (_any_dtensor(xq, xk) or bn >= ROTARY_INTERLEAVE_MAX_BN or d >= ROTARY_MAX_HEAD_DIM or d % 2
-            or shape in _rotary_refused):
+            or shape in _rotary_refused or cos.dim() != 2):  # per-row positions: the kernel's r1 is 1S1D
         return reference.apply_rotary_emb(xq, xk, cos, sin)
     torch_npu = _torch_npu()
     dtype = torch.float32 if _rope_fp32 else xq.dtype

@@ -152,8 +152,164 @@ def _npu_fusion_attention(
     offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     """softmax(mask(scale * Q K^T)) V; returns (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset,
-    numels), attention_out in the input layout."""
+    numels), attention_out in the input layout. TND: query [T, N1, D], key/value [T, N2, D] hold sequences one after
+    the other, actual_seq_qlen / actual_seq_kvlen their cumulative ends; each attends within itself (the mask and
+    sparse mode apply per sequence); softmax_max / softmax_sum are [T, N1, 8]."""
     calls["npu_fusion_attention"] += 1
+    args = (pse, padding_mask, atten_mask, scale, keep_prob, pre_tockens, next_tockens, inner_precise, prefix)
+    rest = (sparse_mode, gen_mask_parallel, sync, softmax_layout, sink, dropout_mask, seed, offset)
+    if input_layout != "TND":
+        return _fusion_attention_dense(query, key, value, head_num, input_layout, *args, actual_seq_qlen,
+                                       actual_seq_kvlen, *rest)
+    if actual_seq_qlen is None or actual_seq_kvlen is None:
+        raise RuntimeError("npu_fusion_attention: layout TND needs actual_seq_qlen and actual_seq_kvlen")
+    if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+        raise RuntimeError("npu_fusion_attention: layout TND needs 3-D query/key/value")
+    if len(actual_seq_qlen) != len(actual_seq_kvlen):
+        raise RuntimeError("npu_fusion_attention: actual_seq_qlen and actual_seq_kvlen differ in length")
+    for ends, t in ((actual_seq_qlen, query.shape[0]), (actual_seq_kvlen, key.shape[0])):
+        if not ends or ends[-1] != t or any(b <= a for a, b in zip([0, *ends], ends)):
+            raise RuntimeError(f"npu_fusion_attention: cumulative lengths {list(ends)} must rise to T={t}")
+    outs, maxes, sums = [], [], []
+    for q0, q1, k0, k1 in zip([0, *actual_seq_qlen], actual_seq_qlen, [0, *actual_seq_kvlen], actual_seq_kvlen):
+        out, row_max, row_sum, *_ = _fusion_attention_dense(
+            query[None, q0:q1], key[None, k0:k1], value[None, k0:k1], head_num, "BSND", *args, None, None, *rest)
+        outs.append(out[0])
+        maxes.append(row_max[0].transpose(0, 1))
+        sums.append(row_sum[0].transpose(0, 1))
+    softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
+    return torch.cat(outs), torch.cat(maxes), torch.cat(sums), softmax_out, 0, 0, 0
+
+
+def _positions_masked(atten_mask: torch.Tensor | None, sparse_mode: int, sq: int, skv: int, pre_tockens: int,
+                      next_tockens: int, device: torch.device) -> torch.Tensor | None:
+    """The [.., Sq, Skv] bool mask (True = masked) that atten_mask and the sparse mode stand for, or None."""
+    masked = None
+    if sparse_mode in (2, 3):
+        if atten_mask is None or tuple(atten_mask.shape) != (_COMPRESSED_MASK_SIZE,) * 2:
+            raise RuntimeError(
+                f"npu_fusion_attention: sparse_mode={sparse_mode} needs the compressed {_COMPRESSED_MASK_SIZE}x"
+                f"{_COMPRESSED_MASK_SIZE} atten_mask"
+            )
+        if atten_mask.dtype not in (torch.bool, torch.uint8):
+            raise RuntimeError("npu_fusion_attention: atten_mask must be bool or uint8")
+        offset = 0 if sparse_mode == 2 else skv - sq
+        masked = _expand_compressed_mask(atten_mask.bool().cpu(), sq, skv, offset).to(device)
+    elif sparse_mode in (0, 1):
+        if atten_mask is not None:
+            if atten_mask.dtype not in (torch.bool, torch.uint8):
+                raise RuntimeError("npu_fusion_attention: atten_mask must be bool or uint8")
+            if tuple(atten_mask.shape[-2:]) != (sq, skv):
+                raise RuntimeError(
+                    f"npu_fusion_attention: sparse_mode={sparse_mode} needs an atten_mask of [..., {sq}, {skv}], "
+                    f"got {list(atten_mask.shape)}"
+                )
+            masked = atten_mask.bool()
+            if sparse_mode == 0:
+                # defaultMask: positions outside the band [i - pre_tockens, i + next_tockens] are masked too.
+                dist = torch.arange(skv).unsqueeze(0) - torch.arange(sq).unsqueeze(1)
+                band = (dist > next_tockens) | (-dist > pre_tockens)
+                masked = masked | band.to(masked.device)
+    else:
+        raise NotImplementedError(f"fake npu_fusion_attention: sparse_mode={sparse_mode} is not modelled")
+
+    return masked
+
+
+def _npu_fusion_attention_grad(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dy: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    pse: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    softmax_max: torch.Tensor | None = None,
+    softmax_sum: torch.Tensor | None = None,
+    softmax_in: torch.Tensor | None = None,
+    attention_in: torch.Tensor | None = None,
+    scale_value: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = 2147483647,
+    next_tockens: int = 2147483647,
+    inner_precise: int = 0,
+    seed: int = 0,
+    offset: int = 0,
+    numels: int = 0,
+    prefix: list[int] | None = None,
+    actual_seq_qlen: list[int] | None = None,
+    actual_seq_kvlen: list[int] | None = None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+    softmax_layout: str = "",
+    sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dpse, dsink) of npu_fusion_attention from the forward's softmax statistics: the probabilities
+    are recomputed as exp(scale * Q K^T - softmax_max) / softmax_sum under the same mask, and attention_in (the
+    forward's output) gives rowsum(dy * out). dk/dv come back with the key/value heads, in the input layout."""
+    calls["npu_fusion_attention_grad"] += 1
+    if input_layout not in _LAYOUTS:
+        raise RuntimeError(f"npu_fusion_attention_grad: input_layout {input_layout!r} is not one of {_LAYOUTS}")
+    if softmax_max is None or softmax_sum is None or attention_in is None:
+        raise RuntimeError("npu_fusion_attention_grad: needs softmax_max, softmax_sum and attention_in")
+    if (pse is not None or padding_mask is not None or prefix is not None or actual_seq_qlen is not None
+            or sink is not None or softmax_layout or keep_prob != 1.0):
+        raise NotImplementedError("fake npu_fusion_attention_grad: pse / padding_mask / prefix / varlen / sink / "
+                                  "softmax_layout / dropout are not modelled")
+    head_dim = query.shape[-1] if input_layout in ("BSND", "BNSD") else query.shape[-1] // head_num
+    q, k, v, do, out = (_to_bnsd(t, input_layout, head_num if t is not key and t is not value else None,
+                                 head_dim).float() for t in (query, key, value, dy, attention_in))
+    b, n1, sq, _ = q.shape
+    n2, skv = k.shape[1], k.shape[2]
+    if tuple(softmax_max.shape) != (b, n1, sq, 8) or softmax_sum.shape != softmax_max.shape:
+        raise RuntimeError(f"npu_fusion_attention_grad: softmax_max/sum must be [{b}, {n1}, {sq}, 8]")
+    group = n1 // n2
+    scores = torch.matmul(q, k.repeat_interleave(group, dim=1).transpose(-2, -1)) * scale_value
+    masked = _positions_masked(atten_mask, sparse_mode, sq, skv, pre_tockens, next_tockens, scores.device)
+    if masked is not None:
+        scores = scores.masked_fill(masked, float("-inf"))
+    probs = torch.exp(scores - softmax_max[..., :1].float()) / softmax_sum[..., :1].float()
+    dv = torch.matmul(probs.transpose(-2, -1), do)
+    dscores = probs * (torch.matmul(do, v.repeat_interleave(group, dim=1).transpose(-2, -1))
+                       - (do * out).sum(-1, keepdim=True)) * scale_value
+    dq = torch.matmul(dscores, k.repeat_interleave(group, dim=1))
+    dk = torch.matmul(dscores.transpose(-2, -1), q)
+    dk, dv = (t.unflatten(1, (n2, group)).sum(2) for t in (dk, dv))
+    grads = tuple(_from_bnsd(t, input_layout).to(query.dtype) for t in (dq, dk, dv))
+    empty = torch.empty(0, dtype=query.dtype, device=query.device)
+    return (*grads, empty, torch.empty(0, device=query.device))
+
+
+def _fusion_attention_dense(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    pse: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = 2147483647,
+    next_tockens: int = 2147483647,
+    inner_precise: int = 0,
+    prefix: list[int] | None = None,
+    actual_seq_qlen: list[int] | None = None,
+    actual_seq_kvlen: list[int] | None = None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+    softmax_layout: str = "",
+    sink: torch.Tensor | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    seed: int = 0,
+    offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
+    """npu_fusion_attention in the layouts with whole sequences (BSH, SBH, BSND, BNSD)."""
     if input_layout not in _LAYOUTS:
         raise RuntimeError(f"npu_fusion_attention: input_layout {input_layout!r} is not one of {_LAYOUTS}")
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (torch.float16, torch.bfloat16,
@@ -194,35 +350,7 @@ def _npu_fusion_attention(
     v = v.repeat_interleave(n1 // n2, dim=1)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # [B, N1, Sq, Skv]
 
-    masked = None
-    if sparse_mode in (2, 3):
-        if atten_mask is None or tuple(atten_mask.shape) != (_COMPRESSED_MASK_SIZE,) * 2:
-            raise RuntimeError(
-                f"npu_fusion_attention: sparse_mode={sparse_mode} needs the compressed {_COMPRESSED_MASK_SIZE}x"
-                f"{_COMPRESSED_MASK_SIZE} atten_mask"
-            )
-        if atten_mask.dtype not in (torch.bool, torch.uint8):
-            raise RuntimeError("npu_fusion_attention: atten_mask must be bool or uint8")
-        offset = 0 if sparse_mode == 2 else skv - sq
-        masked = _expand_compressed_mask(atten_mask.bool().cpu(), sq, skv, offset).to(scores.device)
-    elif sparse_mode in (0, 1):
-        if atten_mask is not None:
-            if atten_mask.dtype not in (torch.bool, torch.uint8):
-                raise RuntimeError("npu_fusion_attention: atten_mask must be bool or uint8")
-            if tuple(atten_mask.shape[-2:]) != (sq, skv):
-                raise RuntimeError(
-                    f"npu_fusion_attention: sparse_mode={sparse_mode} needs an atten_mask of [..., {sq}, {skv}], "
-                    f"got {list(atten_mask.shape)}"
-                )
-            masked = atten_mask.bool()
-            if sparse_mode == 0:
-                # defaultMask: positions outside the band [i - pre_tockens, i + next_tockens] are masked too.
-                dist = torch.arange(skv).unsqueeze(0) - torch.arange(sq).unsqueeze(1)
-                band = (dist > next_tockens) | (-dist > pre_tockens)
-                masked = masked | band.to(masked.device)
-    else:
-        raise NotImplementedError(f"fake npu_fusion_attention: sparse_mode={sparse_mode} is not modelled")
-
+    masked = _positions_masked(atten_mask, sparse_mode, sq, skv, pre_tockens, next_tockens, scores.device)
     if masked is not None:
         scores = scores.masked_fill(masked, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)
@@ -454,6 +582,7 @@ def _get_npu_format(self: torch.Tensor) -> int:
 KERNELS = {
     "get_npu_format": _get_npu_format,  # the fused optimizers of torch_npu.optim call it
     "npu_fusion_attention": _npu_fusion_attention,
+    "npu_fusion_attention_grad": _npu_fusion_attention_grad,
     "npu_rms_norm": _npu_rms_norm,
     "npu_rotary_mul": _npu_rotary_mul,
     "npu_swiglu": _npu_swiglu,
@@ -464,8 +593,7 @@ KERNELS = {
 }
 # The ops torch_npu registers no backward for: their outputs carry no gradient on a card, nor here.
 WITHOUT_AUTOGRAD = ("npu_grouped_matmul", "npu_moe_gating_top_k_softmax")
-# Ops defined from the wheel without a kernel yet: the other MoE routing and grouped-matmul ops and the varlen
-# attention (npu_fusion_attention with actual_seq_qlen / TND) that mixture-of-experts and context parallelism may call.
+# Ops defined from the wheel without a kernel yet: the other MoE routing and grouped-matmul ops.
 SCHEMA_ONLY = (
     "npu_grouped_matmul_add_", "npu_moe_init_routing_v2", "npu_moe_gating_top_k", "npu_moe_compute_expert_tokens",
     "npu_moe_finalize_routing", "npu_moe_token_permute_with_routing_map", "npu_moe_token_unpermute_with_routing_map",
