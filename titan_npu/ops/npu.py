@@ -219,8 +219,8 @@ class _GroupedMatmul(torch.autograd.Function):
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, max_group_rows: int | None = None
                ) -> torch.Tensor:
     """npu_grouped_matmul (group_type 0, cumulative int64 group_list) for x [N, K] sorted by group and w [G, M, K];
-    its backward is npu_grouped_matmul too. Other dtypes, DTensors and rows past the kernel's inner limit take the
-    reference."""
+    its backward is npu_grouped_matmul too. Other dtypes, DTensors and K or M of 65,536 or more (the kernel's
+    inner-axis limit; the token count is never an inner axis here) take the reference."""
     if (_any_dtensor(x, w) or x.dtype not in GROUPED_MATMUL_DTYPES or w.dtype != x.dtype
             or max(w.shape[1], w.shape[2]) >= GROUPED_MATMUL_INNER_LIMIT):
         return reference.grouped_mm(x, w, offsets, max_group_rows)
