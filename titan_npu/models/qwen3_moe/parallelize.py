@@ -22,11 +22,6 @@ def parallelize_moe(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.
     if dims.tp_enabled:
         raise LayoutError(f"parallel.tp_degree={dims.tp}: tensor parallelism of a MoE model ({cfg.model.name}) is not "
                           f"supported yet; set parallel.tp_degree = 1 and shard it with FSDP (parallel.dp_shard)")
-    if dims.pp_enabled and model.args.router_aux_loss_coef > 0:
-        raise LayoutError(f"parallel.pp_degree={dims.pp} with model.router_aux_loss_coef="
-                          f"{model.args.router_aux_loss_coef}: the load-balancing loss spans every stage's layers, "
-                          f"which the pipeline does not combine yet; set model.router_aux_loss_coef = 0 or "
-                          f"parallel.pp_degree = 1")
     if dims.ep_enabled:
         apply_expert_parallel(model, dims.ep_mesh)
     return parallelize_decoder(model, dims, cfg)
