@@ -104,12 +104,15 @@ def test_fsdp_pipeline_and_expert_parallel_runs_give_the_single_process_losses(t
 # Each forward pools the aux loss over its own tokens: one sequence per micro-batch everywhere (one process: 4
 # accumulation steps of 1; the pipelines: micro-batches of 1), so every layout optimises the same sum. The pipeline's
 # last stage pools every stage's MoE layers (the stages carry their routing sums on), and the routing metrics are
-# gathered from every stage. ep 2 x pp 2: each pipeline stage's 2 data-parallel ranks split its experts.
+# gathered from every stage. ep 2 x pp 2: each pipeline stage's 2 data-parallel ranks split its experts. tp 2: both
+# ranks route the whole (gathered) sequence, each running half of every expert's ffn dim.
 @pytest.mark.parametrize("nproc, layout", [(2, ["--parallel.pp_degree", "2", "--training.batch_size", "4"]),
                                            (4, ["--parallel.pp_degree", "2", "--parallel.ep_degree", "2",
-                                                "--parallel.pp_microbatches", "2", "--training.batch_size", "2"])],
-                         ids=["pp", "ep-x-pp"])
-def test_with_the_aux_loss_on_pipeline_runs_give_the_single_process_losses_and_routing(tmp_path, one_thread, nproc,
+                                                "--parallel.pp_microbatches", "2", "--training.batch_size", "2"]),
+                                           (2, ["--parallel.tp_degree", "2", "--training.batch_size", "1",
+                                                "--training.gradient_accumulation_steps", "4"])],
+                         ids=["pp", "ep-x-pp", "tp"])
+def test_with_the_aux_loss_on_pp_and_tp_runs_give_the_single_process_losses_and_routing(tmp_path, one_thread, nproc,
                                                                                        layout):
     coef = ["--model.router_aux_loss_coef", "1.0", "--training.deterministic", "true"]
     single = _run(tmp_path / "one", 3, *coef, "--training.batch_size", "1",
@@ -142,24 +145,6 @@ def test_a_checkpoint_saved_under_expert_parallelism_resumes_in_one_process_exac
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in whole[3:]], rel=1e-5)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["--parallel.tp_degree", "2"], "tensor parallelism of a MoE model"),
-], ids=["tp"])
-def test_layouts_a_moe_model_does_not_take_yet_are_refused_in_one_line(overrides, message):
-    import torch
-
-    from titan_npu.errors import LayoutError
-    from titan_npu.models.registry import build_model_args, get_spec
-    from titan_npu.parallel import ParallelDims
-
-    cfg = load_config(CONFIG, ["--parallel.dp_shard", "1", *overrides])
-    dims = ParallelDims.from_config(cfg.parallel, 2)
-    spec, args = get_spec("qwen3_moe"), build_model_args(cfg.model)
-    with torch.device("meta"):
-        model = spec.build_model(args)
-    with pytest.raises(LayoutError, match=message) as error:
-        spec.parallelize(model, dims, cfg)
-    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("world, overrides, message", [
@@ -168,9 +153,13 @@ def test_layouts_a_moe_model_does_not_take_yet_are_refused_in_one_line(overrides
     (4, ["--parallel.ep_degree", "2", "--parallel.tp_degree", "2"], "with tensor parallelism (tp_degree=2)"),
     (2, ["--parallel.ep_degree", "2", "--model.capacity_factor", "1.0"], "expert parallelism is dropless only"),
     (2, ["--parallel.ep_degree", "2", "--model.name", "qwen3"], "has no MoE layer"),
+    (2, ["--parallel.tp_degree", "2", "--parallel.dp_shard", "1", "--model.moe_ffn_dim", "127"],
+     "does not divide model.moe_ffn_dim=127"),
+    (2, ["--parallel.tp_degree", "2", "--parallel.dp_shard", "1", "--model.shared_ffn_dim", "64"],
+     "with a shared expert (model.shared_ffn_dim=64) is not yet available"),
 ], ids=["ep-not-dividing-dp-shard", "ep-not-dividing-experts", "ep-x-tp",
-        "ep-with-capacity", "ep-on-a-dense-model"])
-def test_expert_parallel_layouts_this_version_does_not_take_are_refused_in_one_line(world, overrides, message):
+        "ep-with-capacity", "ep-on-a-dense-model", "tp-not-dividing-the-expert-ffn", "tp-with-a-shared-expert"])
+def test_moe_layouts_this_version_does_not_take_are_refused_in_one_line(world, overrides, message):
     from titan_npu.errors import LayoutError
     from titan_npu.models.registry import build_model_args
     from titan_npu.parallel import ParallelDims

@@ -166,6 +166,22 @@ def _check_tensor_parallel(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:
             f"training.seq_len={cfg.training.seq_len} is not divisible by parallel.tp_degree={tp} (sequence "
             f"parallelism splits each sequence across the tp ranks); use a seq_len that is a multiple of {tp}"
         )
+    if getattr(a, "n_moe_layers", 0):
+        _check_moe_tensor_parallel(tp, a)
+
+
+def _check_moe_tensor_parallel(tp: int, a: Any) -> None:
+    """Tensor parallelism of MoE layers splits each expert's ffn dim; a shared expert is not split yet."""
+    if a.moe_ffn_dim % tp:
+        raise LayoutError(
+            f"parallel.tp_degree={tp} does not divide model.moe_ffn_dim={a.moe_ffn_dim} (each expert is split on "
+            f"its ffn dim over the tp ranks); choose tp_degree from {_listing(divisors(a.moe_ffn_dim))}"
+        )
+    if getattr(a, "shared_ffn_dim", 0):
+        raise LayoutError(
+            f"parallel.tp_degree={tp} with a shared expert (model.shared_ffn_dim={a.shared_ffn_dim}) is not yet "
+            f"available; set model.shared_ffn_dim = 0 or parallel.tp_degree = 1"
+        )
 
 
 def _check_pipeline(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:

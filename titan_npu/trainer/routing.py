@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.reduce import mean_loss
@@ -58,7 +59,11 @@ class RoutingMeter:
             return loss
         self._add(self.model.routing_metrics(), scale)
         aux = self.model.auxiliary_loss()
-        return loss if aux is None else loss + aux
+        if aux is None:
+            return loss
+        if isinstance(loss, DTensor):  # the loss-parallel cross entropy; the aux loss is the same on every tp rank
+            aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
+        return loss + aux
 
     def pipeline_loss(self, parts: list[nn.Module], loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                       n_microbatches: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -107,5 +112,5 @@ class RoutingMeter:
             dropped = self.sums["dropped_tokens"].detach().double().cpu().reshape(1)
             if dims.world_size > 1:
                 dist.all_reduce(dropped)
-            out["dropped_tokens"] = int(dropped.item())
+            out["dropped_tokens"] = int(dropped.item()) // dims.tp  # the tp ranks route the same tokens
         return out

@@ -34,6 +34,26 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
     return _ScaleGrad.apply(x, scale)
 
 
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward; the gradient summed over `group` backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_grad(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """x, whose gradient is summed over the ranks of `group` (each holds a partial gradient of the same x)."""
+    return _AllReduceGrad.apply(x, group)
+
+
 def run_experts_parallel(experts: torch.nn.Module, routed: torch.Tensor, counts: torch.Tensor,
                          group: dist.ProcessGroup) -> torch.Tensor:
     """routed [N, dim]: this rank's token copies sorted by global expert, counts [n_experts] their rows per expert.

@@ -6,6 +6,14 @@ capacity factor an expert takes at most `capacity` assignments per forward, the 
 are dropped (counted, and their weight lost: the residual carries the token) and the experts run as one batched
 matmul over [n_experts, capacity, dim]. Nothing here reads a device value on the host, except the split sizes of
 the token exchange under expert parallelism (dispatch.py: experts split over ranks, dropless only).
+
+Under tensor parallelism (parallelize.py: `tp_mesh` set) the layer takes the sequence-parallel shard of its input,
+gathers the whole sequence, routes every token on every tp rank (the router is replicated: the same choices
+everywhere), runs each expert on this rank's slice of its ffn dim (w1 / w3 split on their output rows, w2 on its
+input columns) and reduce-scatters the partial outputs back onto the sequence. The gradients that meet the experts'
+partial sums are completed by a sum over the tp ranks: the routed input's (the experts' part of the input's
+gradient; the router's part is whole on every rank) and the top-k weights' (so the router's gradient, aux loss
+included, is whole and the same on every rank).
 """
 
 from __future__ import annotations
@@ -13,11 +21,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from titan_npu.models.decoder.model import FeedForward
 from titan_npu.models.init import ParamInit, prefixed
 from titan_npu.models.moe.args import MoEArgs
-from titan_npu.models.moe.dispatch import run_experts_parallel
+from titan_npu.models.moe.dispatch import all_reduce_grad, run_experts_parallel
 from titan_npu.models.moe.experts import GroupedExperts
 from titan_npu.models.moe.router import Router
 
@@ -37,8 +47,14 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(args.dim, args.shared_ffn_dim) if args.shared_ffn_dim else None
         # The group the experts are split over (expert parallelism, dispatch.py); None = every expert here.
         self.ep_group: ProcessGroup | None = None
+        # The tensor-parallel mesh the experts' ffn dim is split over (see the module docstring); None = whole.
+        self.tp_mesh: DeviceMesh | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
+        tp_group = None
+        if self.tp_mesh is not None:  # x: the sequence-parallel shard [B, S / tp, dim], a DTensor Shard(1)
+            tp_group = self.tp_mesh.get_group()
+            x = x.redistribute(self.tp_mesh, [Replicate()]).to_local()
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         n_tokens, top_k, n_experts = x.shape[0], self.args.top_k, self.args.n_experts
@@ -50,6 +66,8 @@ class MoE(nn.Module):
         counts = torch.zeros(n_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         ends = counts.cumsum(0)
         routed = x[order // top_k]
+        if tp_group is not None:
+            routed, weights = all_reduce_grad(routed, tp_group), all_reduce_grad(weights, tp_group)
         if self.ep_group is not None:
             out_sorted = run_experts_parallel(self.experts, routed, counts, self.ep_group)
             dropped = torch.zeros((), dtype=torch.int64, device=x.device)
@@ -69,7 +87,11 @@ class MoE(nn.Module):
         out = (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out.view(shape), (counts.float(), probs.sum(dim=0), dropped)
+        out = out.view(shape)
+        if tp_group is not None:  # partial sums over the ffn slices -> this rank's sequence shard, summed
+            out = DTensor.from_local(out, self.tp_mesh, [Partial()], run_check=False)
+            out = out.redistribute(self.tp_mesh, [Shard(1)]).to_local()
+        return out, (counts.float(), probs.sum(dim=0), dropped)
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         """The router, the experts and the shared expert (their down projections ~ N(0, init_std))."""

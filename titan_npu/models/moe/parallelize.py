@@ -1,13 +1,23 @@
-"""Expert parallelism applied to a model from outside: each MoE layer's stacked experts become DTensors sharded on
-the expert dim over the ep mesh (global names and shapes for checkpoints and the planner, n_experts / ep experts
-stored per rank), and the layer exchanges its tokens over that mesh's group (dispatch.py)."""
+"""Expert and tensor parallelism applied to a model from outside.
+
+Expert parallelism: each MoE layer's stacked experts become DTensors sharded on the expert dim over the ep mesh
+(global names and shapes for checkpoints and the planner, n_experts / ep experts stored per rank), and the layer
+exchanges its tokens over that mesh's group (dispatch.py).
+
+Tensor parallelism: each expert is split on its ffn dim over the tp mesh (w1 / w3 Shard(1), w2 Shard(2): column
+and row parallel), the router's gate is replicated (a DTensor Replicate whose input and output are plain tensors),
+and the layer gathers and scatters the sequence itself (layer.py)."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_npu.models.moe.layer import MoE
+
+# The dim of each stacked expert weight that tensor parallelism splits: the ffn dim.
+EXPERT_TP_DIMS = {"w1": 1, "w3": 1, "w2": 2}
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -26,3 +36,34 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         experts.grad_scale = 1.0 / ep
         module.ep_group = ep_mesh.get_group()
+
+
+def apply_expert_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split the experts of every MoE layer of `model` (built on meta, before data parallelism) on their ffn dim over
+    tp_mesh and replicate the routers' gates over it."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+
+    def replicate_gate(name: str, gate: nn.Module, mesh: DeviceMesh) -> None:
+        for key, param in list(gate.named_parameters(recurse=False)):
+            replicated = DTensor.from_local(param.detach(), mesh, [Replicate()], run_check=False)
+            gate.register_parameter(key, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+    def replicated_input(gate: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in inputs)
+
+    def local_output(gate: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        return output.to_local()
+
+    tp = tp_mesh.size()
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        experts = module.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            dim = EXPERT_TP_DIMS[name]
+            local = param.detach().chunk(tp, dim=dim)[tp_mesh.get_local_rank()]
+            sharded = DTensor.from_local(local, tp_mesh, [Shard(dim)], run_check=False, shape=param.shape,
+                                         stride=param.stride())
+            setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        distribute_module(module.router.gate, tp_mesh, replicate_gate, replicated_input, local_output)
+        module.tp_mesh = tp_mesh

@@ -55,6 +55,9 @@ class MoETransformer(Transformer):
         self.moe_rows = {str(i): n for n, i in enumerate(j for j in range(args.n_layers) if args.is_moe_layer(j))}
         self.routing_rows: list[int] = []
         self.carried: tuple[torch.Tensor, torch.Tensor] | None = None  # the sums of the stages before this one
+        # Sequence shards of the hidden states between blocks (tensor parallelism's sequence parallelism): the MoE
+        # layers route the whole gathered sequence, this many times the rows a rank's hidden states hold.
+        self.sequence_shards = 1
 
     def forward(self, tokens: torch.Tensor, *carried: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_chunk_tokens: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,7 +82,8 @@ class MoETransformer(Transformer):
                 rows.append(self.moe_rows[name])
             else:
                 h = out
-        self.routing, self.routing_rows, self.routed_rows = routing, rows, h.shape[:-1].numel()
+        self.routing, self.routing_rows = routing, rows
+        self.routed_rows = h.shape[:-1].numel() * self.sequence_shards
         return h
 
     def routing_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
