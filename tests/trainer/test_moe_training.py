@@ -14,11 +14,15 @@ from titan_npu.trainer import Trainer
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "debug_moe.toml"
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch):
+def _as_one_cpu_process(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TITAN_DEVICE", "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    _as_one_cpu_process(monkeypatch)
 
 
 def _run(tmp_path: Path, steps: int, *extra: str) -> list[dict]:
@@ -89,10 +93,9 @@ def _torchrun(tmp_path: Path, *extra: str, nproc: int = 2) -> list[float]:
 # parallelism moves tokens between ranks but routes each on the rank that holds it: the same per-rank pooling.
 # ep 2 on 4 ranks: each pair of ranks holds half the experts, sharded by FSDP over the 2 pairs.
 @pytest.mark.parametrize("nproc, layout", [(2, ["--parallel.dp_shard", "2", "--training.batch_size", "2"]),
-                                           (2, ["--parallel.pp_degree", "2", "--training.batch_size", "4"]),
                                            (2, ["--parallel.ep_degree", "2", "--training.batch_size", "2"]),
                                            (4, ["--parallel.ep_degree", "2", "--training.batch_size", "1"])],
-                         ids=["fsdp", "pp", "ep", "ep-x-fsdp"])
+                         ids=["fsdp", "ep", "ep-x-fsdp"])
 def test_fsdp_pipeline_and_expert_parallel_runs_give_the_single_process_losses(tmp_path, one_thread, nproc,
                                                                                   layout):
     single = [r["loss"] for r in _run(tmp_path / "one", 3, "--model.router_aux_loss_coef", "0",
@@ -101,32 +104,57 @@ def test_fsdp_pipeline_and_expert_parallel_runs_give_the_single_process_losses(t
     assert split == pytest.approx(single, rel=1e-5)
 
 
+AUX_ON = ["--model.router_aux_loss_coef", "1.0", "--training.deterministic", "true"]
+ONE_SEQUENCE_A_FORWARD = ["--training.batch_size", "1", "--training.gradient_accumulation_steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def aux_on_single_process(tmp_path_factory) -> list[dict]:
+    """One process's records with the aux loss on (coef 1.0), 4 accumulation steps of one sequence each."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            _as_one_cpu_process(monkeypatch)
+            return _run(tmp_path_factory.mktemp("aux_on_single"), 3, *AUX_ON, *ONE_SEQUENCE_A_FORWARD)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_aux_loss_parity_reference_optimises_the_aux_loss(tmp_path, one_thread, aux_on_single_process):
+    # Without the aux term the second step's loss differs: the layouts below agree on a sum that includes it.
+    off = _run(tmp_path, 2, "--model.router_aux_loss_coef", "0", "--training.deterministic", "true",
+               *ONE_SEQUENCE_A_FORWARD)
+    assert off[1]["loss"] != pytest.approx(aux_on_single_process[1]["loss"], rel=1e-4)
+
+
 # Each forward pools the aux loss over its own tokens: one sequence per micro-batch everywhere (one process: 4
 # accumulation steps of 1; the pipelines: micro-batches of 1), so every layout optimises the same sum. The pipeline's
 # last stage pools every stage's MoE layers (the stages carry their routing sums on), and the routing metrics are
-# gathered from every stage. ep 2 x pp 2: each pipeline stage's 2 data-parallel ranks split its experts. tp 2: both
-# ranks route the whole (gathered) sequence, each running half of every expert's ffn dim.
-@pytest.mark.parametrize("nproc, layout", [(2, ["--parallel.pp_degree", "2", "--training.batch_size", "4"]),
-                                           (4, ["--parallel.pp_degree", "2", "--parallel.ep_degree", "2",
-                                                "--parallel.pp_microbatches", "2", "--training.batch_size", "2"]),
-                                           (2, ["--parallel.tp_degree", "2", "--training.batch_size", "1",
-                                                "--training.gradient_accumulation_steps", "4"])],
-                         ids=["pp", "ep-x-pp", "tp"])
-def test_with_the_aux_loss_on_pp_and_tp_runs_give_the_single_process_losses_and_routing(tmp_path, one_thread, nproc,
-                                                                                       layout):
-    coef = ["--model.router_aux_loss_coef", "1.0", "--training.deterministic", "true"]
-    single = _run(tmp_path / "one", 3, *coef, "--training.batch_size", "1",
-                  "--training.gradient_accumulation_steps", "4")
-    split = _torchrun(tmp_path / "split", *coef, *layout, nproc=nproc)
-    records = [r for r in map(json.loads, (tmp_path / "split" / "logs" / "metrics.jsonl").read_text().splitlines())
+# gathered from every stage. ep 2 x pp 2: each pipeline stage's 2 data-parallel ranks split its experts. Under tp 2
+# the ranks route the whole (gathered) sequence, each running half of every expert's ffn dim; ep 2 x tp 2: each rank
+# holds half of the ffn dim of half of the experts and exchanges tokens with the ranks of its tp coordinate (FSDP
+# shards the dense part over dp x tp); fsdp 2 x tp 2: FSDP shards the experts' tp shards too.
+@pytest.mark.parametrize("nproc, layout", [
+    (2, ["--parallel.pp_degree", "2", "--training.batch_size", "4"]),
+    (4, ["--parallel.pp_degree", "2", "--parallel.ep_degree", "2", "--parallel.pp_microbatches", "2",
+         "--training.batch_size", "2"]),
+    (4, ["--parallel.tp_degree", "2", "--parallel.ep_degree", "2", "--training.batch_size", "1",
+         "--training.gradient_accumulation_steps", "2"]),
+    pytest.param(4, ["--parallel.tp_degree", "2", "--training.batch_size", "1",
+                     "--training.gradient_accumulation_steps", "2"], marks=pytest.mark.slow),
+], ids=["pp", "ep-x-pp", "ep-x-tp", "fsdp-x-tp"])
+def test_with_the_aux_loss_on_pp_tp_and_ep_layouts_give_the_single_process_losses_and_routing(
+        tmp_path, one_thread, aux_on_single_process, nproc, layout):
+    single = aux_on_single_process
+    split = _torchrun(tmp_path, *AUX_ON, *layout, nproc=nproc)
+    records = [r for r in map(json.loads, (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines())
                if "loss" in r]
     assert split == pytest.approx([r["loss"] for r in single], rel=1e-5)
     assert [r["aux_loss"] for r in records] == pytest.approx([r["aux_loss"] for r in single], rel=1e-5)
     assert [r["expert_load_per_layer"] for r in records] == [r["expert_load_per_layer"] for r in single]
-    # The aux term was optimised: without it the second step's loss differs.
-    off = _run(tmp_path / "off", 2, "--model.router_aux_loss_coef", "0", "--training.deterministic", "true",
-               "--training.batch_size", "1", "--training.gradient_accumulation_steps", "4")
-    assert off[1]["loss"] != pytest.approx(single[1]["loss"], rel=1e-4)
 
 
 def test_a_checkpoint_saved_under_expert_parallelism_resumes_in_one_process_exactly(tmp_path, one_thread):
@@ -150,7 +178,7 @@ def test_a_checkpoint_saved_under_expert_parallelism_resumes_in_one_process_exac
 @pytest.mark.parametrize("world, overrides, message", [
     (2, ["--parallel.ep_degree", "3"], "parallel.ep_degree=3 must divide dp_shard=2"),
     (3, ["--parallel.ep_degree", "3"], "does not divide model.n_experts=8"),
-    (4, ["--parallel.ep_degree", "2", "--parallel.tp_degree", "2"], "with tensor parallelism (tp_degree=2)"),
+    (8, ["--parallel.ep_degree", "2", "--parallel.tp_degree", "2"], "and ep_degree < dp_shard=4"),
     (2, ["--parallel.ep_degree", "2", "--model.capacity_factor", "1.0"], "expert parallelism is dropless only"),
     (2, ["--parallel.ep_degree", "2", "--model.name", "qwen3"], "has no MoE layer"),
     (2, ["--parallel.tp_degree", "2", "--parallel.dp_shard", "1", "--model.moe_ffn_dim", "127"],

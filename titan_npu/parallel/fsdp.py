@@ -59,8 +59,9 @@ def _shard_experts(model: nn.Module, dims: ParallelDims, cfg: JobConfig, kwargs:
     sharded by FSDP over the dp_shard / ep ranks that hold the same experts."""
     from torch.distributed.fsdp import fully_shard
 
-    def is_expert(p: nn.Parameter) -> bool:
-        return getattr(p, "device_mesh", None) is not None
+    def is_expert(p: nn.Parameter) -> bool:  # a DTensor over the ep ranks (tensor-parallel DTensors are over tp only)
+        mesh = getattr(p, "device_mesh", None)
+        return mesh is not None and bool({"dp_shard", "ep"} & set(mesh.mesh_dim_names))
 
     if dims.efsdp_mesh is None:
         kwargs["ignored_params"] = {p for p in model.parameters() if is_expert(p)}

@@ -125,7 +125,9 @@ def _check_expert_parallel(dims: ParallelDims, a: Any) -> None:
     if getattr(a, "capacity_factor", None) is not None:
         raise LayoutError(f"parallel.ep_degree={ep} with model.capacity_factor={a.capacity_factor}: expert "
                           f"parallelism is dropless only; set model.capacity_factor = 0 or parallel.ep_degree = 1")
-    not_yet = [(dims.tp_enabled, f"tensor parallelism (tp_degree={dims.tp})", "parallel.tp_degree = 1"),
+    not_yet = [(dims.tp_enabled and ep < dims.dp_shard,
+                f"tensor parallelism (tp_degree={dims.tp}) and ep_degree < dp_shard={dims.dp_shard}",
+                f"parallel.ep_degree = {dims.dp_shard} (the experts then need no FSDP)"),
                (dims.cp_enabled, f"context parallelism (cp_degree={dims.cp})", "parallel.cp_degree = 1"),
                (dims.dp_replicate > 1, f"dp_replicate={dims.dp_replicate}", "parallel.dp_replicate = 1"),
                (not dims.fsdp, "parallel.fsdp=false", "parallel.fsdp = true")]

@@ -20,8 +20,10 @@ from titan_npu.models.moe.layer import MoE
 EXPERT_TP_DIMS = {"w1": 1, "w3": 1, "w2": 2}
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Split the experts of every MoE layer of `model` (built on meta, before data parallelism) over ep_mesh."""
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None) -> None:
+    """Split the experts of every MoE layer of `model` (built on meta, before data parallelism) over ep_mesh; with
+    ep_tp_mesh (ep x tp, tensor parallelism too) each rank's experts are split on their ffn dim over its tp dim as
+    well (Shard(0), Shard(ffn dim))."""
     from torch.distributed.tensor import DTensor, Shard
 
     ep = ep_mesh.size()
@@ -31,7 +33,12 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         experts = module.experts
         for name, param in list(experts.named_parameters(recurse=False)):
             local = param.detach().chunk(ep, dim=0)[ep_mesh.get_local_rank()]
-            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
+            mesh, placements = ep_mesh, [Shard(0)]
+            if ep_tp_mesh is not None:
+                dim, tp_mesh = EXPERT_TP_DIMS[name], ep_tp_mesh["tp"]
+                local = local.chunk(tp_mesh.size(), dim=dim)[tp_mesh.get_local_rank()].contiguous()
+                mesh, placements = ep_tp_mesh, [Shard(0), Shard(dim)]
+            sharded = DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape,
                                          stride=param.stride())
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         experts.grad_scale = 1.0 / ep
@@ -40,7 +47,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
 
 def apply_expert_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split the experts of every MoE layer of `model` (built on meta, before data parallelism) on their ffn dim over
-    tp_mesh and replicate the routers' gates over it."""
+    tp_mesh (unless expert parallelism split them already, over both) and replicate the routers' gates over it."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 
     def replicate_gate(name: str, gate: nn.Module, mesh: DeviceMesh) -> None:
@@ -60,8 +67,10 @@ def apply_expert_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             continue
         experts = module.experts
         for name, param in list(experts.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):  # split over ep x tp by apply_expert_parallel
+                continue
             dim = EXPERT_TP_DIMS[name]
-            local = param.detach().chunk(tp, dim=dim)[tp_mesh.get_local_rank()]
+            local = param.detach().chunk(tp, dim=dim)[tp_mesh.get_local_rank()].contiguous()
             sharded = DTensor.from_local(local, tp_mesh, [Shard(dim)], run_check=False, shape=param.shape,
                                          stride=param.stride())
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))

@@ -19,9 +19,9 @@ from titan_npu.parallel.dims import ParallelDims
 def parallelize_moe(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
     """Expert and MoE tensor parallelism, then the decoder's TP plan, activation checkpointing, compile and data
     parallelism."""
+    if dims.ep_enabled:
+        apply_expert_parallel(model, dims.ep_mesh, dims.ep_tp_mesh if dims.tp_enabled else None)
     if dims.tp_enabled:
         apply_expert_tensor_parallel(model, dims.tp_mesh)
         model.sequence_shards = dims.tp
-    if dims.ep_enabled:
-        apply_expert_parallel(model, dims.ep_mesh)
     return parallelize_decoder(model, dims, cfg)
