@@ -157,22 +157,39 @@ def test_with_the_aux_loss_on_pp_tp_and_ep_layouts_give_the_single_process_losse
     assert [r["expert_load_per_layer"] for r in records] == [r["expert_load_per_layer"] for r in single]
 
 
-def test_a_checkpoint_saved_under_expert_parallelism_resumes_in_one_process_exactly(tmp_path, one_thread):
+def _records(log_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (log_dir / "logs" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def test_a_run_resumes_under_another_expert_parallel_degree_with_the_uninterrupted_losses(tmp_path, one_thread):
     import shutil
 
-    # The experts are saved under their global names and shapes (DTensors sharded on the expert dim), so one
-    # process loads them whole: resumed at step 3 of a 2-rank ep 2 run, it goes on as an uninterrupted run does.
-    common = ["--model.router_aux_loss_coef", "0", "--training.deterministic", "true", "--training.max_steps", "6",
-              "--checkpoint.enable", "true", "--checkpoint.save_interval", "3", "--checkpoint.keep_last_n", "5",
-              "--checkpoint.dir", str(tmp_path / "ckpt")]
-    _torchrun(tmp_path / "ep", *common, "--parallel.ep_degree", "2", "--training.batch_size", "2")
-    shutil.rmtree(tmp_path / "ckpt" / "step-6")  # resume from step 3
-    resumed = _run(tmp_path / "resumed", 6, *common)
-    whole = _run(tmp_path / "whole", 6, "--model.router_aux_loss_coef", "0", "--training.deterministic", "true")
-    assert [r["step"] for r in resumed] == [4, 5, 6]
-    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in whole[3:]], rel=1e-5)
+    # The experts are saved under their global names and shapes (DTensors sharded on the expert dim), so any layout
+    # loads them: step 3 of a one-process run resumed at ep 2 on 2 ranks, and step 3 of a 2-rank ep 2 run resumed
+    # in one process and at ep 2 x FSDP 2 on 4 ranks, go on as the uninterrupted run does (the same global batch).
+    def saving(ckpt: Path) -> list[str]:
+        return ["--model.router_aux_loss_coef", "0", "--training.deterministic", "true", "--training.max_steps", "6",
+                "--checkpoint.enable", "true", "--checkpoint.save_interval", "3", "--checkpoint.keep_last_n", "5",
+                "--checkpoint.dir", str(ckpt)]
 
-
+    ep = ["--parallel.ep_degree", "2"]
+    whole = [r["loss"] for r in _run(tmp_path / "whole", 6, *saving(tmp_path / "one_ckpt"))]
+    _torchrun(tmp_path / "ep", *saving(tmp_path / "ep_ckpt"), *ep, "--training.batch_size", "2")
+    for ckpt in ("one_ckpt", "ep_ckpt"):
+        shutil.rmtree(tmp_path / ckpt / "step-6")  # resume from step 3
+    shutil.copytree(tmp_path / "ep_ckpt", tmp_path / "ep_ckpt_copy")
+    resumed = {
+        "ep 2 -> one process": _run(tmp_path / "to_one", 6, *saving(tmp_path / "ep_ckpt")),
+        "one process -> ep 2": (_torchrun(tmp_path / "to_ep", *saving(tmp_path / "one_ckpt"), *ep,
+                                          "--training.batch_size", "2"), _records(tmp_path / "to_ep")),
+        "ep 2 -> ep 2 x FSDP 2": (_torchrun(tmp_path / "to_ep_fsdp", *saving(tmp_path / "ep_ckpt_copy"), *ep,
+                                            "--training.batch_size", "1", nproc=4),
+                                  _records(tmp_path / "to_ep_fsdp")),
+    }
+    for how, run in resumed.items():
+        records = run if isinstance(run, list) else run[1]
+        assert [r["step"] for r in records] == [4, 5, 6], how
+        assert [r["loss"] for r in records] == pytest.approx(whole[3:], rel=1e-5), how
 
 
 @pytest.mark.parametrize("world, overrides, message", [
