@@ -91,11 +91,13 @@ def _torchrun(tmp_path: Path, *extra: str, nproc: int = 2) -> list[float]:
 # The aux loss is pooled over each rank's micro-batch (as transformers pools one forward's tokens), so a layout
 # that splits the batch optimises a slightly different sum: the layouts agree exactly with it off. Expert
 # parallelism moves tokens between ranks but routes each on the rank that holds it: the same per-rank pooling.
-# ep 2 on 4 ranks: each pair of ranks holds half the experts, sharded by FSDP over the 2 pairs.
+# ep 2 x HSDP 2 x 2: each replica's 2 ranks split the experts, the 2 replicas of an expert shard it with FSDP (ep 2
+# x FSDP 2 on 4 ranks, the experts sharded over the ep groups, is the resume test's last layout).
 @pytest.mark.parametrize("nproc, layout", [(2, ["--parallel.dp_shard", "2", "--training.batch_size", "2"]),
                                            (2, ["--parallel.ep_degree", "2", "--training.batch_size", "2"]),
-                                           (4, ["--parallel.ep_degree", "2", "--training.batch_size", "1"])],
-                         ids=["fsdp", "ep", "ep-x-fsdp"])
+                                           (4, ["--parallel.ep_degree", "2", "--parallel.dp_replicate", "2",
+                                                "--parallel.dp_shard", "2", "--training.batch_size", "1"])],
+                         ids=["fsdp", "ep", "ep-x-hsdp"])
 def test_fsdp_pipeline_and_expert_parallel_runs_give_the_single_process_losses(tmp_path, one_thread, nproc,
                                                                                   layout):
     single = [r["loss"] for r in _run(tmp_path / "one", 3, "--model.router_aux_loss_coef", "0",
@@ -196,13 +198,14 @@ def test_a_run_resumes_under_another_expert_parallel_degree_with_the_uninterrupt
     (2, ["--parallel.ep_degree", "3"], "parallel.ep_degree=3 must divide dp_shard=2"),
     (3, ["--parallel.ep_degree", "3"], "does not divide model.n_experts=8"),
     (8, ["--parallel.ep_degree", "2", "--parallel.tp_degree", "2"], "and ep_degree < dp_shard=4"),
+    (8, ["--parallel.ep_degree", "2", "--parallel.dp_replicate", "2"], "dp_replicate=2 and ep_degree < dp_shard=4"),
     (2, ["--parallel.ep_degree", "2", "--model.capacity_factor", "1.0"], "expert parallelism is dropless only"),
     (2, ["--parallel.ep_degree", "2", "--model.name", "qwen3"], "has no MoE layer"),
     (2, ["--parallel.tp_degree", "2", "--parallel.dp_shard", "1", "--model.moe_ffn_dim", "127"],
      "does not divide model.moe_ffn_dim=127"),
     (2, ["--parallel.tp_degree", "2", "--parallel.dp_shard", "1", "--model.shared_ffn_dim", "64"],
      "with a shared expert (model.shared_ffn_dim=64) is not yet available"),
-], ids=["ep-not-dividing-dp-shard", "ep-not-dividing-experts", "ep-x-tp",
+], ids=["ep-not-dividing-dp-shard", "ep-not-dividing-experts", "ep-x-tp", "ep-x-hsdp-below-dp-shard",
         "ep-with-capacity", "ep-on-a-dense-model", "tp-not-dividing-the-expert-ffn", "tp-with-a-shared-expert"])
 def test_moe_layouts_this_version_does_not_take_are_refused_in_one_line(world, overrides, message):
     from titan_npu.errors import LayoutError

@@ -126,6 +126,14 @@ class ParallelDims:
         return None if self._expert_mesh is None else self._expert_mesh["efsdp"]
 
     @property
+    def expert_dp_mesh(self) -> DeviceMesh | None:
+        """The ranks that hold the same experts and shard them with FSDP: the efsdp ranks, or under HSDP with
+        ep_degree = dp_shard the dp_replicate ranks (the replicas of one ep group); None when no two ranks do."""
+        if self.dp_replicate > 1:
+            return self.mesh["dp_replicate"]
+        return self.efsdp_mesh
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 

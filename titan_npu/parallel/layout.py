@@ -129,7 +129,9 @@ def _check_expert_parallel(dims: ParallelDims, a: Any) -> None:
                 f"tensor parallelism (tp_degree={dims.tp}) and ep_degree < dp_shard={dims.dp_shard}",
                 f"parallel.ep_degree = {dims.dp_shard} (the experts then need no FSDP)"),
                (dims.cp_enabled, f"context parallelism (cp_degree={dims.cp})", "parallel.cp_degree = 1"),
-               (dims.dp_replicate > 1, f"dp_replicate={dims.dp_replicate}", "parallel.dp_replicate = 1"),
+               (dims.dp_replicate > 1 and ep < dims.dp_shard,
+                f"dp_replicate={dims.dp_replicate} and ep_degree < dp_shard={dims.dp_shard}",
+                f"parallel.ep_degree = {dims.dp_shard} (HSDP then shards the experts over the replicas)"),
                (not dims.fsdp, "parallel.fsdp=false", "parallel.fsdp = true")]
     for refused, what, fix in not_yet:
         if refused:
