@@ -122,9 +122,6 @@ def _check_expert_parallel(dims: ParallelDims, a: Any) -> None:
     if n_experts % ep:
         raise LayoutError(f"parallel.ep_degree={ep} does not divide model.n_experts={n_experts}: each rank must hold "
                           f"as many whole experts; choose ep_degree from {_listing(divisors(n_experts))}")
-    if getattr(a, "capacity_factor", None) is not None:
-        raise LayoutError(f"parallel.ep_degree={ep} with model.capacity_factor={a.capacity_factor}: expert "
-                          f"parallelism is dropless only; set model.capacity_factor = 0 or parallel.ep_degree = 1")
     not_yet = [(dims.tp_enabled and ep < dims.dp_shard,
                 f"tensor parallelism (tp_degree={dims.tp}) and ep_degree < dp_shard={dims.dp_shard}",
                 f"parallel.ep_degree = {dims.dp_shard} (the experts then need no FSDP)"),

@@ -5,7 +5,8 @@ Dropless by default: every expert takes every token routed to it (the grouped GE
 capacity factor an expert takes at most `capacity` assignments per forward, the earliest tokens first; the rest
 are dropped (counted, and their weight lost: the residual carries the token) and the experts run as one batched
 matmul over [n_experts, capacity, dim]. Nothing here reads a device value on the host, except the split sizes of
-the token exchange under expert parallelism (dispatch.py: experts split over ranks, dropless only).
+the dropless token exchange under expert parallelism (dispatch.py: experts split over ranks; with a capacity the
+exchange has fixed sizes).
 
 Under tensor parallelism (parallelize.py: `tp_mesh` set) the layer takes the sequence-parallel shard of its input,
 gathers the whole sequence, routes every token on every tp rank (the router is replicated: the same choices
@@ -27,7 +28,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from titan_npu.models.decoder.model import FeedForward
 from titan_npu.models.init import ParamInit, prefixed
 from titan_npu.models.moe.args import MoEArgs
-from titan_npu.models.moe.dispatch import all_reduce_grad, run_experts_parallel
+from titan_npu.models.moe.dispatch import all_reduce_grad, run_experts_parallel, run_experts_parallel_padded
 from titan_npu.models.moe.experts import GroupedExperts
 from titan_npu.models.moe.router import Router
 
@@ -68,18 +69,22 @@ class MoE(nn.Module):
         routed = x[order // top_k]
         if tp_group is not None:
             routed, weights = all_reduce_grad(routed, tp_group), all_reduce_grad(weights, tp_group)
-        if self.ep_group is not None:
-            out_sorted = run_experts_parallel(self.experts, routed, counts, self.ep_group)
-            dropped = torch.zeros((), dtype=torch.int64, device=x.device)
-        elif self.args.capacity_factor is None:
-            out_sorted = self.experts(routed, ends.to(torch.int32), max_group_rows=n_tokens)
+        if self.args.capacity_factor is None:
+            if self.ep_group is not None:
+                out_sorted = run_experts_parallel(self.experts, routed, counts, self.ep_group)
+            else:
+                out_sorted = self.experts(routed, ends.to(torch.int32), max_group_rows=n_tokens)
             dropped = torch.zeros((), dtype=torch.int64, device=x.device)
         else:
             capacity = self.args.capacity(n_tokens)
             slot = torch.arange(flat.shape[0], device=x.device) - (ends - counts)[sorted_expert]
             kept = slot < capacity
-            out_sorted = self.experts.forward_padded(routed, sorted_expert, torch.where(kept, slot, capacity),
-                                                     capacity)
+            slot = torch.where(kept, slot, capacity)
+            if self.ep_group is not None:
+                out_sorted = run_experts_parallel_padded(self.experts, routed, sorted_expert, slot, capacity,
+                                                         self.ep_group)
+            else:
+                out_sorted = self.experts.forward_padded(routed, sorted_expert, slot, capacity)
             dropped = (~kept).sum()
         # Back to token order: row i of out is copy i of token i // top_k.
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=x.device))
