@@ -26,6 +26,14 @@ from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.reduce import mean_loss
 
 
+def _like(aux: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """The aux term in the loss's form: a DTensor for the loss-parallel cross entropy (the aux loss is the same on
+    every tp rank), else as it is."""
+    if isinstance(loss, DTensor):
+        return DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
+    return aux
+
+
 class RoutingMeter:
     """Adds the model's auxiliary loss to each micro-batch's loss and sums what one step routed."""
 
@@ -59,11 +67,7 @@ class RoutingMeter:
             return loss
         self._add(self.model.routing_metrics(), scale)
         aux = self.model.auxiliary_loss()
-        if aux is None:
-            return loss
-        if isinstance(loss, DTensor):  # the loss-parallel cross entropy; the aux loss is the same on every tp rank
-            aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
-        return loss + aux
+        return loss if aux is None else loss + _like(aux, loss)
 
     def pipeline_loss(self, parts: list[nn.Module], loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                       n_microbatches: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -86,7 +90,7 @@ class RoutingMeter:
             aux = last.auxiliary_loss()
             # The schedule reports what this returns: its value stays the cross entropy (+ aux - aux = + 0), its
             # gradient is that of cross entropy + aux.
-            return loss if aux is None else loss + (aux - aux.detach())
+            return loss if aux is None else loss + _like(aux - aux.detach(), loss)
 
         return loss_with_auxiliary
 

@@ -123,10 +123,13 @@ class MoETransformer(Transformer):
         per expert; zero rows for the layers of other pipeline stages) and, with a capacity factor, dropped_tokens
         (over the layers held)."""
         device = self.freqs_cos.device
-        tokens = torch.zeros(self.args.n_moe_layers, self.args.n_experts, device=device)
-        if self.routing:
-            rows = torch.tensor(self.routing_rows, device=device)
-            tokens = tokens.index_copy(0, rows, torch.stack([r[0] for r in self.routing]))
+        held = [r[0] for r in self.routing]
+        if len(held) == self.args.n_moe_layers:  # every MoE layer (no pipeline split)
+            tokens = torch.stack(held)
+        else:
+            tokens = torch.zeros(self.args.n_moe_layers, self.args.n_experts, device=device)
+            for row, layer_tokens in zip(self.routing_rows, held):
+                tokens[row] = layer_tokens
         metrics = {"expert_tokens": tokens}
         aux = self.load_balancing_loss() if self.output is not None else None
         if aux is not None:
