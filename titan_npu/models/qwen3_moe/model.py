@@ -122,6 +122,8 @@ class MoETransformer(Transformer):
         output part only, which pools every MoE layer), expert_tokens [model's MoE layers, n_experts] (assignments
         per expert; zero rows for the layers of other pipeline stages) and, with a capacity factor, dropped_tokens
         (over the layers held)."""
+        if not self.args.n_moe_layers:
+            return {}
         device = self.freqs_cos.device
         held = [r[0] for r in self.routing]
         if len(held) == self.args.n_moe_layers:  # every MoE layer (no pipeline split)
