@@ -133,13 +133,15 @@ def test_the_aux_loss_parity_reference_optimises_the_aux_loss(tmp_path, one_thre
 
 
 # Each forward pools the aux loss over its own tokens: one sequence per micro-batch everywhere (one process: 4
-# accumulation steps of 1; the pipelines: micro-batches of 1), so every layout optimises the same sum. The pipeline's
+# accumulation steps of 1; the pipelines: micro-batches of 1), so every layout optimises the same sum. Expert
+# parallelism routes each token, and pools the aux loss, on the rank that holds it (as FSDP does). The pipeline's
 # last stage pools every stage's MoE layers (the stages carry their routing sums on), and the routing metrics are
 # gathered from every stage. ep 2 x pp 2: each pipeline stage's 2 data-parallel ranks split its experts. Under tp 2
 # the ranks route the whole (gathered) sequence, each running half of every expert's ffn dim; ep 2 x tp 2: each rank
 # holds half of the ffn dim of half of the experts and exchanges tokens with the ranks of its tp coordinate (FSDP
 # shards the dense part over dp x tp); fsdp 2 x tp 2: FSDP shards the experts' tp shards too.
 @pytest.mark.parametrize("nproc, layout", [
+    (2, ["--parallel.ep_degree", "2", "--training.batch_size", "1", "--training.gradient_accumulation_steps", "2"]),
     (2, ["--parallel.pp_degree", "2", "--training.batch_size", "4"]),
     (4, ["--parallel.pp_degree", "2", "--parallel.ep_degree", "2", "--parallel.pp_microbatches", "2",
          "--training.batch_size", "2"]),
@@ -147,7 +149,7 @@ def test_the_aux_loss_parity_reference_optimises_the_aux_loss(tmp_path, one_thre
          "--training.gradient_accumulation_steps", "2"]),
     pytest.param(4, ["--parallel.tp_degree", "2", "--training.batch_size", "1",
                      "--training.gradient_accumulation_steps", "2"], marks=pytest.mark.slow),
-], ids=["pp", "ep-x-pp", "ep-x-tp", "fsdp-x-tp"])
+], ids=["ep", "pp", "ep-x-pp", "ep-x-tp", "fsdp-x-tp"])
 def test_with_the_aux_loss_on_pp_tp_and_ep_layouts_give_the_single_process_losses_and_routing(
         tmp_path, one_thread, aux_on_single_process, nproc, layout):
     single = aux_on_single_process
@@ -226,11 +228,3 @@ def test_an_expert_parallel_dry_run_measures_each_ranks_experts_without_a_forwar
     assert not result.forward_checked
     w1 = result.parameters["layers.0.feed_forward.experts.w1"]
     assert w1["shape"] == [8, 128, 128] and w1["local_shape"] == [2, 128, 128]  # 8 experts over ep 2 x FSDP 2
-
-
-def test_with_the_aux_loss_on_expert_parallel_gives_the_fsdp_runs_losses(tmp_path, one_thread):
-    # Tokens are routed, and the aux loss pooled, on the rank that holds them under either layout: only where the
-    # experts run differs, so the optimised sums are the same (fp32, deterministic).
-    fsdp = _torchrun(tmp_path / "fsdp", "--training.batch_size", "2")
-    ep = _torchrun(tmp_path / "ep", "--training.batch_size", "2", "--parallel.ep_degree", "2")
-    assert ep == pytest.approx(fsdp, rel=1e-5)
