@@ -1,5 +1,6 @@
 """Tensor parallelism of a MoE model (2 gloo ranks, tp 2, no data parallelism): the experts split on their ffn dim,
-the router replicated, the MoE input gathered from the sequence shard and its output reduce-scattered back. After
+the router replicated, a shared expert split as the dense SwiGLU, the MoE input gathered from the sequence shard
+and its output reduce-scattered back. After
 two backward passes of cross entropy + the aux loss, every parameter's gradient has its parameter's placements and
 equals one process's gradient; the aux loss and the routing are one process's. Both models start from the weights
 of the same seed."""
@@ -27,7 +28,12 @@ OVERRIDES = ["--model.dim=64", "--model.n_layers=2", "--model.moe_ffn_dim=32", "
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _check(loss_parallel: bool) -> list[str]:
+# case -> overrides: the loss-parallel and the replicated logits; a shared expert (split as the dense SwiGLU).
+CASES = {"loss-parallel": ["--parallel.loss_parallel=true"], "replicated-logits": ["--parallel.loss_parallel=false"],
+         "shared-expert": ["--parallel.loss_parallel=true", "--model.shared_ffn_dim=32"]}
+
+
+def _check(case: str) -> list[str]:
     """Two backward passes (gradient accumulation) under tp 2; the problems found, if any."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate
@@ -39,7 +45,7 @@ def _check(loss_parallel: bool) -> list[str]:
     from titan_npu.parallel.reduce import loss_parallel_context
     from titan_npu.trainer.loss import cross_entropy_loss
 
-    cfg = load_config(CONFIG, [*OVERRIDES, f"--parallel.loss_parallel={str(loss_parallel).lower()}"])
+    cfg = load_config(CONFIG, [*OVERRIDES, *CASES[case]])
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
     assert dims.tp == WORLD and not dims.dp_enabled, dims.describe()
     dims.build_mesh("cpu")
@@ -63,7 +69,7 @@ def _check(loss_parallel: bool) -> list[str]:
                 aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()], run_check=False)
             (loss + aux).backward()
         (cross_entropy_loss(reference(inputs), labels) + reference.auxiliary_loss()).backward()
-        where = f"loss_parallel={loss_parallel} backward {micro + 1}"
+        where = f"{case} backward {micro + 1}"
         if not torch.allclose(aux.full_tensor() if isinstance(aux, DTensor) else aux, reference.auxiliary_loss(),
                               rtol=RTOL):
             problems.append(f"{where}: aux loss {float(aux)} != one process's {float(reference.auxiliary_loss())}")
@@ -93,7 +99,7 @@ def _worker(rank: int, port: int, workdir: str) -> None:
     torch.set_num_threads(1)  # both ranks share two cores
     dist.init_process_group("gloo")
     try:
-        report = {str(lp): _check(lp) for lp in (True, False)}
+        report = {case: _check(case) for case in CASES}
         (Path(workdir) / f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
@@ -101,17 +107,17 @@ def _worker(rank: int, port: int, workdir: str) -> None:
 
 @pytest.fixture(scope="module")
 def moe_tp_report(tmp_path_factory) -> dict[str, list[str]]:
-    """Both cases run on both ranks (one pool); loss_parallel -> the problems any rank found."""
+    """Every case run on both ranks (one pool); case -> the problems any rank found."""
     workdir = tmp_path_factory.mktemp("moe_tp")
     mp.spawn(_worker, args=(free_port(), str(workdir)), nprocs=WORLD, join=True)
-    report: dict[str, list[str]] = {"True": [], "False": []}
+    report: dict[str, list[str]] = {case: [] for case in CASES}
     for rank in range(WORLD):
         for case, problems in json.loads((workdir / f"rank{rank}.json").read_text()).items():
             report[case] += [f"rank {rank}: {p}" for p in problems]
     return report
 
 
-@pytest.mark.parametrize("loss_parallel", ["True", "False"], ids=["loss-parallel", "replicated-logits"])
-def test_moe_tp_gradients_have_their_parameters_placements_and_one_process_values(moe_tp_report, loss_parallel):
-    problems = moe_tp_report[loss_parallel]
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_tp_gradients_have_their_parameters_placements_and_one_process_values(moe_tp_report, case):
+    problems = moe_tp_report[case]
     assert not problems, "\n".join(problems[:20])

@@ -204,10 +204,10 @@ def test_a_run_resumes_under_another_expert_parallel_degree_with_the_uninterrupt
     (2, ["--parallel.ep_degree", "2", "--model.name", "qwen3"], "has no MoE layer"),
     (2, ["--parallel.tp_degree", "2", "--parallel.dp_shard", "1", "--model.moe_ffn_dim", "127"],
      "does not divide model.moe_ffn_dim=127"),
-    (2, ["--parallel.tp_degree", "2", "--parallel.dp_shard", "1", "--model.shared_ffn_dim", "64"],
-     "with a shared expert (model.shared_ffn_dim=64) is not yet available"),
+    (2, ["--parallel.tp_degree", "2", "--parallel.dp_shard", "1", "--model.shared_ffn_dim", "63"],
+     "does not divide model.shared_ffn_dim=63"),
 ], ids=["ep-not-dividing-dp-shard", "ep-not-dividing-experts", "ep-x-tp", "ep-x-hsdp-below-dp-shard",
-        "ep-on-a-dense-model", "tp-not-dividing-the-expert-ffn", "tp-with-a-shared-expert"])
+        "ep-on-a-dense-model", "tp-not-dividing-the-expert-ffn", "tp-not-dividing-the-shared-ffn"])
 def test_moe_layouts_this_version_does_not_take_are_refused_in_one_line(world, overrides, message):
     from titan_npu.errors import LayoutError
     from titan_npu.models.registry import build_model_args

@@ -172,16 +172,16 @@ def _check_tensor_parallel(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:
 
 
 def _check_moe_tensor_parallel(tp: int, a: Any) -> None:
-    """Tensor parallelism of MoE layers splits each expert's ffn dim; a shared expert is not split yet."""
+    """Tensor parallelism of MoE layers splits each expert's ffn dim, and the shared expert's."""
     if a.moe_ffn_dim % tp:
         raise LayoutError(
             f"parallel.tp_degree={tp} does not divide model.moe_ffn_dim={a.moe_ffn_dim} (each expert is split on "
             f"its ffn dim over the tp ranks); choose tp_degree from {_listing(divisors(a.moe_ffn_dim))}"
         )
-    if getattr(a, "shared_ffn_dim", 0):
+    if getattr(a, "shared_ffn_dim", 0) % tp:
         raise LayoutError(
-            f"parallel.tp_degree={tp} with a shared expert (model.shared_ffn_dim={a.shared_ffn_dim}) is not yet "
-            f"available; set model.shared_ffn_dim = 0 or parallel.tp_degree = 1"
+            f"parallel.tp_degree={tp} does not divide model.shared_ffn_dim={a.shared_ffn_dim} (the shared expert is "
+            f"split on its ffn dim over the tp ranks); choose tp_degree from {_listing(divisors(a.shared_ffn_dim))}"
         )
 
 

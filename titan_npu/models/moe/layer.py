@@ -14,7 +14,8 @@ everywhere), runs each expert on this rank's slice of its ffn dim (w1 / w3 split
 input columns) and reduce-scatters the partial outputs back onto the sequence. The gradients that meet the experts'
 partial sums are completed by a sum over the tp ranks: the routed input's (the experts' part of the input's
 gradient; the router's part is whole on every rank) and the top-k weights' (so the router's gradient, aux loss
-included, is whole and the same on every rank).
+included, is whole and the same on every rank). A shared expert is split as the dense SwiGLU is (w1 / w3 column,
+w2 row parallel), its partial output added before the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -91,7 +92,10 @@ class MoE(nn.Module):
         out = out_sorted[inverse].view(n_tokens, top_k, -1)
         out = (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if isinstance(shared, DTensor):  # tensor parallel: this rank's partial sum, whose gradient is whole
+                shared = shared.to_local(grad_placements=[Replicate()])
+            out = out + shared
         out = out.view(shape)
         if tp_group is not None:  # partial sums over the ffn slices -> this rank's sequence shard, summed
             out = DTensor.from_local(out, self.tp_mesh, [Partial()], run_check=False)

@@ -6,7 +6,8 @@ exchanges its tokens over that mesh's group (dispatch.py).
 
 Tensor parallelism: each expert is split on its ffn dim over the tp mesh (w1 / w3 Shard(1), w2 Shard(2): column
 and row parallel), the router's gate is replicated (a DTensor Replicate whose input and output are plain tensors),
-and the layer gathers and scatters the sequence itself (layer.py)."""
+a shared expert is split as the dense SwiGLU is, and the layer gathers and scatters the sequence itself
+(layer.py)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: Dev
 def apply_expert_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split the experts of every MoE layer of `model` (built on meta, before data parallelism) on their ffn dim over
     tp_mesh (unless expert parallelism split them already, over both) and replicate the routers' gates over it."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     def replicate_gate(name: str, gate: nn.Module, mesh: DeviceMesh) -> None:
         for key, param in list(gate.named_parameters(recurse=False)):
@@ -75,4 +77,10 @@ def apply_expert_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                                          stride=param.stride())
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         distribute_module(module.router.gate, tp_mesh, replicate_gate, replicated_input, local_output)
+        if module.shared_experts is not None:
+            # Column / row parallel; the partial output stays a DTensor for the layer to add before its
+            # reduce-scatter (layer.py).
+            parallelize_module(module.shared_experts, tp_mesh, {
+                "w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                "w2": RowwiseParallel(output_layouts=Partial(), use_local_output=False)})
         module.tp_mesh = tp_mesh

@@ -1,6 +1,6 @@
 """Every kind of parameter of a Qwen3-MoE model: the dense decoder's, with the MoE layers' router and stacked
 experts. Under tensor parallelism each expert is split on its ffn dim (w1 / w3 dim 1, w2 dim 2) and the router is
-replicated (tensor-parallel dim None; models/moe/parallelize.py)."""
+replicated (tensor-parallel dim None), a shared expert split as the dense SwiGLU (models/moe/parallelize.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def parameter_kinds(args: MoEDecoderArgs) -> dict[str, tuple[tuple[int, ...], in
                       "feed_forward.experts.w2": ((e, d, f), 2), "feed_forward.experts.w3": ((e, f, d), 1)})
         if args.shared_ffn_dim:
             s = args.shared_ffn_dim
-            kinds.update({"feed_forward.shared_experts.w1.weight": ((s, d), None),
-                          "feed_forward.shared_experts.w2.weight": ((d, s), None),
-                          "feed_forward.shared_experts.w3.weight": ((s, d), None)})
+            kinds.update({"feed_forward.shared_experts.w1.weight": ((s, d), 0),
+                          "feed_forward.shared_experts.w2.weight": ((d, s), 1),
+                          "feed_forward.shared_experts.w3.weight": ((s, d), 0)})
     return kinds
