@@ -113,11 +113,25 @@ class ParallelDims:
         return self.mesh["dp_shard"] if self._expert_mesh is None else self._expert_mesh["ep"]
 
     @property
+    def ep_tp_mesh(self) -> DeviceMesh:
+        """The ep x tp ranks of one expert-parallel group (expert parallelism with tensor parallelism): the experts
+        are split over ep on their expert dim and over tp on their ffn dim."""
+        return self.mesh["dp_shard", "tp"] if self._expert_mesh is None else self._expert_mesh["ep", "tp"]
+
+    @property
     def efsdp_mesh(self) -> DeviceMesh | None:
         """The dp_shard / ep ranks that hold the same experts and shard them with FSDP; None when ep = dp_shard."""
         if self._mesh is None:
             raise RuntimeError("ParallelDims.build_mesh() has not been called")
         return None if self._expert_mesh is None else self._expert_mesh["efsdp"]
+
+    @property
+    def expert_dp_mesh(self) -> DeviceMesh | None:
+        """The ranks that hold the same experts and shard them with FSDP: the efsdp ranks, or under HSDP with
+        ep_degree = dp_shard the dp_replicate ranks (the replicas of one ep group); None when no two ranks do."""
+        if self.dp_replicate > 1:
+            return self.mesh["dp_replicate"]
+        return self.efsdp_mesh
 
     @property
     def tp_enabled(self) -> bool:

@@ -122,13 +122,13 @@ def _check_expert_parallel(dims: ParallelDims, a: Any) -> None:
     if n_experts % ep:
         raise LayoutError(f"parallel.ep_degree={ep} does not divide model.n_experts={n_experts}: each rank must hold "
                           f"as many whole experts; choose ep_degree from {_listing(divisors(n_experts))}")
-    if getattr(a, "capacity_factor", None) is not None:
-        raise LayoutError(f"parallel.ep_degree={ep} with model.capacity_factor={a.capacity_factor}: expert "
-                          f"parallelism is dropless only; set model.capacity_factor = 0 or parallel.ep_degree = 1")
-    not_yet = [(dims.tp_enabled, f"tensor parallelism (tp_degree={dims.tp})", "parallel.tp_degree = 1"),
-               (dims.pp_enabled, f"pipeline parallelism (pp_degree={dims.pp})", "parallel.pp_degree = 1"),
+    not_yet = [(dims.tp_enabled and ep < dims.dp_shard,
+                f"tensor parallelism (tp_degree={dims.tp}) and ep_degree < dp_shard={dims.dp_shard}",
+                f"parallel.ep_degree = {dims.dp_shard} (the experts then need no FSDP)"),
                (dims.cp_enabled, f"context parallelism (cp_degree={dims.cp})", "parallel.cp_degree = 1"),
-               (dims.dp_replicate > 1, f"dp_replicate={dims.dp_replicate}", "parallel.dp_replicate = 1"),
+               (dims.dp_replicate > 1 and ep < dims.dp_shard,
+                f"dp_replicate={dims.dp_replicate} and ep_degree < dp_shard={dims.dp_shard}",
+                f"parallel.ep_degree = {dims.dp_shard} (HSDP then shards the experts over the replicas)"),
                (not dims.fsdp, "parallel.fsdp=false", "parallel.fsdp = true")]
     for refused, what, fix in not_yet:
         if refused:
@@ -166,6 +166,22 @@ def _check_tensor_parallel(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:
         raise LayoutError(
             f"training.seq_len={cfg.training.seq_len} is not divisible by parallel.tp_degree={tp} (sequence "
             f"parallelism splits each sequence across the tp ranks); use a seq_len that is a multiple of {tp}"
+        )
+    if getattr(a, "n_moe_layers", 0):
+        _check_moe_tensor_parallel(tp, a)
+
+
+def _check_moe_tensor_parallel(tp: int, a: Any) -> None:
+    """Tensor parallelism of MoE layers splits each expert's ffn dim, and the shared expert's."""
+    if a.moe_ffn_dim % tp:
+        raise LayoutError(
+            f"parallel.tp_degree={tp} does not divide model.moe_ffn_dim={a.moe_ffn_dim} (each expert is split on "
+            f"its ffn dim over the tp ranks); choose tp_degree from {_listing(divisors(a.moe_ffn_dim))}"
+        )
+    if getattr(a, "shared_ffn_dim", 0) % tp:
+        raise LayoutError(
+            f"parallel.tp_degree={tp} does not divide model.shared_ffn_dim={a.shared_ffn_dim} (the shared expert is "
+            f"split on its ffn dim over the tp ranks); choose tp_degree from {_listing(divisors(a.shared_ffn_dim))}"
         )
 
 

@@ -42,6 +42,7 @@ from titan_npu.ops.documents import Documents
 from titan_npu.ops.npu import set_rope_fp32
 from titan_npu.parallel import ParallelDims, init_process_group, validate_layout
 from titan_npu.parallel.context_parallel import ContextParallelBatch
+from titan_npu.parallel.layout import pp_microbatches
 from titan_npu.parallel.parallelize import build_model_parts
 from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline
 from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, mean_loss, plain_tensor
@@ -127,7 +128,8 @@ class Trainer:
         self.pipeline = None
         if self.dims.pp_enabled:
             self.pipeline = build_pipeline(self.model_parts, stage_ids, self.dims, cfg, self.device.torch_device,
-                                           cross_entropy_loss)
+                                           self.routing.pipeline_loss(self.model_parts, cross_entropy_loss,
+                                                                      pp_microbatches(cfg, self.dims)))
 
         # Optimizer, schedule, precision.
         self.optimizer = build_part_optimizers(
