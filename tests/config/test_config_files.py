@@ -30,6 +30,8 @@ EXPECTED = {
     "qwen3_8b.toml": ("qwen3", "8B"),
     "qwen2_7b.toml": ("qwen2", "7B"),
     "qwen3_32b.yaml": ("qwen3", "32B"),
+    "qwen3_30b_a3b.toml": ("qwen3_moe", "30B-A3B"),
+    "qwen3_235b_a22b.toml": ("qwen3_moe", "235B-A22B"),
 }
 # The cards a Qwen config's header names (nodes, 910B per node) and a rank whose dry run is checked.
 QWEN_CLUSTERS = {"qwen3_32b.toml": (2, 8, 6), "qwen3_8b.toml": (1, 8, 7), "qwen2_7b.toml": (1, 4, 3)}
@@ -64,6 +66,38 @@ def test_qwen_configs_hold_the_planners_first_layout_and_dry_run_to_its_bytes(na
     assert plan.ranked[0].layout == plan.config_candidate.layout
     comparison = compare_with_plan(dry_run(cfg, nodes * per_node, rank), cfg)
     assert comparison["match"], comparison["problems"]
+
+
+# The cards a MoE config's header names (nodes, 910B per node), a rank whose dry run is checked, and its ep degree.
+MOE_CLUSTERS = {"qwen3_30b_a3b.toml": (1, 8, 7, 1), "qwen3_235b_a22b.toml": (16, 8, 77, 8)}
+
+
+@pytest.mark.parametrize("name", list(MOE_CLUSTERS))
+def test_moe_configs_hold_the_planners_first_layout_and_dry_run_to_its_bytes(name):
+    from titan_npu.planner.dry_run import dry_run
+    from titan_npu.planner.hardware import hardware
+    from titan_npu.planner.search import make_plan
+    from titan_npu.planner.verify import compare_with_plan
+
+    nodes, per_node, rank, ep = MOE_CLUSTERS[name]
+    cfg = load_config(CONFIGS / name)
+    assert cfg.parallel.ep_degree == ep
+    plan = make_plan(cfg, nodes, per_node, hardware("910B2"))
+    assert plan.config_candidate is not None and plan.config_candidate.fits, plan.config_error
+    assert plan.ranked[0].layout == plan.config_candidate.layout
+    # Shards only (no forward): tests/tools/test_plan_moe.py runs forward/backward under expert parallelism.
+    comparison = compare_with_plan(dry_run(cfg, nodes * per_node, rank, forward=False), cfg)
+    assert comparison["match"], comparison["problems"]
+
+
+def test_the_235b_moe_config_is_on_the_smallest_cluster_that_fits_without_offload():
+    from titan_npu.planner.hardware import hardware
+    from titan_npu.planner.search import make_plan
+
+    cfg = load_config(CONFIGS / "qwen3_235b_a22b.toml")
+    # The same 1024-sequence global batch on 8 nodes: only layouts keeping the state in host memory fit.
+    smaller = make_plan(cfg, 8, 8, hardware("910B2"))
+    assert smaller.ranked and all(c.layout.cpu_offload for c in smaller.ranked)
 
 
 def test_the_1b_benchmark_config_has_llama_3_2_1b_shapes_compiled_in_bf16():

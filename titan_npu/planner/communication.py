@@ -13,12 +13,17 @@ NCCL_COMMUNICATOR_BYTES = 128 * MiB  # NCCL channels' staging buffers per commun
 
 
 def communicators(layout: Layout) -> int:
-    """Process groups a rank talks over: each mesh dim larger than 1, the flattened dp group and the world group."""
+    """Process groups a rank talks over: each mesh dim larger than 1, the flattened dp group(s), the experts' mesh
+    and the world group."""
     if layout.world_size == 1:
         return 0
     n = sum(1 for size in layout.degrees().values() if size > 1) + 1
     if layout.dp_replicate > 1 and layout.dp_shard > 1:
         n += 1
+    if layout.cp > 1:
+        n += 2  # dp_shard x cp (FSDP's group) and dp x cp (the token reductions), flattened
+    if 1 < layout.ep < layout.dp_shard:
+        n += 2  # the experts' own mesh: ep and efsdp groups
     return n
 
 
