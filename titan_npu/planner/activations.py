@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.stages import StagePart, rank_parts
 
+# fp32 [S/cp x S/cp] tensors per local head the ring's plain-math block kernel (ops/attention_blocks.py, off the
+# CPU) holds at once in its backward: the scores, their exponentials and the gradient.
+RING_MATH_BLOCKS = 3
+
 # Bytes of the int64 index tensors a MoE layer keeps per routed copy: the sort order, its inverse and the source
 # token of each copy (layer.py), and under expert parallelism the exchange's regrouping order (dispatch.py).
 MOE_INDEX_BYTES = 24
@@ -73,8 +77,9 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     normalised value (8 (q + kv)) and rstd; it runs on the heads a tensor-parallel rank holds, so sequence
     parallelism does not split it further. Qwen2's q/k/v biases keep nothing (an add's backward needs no input).
     A MoE block (`moe`) keeps moe_ffn_bytes in place of the SwiGLU's 4 c F. Under context parallelism (tokens =
-    the rank's seq_len / cp of each sequence) attention is the block kernel's with its log-sum-exp, as flash
-    attention's, whatever use_flash_attention says.
+    the rank's seq_len / cp of each sequence) attention keeps what flash attention keeps, whatever
+    use_flash_attention says; the ring's block kernel off the CPU is plain math, whose fp32 score blocks
+    (RING_MATH_BLOCKS x [S/cp]^2 per local head) are alive during a block's backward.
     """
     a, c, tp = job.args, job.compute_bytes, layout.tp
     tokens = local_tokens(job, layout, micro_batch)
@@ -108,6 +113,9 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     # Measured on CPU: about one fp32 F-wide gradient is alive beyond the saved tensors while a block's backward runs
     # (per routed copy in a MoE block).
     transient = tokens * ffn_transient
+    if layout.cp > 1 and layout.cp_mode == "ring" and device_type != "cpu":
+        local = job.seq_len // layout.cp
+        transient = max(transient, micro_batch * heads * local * local * 4 * RING_MATH_BLOCKS)
     return BlockBytes(full, block_input, op_saves, transient)
 
 

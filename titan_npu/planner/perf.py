@@ -38,6 +38,10 @@ def _bandwidth(hw: Hardware, crosses: bool) -> float:
     return hw.inter_node_bw if crosses else hw.intra_node_bw
 
 
+# Context parallelism cuts every attention into per-chunk kernels and exchange steps whose launches and
+# bookkeeping the bandwidth terms do not see: a CP layout's compute is taken this much slower.
+CP_OVERHEAD = 0.03
+
 # Op-level selective checkpointing recomputes only element-wise ops (norms, rotary, SwiGLU): few FLOPs, but
 # memory-bound passes over the activations; a small fixed cost stands for them.
 SELECTIVE_OPS_RECOMPUTE = 0.03
@@ -144,7 +148,7 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
     tokens_per_step = tokens_per_rank * layout.dp
     recompute = recompute_factor(layout, grouped_share(a))
     flops = fpt * tokens_per_rank * recompute / (layout.tp * layout.pp * layout.cp)
-    compute = flops / (hw.peak_flops * efficiency)
+    compute = flops / (hw.peak_flops * efficiency) * (1 + CP_OVERHEAD if layout.cp > 1 else 1)
 
     # Tensor parallel: every block all-gathers its input and reduce-scatters its output (sequence parallel) for
     # attention and the MLP, in forward and again for the gradients in backward; recomputation repeats forward.

@@ -195,18 +195,12 @@ def _model_parallel_degrees(job: Job, world_size: int, devices_per_node: int) ->
 def rank_candidates(candidates: list[Candidate]) -> list[Candidate]:
     """Layouts that fit, fastest first (ties: more headroom first), one row per layout (its best micro-batch).
 
-    Context parallelism and then CPU offload are last resorts: CP layouts are listed only when nothing fits without
-    splitting the sequence (its ring steps or all-to-alls around every attention cost more on short sequences
-    than the estimate's bandwidth terms show), offload layouts only when nothing fits without it (the host-side
-    optimizer step and PCIe traffic make it slower in practice than the estimate can show).
+    CPU offload is a last resort: its layouts are listed only when nothing fits without it, since the host-side
+    optimizer step and PCIe traffic make it slower in practice than the estimate can show.
     """
-    tiers = [lambda c: c.layout.cp == 1 and not c.layout.cpu_offload, lambda c: not c.layout.cpu_offload,
-             lambda c: True]
-    fitting = []
-    for tier in tiers:
-        fitting = [c for c in candidates if c.fits and tier(c)]
-        if fitting:
-            break
+    fitting = [c for c in candidates if c.fits and not c.layout.cpu_offload]
+    if not fitting:
+        fitting = [c for c in candidates if c.fits]
     fitting.sort(key=lambda c: (-round(c.step.tokens_per_s, 6), c.memory.total))
     seen, ranked = set(), []
     for c in fitting:
@@ -286,6 +280,8 @@ def make_plan(cfg: JobConfig, nodes: int, devices_per_node: int, hw: Hardware, e
         global_batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps * world
     candidates = [evaluate(job, lay, hw, devices_per_node, efficiency, buffsize, fraction)
                   for lay in candidate_layouts(cfg, job, base, world, devices_per_node, global_batch)]
-    least_cp = min((c.layout.cp for c in candidates if c.fits), default=0)
+    # Offload is the last resort (rank_candidates): a cp that fits only with it counts only when nothing fits without.
+    fitting = [c for c in candidates if c.fits and not c.layout.cpu_offload] or [c for c in candidates if c.fits]
+    least_cp = min((c.layout.cp for c in fitting), default=0)
     return Plan(job, hw, nodes, devices_per_node, config_candidate, config_error, rank_candidates(candidates)[:top],
                 global_batch, efficiency, fraction, least_cp)
