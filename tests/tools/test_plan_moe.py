@@ -71,7 +71,7 @@ def test_moe_compute_counts_active_parameters_and_expert_parallelism_adds_its_al
     ep = estimate_step(job, replace(base, ep=8), hw, 8)
     # 48 MoE layers; 8 copies of each token's 2048 bf16 values out and back, forward, backward and recompute.
     volume = 6 * 48 * tokens * 8 * 2048 * 2 * 7 / 8
-    assert ep.ep_comm == pytest.approx(volume / hw.intra_node_bw)
+    assert ep.ep_bytes == pytest.approx(volume) and ep.ep_comm == pytest.approx(volume / hw.intra_node_bw)
 
 
 def test_expert_parallelism_leaves_fsdp_fewer_experts_to_unshard():

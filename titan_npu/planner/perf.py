@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from titan_npu.metrics.throughput import flops_per_token
 from titan_npu.parallel.arithmetic import mesh_dims
+from titan_npu.planner.communication import context_exchange_bytes, expert_all_to_all_bytes
 from titan_npu.planner.hardware import Hardware
 from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.parameters import local_numel_split
@@ -94,6 +95,8 @@ class StepEstimate:
     offload: float
     ep_comm: float
     cp_comm: float
+    ep_bytes: float  # bytes the busiest rank's expert-parallel all-to-alls send per step
+    cp_bytes: float  # bytes a rank's context-parallel exchanges send per step
     tokens_per_step: int
     tokens_per_s: float
     mfu: float
@@ -110,32 +113,17 @@ def moe_layers(args: object, layers: list[int]) -> int:
 
 def expert_exchange_seconds(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, tokens: int,
                             layers: int) -> float:
-    """All-to-all time of expert parallelism for `tokens` tokens through `layers` MoE layers: each token's top_k
-    copies go to the experts' ranks and come back, in forward and again (their gradients) in backward, once more
-    in a recomputed forward; (ep - 1) / ep of them leave the rank."""
-    if layout.ep == 1 or not layers:
-        return 0.0
-    a = job.args
-    exchanges = 4 + (2 if layout.ac == "full" else 0)
-    volume = exchanges * layers * tokens * a.top_k * a.dim * job.compute_bytes * (layout.ep - 1) / layout.ep
-    crosses = layout.ep * layout.cp * layout.tp > devices_per_node  # ep consecutive dp_shard ranks
-    return volume / _bandwidth(hw, crosses)
+    """Time of expert parallelism's all-to-alls (communication.expert_all_to_all_bytes) over the ep group's link:
+    ep consecutive dp_shard ranks, inside a node when ep x cp x tp ranks fit in one."""
+    volume = expert_all_to_all_bytes(job, layout, tokens, layers)
+    return volume / _bandwidth(hw, layout.ep * layout.cp * layout.tp > devices_per_node) if volume else 0.0
 
 
 def context_exchange_seconds(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, tokens: int,
                              layers: int) -> float:
-    """Context parallelism's traffic for `tokens` local tokens through `layers` blocks. Ring: each rank's K/V block
-    travels cp - 1 hops in forward; backward sends K/V and their gradients around again (3 x in all). Ulysses:
-    all-to-alls of q, k, v and the output in forward and of their gradients in backward, (cp - 1) / cp leaving."""
-    if layout.cp == 1:
-        return 0.0
-    a, c, cp = job.args, job.compute_bytes, layout.cp
-    q, kv = a.q_dim // layout.tp, a.kv_dim // layout.tp
-    if layout.cp_mode == "ring":
-        volume = 3 * (cp - 1) * tokens * 2 * kv * c * layers
-    else:
-        volume = 2 * tokens * (2 * q + 2 * kv) * c * (cp - 1) / cp * layers
-    return volume / _bandwidth(hw, group_crosses_nodes(layout, "cp", devices_per_node))
+    """Time of context parallelism's exchanges (communication.context_exchange_bytes) over the cp group's link."""
+    volume = context_exchange_bytes(job, layout, tokens, layers)
+    return volume / _bandwidth(hw, group_crosses_nodes(layout, "cp", devices_per_node)) if volume else 0.0
 
 
 def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, efficiency: float = 0.4
@@ -172,9 +160,11 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
         volume = 2 * tokens_per_rank * a.dim * c / layout.tp * layout.stages_per_rank
         pp_comm = volume / _bandwidth(hw, group_crosses_nodes(layout, "pp", devices_per_node))
     bubble_frac = pipeline_bubble(layout)
-    ep_comm = max(expert_exchange_seconds(job, layout, hw, devices_per_node, tokens_per_rank, moe_layers(a, layers))
-                  for layers in rank_layers)
+    moe_blocks = max(moe_layers(a, layers) for layers in rank_layers)
+    ep_comm = expert_exchange_seconds(job, layout, hw, devices_per_node, tokens_per_rank, moe_blocks)
+    ep_bytes = expert_all_to_all_bytes(job, layout, tokens_per_rank, moe_blocks)
     cp_comm = context_exchange_seconds(job, layout, hw, devices_per_node, tokens_per_rank // layout.cp, blocks)
+    cp_bytes = context_exchange_bytes(job, layout, tokens_per_rank // layout.cp, blocks)
     busy = compute + tp_comm + pp_comm + ep_comm + cp_comm
     bubble = busy * bubble_frac / (1 - bubble_frac)
 
@@ -212,5 +202,5 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
     step = compute + tp_comm + pp_comm + bubble + fsdp_exposed + offload + ep_comm + cp_comm
     tokens_per_s = tokens_per_step / step
     mfu = tokens_per_s * fpt / (layout.world_size * hw.peak_flops)
-    return StepEstimate(step, compute, tp_comm, pp_comm, bubble, fsdp_exposed, offload, ep_comm, cp_comm,
-                        tokens_per_step, tokens_per_s, mfu)
+    return StepEstimate(step, compute, tp_comm, pp_comm, bubble, fsdp_exposed, offload, ep_comm, cp_comm, ep_bytes,
+                        cp_bytes, tokens_per_step, tokens_per_s, mfu)
