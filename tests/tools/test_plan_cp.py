@@ -16,7 +16,7 @@ from titan_npu.planner.hardware import hardware
 from titan_npu.planner.layout import Layout, job_from_config, layout_from_config, rank_coordinates
 from titan_npu.planner.perf import context_exchange_seconds
 from titan_npu.planner.plan import format_plan
-from titan_npu.planner.search import config_for_layout, make_plan
+from titan_npu.planner.search import config_for_layout, config_overrides, make_plan
 from titan_npu.planner.verify import compare_with_plan
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -81,3 +81,5 @@ def test_qwen3_32b_at_32k_on_16_cards_plans_context_parallelism_and_dry_runs_to_
     comparison = compare_with_plan(result, chosen)
     assert comparison["match"], comparison["problems"]
     assert result.coordinates == {"pp": 0, "dp_replicate": 0, "dp_shard": 3, "cp": 1, "tp": 0}
+    overridden = load_config(CONFIGS / "qwen3_32b.toml", [*QWEN3_32B_32K, *config_overrides(first).split()])
+    assert layout_from_config(overridden, 16) == first

@@ -14,9 +14,10 @@ from titan_npu.config.loader import load_config
 from titan_npu.metrics.throughput import flops_per_token
 from titan_npu.planner.dry_run import balanced_rows, dry_run
 from titan_npu.planner.hardware import hardware
-from titan_npu.planner.layout import Layout, job_from_config
+from titan_npu.planner.layout import Layout, job_from_config, layout_from_config
 from titan_npu.planner.perf import estimate_step
 from titan_npu.planner.plan import main
+from titan_npu.planner.search import config_overrides, make_plan
 from titan_npu.planner.temporaries import temporary_bytes
 from titan_npu.planner.verify import compare_with_plan
 
@@ -57,6 +58,14 @@ def test_plan_ranks_moe_layouts_with_expert_parallelism_and_no_tensor_parallelis
     assert {lay["ep"] for lay in layouts} == {1, 2, 4}
     assert {lay["tp"] for lay in layouts} == {1}  # a MoE model takes no tensor parallelism yet
     assert code == 0
+
+
+def test_the_suggested_overrides_select_a_ranked_moe_layout_whatever_ep_the_config_had():
+    cfg = load_config(QWEN3_30B, ["--parallel.ep_degree", "8"])
+    plan = make_plan(cfg, 1, 8, hardware("910B2"), top=50)
+    for layout in (plan.ranked[0].layout, next(c.layout for c in plan.ranked if c.layout.ep > 1)):
+        chosen = load_config(QWEN3_30B, ["--parallel.ep_degree", "8", *config_overrides(layout).split()])
+        assert layout_from_config(chosen, 8) == layout
 
 
 def test_moe_compute_counts_active_parameters_and_expert_parallelism_adds_its_all_to_alls():

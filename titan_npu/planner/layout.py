@@ -53,7 +53,8 @@ class Layout:
         if self.cp_mode not in CP_MODES:
             raise LayoutError(f"parallel.cp_mode={self.cp_mode!r} is unknown (choose {', '.join(CP_MODES)})")
         if self.dp_shard % self.ep:
-            raise LayoutError(f"parallel.ep_degree={self.ep} must divide dp_shard={self.dp_shard}")
+            raise LayoutError(f"parallel.ep_degree={self.ep} must divide dp_shard={self.dp_shard} (the ep ranks are "
+                              f"taken from the FSDP ranks); choose ep_degree from {arithmetic.divisors(self.dp_shard)}")
         if self.pp > 1 and self.local_batch % self.n_microbatches:
             raise LayoutError(
                 f"{self.local_batch} sequences per pipeline step (batch_size x gradient_accumulation_steps) do not "
@@ -87,12 +88,6 @@ class Layout:
     def fsdp_wrapped(self) -> bool:
         """FSDP2 (fully_shard or replicate) holds the parameters: it casts them, so no autocast weight copies."""
         return self.dp * self.cp > 1
-
-    @property
-    def seq_shards(self) -> int:
-        """Ranks one sequence's tokens are split over inside a block: cp, times tp under sequence parallelism (the
-        residual stream and norms)."""
-        return self.cp * (self.tp if self.sequence_parallel else 1)
 
     @property
     def loss_chunk(self) -> int:

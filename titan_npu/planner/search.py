@@ -82,16 +82,14 @@ def config_for_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
 
 
 def config_overrides(layout: Layout) -> str:
-    """The command-line overrides that select a layout."""
+    """The command-line overrides that select a layout, whatever degrees and checkpointing the config had."""
     parts = [f"--parallel.dp_replicate {layout.dp_replicate}", f"--parallel.dp_shard {layout.dp_shard}",
              f"--parallel.tp_degree {layout.tp}", f"--parallel.pp_degree {layout.pp}",
+             f"--parallel.cp_degree {layout.cp}", f"--parallel.ep_degree {layout.ep}",
              f"--activation_checkpoint.mode {layout.ac}"]
     if layout.cp > 1:
-        parts += [f"--parallel.cp_degree {layout.cp}", f"--parallel.cp_mode {layout.cp_mode}"]
-    if layout.ep > 1:
-        parts.append(f"--parallel.ep_degree {layout.ep}")
-    if layout.ac == "selective":
-        parts.append(f"--activation_checkpoint.selective_ops {str(layout.selective_ops).lower()}")
+        parts.append(f"--parallel.cp_mode {layout.cp_mode}")
+    parts.append(f"--activation_checkpoint.selective_ops {str(layout.selective_ops).lower()}")
     parts += [f"--training.batch_size {layout.batch_size}",
               f"--training.gradient_accumulation_steps {layout.grad_accum}"]
     if layout.pp > 1:
