@@ -29,9 +29,12 @@ QWEN3_32B_32K = ["--training.seq_len", "32768", "--model.max_seq_len", "32768", 
 def test_a_cp_rank_holds_its_share_of_every_blocks_activations():
     job = job_from_config(load_config(LLAMA_128K))
     whole = block_bytes(job, Layout(dp_shard=8), 1)
+    # Besides its share, a cp rank's block keeps wo's copy of attention's output (bf16 q: 4096) and the RoPE rows of
+    # its positions (fp32 cos and sin, 4 x head_dim 128) per token.
+    extra = 131072 * (2 * 4096 + 4 * 128)
     for cp in (2, 4, 8):
         split = block_bytes(job, Layout(dp_shard=8 // cp, cp=cp, cp_mode="ulysses"), 1)
-        assert split.full == whole.full // cp and split.block_input == whole.block_input // cp
+        assert split.full == (whole.full + extra) // cp and split.block_input == whole.block_input // cp
 
 
 def test_the_ring_off_the_cpu_holds_its_plain_math_score_blocks_in_backward():

@@ -78,8 +78,11 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     parallelism does not split it further. Qwen2's q/k/v biases keep nothing (an add's backward needs no input).
     A MoE block (`moe`) keeps moe_ffn_bytes in place of the SwiGLU's 4 c F. Under context parallelism (tokens =
     the rank's seq_len / cp of each sequence) attention keeps what flash attention keeps, whatever
-    use_flash_attention says; the ring's block kernel off the CPU is plain math, whose fp32 score blocks
-    (RING_MATH_BLOCKS x [S/cp]^2 per local head) are alive during a block's backward.
+    use_flash_attention says, and two things more per token: the output projection's own copy of attention's
+    output (c q: the ring's and Ulysses' outputs come back in another layout, and the reshape before wo copies
+    them) and the RoPE rows gathered for the rank's load-balanced positions (fp32 cos and sin, 4 head_dim), both
+    measured on CPU (benchmarks/cp_memory.py). The ring's block kernel off the CPU is plain math, whose fp32 score
+    blocks (RING_MATH_BLOCKS x [S/cp]^2 per local head) are alive during a block's backward.
     """
     a, c, tp = job.args, job.compute_bytes, layout.tp
     tokens = local_tokens(job, layout, micro_batch)
@@ -102,7 +105,9 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     else:
         ffn, ffn_op_saves, ffn_transient = 4 * c * f, c * (2 * f + d), 4 * f
     per_token = norms + (5 if autocast else 2) * c * d + ffn
-    if a.use_flash_attention or layout.cp > 1:
+    if layout.cp > 1:
+        full = tokens * (per_token + c * (2 * q + 2 * kv) + stats + c * q + 4 * (a.q_dim // a.n_heads))
+    elif a.use_flash_attention:
         full = tokens * (per_token + c * (2 * q + 2 * kv) + stats)
     else:
         probs = micro_batch * heads * job.seq_len**2 * (4 + (c if c != 4 else 0))
