@@ -86,3 +86,12 @@ def test_qwen3_32b_at_32k_on_16_cards_plans_context_parallelism_and_dry_runs_to_
     assert result.coordinates == {"pp": 0, "dp_replicate": 0, "dp_shard": 3, "cp": 1, "tp": 0}
     overridden = load_config(CONFIGS / "qwen3_32b.toml", [*QWEN3_32B_32K, *config_overrides(first).split()])
     assert layout_from_config(overridden, 16) == first
+
+
+@pytest.mark.slow
+def test_llama3_8b_at_128k_runs_forward_and_backward_under_ulysses_in_the_dry_run():
+    cfg = load_config(LLAMA_128K)
+    result = dry_run(cfg, 8, 5)
+    comparison = compare_with_plan(result, cfg)
+    assert result.forward_checked and result.output_shape == (1, 131072 // 2, 128256)
+    assert comparison["match"], comparison["problems"]
