@@ -108,18 +108,6 @@ def test_cp_shares_of_the_loss_add_up_to_the_batch_mean_with_ignored_labels(cp):
     torch.testing.assert_close(torch.stack(shares).mean(), want)
 
 
-def test_the_planner_and_dry_run_refuse_context_parallelism_until_they_model_it():
-    from titan_npu.planner.dry_run import dry_run
-    from titan_npu.planner.layout import layout_from_config
-
-    cfg = load_config(None, ["--parallel.cp_degree=2"])
-    with pytest.raises(LayoutError, match=r"cp_degree=2: the planner and dry run do not model context parallelism "
-                                          r"yet; plan with parallel.cp_degree = 1"):
-        layout_from_config(cfg, 2)
-    with pytest.raises(LayoutError, match="do not model context parallelism yet"):
-        dry_run(cfg, world_size=2)
-
-
 def test_a_cp_mode_without_an_attention_context_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"cp_mode = 'hybrid' has no attention context; use one of ring, ulysses$"):
         context_for("hybrid", None)

@@ -220,11 +220,12 @@ def test_moe_layouts_this_version_does_not_take_are_refused_in_one_line(world, o
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_an_expert_parallel_dry_run_measures_each_ranks_experts_without_a_forward():
+def test_an_expert_parallel_dry_run_measures_each_ranks_experts_and_runs_forward_with_balanced_routing():
     from titan_npu.planner.dry_run import dry_run
 
-    # The exchange's split sizes are routed token counts, which fake tensors do not hold: no forward is run.
+    # The exchange's split sizes are routed token counts, which fake tensors do not hold: the dry run exchanges
+    # with balanced routing's sizes instead.
     result = dry_run(load_config(CONFIG, ["--parallel.ep_degree", "2"]), 4, 1)
-    assert not result.forward_checked
+    assert result.forward_checked
     w1 = result.parameters["layers.0.feed_forward.experts.w1"]
     assert w1["shape"] == [8, 128, 128] and w1["local_shape"] == [2, 128, 128]  # 8 experts over ep 2 x FSDP 2
