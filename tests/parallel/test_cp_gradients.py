@@ -1,8 +1,8 @@
-"""Context parallel 2 (2 gloo ranks, FSDP over the cp ranks) of each dense family -- Llama 3, Qwen3 (q/k norms, a
-head size apart from dim / n_heads, tied embeddings), Qwen2 (q/k/v biases) -- with ring attention, and of Llama 3
-and Qwen3 with Ulysses attention, gives every parameter the gradient one process gets on the whole sequences, over
-two backward passes (gradient accumulation), within fp32 tolerance. Both models start from the weights of the same
-seed."""
+"""Context parallel 2 (2 gloo ranks, FSDP over the cp ranks) of each family -- Llama 3, Qwen3 (q/k norms, a
+head size apart from dim / n_heads, tied embeddings), Qwen2 (q/k/v biases), Qwen3-MoE (its load-balancing loss
+included) -- with ring attention, and of Llama 3, Qwen3 and Qwen3-MoE with Ulysses attention, gives every parameter
+the gradient one process gets on the whole sequences, over two backward passes (gradient accumulation), within fp32
+tolerance. Both models start from the weights of the same seed."""
 
 from __future__ import annotations
 
@@ -25,8 +25,18 @@ FAMILIES = {
     "qwen3": ["--model.name=qwen3", "--model.flavor=debug", *SMALL, "--model.head_dim=32"],
     "qwen2": ["--model.name=qwen2", "--model.flavor=debug", *SMALL],
 }
-FAMILIES.update({f"{name}_ulysses": [*FAMILIES[name], "--parallel.cp_mode=ulysses"] for name in ("llama3", "qwen3")})
+# Qwen3-MoE with its load-balancing loss weighted 1 (pooled over the cp ranks' tokens), under both modes.
+FAMILIES["qwen3_moe"] = ["--model.name=qwen3_moe", "--model.flavor=debug", *SMALL, "--model.head_dim=32",
+                         "--model.router_aux_loss_coef=1.0"]
+FAMILIES.update({f"{name}_ulysses": [*FAMILIES[name], "--parallel.cp_mode=ulysses"]
+                 for name in ("llama3", "qwen3", "qwen3_moe")})
 RTOL, ATOL = 1e-5, 1e-6
+
+
+def _auxiliary(model: torch.nn.Module) -> torch.Tensor | float:
+    """The auxiliary loss of the model's last forward (a MoE model's load balancing), else 0."""
+    aux = model.auxiliary_loss() if hasattr(model, "auxiliary_loss") else None
+    return 0.0 if aux is None else aux
 
 
 def _check_family(name: str, overrides: list[str]) -> list[str]:
@@ -57,8 +67,8 @@ def _check_family(name: str, overrides: list[str]) -> list[str]:
         tokens = torch.randint(0, args.vocab_size, (2, 33), generator=generator)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         local_inputs, local_labels, weight = batch.split(inputs, labels)
-        (cross_entropy_loss(model(local_inputs), local_labels) * weight).backward()
-        cross_entropy_loss(reference(inputs), labels).backward()
+        (cross_entropy_loss(model(local_inputs), local_labels) * weight + _auxiliary(model)).backward()
+        (cross_entropy_loss(reference(inputs), labels) + _auxiliary(reference)).backward()
     want = dict(reference.named_parameters())
     problems = []
     for param_name, p in model.named_parameters():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .harness import STEPS, Case, initial_weights, losses, losses_by_step, run_pool, tiny_run
+from .harness import STEPS, Case, config_run, initial_weights, losses, losses_by_step, run_pool, tiny_run
 
 pytestmark = pytest.mark.distributed
 
@@ -55,6 +55,29 @@ CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 
 RESUME_BASE = ["--parallel.cp_degree=2", "--lr_scheduler.decay_type=constant"]
 
+# The command docs/long_context.md gives, `torchrun --nproc_per_node 2 train.py --config configs/<config>.toml
+# --training.seq_len 2048 --model.max_seq_len 2048 --parallel.cp_degree 2`, on the dense and the MoE debug configs,
+# ring and Ulysses: the model shrunk to 2 layers of width 64, 3 steps of 2 sequences (the corpus that ships).
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+COMMAND = ["--training.seq_len", "2048", "--model.max_seq_len", "2048"]
+SHRUNK = ["--model.dim=64", "--model.n_layers=2", "--training.batch_size=2", "--training.max_steps=3",
+          "--training.deterministic=true", "--checkpoint.enable=false", "--metrics.log_interval=1",
+          "--metrics.tensorboard=false", "--metrics.report=false", "--metrics.progress=lines",
+          "--metrics.peak_tflops=1"]
+COMMAND_RUNS = {f"{config}_seq2048_{mode}": (config, mode) for config in ("debug", "debug_moe")
+                for mode in ("ring", "ulysses")}
+
+
+def command_run(workdir: Path, config: str, name: str, *extra: str):
+    """The command on configs/<config>.toml, shrunk, logging to workdir/name."""
+    return config_run(CONFIGS / f"{config}.toml", [*COMMAND, *SHRUNK, f"--metrics.log_dir={workdir / name}", *extra])
+
+
+def command_runs(workdir: Path) -> list:
+    """The command under cp 2, each config and mode."""
+    return [command_run(workdir, config, name, "--parallel.cp_degree", "2", "--parallel.cp_mode", mode)
+            for name, (config, mode) in COMMAND_RUNS.items()]
+
 
 def _checkpointing(workdir: Path, name: str) -> list[str]:
     return [f"--checkpoint.dir={workdir / name}", "--checkpoint.enable=true", "--checkpoint.async_save=false"]
@@ -82,10 +105,11 @@ def resumed_in_one_process(workdir: Path) -> list[str]:
 def cp_runs(parallel_workspace: Path) -> Path:
     """Every case trained for 10 steps, and the resume runs: one 2-rank pool and one 4-rank pool."""
     run_pool(2, [tiny_run(parallel_workspace, c.name, model=c.model) + c.overrides for c in TWO_RANKS]
-             + resume_runs(parallel_workspace))
+             + resume_runs(parallel_workspace) + command_runs(parallel_workspace))
     run_pool(4, [tiny_run(parallel_workspace, c.name, model=c.model) + c.overrides for c in FOUR_RANKS])
     run_pool(1, [resumed_in_one_process(parallel_workspace), tiny_run(parallel_workspace, "ref_b4_validation")
-                 + VALIDATION])
+                 + VALIDATION] + [command_run(parallel_workspace, config, f"{config}_seq2048_one")
+                                  for config in ("debug", "debug_moe")])
     return parallel_workspace
 
 
@@ -120,6 +144,16 @@ def test_context_parallel_checkpoint_resumes_exactly_without_context_parallelism
     straight, resumed = losses_by_step(cp_runs, "cp_straight"), losses_by_step(cp_runs, "cp_resumed_in_one")
     assert sorted(resumed) == [6, 7, 8, 9, 10]
     assert resumed == pytest.approx({step: straight[step] for step in resumed}, rel=RTOL)
+
+
+@pytest.mark.parametrize("name", list(COMMAND_RUNS))
+def test_the_documented_command_gives_the_losses_of_one_process(cp_runs, name):
+    # MoE: the load-balancing loss pools the expert counts over the cp ranks, so it is the whole sequences' too.
+    config, _ = COMMAND_RUNS[name]
+    for key in ("loss", "grad_norm") + (("aux_loss",) if config == "debug_moe" else ()):
+        got, want = losses(cp_runs, name, key), losses(cp_runs, f"{config}_seq2048_one", key)
+        assert len(got) == len(want) == 3, f"{name}: logged {len(got)} steps, one process {len(want)}"
+        assert got == pytest.approx(want, rel=RTOL), f"{name} {key}:\n{got}\n{want}"
 
 
 def _validation_losses(workdir: Path, name: str) -> dict[int, float]:

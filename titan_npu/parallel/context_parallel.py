@@ -51,6 +51,13 @@ class LoadBalancedContext:
             self._positions[key] = load_balanced_positions(local_len * self.size, self.rank, self.size, device)
         return self._positions[key]
 
+    def token_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-token statistic t (a count, no gradient) summed over the cp ranks: over every position of the
+        sequences (a collective of the cp group; nothing is read to the host)."""
+        total = t.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return total
+
 
 class RingContext(LoadBalancedContext):
     """The local chunks' positions, and ring attention over the cp group."""

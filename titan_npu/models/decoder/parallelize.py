@@ -89,11 +89,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
 
 def apply_context_parallel(model: nn.Module, cp_group: ProcessGroup, mode: str) -> None:
     """Every attention takes its chunks' positions and attends across the cp ranks (one context of parallel.cp_mode
-    `mode` for all)."""
+    `mode` for all); a model that pools statistics over its tokens (a MoE model's load-balancing loss) takes the
+    context too, to pool them over the cp ranks."""
     context = context_for(mode, cp_group)
     for block in model.layers.values():
         if block is not None:
             block.attention.context = context
+    if hasattr(model, "context"):
+        model.context = context
 
 
 def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:

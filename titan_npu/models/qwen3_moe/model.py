@@ -42,6 +42,9 @@ class MoETransformer(Transformer):
         super().__init__(args, block=build_block)
         self.routing: list[RoutingStats] = []
         self.routed_rows = 0
+        # Set by context parallelism (parallel/context_parallel.py): the cp ranks hold the other positions of these
+        # sequences, and the load-balancing loss pools the expert counts over them. None: every position is here.
+        self.context = None
 
     def run_layers(self, h: torch.Tensor) -> torch.Tensor:
         """The blocks in order, keeping each MoE block's routing statistics of this forward."""
@@ -63,7 +66,15 @@ class MoETransformer(Transformer):
         held none."""
         if not self.routing:
             return None
-        return load_balancing_loss([r[0] for r in self.routing], [r[1] for r in self.routing], self.routed_rows)
+        counts = [r[0] for r in self.routing]
+        if self.context is not None:
+            # Context parallel: f over every cp rank's tokens (the counts summed, / cp for the local row count),
+            # P over this rank's. The cp ranks' mean of n_experts x sum_e f_e P_e is then the loss of the whole
+            # sequences, and so is the gradient the data-parallel average over the cp ranks takes (the cross
+            # entropy's cp weighting likewise: context_parallel.py).
+            pooled = self.context.token_sum(torch.stack(counts)) / self.context.size
+            counts = list(pooled.unbind(0))
+        return load_balancing_loss(counts, [r[1] for r in self.routing], self.routed_rows)
 
     def auxiliary_loss(self) -> torch.Tensor | None:
         """The term the last forward adds to the optimised loss (router_aux_loss_coef x the load-balancing loss);
