@@ -52,10 +52,6 @@ def test_ulysses_with_heads_that_do_not_split_over_cp_is_refused(world, heads, m
 
 
 @pytest.mark.parametrize(("world", "parallel", "message"), [
-    (4, {"cp_degree": 2, "tp_degree": 2}, r"cp_degree=2 with tensor parallelism \(tp_degree=2\) is not yet "
-                                          r"available; set parallel.tp_degree = 1 or parallel.cp_degree = 1"),
-    (4, {"cp_degree": 2, "pp_degree": 2}, r"with pipeline parallelism \(pp_degree=2\) is not yet available; "
-                                          r"set parallel.pp_degree = 1"),
     (2, {"cp_degree": 2, "fsdp": False}, r"parallel.fsdp=false .* is not yet available; set parallel.fsdp = true"),
     (2, {"cp_degree": 2, "cp_mode": "hybrid"}, r"cp_mode='hybrid' is not yet available .*cp_mode = \"ring\" or "
                                                r"\"ulysses\"$"),
@@ -64,6 +60,30 @@ def test_ulysses_with_heads_that_do_not_split_over_cp_is_refused(world, heads, m
 def test_what_context_parallelism_does_not_run_yet_is_refused(world, parallel, message):
     with pytest.raises(LayoutError, match=message):
         check(world, **parallel)
+
+
+def test_context_parallel_with_tensor_parallel_layouts_pass():
+    check(4, cp_degree=2, tp_degree=2)
+    check(8, cp_degree=2, tp_degree=2)  # dp_shard 2 x cp 2 x tp 2
+    check(4, cp_degree=2, tp_degree=2, cp_mode="ulysses")  # 4 / 2 heads: 2 / 1 per tp rank, split 2 ways
+
+
+def test_context_parallel_with_pipeline_parallel_layouts_pass():
+    check(4, cp_degree=2, pp_degree=2)
+    check(8, cp_degree=2, pp_degree=2, tp_degree=2)
+
+
+def test_ulysses_counts_the_heads_of_one_tensor_parallel_rank():
+    with pytest.raises(LayoutError, match=r"n_heads=4 / n_kv_heads=2 \(2 / 1 per rank of tp_degree=2\) do not split "
+                                          r"4 ways .* choose cp_degree from 2 or set parallel.cp_mode = \"ring\"$"):
+        check(8, cp_degree=4, tp_degree=2, cp_mode="ulysses")
+
+
+def test_a_cp_chunk_that_sequence_parallelism_cannot_split_over_tp_is_refused():
+    with pytest.raises(LayoutError, match=r"seq_len=12 leaves each cp rank 6 positions, which sequence parallelism "
+                                          r"cannot split over parallel.tp_degree=4; use a seq_len that is a multiple "
+                                          r"of 8$"):
+        check(8, cp_degree=2, tp_degree=4, seq_len=12)
 
 
 def test_sequence_that_does_not_split_into_2cp_chunks_is_refused():

@@ -1,8 +1,9 @@
-"""Context parallel 2 (2 gloo ranks, FSDP over the cp ranks) of each family -- Llama 3, Qwen3 (q/k norms, a
-head size apart from dim / n_heads, tied embeddings), Qwen2 (q/k/v biases), Qwen3-MoE (its load-balancing loss
-included) -- with ring attention, and of Llama 3, Qwen3 and Qwen3-MoE with Ulysses attention, gives every parameter
-the gradient one process gets on the whole sequences, over two backward passes (gradient accumulation), within fp32
-tolerance. Both models start from the weights of the same seed."""
+"""Context parallel 2 (2 gloo ranks, FSDP over the cp ranks; 4 ranks with tensor parallel 2) of each family --
+Llama 3, Qwen3 (q/k norms, a head size apart from dim / n_heads, tied embeddings), Qwen2 (q/k/v biases), Qwen3-MoE
+(its load-balancing loss included) -- with ring attention, of Llama 3, Qwen3 and Qwen3-MoE with Ulysses attention,
+and of Llama 3 (ring) and Qwen3 (Ulysses) at cp 2 x tp 2, gives every parameter the gradient one process gets on
+the whole sequences, over two backward passes (gradient accumulation), within fp32 tolerance. Both models start
+from the weights of the same seed."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ FAMILIES["qwen3_moe"] = ["--model.name=qwen3_moe", "--model.flavor=debug", *SMAL
                          "--model.router_aux_loss_coef=1.0"]
 FAMILIES.update({f"{name}_ulysses": [*FAMILIES[name], "--parallel.cp_mode=ulysses"]
                  for name in ("llama3", "qwen3", "qwen3_moe")})
+# Context parallel 2 x tensor parallel 2 (4 ranks): the tp ranks split the heads (and, sequence-parallel, the cp
+# chunk), the cp ranks' ring or all-to-all runs on each tp rank's heads.
+TP_FAMILIES = {f"{name}_tp2": [*FAMILIES[name], "--parallel.tp_degree=2"] for name in ("llama3", "qwen3_ulysses")}
+WORLDS = {CP: FAMILIES, 2 * CP: TP_FAMILIES}
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -48,6 +53,7 @@ def _check_family(name: str, overrides: list[str]) -> list[str]:
     from titan_npu.parallel.context_parallel import ContextParallelBatch
     from titan_npu.parallel.dims import ParallelDims
     from titan_npu.parallel.parallelize import materialize
+    from titan_npu.parallel.reduce import loss_parallel_context
     from titan_npu.trainer.loss import cross_entropy_loss
 
     cfg = load_config(None, [*overrides, "--training.dtype=fp32", f"--parallel.cp_degree={CP}"])
@@ -67,7 +73,8 @@ def _check_family(name: str, overrides: list[str]) -> list[str]:
         tokens = torch.randint(0, args.vocab_size, (2, 33), generator=generator)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         local_inputs, local_labels, weight = batch.split(inputs, labels)
-        (cross_entropy_loss(model(local_inputs), local_labels) * weight + _auxiliary(model)).backward()
+        with loss_parallel_context(dims, cfg.parallel.loss_parallel):  # vocab-sharded logits under TP
+            (cross_entropy_loss(model(local_inputs), local_labels) * weight + _auxiliary(model)).backward()
         (cross_entropy_loss(reference(inputs), labels) + _auxiliary(reference)).backward()
     want = dict(reference.named_parameters())
     problems = []
@@ -84,28 +91,30 @@ def _check_family(name: str, overrides: list[str]) -> list[str]:
     return problems
 
 
-def _report(workdir: Path) -> None:
+def _report(workdir: Path, world: int) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    report = {name: _check_family(name, overrides) for name, overrides in FAMILIES.items()}
-    (workdir / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+    report = {name: _check_family(name, overrides) for name, overrides in WORLDS[world].items()}
+    (workdir / f"world{world}_rank{dist.get_rank()}.json").write_text(json.dumps(report))
 
 
 @pytest.fixture(scope="module")
 def cp_gradient_report(tmp_path_factory) -> dict[str, list[str]]:
-    """Every family run on both ranks (one pool); family -> the problems any rank found."""
+    """Every family run on its ranks (one pool per world size); family -> the problems any rank found."""
     workdir = tmp_path_factory.mktemp("cp_gradients")
-    run_pool(CP, [partial(_report, workdir)])
-    report: dict[str, list[str]] = {name: [] for name in FAMILIES}
-    for rank in range(CP):
-        for name, problems in json.loads((workdir / f"rank{rank}.json").read_text()).items():
-            report[name] += [f"rank {rank}: {p}" for p in problems]
+    report: dict[str, list[str]] = {}
+    for world, families in WORLDS.items():
+        run_pool(world, [partial(_report, workdir, world)])
+        report.update({name: [] for name in families})
+        for rank in range(world):
+            for name, problems in json.loads((workdir / f"world{world}_rank{rank}.json").read_text()).items():
+                report[name] += [f"rank {rank}: {p}" for p in problems]
     return report
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [*FAMILIES, *TP_FAMILIES])
 def test_context_parallel_gradients_equal_the_unsplit_model(cp_gradient_report, family):
     problems = cp_gradient_report[family]
     assert not problems, "\n".join(problems[:20])

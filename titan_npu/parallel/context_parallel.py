@@ -10,6 +10,8 @@ attends across the cp group: ring attention (RingContext, parallel.cp_mode = "ri
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -83,6 +85,22 @@ def context_for(mode: str, group: dist.ProcessGroup) -> LoadBalancedContext:
     if mode not in CONTEXTS:
         raise ValueError(f"parallel.cp_mode = {mode!r} has no attention context; use one of {', '.join(CONTEXTS)}")
     return CONTEXTS[mode](group)
+
+
+def cp_weighted_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], group: dist.ProcessGroup
+                     ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """loss_fn(output, local labels) weighted as ContextParallelBatch.split weights a batch's loss, for a caller that
+    sees only the local labels (a pipeline's last stage, per microbatch): the batch's label count is the local
+    counts summed over the cp group (a collective; nothing is read to the host)."""
+    cp = dist.get_world_size(group)
+
+    def weighted(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        local_count = (labels != IGNORE_INDEX).sum()
+        batch_count = local_count.detach().clone()
+        dist.all_reduce(batch_count, group=group)
+        return loss_fn(output, labels) * ((local_count * cp).float() / batch_count.clamp(min=1).float())
+
+    return weighted
 
 
 class ContextParallelBatch:

@@ -83,33 +83,38 @@ def _check_context_parallel(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:
     if not dims.cp_enabled:
         return
     if p.cp_mode == "ulysses":
-        _check_ulysses_heads(cp, a)
+        _check_ulysses_heads(cp, a, dims.tp)
     seq_len = cfg.training.seq_len
     if seq_len % (2 * cp):
         raise LayoutError(
             f"training.seq_len={seq_len} does not split into 2 * parallel.cp_degree = {2 * cp} equal chunks (each "
             f"cp rank holds an early and a late chunk); use a seq_len that is a multiple of {2 * cp}"
         )
-    not_yet = [(dims.tp_enabled, f"tensor parallelism (tp_degree={dims.tp})", "parallel.tp_degree = 1"),
-               (dims.pp_enabled, f"pipeline parallelism (pp_degree={dims.pp})", "parallel.pp_degree = 1"),
-               (not p.fsdp, "parallel.fsdp=false (the cp ranks shard the parameters with FSDP)",
-                "parallel.fsdp = true")]
-    for refused, what, fix in not_yet:
-        if refused:
-            raise LayoutError(
-                f"parallel.cp_degree={cp} with {what} is not yet available; set {fix} or parallel.cp_degree = 1")
+    if (seq_len // cp) % dims.tp:
+        multiple = math.lcm(2 * cp, cp * dims.tp)
+        raise LayoutError(
+            f"training.seq_len={seq_len} leaves each cp rank {seq_len // cp} positions, which sequence parallelism "
+            f"cannot split over parallel.tp_degree={dims.tp}; use a seq_len that is a multiple of {multiple}"
+        )
+    if not p.fsdp:
+        raise LayoutError(
+            f"parallel.cp_degree={cp} with parallel.fsdp=false (the cp ranks shard the parameters with FSDP) is not "
+            f"yet available; set parallel.fsdp = true or parallel.cp_degree = 1")
 
 
-def _check_ulysses_heads(cp: int, a: Any) -> None:
+def _check_ulysses_heads(cp: int, a: Any, tp: int = 1) -> None:
     """Ulysses splits the heads over the cp ranks: query heads a multiple of cp, key/value heads a multiple of cp
-    or a divisor of it (each then repeated for the cp / n_kv_heads ranks that read it)."""
-    if a.n_heads % cp or (a.n_kv_heads % cp and cp % a.n_kv_heads):
-        choices = _listing([d for d in divisors(a.n_heads) if d > 1 and not (a.n_kv_heads % d and d % a.n_kv_heads)])
+    or a divisor of it (each then repeated for the cp / n_kv_heads ranks that read it); under tensor parallelism,
+    the heads of one tp rank (n_heads / tp, n_kv_heads / tp)."""
+    heads, kv_heads = a.n_heads // tp, a.n_kv_heads // tp
+    if heads % cp or (kv_heads % cp and cp % kv_heads):
+        choices = _listing([d for d in divisors(heads) if d > 1 and not (kv_heads % d and d % kv_heads)])
+        per_tp = f" ({heads} / {kv_heads} per rank of tp_degree={tp})" if tp > 1 else ""
         raise LayoutError(
             f"parallel.cp_mode=\"ulysses\" splits the attention heads over parallel.cp_degree={cp} ranks, but "
-            f"model.n_heads={a.n_heads} / n_kv_heads={a.n_kv_heads} do not split {cp} ways (n_heads a multiple of "
-            f"cp_degree, n_kv_heads a multiple or divisor of it); choose cp_degree from {choices} or set "
-            "parallel.cp_mode = \"ring\""
+            f"model.n_heads={a.n_heads} / n_kv_heads={a.n_kv_heads}{per_tp} do not split "
+            f"{cp} ways (n_heads a multiple of cp_degree, n_kv_heads a multiple or divisor of it); choose cp_degree "
+            f"from {choices or 'none'} or set parallel.cp_mode = \"ring\""
         )
 
 
