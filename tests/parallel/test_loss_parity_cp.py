@@ -1,8 +1,8 @@
-"""Context parallelism, ring or Ulysses, alone or with FSDP, HSDP, TP or PP, trains exactly like one process: each
-cp rank holds its load-balanced chunks of the same sequences, and from the same training.seed and global batch the
-per-step losses equal one process's to 1e-5 relative (gradient norms to 1e-4) over 10 fp32 deterministic steps
-(gloo); so does the seq-2048 command of docs/long_context.md on the dense and the MoE debug configs; a CP run saved
-and resumed continues as if never stopped, also when one process without CP resumes it."""
+"""Context parallelism, ring, Ulysses or hybrid, alone or with FSDP, HSDP, TP or PP, trains exactly like one
+process: each cp rank holds its load-balanced chunks of the same sequences, and from the same training.seed and
+global batch the per-step losses equal one process's to 1e-5 relative (gradient norms to 1e-4) over 10 fp32
+deterministic steps (gloo); so does the seq-2048 command of docs/long_context.md on the dense and the MoE debug
+configs; a CP run saved and resumed continues as if never stopped, also when one process without CP resumes it."""
 
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ FOUR_RANKS = [
     Case("cp4", ["--parallel.cp_degree=4"], "ref_b4"),
     # 2 key/value heads over 4 ranks: each repeated for two.
     Case("ulysses_cp4", ["--parallel.cp_degree=4", "--parallel.cp_mode=ulysses"], "ref_b4"),
+    # Hybrid: Ulysses within ranks {0, 1} and {2, 3}, the ring between the two groups.
+    Case("hybrid_cp4", ["--parallel.cp_degree=4", "--parallel.cp_mode=hybrid"], "ref_b4"),
     Case("fsdp2_cp2", ["--parallel.cp_degree=2"], "ref_b8"),
     Case("hsdp2_cp2", ["--parallel.cp_degree=2", "--parallel.dp_replicate=2"], "ref_b8"),
     Case("qwen3_fsdp2_cp2", ["--parallel.cp_degree=2"], "ref_b8", "qwen3"),

@@ -75,15 +75,12 @@ def _check_data_parallel(dims: ParallelDims, cfg: JobConfig) -> None:
 
 def _check_context_parallel(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:
     p, cp = cfg.parallel, dims.cp
-    if p.cp_mode not in ("ring", "ulysses"):
-        raise LayoutError(
-            f"parallel.cp_mode={p.cp_mode!r} is not yet available (hybrid context parallelism is to come); set "
-            "parallel.cp_mode = \"ring\" or \"ulysses\""
-        )
     if not dims.cp_enabled:
         return
     if p.cp_mode == "ulysses":
         _check_ulysses_heads(cp, a, dims.tp)
+    if p.cp_mode == "hybrid":
+        _check_ulysses_heads(dims.cp_ulysses, a, dims.tp, "parallel.cp_ulysses_degree")
     seq_len = cfg.training.seq_len
     if seq_len % (2 * cp):
         raise LayoutError(
@@ -102,19 +99,19 @@ def _check_context_parallel(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:
             f"yet available; set parallel.fsdp = true or parallel.cp_degree = 1")
 
 
-def _check_ulysses_heads(cp: int, a: Any, tp: int = 1) -> None:
-    """Ulysses splits the heads over the cp ranks: query heads a multiple of cp, key/value heads a multiple of cp
-    or a divisor of it (each then repeated for the cp / n_kv_heads ranks that read it); under tensor parallelism,
-    the heads of one tp rank (n_heads / tp, n_kv_heads / tp)."""
+def _check_ulysses_heads(cp: int, a: Any, tp: int = 1, degree: str = "parallel.cp_degree") -> None:
+    """Ulysses splits the heads over the cp ranks (`degree`: the cp ranks of a hybrid Ulysses group): query heads a
+    multiple of cp, key/value heads a multiple of cp or a divisor of it (each then repeated for the cp / n_kv_heads
+    ranks that read it); under tensor parallelism, the heads of one tp rank (n_heads / tp, n_kv_heads / tp)."""
     heads, kv_heads = a.n_heads // tp, a.n_kv_heads // tp
     if heads % cp or (kv_heads % cp and cp % kv_heads):
         choices = _listing([d for d in divisors(heads) if d > 1 and not (kv_heads % d and d % kv_heads)])
         per_tp = f" ({heads} / {kv_heads} per rank of tp_degree={tp})" if tp > 1 else ""
         raise LayoutError(
-            f"parallel.cp_mode=\"ulysses\" splits the attention heads over parallel.cp_degree={cp} ranks, but "
-            f"model.n_heads={a.n_heads} / n_kv_heads={a.n_kv_heads}{per_tp} do not split "
-            f"{cp} ways (n_heads a multiple of cp_degree, n_kv_heads a multiple or divisor of it); choose cp_degree "
-            f"from {choices or 'none'} or set parallel.cp_mode = \"ring\""
+            f"parallel.cp_mode=\"{'ulysses' if degree.endswith('cp_degree') else 'hybrid'}\" splits the attention "
+            f"heads over {degree}={cp} ranks, but model.n_heads={a.n_heads} / n_kv_heads={a.n_kv_heads}{per_tp} do "
+            f"not split {cp} ways (n_heads a multiple of {degree.split('.')[1]}, n_kv_heads a multiple or divisor of "
+            f"it); choose {degree.split('.')[1]} from {choices or 'none'} or set parallel.cp_mode = \"ring\""
         )
 
 
