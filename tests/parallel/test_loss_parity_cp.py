@@ -2,7 +2,8 @@
 process: each cp rank holds its load-balanced chunks of the same sequences, and from the same training.seed and
 global batch the per-step losses equal one process's to 1e-5 relative (gradient norms to 1e-4) over 10 fp32
 deterministic steps (gloo); so does the seq-2048 command of docs/long_context.md on the dense and the MoE debug
-configs; a CP run saved and resumed continues as if never stopped, also when one process without CP resumes it."""
+configs; a CP run saved and resumed continues bit for bit, and a checkpoint resumes exactly under another cp degree
+(cp 2 -> 1, cp 2 -> 4, 1 -> cp 2)."""
 
 from __future__ import annotations
 
@@ -95,30 +96,48 @@ def _checkpointing(workdir: Path, name: str) -> list[str]:
     return [f"--checkpoint.dir={workdir / name}", "--checkpoint.enable=true", "--checkpoint.async_save=false"]
 
 
+FIRST_HALF = ["--training.max_steps=5", "--checkpoint.save_interval=5"]
+CONSTANT_LR = ["--lr_scheduler.decay_type=constant"]
+
+
 def resume_runs(workdir: Path) -> list[list[str]]:
-    """10 steps straight, and 5 steps saved then resumed to 10, under cp 2; and the first 5 steps again, saved for
-    a resume in one process."""
-    ckpt, first_half = _checkpointing(workdir, "cp_ckpt"), ["--training.max_steps=5", "--checkpoint.save_interval=5"]
+    """Under cp 2: 10 steps straight, and 5 steps saved then resumed to 10; the first 5 steps again, saved for a
+    resume in one process and for one at cp 4; and 5 to 10 resumed from one process's checkpoint."""
     return [
         tiny_run(workdir, "cp_straight") + RESUME_BASE,
-        tiny_run(workdir, "cp_first_half") + RESUME_BASE + ckpt + first_half,
-        tiny_run(workdir, "cp_resumed") + RESUME_BASE + ckpt,
-        tiny_run(workdir, "cp_first_half_for_one") + RESUME_BASE + _checkpointing(workdir, "cp_ckpt_one") + first_half,
+        tiny_run(workdir, "cp_first_half") + RESUME_BASE + _checkpointing(workdir, "cp_ckpt") + FIRST_HALF,
+        tiny_run(workdir, "cp_resumed") + RESUME_BASE + _checkpointing(workdir, "cp_ckpt"),
+        tiny_run(workdir, "cp_first_half_for_one") + RESUME_BASE + _checkpointing(workdir, "cp_ckpt_one") + FIRST_HALF,
+        tiny_run(workdir, "cp_first_half_for_cp4") + RESUME_BASE + _checkpointing(workdir, "cp_ckpt_cp4") + FIRST_HALF,
+        tiny_run(workdir, "cp2_resumed_from_one") + RESUME_BASE + _checkpointing(workdir, "one_ckpt_cp2"),
     ]
+
+
+def one_process_first_half(workdir: Path) -> list[str]:
+    """5 steps in one process, saved for a resume at cp 2."""
+    return tiny_run(workdir, "one_first_half") + CONSTANT_LR + _checkpointing(workdir, "one_ckpt_cp2") + FIRST_HALF
+
+
+def resumed_at_cp4(workdir: Path) -> list[str]:
+    """The cp 2 checkpoint of step 5 resumed to step 10 at cp 4."""
+    return (tiny_run(workdir, "cp4_resumed_from_cp2") + ["--parallel.cp_degree=4"] + CONSTANT_LR
+            + _checkpointing(workdir, "cp_ckpt_cp4"))
 
 
 def resumed_in_one_process(workdir: Path) -> list[str]:
     """The cp 2 checkpoint of step 5 resumed to step 10 without context parallelism."""
-    return (tiny_run(workdir, "cp_resumed_in_one") + ["--lr_scheduler.decay_type=constant"]
-            + _checkpointing(workdir, "cp_ckpt_one"))
+    return tiny_run(workdir, "cp_resumed_in_one") + CONSTANT_LR + _checkpointing(workdir, "cp_ckpt_one")
 
 
 @pytest.fixture(scope="module")
 def cp_runs(parallel_workspace: Path) -> Path:
-    """Every case trained for 10 steps, and the resume runs: one 2-rank pool and one 4-rank pool."""
+    """Every case trained for 10 steps, and the resume runs: a 1-rank pool (a checkpoint for cp 2 to resume), a
+    2-rank, a 4-rank and another 1-rank pool, each run after the ones whose checkpoints it resumes."""
+    run_pool(1, [one_process_first_half(parallel_workspace)])
     run_pool(2, [tiny_run(parallel_workspace, c.name, model=c.model) + c.overrides for c in TWO_RANKS]
              + resume_runs(parallel_workspace) + command_runs(parallel_workspace))
-    run_pool(4, [tiny_run(parallel_workspace, c.name, model=c.model) + c.overrides for c in FOUR_RANKS])
+    run_pool(4, [tiny_run(parallel_workspace, c.name, model=c.model) + c.overrides for c in FOUR_RANKS]
+             + [resumed_at_cp4(parallel_workspace)])
     run_pool(1, [resumed_in_one_process(parallel_workspace), tiny_run(parallel_workspace, "ref_b4_validation")
                  + VALIDATION] + [command_run(parallel_workspace, config, f"{config}_seq2048_one")
                                   for config in ("debug", "debug_moe")])
@@ -146,18 +165,20 @@ def test_context_parallel_starts_from_the_single_process_weights(cp_runs, name):
             assert torch.equal(value, want[key]), f"{name} rank {rank}: {key} differs from one process's"
 
 
-def test_context_parallel_run_resumes_exactly_from_its_checkpoint(cp_runs):
+def test_context_parallel_run_resumes_bit_for_bit_from_its_checkpoint(cp_runs):
     straight = losses_by_step(cp_runs, "cp_straight")
     first, resumed = losses_by_step(cp_runs, "cp_first_half"), losses_by_step(cp_runs, "cp_resumed")
     assert sorted(first) == [1, 2, 3, 4, 5] and sorted(resumed) == [6, 7, 8, 9, 10]
-    assert {**first, **resumed} == pytest.approx(straight, rel=1e-6)
+    assert {**first, **resumed} == straight  # the same layout: the same floats
 
 
-def test_context_parallel_checkpoint_resumes_exactly_without_context_parallelism(cp_runs):
-    # The cp ranks' FSDP shards (over dp_shard x cp) and their shared loader position, read back by one process.
-    straight, resumed = losses_by_step(cp_runs, "cp_straight"), losses_by_step(cp_runs, "cp_resumed_in_one")
-    assert sorted(resumed) == [6, 7, 8, 9, 10]
-    assert resumed == pytest.approx({step: straight[step] for step in resumed}, rel=RTOL)
+@pytest.mark.parametrize("resumed", ["cp_resumed_in_one", "cp4_resumed_from_cp2", "cp2_resumed_from_one"])
+def test_a_checkpoint_resumes_exactly_under_another_cp_degree(cp_runs, resumed):
+    # cp 2 -> one process, cp 2 -> cp 4, one process -> cp 2: the FSDP shards (over dp_shard x cp) resharded, and the
+    # loader position, which is per data-parallel rank and so shared by the cp ranks (one data-parallel rank here).
+    straight, got = losses_by_step(cp_runs, "cp_straight"), losses_by_step(cp_runs, resumed)
+    assert sorted(got) == [6, 7, 8, 9, 10]
+    assert got == pytest.approx({step: straight[step] for step in got}, rel=RTOL)
 
 
 @pytest.mark.parametrize("name", list(COMMAND_RUNS))
