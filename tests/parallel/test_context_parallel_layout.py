@@ -109,6 +109,16 @@ def test_hybrid_with_heads_that_do_not_split_over_a_ulysses_group_is_refused():
         check(4, model=model, cp_degree=4, cp_mode="hybrid")
 
 
+def test_expert_parallel_ranks_are_borrowed_from_dp_shard_x_cp():
+    moe = ModelConfig(name="qwen3_moe", flavor="debug")
+    check(2, model=moe, cp_degree=2, ep_degree=2)  # the experts split over both cp ranks
+    check(4, model=moe, cp_degree=2, ep_degree=4)  # over dp_shard 2 x cp 2
+    check(4, model=moe, cp_degree=2, ep_degree=2)  # over 2 of them, FSDP over the other 2
+    with pytest.raises(LayoutError, match=r"ep_degree=8 must divide dp_shard x cp_degree = 2 x 2 = 4 .* choose "
+                                          r"ep_degree from \[1, 2, 4\]$"):
+        check(4, model=moe, cp_degree=2, ep_degree=8)
+
+
 def test_sequence_that_does_not_split_into_2cp_chunks_is_refused():
     with pytest.raises(LayoutError, match=r"seq_len=60 does not split into 2 \* parallel.cp_degree = 8 equal "
                                           r"chunks .* a multiple of 8"):

@@ -73,12 +73,19 @@ RESUME_BASE = ["--parallel.cp_degree=2", "--lr_scheduler.decay_type=constant"]
 # ring and Ulysses: the model shrunk to 2 layers of width 64, 3 steps of 2 sequences (the corpus that ships).
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 COMMAND = ["--training.seq_len", "2048", "--model.max_seq_len", "2048"]
+NO_AUX = ["--model.router_aux_loss_coef=0"]
 SHRUNK = ["--model.dim=64", "--model.n_layers=2", "--training.batch_size=2", "--training.max_steps=3",
           "--training.deterministic=true", "--checkpoint.enable=false", "--metrics.log_interval=1",
           "--metrics.tensorboard=false", "--metrics.report=false", "--metrics.progress=lines",
           "--metrics.peak_tflops=1"]
-COMMAND_RUNS = {f"{config}_seq2048_{mode}": (config, mode) for config in ("debug", "debug_moe")
-                for mode in ("ring", "ulysses")}
+# name -> (config, ranks, overrides beyond the command's, the one-process run it must match).
+COMMAND_RUNS = {f"{config}_seq2048_{mode}": (config, 2, ["--parallel.cp_mode", mode], f"{config}_seq2048_one")
+                for config in ("debug", "debug_moe") for mode in ("ring", "ulysses")}
+# Expert parallelism over the FSDP ranks dp_shard x cp: all of them (ep 2 at cp 2), and ep 2 of dp_shard 2 x cp 2
+# (the experts sharded by FSDP over the other 2; the aux loss off: it pools per data-parallel rank, docs/moe.md).
+COMMAND_RUNS["debug_moe_seq2048_ep2"] = ("debug_moe", 2, ["--parallel.ep_degree=2"], "debug_moe_seq2048_one")
+COMMAND_RUNS["debug_moe_seq2048_fsdp2_ep2"] = ("debug_moe", 4, ["--parallel.ep_degree=2", *NO_AUX],
+                                               "debug_moe_seq2048_b4_no_aux")
 
 
 def command_run(workdir: Path, config: str, name: str, *extra: str):
@@ -86,10 +93,17 @@ def command_run(workdir: Path, config: str, name: str, *extra: str):
     return config_run(CONFIGS / f"{config}.toml", [*COMMAND, *SHRUNK, f"--metrics.log_dir={workdir / name}", *extra])
 
 
-def command_runs(workdir: Path) -> list:
-    """The command under cp 2, each config and mode."""
-    return [command_run(workdir, config, name, "--parallel.cp_degree", "2", "--parallel.cp_mode", mode)
-            for name, (config, mode) in COMMAND_RUNS.items()]
+def command_runs(workdir: Path, ranks: int) -> list:
+    """The command under cp 2 on `ranks` ranks, each config and mode."""
+    return [command_run(workdir, config, name, "--parallel.cp_degree", "2", *extra)
+            for name, (config, world, extra, _) in COMMAND_RUNS.items() if world == ranks]
+
+
+def command_references(workdir: Path) -> list:
+    """The one-process runs the command runs must match: each config at the same global batch."""
+    return [command_run(workdir, "debug", "debug_seq2048_one"),
+            command_run(workdir, "debug_moe", "debug_moe_seq2048_one"),
+            command_run(workdir, "debug_moe", "debug_moe_seq2048_b4_no_aux", "--training.batch_size=4", *NO_AUX)]
 
 
 def _checkpointing(workdir: Path, name: str) -> list[str]:
@@ -135,12 +149,11 @@ def cp_runs(parallel_workspace: Path) -> Path:
     2-rank, a 4-rank and another 1-rank pool, each run after the ones whose checkpoints it resumes."""
     run_pool(1, [one_process_first_half(parallel_workspace)])
     run_pool(2, [tiny_run(parallel_workspace, c.name, model=c.model) + c.overrides for c in TWO_RANKS]
-             + resume_runs(parallel_workspace) + command_runs(parallel_workspace))
+             + resume_runs(parallel_workspace) + command_runs(parallel_workspace, 2))
     run_pool(4, [tiny_run(parallel_workspace, c.name, model=c.model) + c.overrides for c in FOUR_RANKS]
-             + [resumed_at_cp4(parallel_workspace)])
+             + [resumed_at_cp4(parallel_workspace)] + command_runs(parallel_workspace, 4))
     run_pool(1, [resumed_in_one_process(parallel_workspace), tiny_run(parallel_workspace, "ref_b4_validation")
-                 + VALIDATION] + [command_run(parallel_workspace, config, f"{config}_seq2048_one")
-                                  for config in ("debug", "debug_moe")])
+                 + VALIDATION] + command_references(parallel_workspace))
     return parallel_workspace
 
 
@@ -184,9 +197,10 @@ def test_a_checkpoint_resumes_exactly_under_another_cp_degree(cp_runs, resumed):
 @pytest.mark.parametrize("name", list(COMMAND_RUNS))
 def test_the_documented_command_gives_the_losses_of_one_process(cp_runs, name):
     # MoE: the load-balancing loss pools the expert counts over the cp ranks, so it is the whole sequences' too.
-    config, _ = COMMAND_RUNS[name]
-    for key in ("loss", "grad_norm") + (("aux_loss",) if config == "debug_moe" else ()):
-        got, want = losses(cp_runs, name, key), losses(cp_runs, f"{config}_seq2048_one", key)
+    config, _, extra, reference = COMMAND_RUNS[name]
+    pooled = config == "debug_moe" and NO_AUX[0] not in extra
+    for key in ("loss", "grad_norm") + (("aux_loss",) if pooled else ()):
+        got, want = losses(cp_runs, name, key), losses(cp_runs, reference, key)
         assert len(got) == len(want) == 3, f"{name}: logged {len(got)} steps, one process {len(want)}"
         assert got == pytest.approx(want, rel=RTOL), f"{name} {key}:\n{got}\n{want}"
 

@@ -31,7 +31,7 @@ class ParallelDims:
     world_size: int
     fsdp: bool = True
     cp: int = 1
-    ep: int = 1  # expert parallel: borrowed from dp_shard (not a factor of the world size)
+    ep: int = 1  # expert parallel: borrowed from dp_shard x cp (not a factor of the world size)
     cp_ulysses: int = 1  # hybrid context parallel: the cp ranks of one Ulysses group (1: not hybrid)
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
@@ -80,10 +80,11 @@ class ParallelDims:
                 f"parallel.fsdp=false with dp_shard={dp_shard} and dp_replicate={cfg.dp_replicate} is ambiguous; "
                 "with fsdp=false use dp_replicate only (or dp_shard with dp_replicate=1)"
             )
-        ep = cfg.ep_degree
-        if ep < 1 or dp_shard % ep:
-            raise LayoutError(f"parallel.ep_degree={ep} must divide dp_shard={dp_shard} (the expert-parallel ranks "
-                              f"are taken from the FSDP ranks); choose ep_degree from {divisors(dp_shard)}")
+        ep, shard = cfg.ep_degree, dp_shard * cp  # FSDP's ranks: dp_shard x cp
+        if ep < 1 or shard % ep:
+            ranks = f"dp_shard={dp_shard}" if cp == 1 else f"dp_shard x cp_degree = {dp_shard} x {cp} = {shard}"
+            raise LayoutError(f"parallel.ep_degree={ep} must divide {ranks} (the expert-parallel ranks "
+                              f"are taken from the FSDP ranks); choose ep_degree from {divisors(shard)}")
         cp_ulysses = 1
         if cfg.cp_mode == "hybrid" and cp > 1:
             cp_ulysses = cfg.cp_ulysses_degree
@@ -122,9 +123,11 @@ class ParallelDims:
 
     @property
     def ep_mesh(self) -> DeviceMesh:
-        """The ranks one MoE layer's experts are split over: ep consecutive dp_shard ranks (all of them when
-        ep_degree = dp_shard)."""
-        return self.mesh["dp_shard"] if self._expert_mesh is None else self._expert_mesh["ep"]
+        """The ranks one MoE layer's experts are split over: ep consecutive FSDP ranks (dp_shard, or dp_shard x cp
+        flattened under context parallelism; all of them when ep_degree is their number)."""
+        if self._expert_mesh is not None:
+            return self._expert_mesh["ep"]
+        return self.mesh["dp_shard_cp" if self.cp_enabled else "dp_shard"]
 
     @property
     def efsdp_mesh(self) -> DeviceMesh | None:
@@ -184,9 +187,10 @@ class ParallelDims:
             if collective_timeout_s:
                 for name in ("cp_ring", "cp_ulysses"):
                     set_collective_timeout(self._hybrid_mesh[name].get_group(), collective_timeout_s)
-        if 1 < self.ep < self.dp_shard:
-            # The experts' own mesh: dp_shard split into (efsdp, ep), consecutive dp_shard ranks forming an ep group.
-            sizes = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+        if 1 < self.ep < self.dp_shard * self.cp:
+            # The experts' own mesh: the FSDP ranks (dp_shard x cp) split into (efsdp, ep), consecutive ones forming an
+            # ep group.
+            sizes = (self.pp, self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep, self.tp)
             self._expert_mesh = DeviceMesh(device_type, mesh.mesh.reshape(sizes),
                                            mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
             if collective_timeout_s:

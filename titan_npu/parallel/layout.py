@@ -129,7 +129,6 @@ def _check_expert_parallel(dims: ParallelDims, a: Any) -> None:
                           f"parallelism is dropless only; set model.capacity_factor = 0 or parallel.ep_degree = 1")
     not_yet = [(dims.tp_enabled, f"tensor parallelism (tp_degree={dims.tp})", "parallel.tp_degree = 1"),
                (dims.pp_enabled, f"pipeline parallelism (pp_degree={dims.pp})", "parallel.pp_degree = 1"),
-               (dims.cp_enabled, f"context parallelism (cp_degree={dims.cp})", "parallel.cp_degree = 1"),
                (dims.dp_replicate > 1, f"dp_replicate={dims.dp_replicate}", "parallel.dp_replicate = 1"),
                (not dims.fsdp, "parallel.fsdp=false", "parallel.fsdp = true")]
     for refused, what, fix in not_yet:
