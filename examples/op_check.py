@@ -1,9 +1,13 @@
 """Check every fused kernel on this machine's device against the plain-torch reference, forward and backward.
 
-On Ascend these are the torch_npu kernels the project calls: npu_fusion_attention, npu_rms_norm (also with an fp32
-weight beside bf16 activations, as mixed precision runs it), npu_rotary_mul, npu_swiglu (also fed by one projection
-over the concatenated w1/w3), and the _fused_adamw_ kernel behind torch's fused AdamW (a few optimizer steps
-against torch's for-loop AdamW).
+On Ascend these are the torch_npu kernels the project calls: npu_fusion_attention (also in TND layout within
+packed documents, and with npu_fusion_attention_grad as ring attention's block kernel), npu_rms_norm (also with an
+fp32 weight beside bf16 activations, as mixed precision runs it), npu_rotary_mul, npu_swiglu (also fed by one
+projection over the concatenated w1/w3), and the _fused_adamw_ kernel behind torch's fused AdamW (a few optimizer
+steps against torch's for-loop AdamW). For mixture of experts: npu_grouped_matmul (forward, and the backward built
+from it: rows and contracted-axis groups, empty groups included) against a per-expert loop,
+npu_moe_gating_top_k_softmax (the router's top-k), npu_moe_token_permute / npu_moe_token_unpermute (bf16 only; fp32
+takes the reference).
 
     python examples/op_check.py            # the device titan-npu would train on (npu > cuda > cpu, or TITAN_DEVICE)
     python examples/op_check.py --quick    # small shapes only
@@ -17,23 +21,30 @@ error relative to the reference's largest magnitude. The exit status is 1 if any
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from titan_npu.device import setup_device, synchronize
-from titan_npu.ops import current_kernels, dispatch, reference
+from titan_npu.ops import attention_blocks, current_kernels, dispatch, reference
+from titan_npu.ops.documents import Documents
 
 # Largest error / largest reference magnitude allowed: accumulation order differs between kernels, so long
 # reductions (attention) get more room than elementwise ops; bf16 keeps about 3 significant digits.
 # The optimizer check compares parameters after ADAMW_STEPS steps (fp32 and bf16 parameters).
 TOLERANCE = {
-    torch.float32: {"attention": 1e-4, "rms_norm": 1e-5, "apply_rotary_emb": 1e-5, "swiglu": 1e-5, "adamw": 1e-5,
-                    "swiglu_linear": 1e-4},  # a reduction over D: matmul accumulation order differs
-    torch.bfloat16: {"attention": 2e-2, "rms_norm": 2e-2, "apply_rotary_emb": 2e-2, "swiglu": 2e-2, "adamw": 1e-2,
-                     "swiglu_linear": 2e-2},
+    torch.float32: {"attention": 1e-4, "attention_block": 1e-4,
+                    "rms_norm": 1e-5, "apply_rotary_emb": 1e-5, "swiglu": 1e-5, "adamw": 1e-5,
+                    "swiglu_linear": 1e-4,  # a reduction over D: matmul accumulation order differs
+                    "grouped_mm": 1e-4, "moe_topk_softmax": 1e-5, "moe_permute": 1e-6, "moe_unpermute": 1e-5},
+    torch.bfloat16: {"attention": 2e-2, "attention_block": 2e-2,
+                     "rms_norm": 2e-2, "apply_rotary_emb": 2e-2, "swiglu": 2e-2, "adamw": 1e-2,
+                     "swiglu_linear": 2e-2,
+                     "grouped_mm": 2e-2, "moe_topk_softmax": 2e-2, "moe_permute": 2e-2, "moe_unpermute": 2e-2},
 }
 ADAMW_STEPS = 3
 
@@ -63,6 +74,30 @@ def compare(fused: Callable, ref: Callable, inputs: list[torch.Tensor], dtype: t
     return fwd, bwd
 
 
+class _Block(torch.autograd.Function):
+    """A block kernel of ring attention (ops/attention_blocks.py) as (out, lse), its backward the kernel's own
+    backward given that out and lse (the gradient of lse is not one the ring needs)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernels, causal, mask):
+        out, lse = kernels[0](q, k, v, causal, mask)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernels, ctx.causal, ctx.mask = kernels, causal, mask
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        return (*ctx.kernels[1](dout, *ctx.saved_tensors, ctx.causal, ctx.mask), None, None, None)
+
+
+def _block_check(device_type: str, causal: bool, mask: torch.Tensor | None) -> tuple[Callable, Callable]:
+    """(the device's block kernel, the plain-math one) as functions of q, k, v."""
+    device_kernels = attention_blocks.block_kernels(device_type)
+    math_kernels = (attention_blocks.math_block_attention, attention_blocks.math_block_attention_backward)
+    return (lambda q, k, v: _Block.apply(q, k, v, device_kernels, causal, mask),
+            lambda q, k, v: _Block.apply(q, k, v, math_kernels, causal, mask))
+
+
 def cases(device: torch.device, quick: bool):
     """(op, description, fused fn, reference fn, inputs) for the op checks."""
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -76,6 +111,25 @@ def cases(device: torch.device, quick: bool):
         desc = f"B={b} S={s} H={h} KV={kv} D={d}"
         yield ("attention", desc, dispatch.attention, reference.eager_attention,
                [randn(b, s, h, d), randn(b, s, kv, d), randn(b, s, kv, d)])
+    # Attention within the documents of packed windows (data.document_mask): TND varlen npu_fusion_attention on
+    # Ascend; a document runs in from the window before, others start inside and one at the window's start.
+    for b, s, h, kv, d in [(2, 300, 8, 2, 64)] if quick else [(2, 300, 8, 2, 64), (1, 4096, 32, 8, 128)]:
+        starts = [np.array([s // 5, s // 2]), np.array([0, s - 7])][:b]
+        docs = Documents.from_starts(starts, s, reset_positions=False).to(device)
+        yield ("attention", f"B={b} S={s} H={h} KV={kv} D={d} documents",
+               functools.partial(dispatch.attention, documents=docs),
+               functools.partial(reference.eager_attention, documents=docs),
+               [randn(b, s, h, d), randn(b, s, kv, d), randn(b, s, kv, d)])
+    # Ring attention's block kernel ([B, H, S, D], with its log-sum-exp; npu_fusion_attention and
+    # npu_fusion_attention_grad on Ascend): a causal block, a block of earlier keys, a block with documents.
+    for b, s, h, kv, d in [(2, 256, 8, 2, 64)] if quick else [(2, 256, 8, 2, 64), (1, 2048, 32, 8, 128)]:
+        ids = torch.arange(s, device=device).div(s // 3 + 1, rounding_mode="floor")[None].expand(b, -1)
+        same_document = (ids[:, :, None] == ids[:, None, :])[:, None]
+        for desc, causal, sk, mask in (("causal", True, s, None), ("earlier keys", False, s // 2, None),
+                                       ("documents", True, s, same_document)):
+            yield ("attention_block", f"B={b} S={s} Sk={sk} H={h} KV={kv} D={d} {desc}",
+                   *_block_check(device.type, causal, mask), [randn(b, h, s, d), randn(b, kv, sk, d),
+                                                              randn(b, kv, sk, d)])
     for shape in ([(2, 37, 256)] if quick else [(2, 37, 256), (4, 2048, 4096)]):
         yield ("rms_norm", f"x={list(shape)}", lambda x, w: dispatch.rms_norm(x, w, 1e-5),
                lambda x, w: reference.rms_norm(x, w, 1e-5), [randn(*shape), randn(shape[-1]).abs() + 0.5])
@@ -97,6 +151,42 @@ def cases(device: torch.device, quick: bool):
         yield ("swiglu_linear", f"T={t} D={d} F={f}", dispatch.swiglu_linear,
                lambda x, a, b: reference.swiglu(reference.linear(x, a), reference.linear(x, b)),
                [randn(1, t, d), randn(f, d) * d**-0.5, randn(f, d) * d**-0.5])
+
+
+def grouped_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The grouped GEMM as a loop over the groups: rows offsets[g-1]:offsets[g] of x times w[g]^T."""
+    starts = [0, *offsets.tolist()[:-1]]
+    return torch.cat([x[a:b] @ w[g].T for g, (a, b) in enumerate(zip(starts, offsets.tolist()))])
+
+
+def moe_cases(device: torch.device, quick: bool, randn: Callable):
+    """(op, description, fused fn, reference fn, inputs) for the mixture-of-experts kernels."""
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    # (group sizes, K, M): uneven groups with an empty one; then Qwen3-30B-A3B-like expert shapes
+    gemm_shapes = [([37, 0, 120, 5], 256, 512)] if quick else [
+        ([37, 0, 120, 5], 256, 512), (torch.randint(0, 1024, (64,), generator=gen).tolist(), 2048, 768)]
+    for sizes, k, m in gemm_shapes:
+        offsets = torch.tensor(sizes).cumsum(0).to(torch.int32).to(device)
+        yield ("grouped_mm", f"G={len(sizes)} N={sum(sizes)} K={k} M={m}",
+               lambda x, w, o=offsets: dispatch.grouped_mm(x, w, o), lambda x, w, o=offsets: grouped_loop(x, w, o),
+               [randn(sum(sizes), k), randn(len(sizes), m, k) * k**-0.5])
+    for tokens, n_experts, top_k, dim in ([(74, 8, 2, 64)] if quick else [(74, 8, 2, 64), (8192, 128, 8, 2048)]):
+        desc = f"T={tokens} E={n_experts} k={top_k}"
+
+        def weights(fn, z, k=top_k):
+            probs, experts = fn(z, k)
+            return probs.gather(-1, experts)  # the chosen experts' probabilities, in descending order
+
+        yield ("moe_topk_softmax", desc, lambda z, w=weights: w(dispatch.moe_topk_softmax, z),
+               lambda z, w=weights: w(reference.moe_topk_softmax, z),
+               [randn(tokens, n_experts).bfloat16().float()])  # bf16 values: both runs choose from the same logits
+        experts = torch.rand(tokens, n_experts, generator=gen).topk(top_k, dim=-1).indices.to(device)
+        order = torch.argsort(experts.reshape(-1), stable=True)
+        yield ("moe_permute", desc + f" D={dim}", lambda x, e=experts: dispatch.moe_permute(x, e)[0],
+               lambda x, e=experts: reference.moe_permute(x, e)[0], [randn(tokens, dim)])
+        yield ("moe_unpermute", desc + f" D={dim}", lambda r, p, o=order: dispatch.moe_unpermute(r, o, p),
+               lambda r, p, o=order: reference.moe_unpermute(r, o, p),
+               [randn(tokens * top_k, dim), torch.rand(tokens, top_k, generator=gen).to(device)])
 
 
 def check_fused_adamw(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
@@ -147,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {dev.type} ({dev.name}); kernels: {', '.join(f'{k}={v}' for k, v in kernels.items())}")
     dtypes = [torch.float32] + ([torch.bfloat16] if dev.type != "cpu" or not args.quick else [])
     failures = 0
-    for op, desc, fused, ref, inputs in cases(device, args.quick):
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    moe = moe_cases(device, args.quick, lambda *shape: torch.randn(*shape, generator=gen).to(device))
+    for op, desc, fused, ref, inputs in (*cases(device, args.quick), *moe):
         for dtype in dtypes:
             try:
                 fwd, bwd = compare(fused, ref, inputs, dtype)
@@ -156,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # a kernel that rejects the input is a failure to report, not a crash
                 ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             failures += not ok
-            print(f"{'PASS' if ok else 'FAIL'}  {op:16s} [{kernels[op]}] {str(dtype)[6:]:8s} {desc:28s} {detail}")
+            kernel = kernels.get(op, device.type)  # the block kernel follows the device, not the op dispatch
+            print(f"{'PASS' if ok else 'FAIL'}  {op:16s} [{kernel}] {str(dtype)[6:]:8s} {desc:28s} {detail}")
     for dtype in dtypes:
         try:
             err, _ = check_fused_adamw(device, dtype)

@@ -270,3 +270,38 @@ def test_pinned_memory_is_asked_for_accelerators_only_when_one_is_present(small_
     assert cpu.pin_memory is False and cuda.pin_memory is present
     inputs, _ = next(cuda)
     assert inputs.is_pinned() is present
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["mask", "reset_positions"])
+def test_document_masking_batches_carry_documents_that_start_after_each_eos(shards, small_cfg, reset):
+    cfg = small_cfg(str(shards), batch_size=4, seq_len=64, document_mask=True, reset_position_ids=reset)
+    loader = build_dataloader(cfg, BYTE, 0, 1)
+    for _ in range(3):
+        inputs, labels, documents = next(loader)
+        # A new document begins right after every EOS of the inputs, and nowhere else.
+        after_eos = torch.cat([torch.zeros(4, 1, dtype=torch.bool), inputs[:, :-1] == BYTE.eos_id], dim=1)
+        assert torch.equal(documents.ids.diff(dim=1) != 0, after_eos[:, 1:])
+        assert documents.ids.dtype == torch.int32 and documents.ids.shape == inputs.shape
+        assert documents.cu_seqlens[-1] == inputs.numel() and all(type(n) is int for n in documents.cu_seqlens)
+        if reset:
+            assert documents.positions[after_eos].eq(0).all() and documents.positions[:, 0].eq(0).all()
+        else:
+            assert documents.positions is None
+
+
+def test_document_masking_batches_resume_exactly_with_their_documents_through_workers(shards, small_cfg):
+    cfg = small_cfg(str(shards), batch_size=2, seq_len=64, document_mask=True, reset_position_ids=True)
+    reference = build_dataloader(cfg, BYTE, 0, 1)
+    expected = [next(reference) for _ in range(6)]
+    first = build_dataloader(cfg, BYTE, 0, 1)
+    for _ in range(3):
+        next(first)
+    resumed = build_dataloader(small_cfg(str(shards), batch_size=2, seq_len=64, num_workers=1, document_mask=True,
+                                         reset_position_ids=True), BYTE, 0, 1)
+    resumed.load_state_dict(first.state_dict())
+    for want in expected[3:]:
+        inputs, labels, documents = next(resumed)
+        assert torch.equal(inputs, want[0]) and torch.equal(labels, want[1])
+        assert torch.equal(documents.ids, want[2].ids) and torch.equal(documents.positions, want[2].positions)
+        assert documents.cu_seqlens == want[2].cu_seqlens
+    resumed.close()

@@ -121,3 +121,39 @@ def test_missing_log_dir_is_a_one_line_error(tmp_path, capsys):
         read_metrics(tmp_path / "nope")
     assert cli_main(["report", str(tmp_path)]) == 2
     assert "has no metrics.jsonl" in capsys.readouterr().err
+
+
+def _moe_run(tmp_path: Path, layers: int) -> Path:
+    """A MoE model's metrics.jsonl: steps 1, 5, .., 25 with the expert load falling towards even."""
+    lines = [{"step": s, "loss": 8.0 - 0.1 * s, "lr": 1e-3, "tokens_per_s": 100.0, "expert_load_max_mean": 2.0 - s / 50,
+              "expert_load_per_layer": [2.0 - s / 50 + 0.1 * (i - (layers - 1) / 2) for i in range(layers)]}
+             for s in (1, 5, 10, 15, 20, 25)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return tmp_path
+
+
+def test_a_moe_run_gets_an_expert_load_panel_with_each_layer_and_their_mean(tmp_path):
+    fig = build_figure(read_metrics(_moe_run(tmp_path, layers=2)))
+    assert len(fig.axes) == 5
+    load_ax = fig.axes[4]
+    assert load_ax.get_title() == "expert load (MoE layers)" and load_ax.get_xlabel() == "step"
+    labels = [t.get_text() for t in load_ax.get_legend().get_texts()]
+    assert labels == ["layer 0", "layer 1", "mean over layers", "even"]
+    mean_line = load_ax.get_lines()[2]
+    assert list(mean_line.get_xdata()) == [1, 5, 10, 15, 20, 25]
+    assert list(mean_line.get_ydata()) == pytest.approx([2.0 - s / 50 for s in (1, 5, 10, 15, 20, 25)])
+    assert list(load_ax.get_lines()[1].get_ydata())[0] == pytest.approx(2.0 - 1 / 50 + 0.05)
+
+
+def test_many_moe_layers_share_one_legend_entry_and_the_summary_gives_the_load(tmp_path):
+    run = read_metrics(_moe_run(tmp_path, layers=12))
+    load_ax = build_figure(run).axes[4]
+    assert [t.get_text() for t in load_ax.get_legend().get_texts()] == ["per layer", "mean over layers", "even"]
+    assert len(load_ax.get_lines()) == 12 + 2
+    md = (write_report(tmp_path, plots=False)[0]).read_text()
+    assert "| expert load | max / mean tokens per expert, mean over the MoE layers: median 1.75, 1.50 at step 25" in md
+
+
+def test_a_dense_run_has_no_expert_load_panel_or_row(run_dir):
+    assert len(build_figure(read_metrics(run_dir)).axes) == 4
+    assert "expert load" not in write_report(run_dir, plots=False)[0].read_text()

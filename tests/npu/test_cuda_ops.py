@@ -15,16 +15,15 @@ from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends
 from titan_npu.config.loader import load_config
 from titan_npu.config.validate import ATTENTION_BACKENDS
 from titan_npu.errors import ConfigError
+from titan_npu.ops import OP_NAMES, current_kernels, reference
 from titan_npu.ops import cuda as cuda_ops
-from titan_npu.ops import current_kernels, reference
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_only_attention_has_a_cuda_kernel():
-    assert current_kernels("cuda") == {"attention": "cuda", "rms_norm": "reference", "apply_rotary_emb": "reference",
-                                       "swiglu": "reference", "linear": "reference", "swiglu_linear": "reference",
-                                       "grouped_mm": "reference"}
+def test_only_attention_and_the_grouped_gemm_have_cuda_kernels():
+    assert current_kernels("cuda") == {op: "cuda" if op in ("attention", "grouped_mm") else "reference"
+                                       for op in OP_NAMES}
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
@@ -118,3 +117,46 @@ def test_a_forced_kernel_that_cannot_run_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(cuda_ops.CAN_USE, "cudnn", lambda params: False)
     with pytest.raises(ConfigError, match=r"no fused attention kernel \(cudnn\) takes torch.float32 heads of size 16"):
         cuda_ops.choose_attention_kernel(torch.device("cpu"), "cudnn", torch.float32, 4, 4, 16, 32)
+
+
+# --- grouped GEMM: torch._grouped_mm on bf16 sm90+ --------------------------------------------------------------
+
+def _experts(k: int, m: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty(10, k, dtype=dtype), torch.empty(4, m, k, dtype=dtype)
+
+
+@pytest.mark.parametrize("capability,dtype,k,m,eligible", [
+    ((9, 0), torch.bfloat16, 64, 96, True),
+    ((10, 0), torch.bfloat16, 64, 96, True),
+    ((8, 9), torch.bfloat16, 64, 96, False),  # Ada: torch's slow per-group fallback; the reference instead
+    (None, torch.bfloat16, 64, 96, False),  # not a GPU
+    ((9, 0), torch.float32, 64, 96, False),  # the fast kernel is bf16 only
+    ((9, 0), torch.bfloat16, 60, 96, False),  # K = 120 bytes: not a multiple of 16
+    ((9, 0), torch.bfloat16, 64, 100, False),  # M = 200 bytes: the output's and the gradient's rows
+], ids=["sm90", "sm100", "sm89", "cpu", "fp32", "k-unaligned", "m-unaligned"])
+def test_the_grouped_gemm_takes_torch_grouped_mm_only_where_its_fast_kernel_runs(capability, dtype, k, m, eligible):
+    x, w = _experts(k, m, dtype)
+    assert cuda_ops.grouped_mm_eligible(x, w, capability) is eligible
+
+
+def test_the_cuda_grouped_gemm_on_cpu_tensors_is_the_reference():
+    x, w = torch.randn(9, 16), torch.randn(3, 8, 16)
+    offsets = torch.tensor([4, 4, 9], dtype=torch.int32)
+    assert_same_forward_and_backward(lambda x, w: cuda_ops.grouped_mm(x, w, offsets),
+                                     lambda x, w: reference.padded_grouped_mm(x, w, offsets), [x, w])
+
+
+@needs_gpu
+def test_gpu_grouped_gemm_matches_the_per_group_reference_forward_and_backward():
+    g = torch.Generator().manual_seed(0)
+    sizes = [37, 0, 120, 5]
+    x, w = torch.randn(sum(sizes), 64, generator=g).cuda(), (torch.randn(4, 96, 64, generator=g) / 8).cuda()
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32).cuda()
+    results = []
+    for fn, dtype in ((cuda_ops.grouped_mm, torch.bfloat16), (reference.padded_grouped_mm, torch.float32)):
+        xs, ws = x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+        out = fn(xs, ws, offsets)
+        out.float().square().sum().backward()
+        results.append((out.float(), xs.grad.float(), ws.grad.float()))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)

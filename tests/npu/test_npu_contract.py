@@ -46,7 +46,7 @@ def test_a_wrong_keyword_type_or_arity_fails_like_on_the_card(fake_torch_npu):
 
 def test_an_op_without_a_cpu_kernel_is_defined_but_not_callable(fake_torch_npu):
     with pytest.raises(NotImplementedError):
-        fake_torch_npu.npu_moe_token_permute(torch.randn(4, 8), torch.zeros(4, 1, dtype=torch.int64))
+        fake_torch_npu.npu_moe_init_routing_v2(torch.randn(4, 8), torch.zeros(4, 1, dtype=torch.int32))
 
 
 def test_a_result_that_differs_from_the_wheels_meta_function_is_refused(torch_npu_wheel):

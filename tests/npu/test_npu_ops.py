@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 from op_compare import assert_same_forward_and_backward, qkv
 
+from titan_npu.ops import attention_blocks as blocks
 from titan_npu.ops import npu as npu_ops
 from titan_npu.ops import reference
+from titan_npu.ops.documents import Documents
 
 
 def rope_tables(seq: int, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +127,115 @@ def test_the_fake_kernel_returns_the_documented_seven_outputs(fake_torch_npu):
                                                scale=0.25, sparse_mode=2)
     assert len(full) == 7 and torch.equal(full[0], out)
     assert full[1].shape == (2, 4, 12, 8) and full[1].dtype == torch.float32  # softmax_max, BNS8
+
+
+# --- attention within packed documents (TND varlen) --------------------------------------------------------------
+
+def _documents(seq: int) -> Documents:
+    """Row 0: three documents (one from the window before); row 1: one starting at 0, one near the end."""
+    return Documents.from_starts([np.array([seq // 3, seq // 2]), np.array([0, seq - 2])], seq, False)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("seq", [12, 37])
+def test_document_attention_through_tnd_matches_the_masked_reference(fake_torch_npu, heads, kv_heads, seq):
+    documents = _documents(seq)
+    assert_same_forward_and_backward(functools.partial(npu_ops.attention, documents=documents),
+                                     functools.partial(reference.attention, documents=documents),
+                                     list(qkv(2, seq, heads, kv_heads)))
+
+
+def test_document_attention_passes_the_loaders_cumulative_ends_as_host_ints_in_one_tnd_call(fake_torch_npu,
+                                                                                           monkeypatch):
+    seen = []
+    kernel = fake_torch_npu.npu_fusion_attention
+
+    def spy(q, k, v, head_num, layout, **kwargs):
+        seen.append((tuple(q.shape), layout, kwargs))
+        return kernel(q, k, v, head_num, layout, **kwargs)
+
+    monkeypatch.setattr(fake_torch_npu, "npu_fusion_attention", spy)
+    documents = _documents(12)
+    npu_ops.attention(*qkv(2, 12, 4, 2), documents=documents)
+    ((shape, layout, kwargs),) = seen
+    assert shape == (24, 4, 16) and layout == "TND"
+    assert kwargs["actual_seq_qlen"] == kwargs["actual_seq_kvlen"] == [4, 6, 12, 22, 24]
+    assert kwargs["sparse_mode"] == npu_ops.SPARSE_MODE_LEFT_UP_CAUSAL
+
+
+def test_document_lengths_instead_of_cumulative_ends_are_refused_by_the_kernel(fake_torch_npu):
+    q, k, v = (t.reshape(24, -1, 16) for t in qkv(2, 12, 4, 4))
+    with pytest.raises(RuntimeError, match="cumulative lengths"):
+        fake_torch_npu.npu_fusion_attention(q, k, v, 4, "TND", actual_seq_qlen=[4, 2, 6, 10, 2],
+                                            actual_seq_kvlen=[4, 2, 6, 10, 2], scale=0.25)
+
+
+# --- ring attention's block kernel on npu_fusion_attention / npu_fusion_attention_grad ---------------------------
+
+BLOCK_CASES = {  # heads, key/value heads, query rows, key rows, causal, document mask
+    "causal": (4, 4, 12, 12, True, False), "causal_gqa": (8, 2, 12, 12, True, False),
+    "more_keys": (4, 2, 6, 18, False, False), "more_queries": (4, 1, 18, 6, False, False),
+    "documents": (4, 2, 12, 12, False, True), "causal_documents": (4, 2, 12, 12, True, True),
+}
+
+
+def _block_inputs(heads, kv_heads, sq, sk, masked):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, sq, 16, generator=g)
+    k, v = (torch.randn(2, kv_heads, sk, 16, generator=g) for _ in range(2))
+    dout = torch.randn(2, heads, sq, 16, generator=g)
+    mask = None
+    if masked:  # documents of 5 queries against documents of 4 keys: the last queries' document has no key here
+        mask = (torch.arange(sq).div(5, rounding_mode="floor")[:, None]
+                == torch.arange(sk).div(4, rounding_mode="floor")[None, :])[None, None].expand(2, 1, sq, sk)
+    return q, k, v, dout, mask
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_npu_block_kernel_matches_the_math_block_kernel(fake_torch_npu, case):
+    heads, kv_heads, sq, sk, causal, masked = BLOCK_CASES[case]
+    q, k, v, dout, mask = _block_inputs(heads, kv_heads, sq, sk, masked)
+    out, lse = blocks.npu_block_attention(q, k, v, causal, mask)
+    want_out, want_lse = blocks.math_block_attention(q, k, v, causal, mask)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)  # -inf where a row sees no key of the block
+    # The ring hands the backward the lse merged over every block (finite): here the block's own.
+    merged = want_lse.masked_fill(want_lse.isneginf(), 0.0)
+    grads = blocks.npu_block_attention_backward(dout, q, k, v, want_out, merged, causal, mask)
+    want = blocks.math_block_attention_backward(dout, q, k, v, want_out, merged, causal, mask)
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, want, strict=True):
+        assert got.shape == expected.shape, name
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_npu_block_kernel_runs_one_forward_and_one_grad_kernel_with_the_merged_statistics(fake_torch_npu,
+                                                                                         monkeypatch):
+    seen = {}
+    grad_kernel = fake_torch_npu.npu_fusion_attention_grad
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return grad_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(fake_torch_npu, "npu_fusion_attention_grad", spy)
+    q, k, v, dout, _ = _block_inputs(4, 2, 12, 12, False)
+    fake_torch_npu.calls.clear()
+    out, lse = blocks.npu_block_attention(q, k, v, True)
+    blocks.npu_block_attention_backward(dout, q, k, v, out, lse, True)
+    assert fake_torch_npu.calls["npu_fusion_attention"] == 1
+    assert torch.equal(seen["softmax_max"], lse[..., None].expand(2, 4, 12, 8))
+    assert torch.equal(seen["softmax_sum"], torch.ones(2, 4, 12, 8)) and torch.equal(seen["attention_in"], out)
+    assert seen["sparse_mode"] == npu_ops.SPARSE_MODE_LEFT_UP_CAUSAL
+
+
+def test_the_block_kernels_softmax_statistics_are_max_and_sum_of_the_scaled_scores(fake_torch_npu):
+    # lse = softmax_max + log(softmax_sum): a wrapper reading them as (sum, max), or the unscaled scores, fails.
+    q, k, v, _, _ = _block_inputs(4, 4, 8, 8, False)
+    _, softmax_max, softmax_sum = fake_torch_npu.npu_fusion_attention(q, k, v, 4, "BNSD", scale=0.25)[:3]
+    scores = q @ k.transpose(-2, -1) * 0.25
+    torch.testing.assert_close(softmax_max[..., 0], scores.amax(-1))
+    torch.testing.assert_close(softmax_max[..., 0] + softmax_sum[..., 0].log(), scores.logsumexp(-1))
+    assert softmax_max.shape == (2, 4, 8, 8) and torch.equal(softmax_max, softmax_max[..., :1].expand(-1, -1, -1, 8))
 
 
 # --- rms_norm ----------------------------------------------------------------------------------------------------

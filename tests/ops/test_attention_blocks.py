@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from titan_npu.ops import attention_blocks as blocks
 from titan_npu.ops.attention_blocks import (
     cpu_block_attention,
     cpu_block_attention_backward,
@@ -42,3 +43,42 @@ def test_block_kernel_matches_sdpa_and_its_gradients(kernel, heads, kv_heads, sq
     for name, got, expected in zip(("dq", "dk", "dv"), grads, (q.grad, k.grad, v.grad)):
         assert got.shape == expected.shape, name
         torch.testing.assert_close(got, expected, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_the_block_kernel_is_chosen_by_the_device_type():
+    assert blocks.block_kernels("cpu") == (blocks.cpu_block_attention, blocks.cpu_block_attention_backward)
+    assert blocks.block_kernels("npu") == (blocks.npu_block_attention, blocks.npu_block_attention_backward)
+    assert blocks.block_kernels("cuda") == (blocks.cuda_block_attention, blocks.cuda_block_attention_backward)
+    for other in ("xpu", "mps", "meta"):
+        assert blocks.block_kernels(other) == (blocks.math_block_attention, blocks.math_block_attention_backward)
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "masked"), [(torch.float32, 64, False), (torch.bfloat16, 12, False),
+                                                           (torch.bfloat16, 264, False), (torch.bfloat16, 64, True)],
+                         ids=["fp32", "head_dim_12", "head_dim_264", "document_mask"])
+def test_cuda_blocks_leave_flash_attention_for_inputs_it_cannot_take(dtype, head_dim, masked):
+    # Decided before the GPU's capability is asked: the memory-efficient kernel takes these.
+    q = torch.zeros(1, 2, 4, head_dim, dtype=dtype)
+    assert not blocks.cuda_uses_flash(q, torch.ones(1, 1, 4, 4, dtype=torch.bool) if masked else None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("dtype", "causal", "masked"), [(torch.bfloat16, True, False), (torch.float32, True, False),
+                                                         (torch.float32, False, True), (torch.bfloat16, False, True)])
+def test_cuda_block_kernel_matches_the_math_kernel(dtype, causal, masked):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 64, 64, generator=g).to("cuda", dtype)
+    k, v = (torch.randn(2, 2, 64, 64, generator=g).to("cuda", dtype) for _ in range(2))
+    dout = torch.randn(2, 8, 64, 64, generator=g).to("cuda", dtype)
+    ids = torch.arange(64, device="cuda").div(20, rounding_mode="floor")[None].expand(2, -1)
+    mask = (ids[:, :, None] == ids.flip(1)[:, None, :])[:, None] if masked else None  # some rows see no key
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    out, lse = blocks.cuda_block_attention(q, k, v, causal, mask)
+    want_out, want_lse = blocks.math_block_attention(q, k, v, causal, mask)
+    torch.testing.assert_close(out.float(), want_out.float(), **tol)
+    torch.testing.assert_close(lse, want_lse, **tol)
+    finite = want_lse.masked_fill(want_lse.isneginf(), 0.0)
+    grads = blocks.cuda_block_attention_backward(dout, q, k, v, want_out, finite, causal, mask)
+    for got, want in zip(grads, blocks.math_block_attention_backward(dout, q, k, v, want_out, finite, causal, mask),
+                         strict=True):
+        torch.testing.assert_close(got.float(), want.float(), **tol)

@@ -79,6 +79,15 @@ def test_a_moe_run_reads_device_values_on_the_host_only_at_log_steps(tmp_path, o
     assert [r for r in reads.reads if r[0] not in (0, 1, 5, 10, 12)] == []
 
 
+@pytest.mark.parametrize("reset", [False, True], ids=["document_mask", "reset_position_ids"])
+def test_a_document_masking_run_reads_device_values_on_the_host_only_at_log_steps(tmp_path, one_thread, reset):
+    # The documents' boundaries come with the batch from the loader (host ints and a tensor sent to the device).
+    trainer = _trainer(tmp_path, data__document_mask=True, data__reset_position_ids=reset)
+    reads = HostReads(trainer)
+    _train(trainer, reads)
+    assert [r for r in reads.reads if r[0] not in (0, 1, 5, 10, 12)] == []
+
+
 @pytest.mark.parametrize("implementation", ["fused", "foreach"])  # on the device flag / read on the host
 def test_a_nan_between_log_steps_is_skipped_exactly_and_counted_at_the_next_log_step(
         tmp_path, one_thread, caplog, implementation):

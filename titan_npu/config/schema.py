@@ -134,6 +134,8 @@ class DataConfig:
     num_workers: int = 2
     text_field: str = "text"
     val_fraction: float = 0.0
+    document_mask: bool = False  # attention stops at document boundaries inside packed windows
+    reset_position_ids: bool = False  # with document_mask: RoPE positions restart at 0 at each document start
 
 
 @dataclass

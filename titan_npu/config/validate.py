@@ -226,6 +226,7 @@ def _check_rest(cfg: JobConfig) -> None:
         raise fail("data.tokenizer", "data.tokenizer is empty (use byte, a tokenizer.json/.model or its directory)")
     if not 0 <= d.val_fraction < 1:
         raise fail("data.val_fraction", f"data.val_fraction = {show(d.val_fraction)} must be in [0, 1)")
+    _check_document_mask(cfg)
 
     m = cfg.metrics
     _at_least("metrics.log_interval", m.log_interval, 1, "steps between log lines")
@@ -260,6 +261,19 @@ def _check_rest(cfg: JobConfig) -> None:
             f"(use 1-65535, or 0 to keep the environment's)",
         )
 
+
+
+def _check_document_mask(cfg: JobConfig) -> None:
+    d, p = cfg.data, cfg.parallel
+    if d.reset_position_ids and not d.document_mask:
+        raise fail("data.reset_position_ids", "data.reset_position_ids = true restarts positions at document "
+                   "starts, which needs data.document_mask = true; set both or neither")
+    if not d.document_mask:
+        return
+    for key, value in (("parallel.tp_degree", p.tp_degree), ("parallel.pp_degree", p.pp_degree)):
+        if value > 1:
+            raise fail("data.document_mask", f"data.document_mask = true does not run with {key} = {value} yet; "
+                       f"set {key} = 1 or data.document_mask = false")
 
 
 def check_seq_len(seq_len: int, max_seq_len: int) -> None:

@@ -3,6 +3,10 @@
 Global step k of an epoch takes windows perm[pos : pos + batch_size * dp_world_size] of that epoch's permutation,
 rank r the r-th batch_size of them. The loader's whole state is (epoch, pos): any batch is a pure function of it,
 so resuming is exact whatever num_workers prefetches, and a changed dp_world_size continues at the same window.
+
+With document masking (data.document_mask) each batch also carries its Documents (ops/documents.py): where the
+documents begin in each window, read from the dataset's document lengths (every document ends with EOS), so they
+too are a pure function of (epoch, pos).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from titan_npu.config.schema import JobConfig
 from titan_npu.data.datasets import TokenDataset, open_dataset, verify_dataset
 from titan_npu.data.tokenizer import Tokenizer
 from titan_npu.errors import DataError
+from titan_npu.ops.documents import Documents
 from titan_npu.reliability.preemption import leave_signals_to_parent
 
 _GOLDEN = 0.6180339887498949  # Weyl sequence step: spreads held-out documents evenly over the corpus
@@ -66,11 +71,13 @@ class PackedWindows:
 
 
 class _BatchDataset(Dataset):
-    """Key (epoch, pos) -> this rank's (inputs, labels); runs in the loader's worker processes."""
+    """Key (epoch, pos) -> this rank's (inputs, labels[, documents]); runs in the loader's worker processes."""
 
-    def __init__(self, windows: PackedWindows, batch_size: int, dp_rank: int, seed: int, shuffle: bool):
+    def __init__(self, windows: PackedWindows, batch_size: int, dp_rank: int, seed: int, shuffle: bool,
+                 documents: str = ""):
         self.windows, self.batch_size, self.dp_rank = windows, batch_size, dp_rank
         self.seed, self.shuffle = seed, shuffle
+        self.documents = documents  # "" none, "mask" document ids, "positions" ids and positions inside documents
         self._perm: tuple[int, np.ndarray] | None = None
 
     def permutation(self, epoch: int) -> np.ndarray:
@@ -80,12 +87,16 @@ class _BatchDataset(Dataset):
             self._perm = (epoch, order)
         return self._perm[1]
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, key: tuple[int, int]) -> tuple:
         epoch, pos = key
         first = pos + self.dp_rank * self.batch_size
         ids = self.permutation(epoch)[first : first + self.batch_size]
         batch = torch.from_numpy(np.stack([self.windows.window(int(w)) for w in ids]).astype(np.int64))
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        if not self.documents:
+            return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        documents = Documents.from_starts([self.windows.doc_starts(int(w)) for w in ids], self.windows.seq_len,
+                                          reset_positions=self.documents == "positions")
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), documents
 
 
 class _CursorSampler(Sampler):
@@ -107,10 +118,12 @@ def wrap(epoch: int, pos: int, step: int, num_windows: int) -> tuple[int, int]:
 
 
 class TokenLoader:
-    """Infinite iterator of (inputs, labels) LongTensors [batch_size, seq_len]; state_dict() / load_state_dict()."""
+    """Infinite iterator of (inputs, labels) LongTensors [batch_size, seq_len], with documents="mask" or
+    "positions" (inputs, labels, Documents); state_dict() / load_state_dict()."""
 
     def __init__(self, windows: PackedWindows, batch_size: int, dp_rank: int, dp_world_size: int, seed: int,
-                 num_workers: int = 0, pin_memory: bool = False, shuffle: bool = True, split: str = "train"):
+                 num_workers: int = 0, pin_memory: bool = False, shuffle: bool = True, split: str = "train",
+                 documents: str = ""):
         if not 0 <= dp_rank < dp_world_size:
             raise DataError(f"dp_rank={dp_rank} is outside dp_world_size={dp_world_size}; check the parallel layout")
         global_batch = batch_size * dp_world_size
@@ -125,7 +138,7 @@ class TokenLoader:
         self.seed, self.shuffle, self.split = seed, shuffle, split
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.epoch, self.pos = 0, 0
-        self._dataset = _BatchDataset(windows, batch_size, dp_rank, seed, shuffle)
+        self._dataset = _BatchDataset(windows, batch_size, dp_rank, seed, shuffle, documents)
         self._iter: Iterator | None = None
 
     @property
@@ -136,7 +149,7 @@ class TokenLoader:
     def __iter__(self) -> TokenLoader:
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> tuple:
         if self._iter is None:
             sampler = _CursorSampler(self.epoch, self.pos, self.step, self.windows.num_windows)
             loader = DataLoader(self._dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
@@ -208,9 +221,17 @@ def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer | None, dp_rank: int, 
     pin = device_type in ("cuda", "npu") and _accelerator_available()
     loader = TokenLoader(PackedWindows(dataset, doc_ids, seq_len), batch_size, dp_rank, dp_world_size,
                          seed=cfg.training.seed, num_workers=max(0, cfg.data.num_workers), pin_memory=pin,
-                         shuffle=split == "train", split=split)
+                         shuffle=split == "train", split=split, documents=batch_documents(cfg))
     dataset.write_caches()  # the data is accepted: now its index may be kept beside it
     return loader
+
+
+def batch_documents(cfg: JobConfig) -> str:
+    """What each batch carries of its documents: "" nothing, "mask" (data.document_mask), "positions" (and
+    data.reset_position_ids)."""
+    if not cfg.data.document_mask:
+        return ""
+    return "positions" if cfg.data.reset_position_ids else "mask"
 
 
 def _accelerator_available() -> bool:

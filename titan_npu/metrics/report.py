@@ -145,6 +145,20 @@ def _finite(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
     return out
 
 
+def expert_load(train: list[dict[str, Any]]) -> tuple[list[tuple[int, float]], list[list[tuple[int, float]]]]:
+    """(step, expert_load_max_mean) and, per MoE layer, (step, its max / mean tokens per expert) from the records
+    that have them (a MoE model's run); both empty for a dense model."""
+    per_layer: dict[int, list[tuple[int, float]]] = {}
+    for r in train:
+        values = r.get("expert_load_per_layer")
+        if not isinstance(values, list):
+            continue
+        for i, v in enumerate(values):
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                per_layer.setdefault(i, []).append((r["step"], float(v)))
+    return _finite(train, "expert_load_max_mean"), [per_layer[i] for i in sorted(per_layer)]
+
+
 def steady_records(train: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Training records without the first logged window (start-up, compilation), unless it is all there is."""
     return train[1:] if len(train) > 1 else train
@@ -178,6 +192,8 @@ def summary(run: RunMetrics) -> dict[str, Any]:
         totals = [v for _, v in _finite(train, "mem_total_gb")]
         s["mem_total_gb"] = totals[-1] if totals else None
         s["flags"] = [(r["step"], f) for r in train for f in (r.get("flags") or [])]
+        load = _finite(train, "expert_load_max_mean")
+        s["expert_load"] = (statistics.median(v for _, v in load), load[-1]) if load else None
     if val:
         s["final_val"] = (val[-1]["step"], val[-1]["val_loss"], val[-1].get("val_ppl"))
         vl = _finite(val, "val_loss")
@@ -272,6 +288,10 @@ def render_markdown(log_dir: Path, run: RunMetrics, config: dict[str, Any], info
         rows.append(("median step time", f"{_fmt(s['median_step_time_s'], '.3f')} s "
                                          f"(data loading {_fmt(s['median_data_time_s'], '.3f')} s)"))
         rows.append(("peak memory", f"{_fmt(s['peak_mem_gb'], '.2f')} GB of {_fmt(s['mem_total_gb'], '.1f')} GB"))
+        if s["expert_load"]:
+            median, (step, last) = s["expert_load"]
+            rows.append(("expert load", f"max / mean tokens per expert, mean over the MoE layers: median "
+                                        f"{median:.2f}, {last:.2f} at step {step} (1.00 = even)"))
         flags = s["flags"]
         rows.append(("flags", "none" if not flags else f"{len(flags)}: " + "; ".join(
             f"step {st}: {f}" for st, f in flags[:5]) + (" ..." if len(flags) > 5 else "")))
@@ -308,12 +328,20 @@ def _require_matplotlib():
 
 
 def build_figure(run: RunMetrics, title: str = ""):
-    """A 2x2 matplotlib figure: loss (train, validation, flagged steps), learning rate, throughput/MFU, memory."""
+    """A 2x2 matplotlib figure: loss (train, validation, flagged steps), learning rate, throughput/MFU, memory; and
+    for a MoE model's run (metrics with expert_load_max_mean) a full-width expert-load panel below them."""
     plt = _require_matplotlib()
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), dpi=110)
-    (ax_loss, ax_lr), (ax_tp, ax_mem) = axes
-
     train, val = run.train, run.val
+    load_mean, load_layers = expert_load(train)
+    if load_mean or load_layers:
+        fig = plt.figure(figsize=(12, 11.25), dpi=110)
+        grid = fig.add_gridspec(3, 2)
+        (ax_loss, ax_lr), (ax_tp, ax_mem) = [[fig.add_subplot(grid[row, col]) for col in (0, 1)] for row in (0, 1)]
+        _plot_expert_load(fig.add_subplot(grid[2, :]), load_mean, load_layers)
+    else:
+        fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), dpi=110)
+        (ax_loss, ax_lr), (ax_tp, ax_mem) = axes
+
     loss = _finite(train, "loss")
     if loss:
         ax_loss.plot(*zip(*loss), label="train", color="tab:blue", linewidth=1.4)
@@ -370,6 +398,25 @@ def build_figure(run: RunMetrics, title: str = ""):
         fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+# Per-layer lines get a legend entry each up to this many layers; more share one entry.
+LOAD_LEGEND_LAYERS = 8
+
+
+def _plot_expert_load(ax, mean: list[tuple[int, float]], layers: list[list[tuple[int, float]]]) -> None:
+    """The expert-load panel: each MoE layer's max / mean tokens per expert (thin), their mean (bold), 1.0 = even."""
+    for i, points in enumerate(layers):
+        label = f"layer {i}" if len(layers) <= LOAD_LEGEND_LAYERS else ("per layer" if i == 0 else None)
+        ax.plot(*zip(*points), linewidth=0.8, alpha=0.6, label=label)
+    if mean:
+        ax.plot(*zip(*mean), color="black", linewidth=1.8, label="mean over layers")
+    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1.0, label="even")
+    ax.set_title("expert load (MoE layers)")
+    ax.set_ylabel("max / mean tokens per expert")
+    ax.set_xlabel("step")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, ncol=min(5, len(layers) + 2))
 
 
 def plot_report(run: RunMetrics, out_png: Path, title: str = "") -> Path:

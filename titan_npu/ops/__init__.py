@@ -1,5 +1,5 @@
-"""The model's compute ops (attention, rms_norm, rotary embedding, swiglu, linear, swiglu_linear, grouped_mm) behind
-one dispatch point per op.
+"""The model's compute ops (attention, rms_norm, rotary embedding, swiglu, linear, swiglu_linear, grouped_mm, and
+the MoE routing steps moe_topk_softmax, moe_permute, moe_unpermute) behind one dispatch point per op.
 
 Every op has a plain-torch reference (ops/reference.py); vendor backends (ops/npu.py, ops/cuda.py) register
 faster kernels per op with register_backend, and set_kernels chooses between them (see docs/model.md).
@@ -13,6 +13,9 @@ from titan_npu.ops.dispatch import (
     current_kernels,
     grouped_mm,
     linear,
+    moe_permute,
+    moe_topk_softmax,
+    moe_unpermute,
     register_backend,
     rms_norm,
     set_kernels,
@@ -28,6 +31,9 @@ __all__ = [
     "current_kernels",
     "grouped_mm",
     "linear",
+    "moe_permute",
+    "moe_topk_softmax",
+    "moe_unpermute",
     "register_backend",
     "rms_norm",
     "set_kernels",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,9 @@ import torch.nn.functional as F
 from titan_npu.errors import ConfigError
 from titan_npu.ops import reference
 from titan_npu.ops.dispatch import register_backend
+
+if TYPE_CHECKING:
+    from titan_npu.ops.documents import Documents
 
 # "native" keeps torch's bf16 kernels, "fp32" forces the widened ones, "auto" decides from the CPU's instructions.
 BF16_MATMUL_ENV = "TITAN_CPU_BF16_MATMUL"
@@ -127,58 +131,74 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("titan_npu::widened_attention", mutates_args=())
-def _widened_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flash attention of bf16 q, k, v [B, H, S, D] on the fp32 kernel: (bf16 output, fp32 log-sum-exp)."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.float(), k.float(), v.float(), 0.0, causal)
+def _widened_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                       bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash attention of bf16 q, k, v [B, H, S, D] on the fp32 kernel: (bf16 output, fp32 log-sum-exp); bias: an
+    fp32 additive mask (0 / -inf, the kernel takes no boolean one), e.g. of documents."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.float(), k.float(), v.float(), 0.0, causal,
+                                                                          attn_mask=bias)
     # The output follows q's layout; the log-sum-exp comes laid out [B, S, H]: made plain [B, H, S] (tiny) so that
     # compiled graphs see the layout the fake kernel promises.
     return out.to(q.dtype), lse.contiguous()
 
 
 @_widened_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+      bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("titan_npu::widened_attention_backward", mutates_args=())
 def _widened_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                out: torch.Tensor, lse: torch.Tensor,
-                                causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v from the fp32 kernel, rounded once to bf16."""
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0, causal)
+        grad.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0, causal, attn_mask=bias)
     return tuple(g.to(q.dtype) for g in grads)
 
 
 @_widened_attention_backward.register_fake
 def _(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-      causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+      causal: bool, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _attention_setup(ctx, inputs: tuple, output: tuple) -> None:
-    q, k, v, causal = inputs
+    q, k, v, causal, bias = inputs
     ctx.causal = causal
-    ctx.save_for_backward(q, k, v, *output)  # bf16 q, k, v, out and the fp32 log-sum-exp: what torch's kernel keeps
+    ctx.save_for_backward(q, k, v, *output, bias)  # bf16 q, k, v, out and the fp32 log-sum-exp: what torch's kernel
+    # keeps (and the mask, when there is one)
 
 
 def _attention_backward(ctx, grad: torch.Tensor, _grad_lse: torch.Tensor) -> tuple:
-    return (*_widened_attention_backward(grad, *ctx.saved_tensors, ctx.causal), None)
+    q, k, v, out, lse, bias = ctx.saved_tensors
+    return (*_widened_attention_backward(grad, q, k, v, out, lse, ctx.causal, bias), None, None)
 
 
 _widened_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
-    """SDPA; bf16 q/k/v widened to fp32 on CPUs without bf16 instructions, the output rounded back to bf16."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+              documents: Documents | None = None) -> torch.Tensor:
+    """SDPA; bf16 q/k/v widened to fp32 on CPUs without bf16 instructions, the output rounded back to bf16.
+
+    documents: torch's flash kernel for cpu with their mask (SDPA picks it for a boolean mask too; flex_attention
+    would skip the masked blocks but has no backward on cpu).
+    """
     if _compute_dtype(q) != torch.bfloat16 or not _plain(q, k, v) or not widen_bf16():
-        return reference.attention(q, k, v, causal=causal)
+        return reference.attention(q, k, v, causal=causal, documents=documents)
     n_rep = q.shape[2] // k.shape[2]
     # Autocast's rounding when it is what asked for bf16; grouped key/value heads repeated for the kernel.
     q, k, v = q.to(torch.bfloat16), *(reference.repeat_kv(t.to(torch.bfloat16), n_rep) for t in (k, v))
+    bias = None
+    if documents is not None:
+        bias = documents.cached(("bias", causal), lambda: torch.zeros(
+            documents.mask(causal).shape, dtype=torch.float32, device=q.device).masked_fill_(
+            ~documents.mask(causal), float("-inf")))
+        causal = False
     with torch.autocast("cpu", enabled=False):
-        out, _ = _widened_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
+        out, _ = _widened_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, bias)
     return out.transpose(1, 2)
 
 

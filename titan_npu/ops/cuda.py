@@ -1,9 +1,10 @@
 """CUDA kernels behind the op dispatch: SDPA on the fused backends, in an order chosen by the GPU's capability.
 
-Only attention has a CUDA-specific choice; rms_norm, rotary embedding and swiglu keep the reference (which
-torch.compile fuses). SDPA tries the fused kernels in a priority order: cuDNN attention first on Hopper and later
-(sm90+), where it is usually the fastest, FlashAttention-2 first on Ampere and Ada (sm80/sm89), the
-memory-efficient kernel last (it also runs fp32 and pre-Ampere GPUs). model.attention_backend forces one of them.
+Attention and the MoE grouped GEMM (torch._grouped_mm on bf16 sm90+ inputs) have CUDA-specific choices; rms_norm,
+rotary embedding and swiglu keep the reference (which torch.compile fuses). SDPA tries the fused kernels in a
+priority order: cuDNN attention first on Hopper and later (sm90+), where it is usually the fastest, FlashAttention-2
+first on Ampere and Ada (sm80/sm89), the memory-efficient kernel last (it also runs fp32 and pre-Ampere GPUs).
+model.attention_backend forces one of them.
 The math SDPA backend is left out on purpose: falling back to it silently would turn the fused path into the
 O(S^2) baseline, so an input no allowed kernel takes is an error that says why.
 """
@@ -11,6 +12,7 @@ O(S^2) baseline, so an input no allowed kernel takes is an error that says why.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from titan_npu.errors import ConfigError
 from titan_npu.ops import reference
 from titan_npu.ops.dispatch import register_backend
+
+if TYPE_CHECKING:
+    from titan_npu.ops.documents import Documents
 
 SDPA_BACKENDS: dict[str, SDPBackend] = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -83,8 +88,14 @@ def _sdpa_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gqa
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
-    """SDPA on the fused kernels in the configured priority; q [B,S,Hq,D], k/v [B,S,Hkv,D] -> [B,S,Hq,D]."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+              documents: Documents | None = None) -> torch.Tensor:
+    """SDPA on the fused kernels in the configured priority; q [B,S,Hq,D], k/v [B,S,Hkv,D] -> [B,S,Hq,D].
+
+    documents: SDPA with their boolean mask, on whichever kernel torch picks for a mask (FlashAttention takes none).
+    """
+    if documents is not None:
+        return reference.attention(q, k, v, causal=causal, documents=documents)
     q, k, v, gqa = _sdpa_inputs(q, k, v)
     with sdpa_kernel([SDPA_BACKENDS[name] for name in _priority], set_priority=True):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
@@ -113,4 +124,32 @@ def choose_attention_kernel(device: torch.device, forced: str, dtype: torch.dtyp
     return f"{resolve_attention_backend(q, kv, kv)} (order {' > '.join(order)})"
 
 
-register_backend("cuda", {"attention": attention})
+# torch._grouped_mm (torch 2.13): CUTLASS grouped GEMM kernels for bf16 on sm90 and later; elsewhere it runs a slow
+# per-group fallback, so those inputs take the reference instead. Every row stride (x's and the output's, the
+# weight's in either layout, the gradients') must be a multiple of 16 bytes; offsets are int32 cumulative ends.
+GROUPED_MM_MIN_CAPABILITY = (9, 0)
+GROUPED_MM_ALIGNMENT = 16
+
+
+def grouped_mm_eligible(x: torch.Tensor, w: torch.Tensor, capability: tuple[int, int] | None) -> bool:
+    """Whether torch._grouped_mm's fast kernel takes x [N, K] and w [G, M, K], backward included, on a GPU of this
+    compute capability (None: not a GPU): both bf16, sm90+, K and M multiples of 16 bytes, plain tensors."""
+    if capability is None or tuple(capability) < GROUPED_MM_MIN_CAPABILITY:
+        return False
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or any(hasattr(t, "device_mesh") for t in (x, w)):
+        return False
+    size = x.element_size()
+    return (w.shape[-1] * size) % GROUPED_MM_ALIGNMENT == 0 and (w.shape[-2] * size) % GROUPED_MM_ALIGNMENT == 0
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, max_group_rows: int | None = None
+               ) -> torch.Tensor:
+    """torch._grouped_mm (x [N, K] sorted by group, w [G, M, K] read as its [G, K, M] transpose, int32 offsets) where
+    grouped_mm_eligible says it runs fast; the reference otherwise. Its backward is torch's (grouped GEMMs too)."""
+    capability = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
+    if not grouped_mm_eligible(x, w, capability):
+        return reference.grouped_mm(x, w, offsets, max_group_rows)
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets.to(torch.int32))
+
+
+register_backend("cuda", {"attention": attention, "grouped_mm": grouped_mm})

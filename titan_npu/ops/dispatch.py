@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from titan_npu.errors import ConfigError
 from titan_npu.ops import reference
 
+if TYPE_CHECKING:
+    from titan_npu.ops.documents import Documents
+
 OP_NAMES: tuple[str, ...] = ("attention", "rms_norm", "apply_rotary_emb", "swiglu", "linear", "swiglu_linear",
-                             "grouped_mm")
+                             "grouped_mm", "moe_topk_softmax", "moe_permute", "moe_unpermute")
 
 
 def _composed_swiglu_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -33,6 +37,9 @@ REFERENCE: dict[str, Callable] = {
     "linear": reference.linear,
     "swiglu_linear": _composed_swiglu_linear,
     "grouped_mm": reference.grouped_mm,
+    "moe_topk_softmax": reference.moe_topk_softmax,
+    "moe_permute": reference.moe_permute,
+    "moe_unpermute": reference.moe_unpermute,
 }
 
 # Modules that register a vendor backend when imported; a module that does not exist (yet) is skipped.
@@ -96,15 +103,19 @@ def available_backends() -> list[str]:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, use_flash: bool = True
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, use_flash: bool = True,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """Multi-head attention, q [B,S,Hq,D], k/v [B,S,Hkv,D] (Hq a multiple of Hkv) -> [B,S,Hq,D].
 
     use_flash=True runs the chosen fused kernel; use_flash=False always runs the eager O(S^2) baseline.
+    documents (ops/documents.py): each query attends within its own document only (packed windows).
     """
     if not use_flash:
-        return reference.eager_attention(q, k, v, causal=causal)
-    return _table(q.device.type)["attention"][1](q, k, v, causal=causal)
+        return reference.eager_attention(q, k, v, causal=causal, documents=documents)
+    if documents is None:
+        return _table(q.device.type)["attention"][1](q, k, v, causal=causal)
+    return _table(q.device.type)["attention"][1](q, k, v, causal=causal, documents=documents)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -140,6 +151,22 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, max_grou
     int32 cumulative ends) times w[g]^T -> [N, M]: the routed experts' projections. max_group_rows bounds the rows
     of one group (for kernels that pad)."""
     return _table(x.device.type)["grouped_mm"][1](x, w, offsets, max_group_rows)
+
+
+def moe_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax of the router logits [T, E] in fp32, with its gradient; the top_k experts [T, top_k] int64)."""
+    return _table(logits.device.type)["moe_topk_softmax"][1](logits, top_k)
+
+
+def moe_permute(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(routed [T * k, D], order [T * k] int64): x [T, D]'s copies sorted stably by their expert in experts [T, k];
+    routed[i] = x[order[i] // k]."""
+    return _table(x.device.type)["moe_permute"][1](x, experts)
+
+
+def moe_unpermute(routed: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Back to token order, each token's k copies weighted by weights [T, k] and summed -> [T, D]."""
+    return _table(routed.device.type)["moe_unpermute"][1](routed, order, weights)
 
 
 def _table(device_type: str) -> dict[str, tuple[str, Callable]]:

@@ -2,26 +2,40 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from titan_npu.ops.documents import Documents
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
-    """Fused attention through F.scaled_dot_product_attention; q [B,S,Hq,D], k/v [B,S,Hkv,D] -> [B,S,Hq,D]."""
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+              documents: Documents | None = None) -> torch.Tensor:
+    """Fused attention through F.scaled_dot_product_attention; q [B,S,Hq,D], k/v [B,S,Hkv,D] -> [B,S,Hq,D].
+
+    documents: attention stops at their boundaries (a block-diagonal, causal if asked, boolean mask).
+    """
     gqa = q.shape[2] != k.shape[2]
+    mask = None if documents is None else documents.mask(causal)
     # SDPA wants heads before the sequence: [B, H, S, D].
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, enable_gqa=gqa
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal and mask is None,
+        enable_gqa=gqa,
     )
     return out.transpose(1, 2)
 
 
-def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                    documents: Documents | None = None) -> torch.Tensor:
     """The O(S^2)-memory baseline: softmax(Q K^T / sqrt(D) + causal mask) V with the softmax in fp32."""
     n_rep = q.shape[2] // k.shape[2]
     q, k, v = q.transpose(1, 2), repeat_kv(k, n_rep).transpose(1, 2), repeat_kv(v, n_rep).transpose(1, 2)
     scores = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)  # [B, H, Sq, Sk]
-    if causal:
+    if documents is not None:
+        scores = scores.masked_fill(~documents.mask(causal), float("-inf"))
+    elif causal:
         # Top-left aligned like SDPA's is_causal, so both paths agree for any Sq, Sk.
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(mask, float("-inf"))
@@ -84,7 +98,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def apply_rotary_emb(
     xq: torch.Tensor, xk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k ([B,S,H,D]) by position; cos/sin are [S, D/2] fp32, one angle per interleaved pair."""
+    """Rotate q and k ([B,S,H,D]) by position; cos/sin are [S, D/2] fp32, one angle per interleaved pair (or
+    [B, S, D/2]: positions of their own per row, e.g. restarting at each packed document)."""
     return _RotatePairs.apply(xq, cos, sin), _RotatePairs.apply(xk, cos, sin)
 
 
@@ -105,7 +120,7 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def rotate_pairs_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """rotate_pairs as complex numbers x_2i + i x_2i+1 times cos + i sin (the eager form)."""
     pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))  # [B, S, H, D/2]
-    rotation = torch.complex(cos.float(), sin.float())[None, :, None, :]
+    rotation = torch.complex(cos.float(), sin.float()).unsqueeze(-2)  # broadcast over the heads (and batch)
     return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
 
 
@@ -113,7 +128,7 @@ def rotate_pairs_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     """rotate_pairs as real products, (a c - b s, a s + b c) for each pair (a, b) (the compiled form)."""
     pairs = x.float().unflatten(-1, (-1, 2))  # [B, S, H, D/2, 2]
     even, odd = pairs[..., 0], pairs[..., 1]
-    c, s = cos.float()[None, :, None, :], sin.float()[None, :, None, :]
+    c, s = cos.float().unsqueeze(-2), sin.float().unsqueeze(-2)
     return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).to(x.dtype)
 
 
@@ -187,3 +202,26 @@ def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, m
     slot = row - starts[group]
     buffer = x.new_zeros(groups, rows, x.shape[1]).index_put((group, slot), x)
     return torch.bmm(buffer, w.transpose(1, 2))[group, slot]
+
+
+def moe_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's choice: (softmax of logits [T, E] in fp32, with its gradient; the top_k experts of each token
+    [T, top_k] int64, by descending probability)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    return probs, torch.topk(probs, top_k, dim=-1).indices
+
+
+def moe_permute(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token copies sorted by expert: (routed [T * k, D], order [T * k] int64) for x [T, D] and experts [T, k];
+    order is the stable sort of the flattened experts (within an expert, token order) and routed[i] is
+    x[order[i] // k]."""
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    return x[order // experts.shape[-1]], order
+
+
+def moe_unpermute(routed: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """moe_permute's inverse with each token's copies weighted and summed: out[t] = sum_j weights[t, j] *
+    routed[i] for the i with order[i] = t * k + j; routed [T * k, D], weights [T, k] -> [T, D] in routed's dtype."""
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+    out = routed[inverse].view(weights.shape[0], weights.shape[1], -1)
+    return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)

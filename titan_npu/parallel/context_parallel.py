@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from titan_npu.ops.cross_entropy import IGNORE_INDEX
+from titan_npu.ops.documents import Documents
 from titan_npu.parallel.hybrid_attention import hybrid_attention
 from titan_npu.parallel.ring_attention import ring_attention
 from titan_npu.parallel.ulysses_attention import ulysses_attention
@@ -48,8 +49,11 @@ class LoadBalancedContext:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._positions: dict[tuple[int, torch.device], torch.Tensor] = {}
 
-    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
-        """The true positions (rows of the RoPE tables) of this rank's local_len positions."""
+    def positions(self, local_len: int, device: torch.device, documents: Documents | None = None) -> torch.Tensor:
+        """The true positions (rows of the RoPE tables) of this rank's local_len positions; [B, local_len] of
+        positions inside each document when the documents carry them (data.reset_position_ids)."""
+        if documents is not None and documents.positions is not None:
+            return shard_sequence(documents.positions, self.rank, self.size)
         key = (local_len, device)
         if key not in self._positions:
             self._positions[key] = load_balanced_positions(local_len * self.size, self.rank, self.size, device)
@@ -66,17 +70,21 @@ class LoadBalancedContext:
 class RingContext(LoadBalancedContext):
     """The local chunks' positions, and ring attention over the cp group."""
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of the local q [B, S_local, Hq, D] against the whole sequence's keys/values."""
-        return ring_attention(q, k, v, self.group)
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+                  ) -> torch.Tensor:
+        """Causal attention of the local q [B, S_local, Hq, D] against the whole sequence's keys/values (within
+        each query's document when documents are given)."""
+        return ring_attention(q, k, v, self.group, documents)
 
 
 class UlyssesContext(LoadBalancedContext):
     """The local chunks' positions, and Ulysses attention (all-to-all to a head split) over the cp group."""
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of the local q [B, S_local, Hq, D] against the whole sequence's keys/values."""
-        return ulysses_attention(q, k, v, self.group)
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+                  ) -> torch.Tensor:
+        """Causal attention of the local q [B, S_local, Hq, D] against the whole sequence's keys/values (within
+        each query's document when documents are given)."""
+        return ulysses_attention(q, k, v, self.group, documents)
 
 
 class HybridContext(LoadBalancedContext):
@@ -88,9 +96,11 @@ class HybridContext(LoadBalancedContext):
         super().__init__(group)
         self.ulysses_group, self.ring_group = ulysses_group, ring_group
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of the local q [B, S_local, Hq, D] against the whole sequence's keys/values."""
-        return hybrid_attention(q, k, v, self.ulysses_group, self.ring_group)
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+                  ) -> torch.Tensor:
+        """Causal attention of the local q [B, S_local, Hq, D] against the whole sequence's keys/values (within
+        each query's document when documents are given)."""
+        return hybrid_attention(q, k, v, self.ulysses_group, self.ring_group, documents)
 
 
 CONTEXTS = {"ring": RingContext, "ulysses": UlyssesContext, "hybrid": HybridContext}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from titan_npu.ops.documents import Documents
 from titan_npu.parallel.ring_attention import ring_attention
 from titan_npu.parallel.ulysses_attention import (
     _heads_to_sequence,
@@ -25,11 +26,12 @@ from titan_npu.parallel.ulysses_attention import (
 
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_group: dist.ProcessGroup,
-                     ring_group: dist.ProcessGroup) -> torch.Tensor:
+                     ring_group: dist.ProcessGroup, documents: Documents | None = None) -> torch.Tensor:
     """Causal attention of this rank's load-balanced chunks, q [B, S_local, Hq, D] and k/v [B, S_local, Hkv, D],
     against the whole sequence, Ulysses over `ulysses_group` (u adjacent cp ranks) and the ring over `ring_group`
     (the ranks of the same place in every Ulysses group, in group order) -> [B, S_local, Hq, D]. Hq must be a
-    multiple of u, and Hkv a multiple or a divisor of u."""
+    multiple of u, and Hkv a multiple or a divisor of u. documents (of the whole window): within each query's
+    document only (the ring's blocks are the load-balanced split of its g ranks, which is how it reads them)."""
     u, hq, hkv = dist.get_world_size(ulysses_group), q.shape[2], k.shape[2]
     if hq % u or (hkv % u and u % hkv):
         raise ValueError(f"hybrid attention with Ulysses groups of {u} ranks needs a multiple of {u} query heads (got "
@@ -38,5 +40,5 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_
     if hkv < u:
         k, v = k.repeat_interleave(u // hkv, dim=2), v.repeat_interleave(u // hkv, dim=2)
     q, k, v = (_rank_to_position_order(_sequence_to_heads(t, ulysses_group, u), u) for t in (q, k, v))
-    out = ring_attention(q, k, v, ring_group)
+    out = ring_attention(q, k, v, ring_group, documents)
     return _heads_to_sequence(_position_to_rank_order(out, u), ulysses_group, u)

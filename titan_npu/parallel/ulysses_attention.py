@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from titan_npu import ops
+from titan_npu.ops.documents import Documents
 
 
 def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
@@ -50,10 +51,12 @@ def _position_to_rank_order(x: torch.Tensor, cp: int) -> torch.Tensor:
     return torch.stack((chunks[:, :cp], chunks[:, cp:].flip(1)), dim=2).flatten(1, 3)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                      documents: Documents | None = None) -> torch.Tensor:
     """Causal attention of this rank's load-balanced chunks, q [B, S_local, Hq, D] and k/v [B, S_local, Hkv, D],
     against the whole sequence held by the ranks of `group` -> [B, S_local, Hq, D]. Hq must be a multiple of cp,
-    and Hkv a multiple or a divisor of cp."""
+    and Hkv a multiple or a divisor of cp. documents (of the whole window): the attention over the whole sequence
+    stops at their boundaries."""
     cp, hq, hkv = dist.get_world_size(group), q.shape[2], k.shape[2]
     if hq % cp or (hkv % cp and cp % hkv):
         raise ValueError(f"Ulysses attention over {cp} ranks needs a multiple of {cp} query heads (got {hq}) and "
@@ -61,5 +64,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     if hkv < cp:
         k, v = k.repeat_interleave(cp // hkv, dim=2), v.repeat_interleave(cp // hkv, dim=2)
     q, k, v = (_rank_to_position_order(_sequence_to_heads(t, group, cp), cp) for t in (q, k, v))
-    out = ops.attention(q, k, v, causal=True)
+    out = ops.attention(q, k, v, causal=True, documents=documents)
     return _heads_to_sequence(_position_to_rank_order(out, cp), group, cp)

@@ -38,6 +38,7 @@ from titan_npu.metrics.report import final_report, run_info, write_run_info
 from titan_npu.models.registry import build_model_args, spec_of
 from titan_npu.ops import current_kernels
 from titan_npu.ops.cuda import choose_attention_kernel
+from titan_npu.ops.documents import Documents
 from titan_npu.ops.npu import set_rope_fp32
 from titan_npu.parallel import ParallelDims, init_process_group, validate_layout
 from titan_npu.parallel.context_parallel import ContextParallelBatch, cp_weighted_loss
@@ -230,13 +231,15 @@ class Trainer:
             t.gradient_accumulation_steps, self.dims.dp, t.dtype, self.peak_flops / 1e12,
         )
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
-        """One micro-batch: forward, loss, backward; returns the unscaled loss (detached)."""
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
+                         documents: Documents | None = None) -> torch.Tensor:
+        """One micro-batch: forward, loss, backward; returns the unscaled loss (detached). documents: the
+        batch's (data.document_mask), whole windows also under context parallelism."""
         cp_weight = None
         if self.cp_batch is not None:
             inputs, labels, cp_weight = self.cp_batch.split(inputs, labels)
         with self.loss_context():  # vocab-sharded logits under TP: the loss and its backward run sharded
-            loss = model_loss(self.model, inputs, labels, self.autocast, self.loss_chunk_tokens)
+            loss = model_loss(self.model, inputs, labels, self.autocast, self.loss_chunk_tokens, documents)
             if cp_weight is not None:
                 loss = loss * cp_weight
             for hook in self.loss_hooks:
@@ -273,11 +276,12 @@ class Trainer:
         else:
             for _ in range(accum):
                 t0 = time.perf_counter()
-                inputs, labels = next(data_iter)
+                inputs, labels, *documents = next(data_iter)  # documents: with data.document_mask
                 inputs = inputs.to(self.device.torch_device, non_blocking=True)
                 labels = labels.to(self.device.torch_device, non_blocking=True)
+                docs = documents[0].to(self.device.torch_device, non_blocking=True) if documents else None
                 data_time += time.perf_counter() - t0
-                loss_sum += self.forward_backward(inputs, labels, 1.0 / accum)
+                loss_sum += self.forward_backward(inputs, labels, 1.0 / accum, docs)
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
         params = [p for part in self.model_parts for p in part.parameters()]

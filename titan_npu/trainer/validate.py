@@ -77,13 +77,15 @@ class Validator:
         count = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         try:
             for _ in range(self.steps):
-                inputs, labels = next(self.loader)
+                inputs, labels, *documents = next(self.loader)  # documents: with data.document_mask
                 inputs = inputs.to(self.device.torch_device, non_blocking=True)
                 labels = labels.to(self.device.torch_device, non_blocking=True)
+                device = self.device.torch_device
+                kwargs = {"documents": documents[0].to(device, non_blocking=True)} if documents else {}
                 if self.cp_batch is not None:
                     inputs, labels, _ = self.cp_batch.split(inputs, labels)
                 with autocast():
-                    logits = model(inputs)
+                    logits = model(inputs, **kwargs)
                 with loss_context():
                     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
                                            ignore_index=IGNORE_INDEX)

@@ -198,6 +198,10 @@ def meta_functions() -> dict[str, types.FunctionType]:
         "torch_npu.npu.utils": types.ModuleType("torch_npu.npu.utils"),
         "torch_npu.npu._backends": types.ModuleType("torch_npu.npu._backends"),
     }
+    # torch_npu's own dtypes (hifloat8, float4_e2m1fn_x2, ...) that rules compare arguments with: stand-ins equal to
+    # no torch dtype.
+    for dtype in ("hifloat8", "float4_e2m1fn_x2", "float4_e1m2fn_x2", "float8_e8m0fnu"):
+        setattr(shims["torch_npu"], dtype, f"torch_npu.{dtype}")
     shims["torch_npu.npu.utils"].get_cann_version = lambda: "8.5.0"
     shims["torch_npu.npu._backends"].get_soc_version = lambda: 220  # Ascend910B3
     saved_modules = {name: sys.modules.get(name) for name in shims}
@@ -251,12 +255,14 @@ _implemented: set[str] = set()
 _kernels: dict[str, types.FunctionType] = {}  # the newest implementation of each op (the fake may be re-imported)
 
 
-def define_ops(names: list[str], kernels: dict) -> None:
+def define_ops(names: list[str], kernels: dict, without_autograd: tuple[str, ...] = ()) -> None:
     """torch.ops.npu.<name> for every name, with the pinned wheel's schema; those in `kernels` get a CPU kernel.
 
     The kernel is registered as CompositeImplicitAutograd, so autograd runs through its plain-torch body; the
     dispatcher parses every call against the wheel's schema (argument names, types, defaults) and the result is
-    checked against the wheel's meta function (arity, shapes, dtypes).
+    checked against the wheel's meta function (arity, shapes, dtypes). An op in `without_autograd` (one torch_npu
+    registers no backward for) runs its body without recording a graph, as a compiled kernel does: a backward
+    through it meets torch's autograd fallback (a warning and no gradient), as on a card.
     """
     import torch
 
@@ -270,13 +276,19 @@ def define_ops(names: list[str], kernels: dict) -> None:
     _kernels.update(kernels)
     for name in kernels:
         if name not in _implemented:
-            _library.impl(name, _checked(name), "CompositeImplicitAutograd")
+            if name in without_autograd:
+                _library.impl(name, _checked(name, record_graph=False), "CompositeExplicitAutograd")
+            else:
+                _library.impl(name, _checked(name), "CompositeImplicitAutograd")
             _implemented.add(name)
 
 
-def _checked(name: str):
+def _checked(name: str, record_graph: bool = True):
+    import torch
+
     def kernel(*args, **kwargs):
-        out = _kernels[name](*args, **kwargs)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and record_graph):
+            out = _kernels[name](*args, **kwargs)
         check_against_meta(name, args, kwargs, out)
         return out
     return kernel

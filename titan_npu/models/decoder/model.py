@@ -27,6 +27,7 @@ from titan_npu.models.decoder.args import (
 )
 from titan_npu.models.init import ParamInit, constant, init_parameters, normal, prefixed, trunc_normal
 from titan_npu.ops.cross_entropy import chunked_linear_cross_entropy
+from titan_npu.ops.documents import Documents
 
 
 def precompute_rope(
@@ -107,6 +108,9 @@ class Attention(nn.Module):
         # UlyssesContext): the true positions of the chunks of the sequence this rank holds, and attention across
         # the ranks that hold the rest. None: the whole sequence is here.
         self.context = None
+        # The documents of the batch being run (data.document_mask, ops/documents.py), set by Transformer.forward:
+        # attention stops at their boundaries, and RoPE takes their positions when they carry them. None: none.
+        self.documents = None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,13 +135,19 @@ class Attention(nn.Module):
                 f"sequence length {seqlen} exceeds model.max_seq_len={cos.shape[0]}; "
                 f"raise model.max_seq_len or lower training.seq_len"
             )
+        documents = self.documents
         if self.context is None:
-            xq, xk, xv = self.qkv(x, cos[:seqlen], sin[:seqlen])
-            out = ops.attention(xq, xk, xv, causal=True, use_flash=self.use_flash)  # [B, S, Hq, D]
-        else:
+            rows = slice(seqlen) if documents is None or documents.positions is None else documents.positions
+            xq, xk, xv = self.qkv(x, cos[rows], sin[rows])
+            out = ops.attention(xq, xk, xv, causal=True, use_flash=self.use_flash, documents=documents)  # [B,S,Hq,D]
+        elif documents is None:
             positions = self.context.positions(seqlen, x.device)
             xq, xk, xv = self.qkv(x, cos[positions], sin[positions])
             out = self.context.attention(xq, xk, xv)
+        else:
+            positions = self.context.positions(seqlen, x.device, documents)
+            xq, xk, xv = self.qkv(x, cos[positions], sin[positions])
+            out = self.context.attention(xq, xk, xv, documents)
         return self.wo(out.reshape(bs, seqlen, -1))
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
@@ -276,12 +286,16 @@ class Transformer(nn.Module):
         return h
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                loss_chunk_tokens: int = 0) -> torch.Tensor:
+                loss_chunk_tokens: int = 0, documents: Documents | None = None) -> torch.Tensor:
         """tokens [B, S] (or hidden states [B, S, dim] when tok_embeddings is None) -> logits [B, S, vocab].
 
         With labels [B, S] (and the output projection on this part): the mean cross entropy instead of the logits,
         projected loss_chunk_tokens tokens at a time (titan_npu/ops/cross_entropy.py), so the logits are never whole.
+        documents: the batch's packed documents (data.document_mask); every attention stops at their boundaries.
         """
+        for module in self.modules():  # also inside activation-checkpoint and compile wrappers
+            if isinstance(module, Attention):
+                module.documents = documents
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         h = self.run_layers(h)
         h = self.norm(h) if self.norm is not None else h

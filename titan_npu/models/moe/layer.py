@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from titan_npu import ops
 from titan_npu.models.decoder.model import FeedForward
 from titan_npu.models.init import ParamInit, prefixed
 from titan_npu.models.moe.args import MoEArgs
@@ -41,15 +42,13 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        n_tokens, top_k, n_experts = x.shape[0], self.args.top_k, self.args.n_experts
+        n_tokens, n_experts = x.shape[0], self.args.n_experts
         weights, experts, probs = self.router(x)
         # Token copies sorted by expert (stable: within an expert, in token order).
         flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        sorted_expert = flat[order]
+        routed, order = ops.moe_permute(x, experts)
         counts = torch.zeros(n_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         ends = counts.cumsum(0)
-        routed = x[order // top_k]
         if self.ep_group is not None:
             out_sorted = run_experts_parallel(self.experts, routed, counts, self.ep_group)
             dropped = torch.zeros((), dtype=torch.int64, device=x.device)
@@ -58,15 +57,14 @@ class MoE(nn.Module):
             dropped = torch.zeros((), dtype=torch.int64, device=x.device)
         else:
             capacity = self.args.capacity(n_tokens)
+            sorted_expert = flat[order]
             slot = torch.arange(flat.shape[0], device=x.device) - (ends - counts)[sorted_expert]
             kept = slot < capacity
             out_sorted = self.experts.forward_padded(routed, sorted_expert, torch.where(kept, slot, capacity),
                                                      capacity)
             dropped = (~kept).sum()
-        # Back to token order: row i of out is copy i of token i // top_k.
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=x.device))
-        out = out_sorted[inverse].view(n_tokens, top_k, -1)
-        out = (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+        # Back to token order, the copies of each token weighted and summed.
+        out = ops.moe_unpermute(out_sorted, order, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape), (counts.float(), probs.sum(dim=0), dropped)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from titan_npu import ops
 from titan_npu.models.decoder.model import Linear
 from titan_npu.models.init import ParamInit, trunc_normal
 from titan_npu.models.moe.args import MoEArgs
@@ -31,10 +32,12 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = self.gate(x)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        scores = probs if self.score_bias is None else probs + self.score_bias
-        experts = torch.topk(scores, self.top_k, dim=-1).indices
-        weights = probs.gather(-1, experts)
+        if self.score_bias is None:
+            probs, experts = ops.moe_topk_softmax(logits, self.top_k)
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            experts = torch.topk(probs + self.score_bias, self.top_k, dim=-1).indices
+        weights = probs.gather(-1, experts)  # the weights' gradient flows through this gather
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(logits.dtype), experts, probs

@@ -152,8 +152,164 @@ def _npu_fusion_attention(
     offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     """softmax(mask(scale * Q K^T)) V; returns (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset,
-    numels), attention_out in the input layout."""
+    numels), attention_out in the input layout. TND: query [T, N1, D], key/value [T, N2, D] hold sequences one after
+    the other, actual_seq_qlen / actual_seq_kvlen their cumulative ends; each attends within itself (the mask and
+    sparse mode apply per sequence); softmax_max / softmax_sum are [T, N1, 8]."""
     calls["npu_fusion_attention"] += 1
+    args = (pse, padding_mask, atten_mask, scale, keep_prob, pre_tockens, next_tockens, inner_precise, prefix)
+    rest = (sparse_mode, gen_mask_parallel, sync, softmax_layout, sink, dropout_mask, seed, offset)
+    if input_layout != "TND":
+        return _fusion_attention_dense(query, key, value, head_num, input_layout, *args, actual_seq_qlen,
+                                       actual_seq_kvlen, *rest)
+    if actual_seq_qlen is None or actual_seq_kvlen is None:
+        raise RuntimeError("npu_fusion_attention: layout TND needs actual_seq_qlen and actual_seq_kvlen")
+    if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+        raise RuntimeError("npu_fusion_attention: layout TND needs 3-D query/key/value")
+    if len(actual_seq_qlen) != len(actual_seq_kvlen):
+        raise RuntimeError("npu_fusion_attention: actual_seq_qlen and actual_seq_kvlen differ in length")
+    for ends, t in ((actual_seq_qlen, query.shape[0]), (actual_seq_kvlen, key.shape[0])):
+        if not ends or ends[-1] != t or any(b <= a for a, b in zip([0, *ends], ends)):
+            raise RuntimeError(f"npu_fusion_attention: cumulative lengths {list(ends)} must rise to T={t}")
+    outs, maxes, sums = [], [], []
+    for q0, q1, k0, k1 in zip([0, *actual_seq_qlen], actual_seq_qlen, [0, *actual_seq_kvlen], actual_seq_kvlen):
+        out, row_max, row_sum, *_ = _fusion_attention_dense(
+            query[None, q0:q1], key[None, k0:k1], value[None, k0:k1], head_num, "BSND", *args, None, None, *rest)
+        outs.append(out[0])
+        maxes.append(row_max[0].transpose(0, 1))
+        sums.append(row_sum[0].transpose(0, 1))
+    softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
+    return torch.cat(outs), torch.cat(maxes), torch.cat(sums), softmax_out, 0, 0, 0
+
+
+def _positions_masked(atten_mask: torch.Tensor | None, sparse_mode: int, sq: int, skv: int, pre_tockens: int,
+                      next_tockens: int, device: torch.device) -> torch.Tensor | None:
+    """The [.., Sq, Skv] bool mask (True = masked) that atten_mask and the sparse mode stand for, or None."""
+    masked = None
+    if sparse_mode in (2, 3):
+        if atten_mask is None or tuple(atten_mask.shape) != (_COMPRESSED_MASK_SIZE,) * 2:
+            raise RuntimeError(
+                f"npu_fusion_attention: sparse_mode={sparse_mode} needs the compressed {_COMPRESSED_MASK_SIZE}x"
+                f"{_COMPRESSED_MASK_SIZE} atten_mask"
+            )
+        if atten_mask.dtype not in (torch.bool, torch.uint8):
+            raise RuntimeError("npu_fusion_attention: atten_mask must be bool or uint8")
+        offset = 0 if sparse_mode == 2 else skv - sq
+        masked = _expand_compressed_mask(atten_mask.bool().cpu(), sq, skv, offset).to(device)
+    elif sparse_mode in (0, 1):
+        if atten_mask is not None:
+            if atten_mask.dtype not in (torch.bool, torch.uint8):
+                raise RuntimeError("npu_fusion_attention: atten_mask must be bool or uint8")
+            if tuple(atten_mask.shape[-2:]) != (sq, skv):
+                raise RuntimeError(
+                    f"npu_fusion_attention: sparse_mode={sparse_mode} needs an atten_mask of [..., {sq}, {skv}], "
+                    f"got {list(atten_mask.shape)}"
+                )
+            masked = atten_mask.bool()
+            if sparse_mode == 0:
+                # defaultMask: positions outside the band [i - pre_tockens, i + next_tockens] are masked too.
+                dist = torch.arange(skv).unsqueeze(0) - torch.arange(sq).unsqueeze(1)
+                band = (dist > next_tockens) | (-dist > pre_tockens)
+                masked = masked | band.to(masked.device)
+    else:
+        raise NotImplementedError(f"fake npu_fusion_attention: sparse_mode={sparse_mode} is not modelled")
+
+    return masked
+
+
+def _npu_fusion_attention_grad(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dy: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    pse: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    softmax_max: torch.Tensor | None = None,
+    softmax_sum: torch.Tensor | None = None,
+    softmax_in: torch.Tensor | None = None,
+    attention_in: torch.Tensor | None = None,
+    scale_value: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = 2147483647,
+    next_tockens: int = 2147483647,
+    inner_precise: int = 0,
+    seed: int = 0,
+    offset: int = 0,
+    numels: int = 0,
+    prefix: list[int] | None = None,
+    actual_seq_qlen: list[int] | None = None,
+    actual_seq_kvlen: list[int] | None = None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+    softmax_layout: str = "",
+    sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dpse, dsink) of npu_fusion_attention from the forward's softmax statistics: the probabilities
+    are recomputed as exp(scale * Q K^T - softmax_max) / softmax_sum under the same mask, and attention_in (the
+    forward's output) gives rowsum(dy * out). dk/dv come back with the key/value heads, in the input layout."""
+    calls["npu_fusion_attention_grad"] += 1
+    if input_layout not in _LAYOUTS:
+        raise RuntimeError(f"npu_fusion_attention_grad: input_layout {input_layout!r} is not one of {_LAYOUTS}")
+    if softmax_max is None or softmax_sum is None or attention_in is None:
+        raise RuntimeError("npu_fusion_attention_grad: needs softmax_max, softmax_sum and attention_in")
+    if (pse is not None or padding_mask is not None or prefix is not None or actual_seq_qlen is not None
+            or sink is not None or softmax_layout or keep_prob != 1.0):
+        raise NotImplementedError("fake npu_fusion_attention_grad: pse / padding_mask / prefix / varlen / sink / "
+                                  "softmax_layout / dropout are not modelled")
+    head_dim = query.shape[-1] if input_layout in ("BSND", "BNSD") else query.shape[-1] // head_num
+    q, k, v, do, out = (_to_bnsd(t, input_layout, head_num if t is not key and t is not value else None,
+                                 head_dim).float() for t in (query, key, value, dy, attention_in))
+    b, n1, sq, _ = q.shape
+    n2, skv = k.shape[1], k.shape[2]
+    if tuple(softmax_max.shape) != (b, n1, sq, 8) or softmax_sum.shape != softmax_max.shape:
+        raise RuntimeError(f"npu_fusion_attention_grad: softmax_max/sum must be [{b}, {n1}, {sq}, 8]")
+    group = n1 // n2
+    scores = torch.matmul(q, k.repeat_interleave(group, dim=1).transpose(-2, -1)) * scale_value
+    masked = _positions_masked(atten_mask, sparse_mode, sq, skv, pre_tockens, next_tockens, scores.device)
+    if masked is not None:
+        scores = scores.masked_fill(masked, float("-inf"))
+    probs = torch.exp(scores - softmax_max[..., :1].float()) / softmax_sum[..., :1].float()
+    dv = torch.matmul(probs.transpose(-2, -1), do)
+    dscores = probs * (torch.matmul(do, v.repeat_interleave(group, dim=1).transpose(-2, -1))
+                       - (do * out).sum(-1, keepdim=True)) * scale_value
+    dq = torch.matmul(dscores, k.repeat_interleave(group, dim=1))
+    dk = torch.matmul(dscores.transpose(-2, -1), q)
+    dk, dv = (t.unflatten(1, (n2, group)).sum(2) for t in (dk, dv))
+    grads = tuple(_from_bnsd(t, input_layout).to(query.dtype) for t in (dq, dk, dv))
+    empty = torch.empty(0, dtype=query.dtype, device=query.device)
+    return (*grads, empty, torch.empty(0, device=query.device))
+
+
+def _fusion_attention_dense(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    pse: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = 2147483647,
+    next_tockens: int = 2147483647,
+    inner_precise: int = 0,
+    prefix: list[int] | None = None,
+    actual_seq_qlen: list[int] | None = None,
+    actual_seq_kvlen: list[int] | None = None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+    softmax_layout: str = "",
+    sink: torch.Tensor | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    seed: int = 0,
+    offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
+    """npu_fusion_attention in the layouts with whole sequences (BSH, SBH, BSND, BNSD)."""
     if input_layout not in _LAYOUTS:
         raise RuntimeError(f"npu_fusion_attention: input_layout {input_layout!r} is not one of {_LAYOUTS}")
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (torch.float16, torch.bfloat16,
@@ -194,35 +350,7 @@ def _npu_fusion_attention(
     v = v.repeat_interleave(n1 // n2, dim=1)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # [B, N1, Sq, Skv]
 
-    masked = None
-    if sparse_mode in (2, 3):
-        if atten_mask is None or tuple(atten_mask.shape) != (_COMPRESSED_MASK_SIZE,) * 2:
-            raise RuntimeError(
-                f"npu_fusion_attention: sparse_mode={sparse_mode} needs the compressed {_COMPRESSED_MASK_SIZE}x"
-                f"{_COMPRESSED_MASK_SIZE} atten_mask"
-            )
-        if atten_mask.dtype not in (torch.bool, torch.uint8):
-            raise RuntimeError("npu_fusion_attention: atten_mask must be bool or uint8")
-        offset = 0 if sparse_mode == 2 else skv - sq
-        masked = _expand_compressed_mask(atten_mask.bool().cpu(), sq, skv, offset).to(scores.device)
-    elif sparse_mode in (0, 1):
-        if atten_mask is not None:
-            if atten_mask.dtype not in (torch.bool, torch.uint8):
-                raise RuntimeError("npu_fusion_attention: atten_mask must be bool or uint8")
-            if tuple(atten_mask.shape[-2:]) != (sq, skv):
-                raise RuntimeError(
-                    f"npu_fusion_attention: sparse_mode={sparse_mode} needs an atten_mask of [..., {sq}, {skv}], "
-                    f"got {list(atten_mask.shape)}"
-                )
-            masked = atten_mask.bool()
-            if sparse_mode == 0:
-                # defaultMask: positions outside the band [i - pre_tockens, i + next_tockens] are masked too.
-                dist = torch.arange(skv).unsqueeze(0) - torch.arange(sq).unsqueeze(1)
-                band = (dist > next_tockens) | (-dist > pre_tockens)
-                masked = masked | band.to(masked.device)
-    else:
-        raise NotImplementedError(f"fake npu_fusion_attention: sparse_mode={sparse_mode} is not modelled")
-
+    masked = _positions_masked(atten_mask, sparse_mode, sq, skv, pre_tockens, next_tockens, scores.device)
     if masked is not None:
         scores = scores.masked_fill(masked, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)
@@ -310,6 +438,141 @@ def _npu_swiglu(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return (F.silu(a) * b).to(self.dtype)
 
 
+# --- mixture-of-experts kernels -----------------------------------------------------------------------------------
+# From the wheel's API reference (torch_npu/_op_plugin_docs.py) and meta registrations. Of these, torch_npu 2.13.0
+# registers a backward (generated autograd nodes NpuMoeTokenPermuteBackward0 / NpuMoeTokenUnpermuteBackward0 in
+# torch_npu/lib/libtorch_npu.so) for the token permutation ops only: npu_grouped_matmul and
+# npu_moe_gating_top_k_softmax have none (WITHOUT_AUTOGRAD below).
+
+GMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+GMM_INNER_LIMIT = 65536  # the stored last dim of each x and weight must be below it (Atlas A2)
+PERMUTE_MAX_TOPK = 512
+
+
+def _inner_size(t: torch.Tensor) -> int:
+    """The length of t's stored last axis: its last dim, or the one before when t is a transposed view."""
+    return t.shape[-2] if t.dim() >= 2 and t.stride(-1) != 1 and t.stride(-2) == 1 else t.shape[-1]
+
+
+def _npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+                        antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
+                        activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
+                        group_list_type=0, act_type=0, tuning_config=None, output_dtype=None, x_dtype=None,
+                        weight_dtype=None, scale_dtype=None, per_token_scale_dtype=None) -> list[torch.Tensor]:
+    """The non-quantised single-tensor case: one x, one weight, a group_list tensor, one output (split_item 2/3).
+
+    group_type 0 splits x [M, K]'s rows: y[rows of g] = x[rows of g] @ weight[g], weight [E, K, N] -> y [M, N].
+    group_type 2 splits the contracted axis: x [M, K] (a transposed view of a [K, M] tensor), weight [K, N]:
+    y[g] = x[:, part g of K] @ weight[part g of K, :] -> y [E, M, N] (an empty part gives zeros).
+    group_list: int64, cumulative ends (group_list_type 0) or sizes (1), one per group, covering the whole axis.
+    """
+    calls["npu_grouped_matmul"] += 1
+    quantised = (bias, scale, offset, antiquant_scale, antiquant_offset, per_token_scale, activation_input,
+                 activation_quant_scale, activation_quant_offset, tuning_config, output_dtype, x_dtype,
+                 weight_dtype, scale_dtype, per_token_scale_dtype)
+    if any(a is not None for a in quantised) or act_type:
+        raise NotImplementedError("fake npu_grouped_matmul: bias, quantisation, activation and tuning are not modelled")
+    if len(x) != 1 or len(weight) != 1 or split_item not in (2, 3) or group_list is None:
+        raise NotImplementedError("fake npu_grouped_matmul: only one x, one weight, a group_list tensor and one output "
+                                  "(split_item 2 or 3) are modelled")
+    (a,), (b,) = x, weight
+    if a.dtype not in GMM_DTYPES or b.dtype != a.dtype:
+        raise RuntimeError(f"npu_grouped_matmul: x {a.dtype} and weight {b.dtype} must share one of fp16, bf16, fp32")
+    if group_list.dtype != torch.int64 or group_list.dim() != 1:
+        raise RuntimeError(f"npu_grouped_matmul: group_list must be a 1-D int64 tensor, got {group_list.dtype} "
+                           f"of {group_list.dim()} dims")
+    if group_list_type not in (0, 1):
+        raise RuntimeError(f"npu_grouped_matmul: group_list_type {group_list_type} is not 0 (cumsum) or 1 (counts)")
+    for name, t in (("x", a), ("weight", b)):
+        if _inner_size(t) >= GMM_INNER_LIMIT:
+            raise RuntimeError(f"npu_grouped_matmul: the inner axis of {name} ({_inner_size(t)}) must be below "
+                               f"{GMM_INNER_LIMIT}")
+    sizes = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
+    if bool((sizes < 0).any()):
+        raise RuntimeError("npu_grouped_matmul: group_list must be non-negative and, as cumsum, non-decreasing")
+    if a.dim() != 2:
+        raise RuntimeError(f"npu_grouped_matmul: x must be 2-D here, got {a.dim()} dims")
+    if group_type == 0:
+        if b.dim() != 3 or b.shape[0] != group_list.shape[0] or b.shape[1] != a.shape[1]:
+            raise RuntimeError(f"npu_grouped_matmul: group_type 0 needs weight [E, K, N] with E = len(group_list) = "
+                               f"{group_list.shape[0]} and K = x's {a.shape[1]}, got {list(b.shape)}")
+        if int(sizes.sum()) != a.shape[0]:
+            raise RuntimeError(f"npu_grouped_matmul: the groups cover {int(sizes.sum())} rows, x has {a.shape[0]}")
+        parts = torch.split(a.float(), sizes.tolist())
+        return [torch.cat([p @ b[g].float() for g, p in enumerate(parts)]).to(a.dtype)]
+    if group_type == 2:
+        if b.dim() != 2 or b.shape[0] != a.shape[1]:
+            raise RuntimeError(f"npu_grouped_matmul: group_type 2 needs weight [K, N] with K = x's {a.shape[1]}, "
+                               f"got {list(b.shape)}")
+        if int(sizes.sum()) != a.shape[1]:
+            raise RuntimeError(f"npu_grouped_matmul: the groups cover {int(sizes.sum())} of K, x has {a.shape[1]}")
+        a_parts = torch.split(a.float(), sizes.tolist(), dim=1)
+        b_parts = torch.split(b.float(), sizes.tolist(), dim=0)
+        return [torch.stack([p @ q for p, q in zip(a_parts, b_parts)]).to(a.dtype)]
+    raise NotImplementedError(f"fake npu_grouped_matmul: group_type {group_type} is not modelled (0: M, 2: K)")
+
+
+def _npu_moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None = None, k: int = 1
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, expert_idx, row_idx): y the k largest softmax values of each row (descending, not renormalised, in x's
+    dtype), expert_idx their int32 columns, row_idx[i, j] = j * rows + i (the layout npu_moe_init_routing reads)."""
+    calls["npu_moe_gating_top_k_softmax"] += 1
+    if finished is not None:
+        raise NotImplementedError("fake npu_moe_gating_top_k_softmax: finished is not modelled")
+    if x.dtype not in GMM_DTYPES or x.dim() not in (2, 3):
+        raise RuntimeError(f"npu_moe_gating_top_k_softmax: x must be 2-D or 3-D fp16/bf16/fp32, got {x.dim()}-D "
+                           f"{x.dtype}")
+    if not 0 < k <= min(x.shape[-1], 1024):
+        raise RuntimeError(f"npu_moe_gating_top_k_softmax: k={k} must be in (0, min(experts, 1024)]")
+    values, idx = torch.topk(torch.softmax(x.float(), dim=-1), k, dim=-1)
+    rows = x.numel() // x.shape[-1]
+    row_idx = (torch.arange(k, device=x.device) * rows + torch.arange(rows, device=x.device).unsqueeze(1))
+    row_idx = row_idx.view(*x.shape[:-1], k)
+    return values.to(x.dtype), idx.to(torch.int32), row_idx.to(torch.int32)
+
+
+def _npu_moe_token_permute(tokens: torch.Tensor, indices: torch.Tensor, num_out_tokens: int | None = None,
+                           padded_mode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(permuted_tokens, sorted_indices): sorted_indices int32 the stable sort of the flattened indices [T * topK],
+    permuted_tokens[i] = tokens[sorted_indices[i] // topK] (bf16 only), cut to num_out_tokens rows."""
+    calls["npu_moe_token_permute"] += 1
+    if padded_mode:
+        raise RuntimeError("npu_moe_token_permute: padded_mode=True is not supported")
+    if tokens.dtype != torch.bfloat16 or tokens.dim() != 2:
+        raise RuntimeError(f"npu_moe_token_permute: tokens must be 2-D bf16, got {tokens.dim()}-D {tokens.dtype}")
+    if indices.dtype not in (torch.int32, torch.int64) or indices.dim() not in (1, 2):
+        raise RuntimeError(f"npu_moe_token_permute: indices must be 1-D or 2-D int64, got {indices.dtype}")
+    topk = 1 if indices.dim() == 1 else indices.shape[1]
+    if topk > PERMUTE_MAX_TOPK or indices.shape[0] != tokens.shape[0]:
+        raise RuntimeError(f"npu_moe_token_permute: indices {list(indices.shape)} must be [tokens, topK <= "
+                           f"{PERMUTE_MAX_TOPK}] for {tokens.shape[0]} tokens")
+    sorted_indices = torch.argsort(indices.reshape(-1), stable=True)
+    n = indices.numel()
+    keep = n if not num_out_tokens else (min(num_out_tokens, n) if num_out_tokens > 0 else n + num_out_tokens)
+    return tokens[sorted_indices[:keep] // topk], sorted_indices.to(torch.int32)
+
+
+def _npu_moe_token_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor,
+                             probs: torch.Tensor | None = None, padded_mode: bool = False,
+                             restore_shape: list[int] | None = None) -> torch.Tensor:
+    """out[t] = sum_j probs[t, j] * permuted_tokens[i] over the i with sorted_indices[i] = t * topK + j (topK =
+    probs' second dim, or 1); bf16 in and out, the sum in fp32."""
+    calls["npu_moe_token_unpermute"] += 1
+    if padded_mode:
+        raise RuntimeError("npu_moe_token_unpermute: padded_mode=True is not supported")
+    if permuted_tokens.dtype != torch.bfloat16 or (probs is not None and probs.dtype != torch.bfloat16):
+        raise RuntimeError(f"npu_moe_token_unpermute: permuted_tokens and probs must be bf16, got "
+                           f"{permuted_tokens.dtype} and {None if probs is None else probs.dtype}")
+    if sorted_indices.dim() != 1 or sorted_indices.shape[0] != permuted_tokens.shape[0]:
+        raise RuntimeError("npu_moe_token_unpermute: sorted_indices must be 1-D, one per permuted token")
+    topk = 1 if probs is None else probs.shape[1]
+    rows = permuted_tokens.float().new_zeros(sorted_indices.shape[0], permuted_tokens.shape[1])
+    rows = rows.index_copy(0, sorted_indices.long(), permuted_tokens.float()).view(-1, topk, permuted_tokens.shape[1])
+    if probs is not None:
+        rows = rows * probs.float().unsqueeze(-1)
+    return rows.sum(dim=1).to(permuted_tokens.dtype)
+
+
 def _get_npu_format(self: torch.Tensor) -> int:
     """The storage format of a tensor: ND (2) for every tensor the fake makes."""
     return 2
@@ -319,17 +582,22 @@ def _get_npu_format(self: torch.Tensor) -> int:
 KERNELS = {
     "get_npu_format": _get_npu_format,  # the fused optimizers of torch_npu.optim call it
     "npu_fusion_attention": _npu_fusion_attention,
+    "npu_fusion_attention_grad": _npu_fusion_attention_grad,
     "npu_rms_norm": _npu_rms_norm,
     "npu_rotary_mul": _npu_rotary_mul,
     "npu_swiglu": _npu_swiglu,
+    "npu_grouped_matmul": _npu_grouped_matmul,
+    "npu_moe_gating_top_k_softmax": _npu_moe_gating_top_k_softmax,
+    "npu_moe_token_permute": _npu_moe_token_permute,
+    "npu_moe_token_unpermute": _npu_moe_token_unpermute,
 }
-# Ops defined from the wheel without a kernel yet: the MoE routing and grouped-matmul ops and the varlen attention
-# (npu_fusion_attention with actual_seq_qlen / TND) that mixture-of-experts and context parallelism will call.
+# The ops torch_npu registers no backward for: their outputs carry no gradient on a card, nor here.
+WITHOUT_AUTOGRAD = ("npu_grouped_matmul", "npu_moe_gating_top_k_softmax")
+# Ops defined from the wheel without a kernel yet: the other MoE routing and grouped-matmul ops.
 SCHEMA_ONLY = (
-    "npu_grouped_matmul", "npu_grouped_matmul_add_", "npu_moe_init_routing_v2", "npu_moe_gating_top_k",
-    "npu_moe_gating_top_k_softmax", "npu_moe_compute_expert_tokens", "npu_moe_finalize_routing",
-    "npu_moe_token_permute", "npu_moe_token_unpermute", "npu_moe_token_permute_with_routing_map",
-    "npu_moe_token_unpermute_with_routing_map", "npu_moe_re_routing",
+    "npu_grouped_matmul_add_", "npu_moe_init_routing_v2", "npu_moe_gating_top_k", "npu_moe_compute_expert_tokens",
+    "npu_moe_finalize_routing", "npu_moe_token_permute_with_routing_map", "npu_moe_token_unpermute_with_routing_map",
+    "npu_moe_re_routing",
 )
-npu_wheel.define_ops([*KERNELS, *SCHEMA_ONLY], KERNELS)
+npu_wheel.define_ops([*KERNELS, *SCHEMA_ONLY], KERNELS, without_autograd=WITHOUT_AUTOGRAD)
 globals().update({name: getattr(torch.ops.npu, name) for name in (*KERNELS, *SCHEMA_ONLY)})  # torch_npu.<op>
