@@ -3,7 +3,8 @@ Llama 3, Qwen3 (q/k norms, a head size apart from dim / n_heads, tied embeddings
 (its load-balancing loss included) -- with ring attention, of Llama 3, Qwen3 and Qwen3-MoE with Ulysses attention,
 and of Llama 3 (ring) and Qwen3 (Ulysses) at cp 2 x tp 2, gives every parameter the gradient one process gets on
 the whole sequences, over two backward passes (gradient accumulation), within fp32 tolerance. Both models start
-from the weights of the same seed."""
+from the weights of the same seed. A pipeline's per-microbatch loss weighting under CP (the labels counted over the cp
+ranks) equals ContextParallelBatch's, ignored labels included."""
 
 from __future__ import annotations
 
@@ -91,22 +92,54 @@ def _check_family(name: str, overrides: list[str]) -> list[str]:
     return problems
 
 
+def _check_pipeline_loss_weight() -> list[str]:
+    """A pipeline's last stage weights each microbatch's local loss by its labels counted over the cp ranks
+    (cp_weighted_loss): with ignored labels spread unevenly over the chunks, the cp ranks' mean of the weighted
+    losses is the whole microbatch's mean loss, and each weight is ContextParallelBatch.split's."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from titan_npu.ops.cross_entropy import IGNORE_INDEX
+    from titan_npu.parallel.context_parallel import ContextParallelBatch, cp_weighted_loss
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+    generator = torch.Generator().manual_seed(5)
+    logits, labels = torch.randn(2, 16, 8, generator=generator), torch.randint(0, 8, (2, 16), generator=generator)
+    labels[0, :11] = IGNORE_INDEX  # most of rank 0's first chunk, some of rank 1's
+    batch = ContextParallelBatch(dist.get_rank(), CP)
+    local_logits, local_labels, weight = batch.split(logits, labels)
+    got = cp_weighted_loss(loss_fn, dist.group.WORLD)(local_logits, local_labels)
+    want_local = loss_fn(local_logits, local_labels) * weight
+    mean = got.clone()
+    dist.all_reduce(mean)
+    problems = []
+    if not torch.allclose(got, want_local, rtol=RTOL, atol=ATOL):
+        problems.append(f"weighted local loss {got.item()} != ContextParallelBatch's {want_local.item()}")
+    if not torch.allclose(mean / CP, loss_fn(logits, labels), rtol=RTOL, atol=ATOL):
+        problems.append(f"cp mean {mean.item() / CP} != the microbatch's loss {loss_fn(logits, labels).item()}")
+    return problems
+
+
 def _report(workdir: Path, world: int) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     report = {name: _check_family(name, overrides) for name, overrides in WORLDS[world].items()}
+    if world == CP:
+        report["pipeline_loss_weight"] = _check_pipeline_loss_weight()
     (workdir / f"world{world}_rank{dist.get_rank()}.json").write_text(json.dumps(report))
 
 
 def _gradient_report(workdir: Path, world: int) -> dict[str, list[str]]:
     """The families of `world` ranks run in one pool; family -> the problems any rank found."""
     run_pool(world, [partial(_report, workdir, world)])
-    report: dict[str, list[str]] = {name: [] for name in WORLDS[world]}
+    report: dict[str, list[str]] = {}
     for rank in range(world):
         for name, problems in json.loads((workdir / f"world{world}_rank{rank}.json").read_text()).items():
-            report[name] += [f"rank {rank}: {p}" for p in problems]
+            report[name] = report.get(name, []) + [f"rank {rank}: {p}" for p in problems]
     return report
 
 
@@ -120,6 +153,11 @@ def cp_gradient_report(tmp_path_factory) -> dict[str, list[str]]:
 def test_context_parallel_gradients_equal_the_unsplit_model(cp_gradient_report, family):
     problems = cp_gradient_report[family]
     assert not problems, "\n".join(problems[:20])
+
+
+def test_a_pipeline_microbatch_loss_is_weighted_by_its_labels_over_the_cp_ranks(cp_gradient_report):
+    problems = cp_gradient_report["pipeline_loss_weight"]
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.slow  # a 4-rank pool; cp 2 x tp 2 losses equal one process's in the default run (test_loss_parity_cp)
