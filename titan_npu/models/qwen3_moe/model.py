@@ -15,6 +15,7 @@ from titan_npu.models.decoder.model import Transformer, TransformerBlock
 from titan_npu.models.moe.balance import pooled_load_balancing_loss
 from titan_npu.models.moe.layer import MoE, RoutingStats
 from titan_npu.models.qwen3_moe.args import MoEDecoderArgs
+from titan_npu.ops.documents import Documents
 
 
 class MoEBlock(TransformerBlock):
@@ -58,12 +59,16 @@ class MoETransformer(Transformer):
         # Sequence shards of the hidden states between blocks (tensor parallelism's sequence parallelism): the MoE
         # layers route the whole gathered sequence, this many times the rows a rank's hidden states hold.
         self.sequence_shards = 1
+        # Set by context parallelism (parallel/context_parallel.py): the cp ranks hold the other positions of these
+        # sequences, and the load-balancing loss pools the expert counts over them. None: every position is here.
+        self.context = None
 
     def forward(self, tokens: torch.Tensor, *carried: torch.Tensor, labels: torch.Tensor | None = None,
-                loss_chunk_tokens: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                loss_chunk_tokens: int = 0, documents: Documents | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The decoder's forward; a pipeline stage also takes and (but the last) returns the routing sums."""
         self.carried = (carried[0], carried[1]) if carried else None
-        out = super().forward(tokens, labels=labels, loss_chunk_tokens=loss_chunk_tokens)
+        out = super().forward(tokens, labels=labels, loss_chunk_tokens=loss_chunk_tokens, documents=documents)
         if self.output is not None:
             return out
         counts, prob_sums = self.routing_sums()
@@ -107,6 +112,12 @@ class MoETransformer(Transformer):
             return None
         layers = len(self.routing) if self.carried is None else self.args.n_moe_layers
         counts, prob_sums = self.routing_sums()
+        if self.context is not None:
+            # Context parallel: f over every cp rank's tokens (the counts summed, / cp for the local row count),
+            # P over this rank's. The cp ranks' mean of n_experts x sum_e f_e P_e is then the loss of the whole
+            # sequences, and so is the gradient the data-parallel average over the cp ranks takes (the cross
+            # entropy's cp weighting likewise: context_parallel.py).
+            counts = self.context.token_sum(counts.float()) / self.context.size
         return pooled_load_balancing_loss(counts, prob_sums, self.routed_rows * layers)
 
     def auxiliary_loss(self) -> torch.Tensor | None:
