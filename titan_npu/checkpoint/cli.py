@@ -92,9 +92,11 @@ def model_section(args) -> str:
         lines.append(f"rope_scaling_factor = {args.rope_scaling_factor}")
     for key in ("qkv_bias", "qk_norm", "tie_embeddings"):
         lines.append(f"{key} = {str(bool(getattr(args, key, False))).lower()}")
-    # A mixture-of-experts model's routing (qwen3_moe): TOML spells these values as JSON does.
+    # A mixture-of-experts model's routing and attention shapes (qwen3_moe, deepseek_v3): TOML spells these values
+    # as JSON does.
     for key in ("n_experts", "top_k", "moe_ffn_dim", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
-                "router_aux_loss_coef"):
+                "router_aux_loss_coef", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "n_shared_experts", "n_groups", "topk_groups", "route_scale", "first_k_dense"):
         if hasattr(args, key):
             lines.append(f"{key} = {json.dumps(getattr(args, key))}")
     return "\n".join(lines)

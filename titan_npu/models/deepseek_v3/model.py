@@ -1,0 +1,184 @@
+"""The DeepSeek-V3 model: the decoder's shell (models/decoder: embedding, pre-norm blocks, final norm, output, the
+weight init and pipeline seams) with multi-head latent attention in every block and, from layer first_k_dense
+on, MoE feed-forwards (models/moe) routed by the group-limited sigmoid router.
+
+Multi-head latent attention (MLA): the query is x W_q, or through a low-rank path W_q_b norm(W_q_a x) when
+q_lora_rank > 0; keys and values come from one compressed latent c = norm(W_kv_a x)[:kv_lora_rank] expanded per
+head by W_kv_b into a no-RoPE key part and the value, while the RoPE key part (qk_rope_head_dim wide) is computed
+once from x and shared by every head. RoPE acts on Meta's interleaved pairs (DeepSeek's layout: transformers'
+rope_interleave), so the published weights load unpermuted; YaRN stretches its frequencies as the published
+config does and scales the softmax by mscale^2.
+
+As the Qwen3-MoE model does, a MoE block returns its routing statistics beside the hidden states and the model
+exposes, after each forward, `auxiliary_loss()` and `routing_metrics()` (trainer/routing.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_npu import ops
+from titan_npu.errors import ConfigError
+from titan_npu.models.decoder.model import Linear, RMSNorm, Transformer, TransformerBlock
+from titan_npu.models.deepseek_v3.args import DeepSeekArgs, yarn_mscale
+from titan_npu.models.init import ParamInit, prefixed, trunc_normal
+from titan_npu.models.moe.balance import load_balancing_loss
+from titan_npu.models.moe.group_router import GroupRouter
+from titan_npu.models.moe.layer import MoE, RoutingStats
+
+# The low-rank paths' norms have a fixed eps, whatever model.norm_eps (as the published model has them).
+LORA_NORM_EPS = 1e-6
+
+
+def yarn_rope(args: DeepSeekArgs, device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_seq_len, qk_rope_head_dim / 2] fp32 of the RoPE key/query parts: plain RoPE, or YaRN's
+    blend of interpolated and extrapolated frequencies times its attention factor (transformers' yarn rope)."""
+    dim, base = args.qk_rope_head_dim, args.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    factor = 1.0
+    if args.yarn_factor is not None:
+        factor = args.yarn_factor
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(args.yarn_original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(args.yarn_beta_fast)), 0)
+        high = min(math.ceil(correction_dim(args.yarn_beta_slow)), dim - 1)
+        ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low)
+                / (high - low if high != low else 0.001)).clamp(0, 1)
+        extrapolate = 1 - ramp
+        inv_freq = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+    if args.yarn_mscale and args.yarn_mscale_all_dim:
+        attention_factor = yarn_mscale(factor, args.yarn_mscale) / yarn_mscale(factor, args.yarn_mscale_all_dim)
+    else:
+        attention_factor = yarn_mscale(factor, 1.0)
+    angles = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention, causal; x [B, S, dim] -> [B, S, dim]."""
+
+    def __init__(self, args: DeepSeekArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.nope_dim, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.head_dim = args.head_dim
+        self.kv_lora_rank = args.kv_lora_rank
+        self.use_flash = args.use_flash_attention
+        if args.q_lora_rank:
+            self.wq_a = Linear(args.dim, args.q_lora_rank)
+            self.q_norm = RMSNorm(args.q_lora_rank, LORA_NORM_EPS)
+            self.wq_b = Linear(args.q_lora_rank, args.n_heads * args.head_dim)
+        else:
+            self.wq = Linear(args.dim, args.n_heads * args.head_dim)
+        self.wkv_a = Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, LORA_NORM_EPS)
+        self.wkv_b = Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim))
+        self.wo = Linear(args.n_heads * args.v_head_dim, args.dim)
+        # The attention kernels scale by head_dim^-0.5; YaRN's extra factor goes onto the queries.
+        self.q_scale = args.softmax_scale * args.head_dim ** 0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, S, dim]; cos/sin: the RoPE tables from position 0 with at least S rows."""
+        bs, seqlen, _ = x.shape
+        if seqlen > cos.shape[0]:
+            raise ConfigError(f"sequence length {seqlen} exceeds model.max_seq_len={cos.shape[0]}; "
+                              f"raise model.max_seq_len or lower training.seq_len")
+        q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
+        q_nope, q_rope = q.view(bs, seqlen, -1, self.head_dim).split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q_rope, k_rope = ops.apply_rotary_emb(q_rope, k_rope.unsqueeze(2), cos[:seqlen], sin[:seqlen])
+        kv = self.wkv_b(self.kv_norm(latent)).view(bs, seqlen, -1, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        heads = k_nope.shape[2]
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, heads, -1)], dim=-1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        # Kernels take one head width for q, k and v: the value is padded to it and the padding cut off after.
+        pad = self.head_dim - self.v_dim
+        out = ops.attention(q, k, F.pad(v, (0, pad)) if pad > 0 else v, causal=True, use_flash=self.use_flash)
+        if pad > 0:
+            out = out[..., :self.v_dim]
+        return self.wo(out.reshape(bs, seqlen, -1))
+
+    def param_inits(self, init_std: float) -> dict[str, ParamInit]:
+        """Projections ~ N(0, 0.02), the output projection (into the residual stream) ~ N(0, init_std), the
+        low-rank norms a unit scale."""
+        names = ["wq_a", "wq_b"] if hasattr(self, "wq_a") else ["wq"]
+        inits = {f"{name}.weight": trunc_normal(0.02) for name in (*names, "wkv_a", "wkv_b")}
+        if hasattr(self, "q_norm"):
+            inits.update(prefixed("q_norm", self.q_norm.param_inits()))
+        return {**inits, **prefixed("kv_norm", self.kv_norm.param_inits()), "wo.weight": trunc_normal(init_std)}
+
+
+class DeepSeekBlock(TransformerBlock):
+    """A pre-norm layer with MLA; a MoE layer's forward returns (hidden states, RoutingStats), a dense one's the
+    hidden states."""
+
+    def __init__(self, layer_id: int, args: DeepSeekArgs) -> None:
+        self.is_moe = args.is_moe_layer(layer_id)
+        super().__init__(layer_id, args, feed_forward=MoE(args.moe_args()) if self.is_moe else None,
+                         attention=MLA(args))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> torch.Tensor | tuple[torch.Tensor, RoutingStats]:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        if not self.is_moe:
+            return h + self.feed_forward(self.ffn_norm(h))
+        out, routing = self.feed_forward(self.ffn_norm(h))
+        return h + out, routing
+
+
+class DeepSeekTransformer(Transformer):
+    """DeepSeek-V3; after each forward, auxiliary_loss() and routing_metrics() describe its routing."""
+
+    def __init__(self, args: DeepSeekArgs) -> None:
+        super().__init__(args, block=DeepSeekBlock)
+        self.routing: list[RoutingStats] = []
+        self.routed_rows = 0
+
+    def rope_tables(self, device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE (or YaRN) tables of the rotated query/key parts."""
+        return yarn_rope(self.args, device)
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None, seed: int | None = None) -> None:
+        """The decoder's initialisation, and every router's score bias zeroed."""
+        super().init_weights(buffer_device, seed)
+        for module in self.modules():
+            if isinstance(module, GroupRouter):
+                module.reset_score_bias()
+
+    def run_layers(self, h: torch.Tensor) -> torch.Tensor:
+        """The blocks in order, keeping each MoE block's routing statistics of this forward."""
+        routing = []
+        for layer in self.layers.values():
+            if layer is None:
+                continue
+            out = layer(h, self.freqs_cos, self.freqs_sin)
+            if isinstance(out, tuple):
+                h, stats = out
+                routing.append(stats)
+            else:
+                h = out
+        self.routing, self.routed_rows = routing, h.shape[:-1].numel()
+        return h
+
+    def auxiliary_loss(self) -> torch.Tensor | None:
+        """The term the last forward adds to the optimised loss: none (balance comes from the score bias)."""
+        return None
+
+    @torch.no_grad()
+    def routing_metrics(self) -> dict[str, torch.Tensor]:
+        """Device tensors of the last forward, detached: aux_loss (the pooled load-balancing loss of the sigmoid
+        scores, a diagnostic) and expert_tokens [MoE layers, n_experts]."""
+        if not self.routing:
+            return {}
+        aux = load_balancing_loss([r[0] for r in self.routing], [r[1] for r in self.routing], self.routed_rows)
+        return {"aux_loss": aux.detach(), "expert_tokens": torch.stack([r[0] for r in self.routing])}

@@ -1,0 +1,27 @@
+"""How a DeepSeek-V3 model is parallelised: as the dense decoder (parallelize_decoder: activation checkpointing,
+compile per block, FSDP / HSDP / replicate), pipeline stages split as the decoder's; under expert parallelism
+(parallel.ep_degree) the experts are split over the ep ranks first (models/moe/parallelize.py). Tensor and context
+parallelism of multi-head latent attention are not in this version: a run asking for them is refused in one line."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from titan_npu.config.schema import JobConfig
+from titan_npu.errors import LayoutError
+from titan_npu.models.decoder.parallelize import parallelize_decoder
+from titan_npu.models.moe.parallelize import apply_expert_parallel
+from titan_npu.parallel.dims import ParallelDims
+
+
+def parallelize_deepseek(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
+    """Expert parallelism, then activation checkpointing, compile and data parallelism as for the dense decoder;
+    TP and CP refused."""
+    for enabled, key, degree in ((dims.tp_enabled, "tp_degree", dims.tp), (dims.cp_enabled, "cp_degree", dims.cp)):
+        if enabled:
+            raise LayoutError(f"parallel.{key}={degree}: {key[:2].upper()} of multi-head latent attention "
+                              f"({cfg.model.name}) is not supported yet; set parallel.{key} = 1 and shard with FSDP "
+                              f"(parallel.dp_shard) and expert parallelism (parallel.ep_degree)")
+    if dims.ep_enabled:
+        apply_expert_parallel(model, dims.ep_mesh)
+    return parallelize_decoder(model, dims, cfg)
