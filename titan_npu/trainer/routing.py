@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_npu.models.moe.balance import update_score_bias
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.reduce import mean_loss
 
@@ -65,3 +66,19 @@ class RoutingMeter:
                 dist.all_reduce(dropped)
             out["dropped_tokens"] = int(dropped.item())
         return out
+
+
+def update_score_biases(meter: RoutingMeter, dims: ParallelDims) -> None:
+    """Aux-loss-free balancing, after an optimizer step: each MoE layer's router score bias steps by the model's
+    score_bias_rate toward an even load, the load of the step summed over the data-parallel ranks on the device (a
+    collective: call it on every rank), so every rank's bias stays identical. Not part of any gradient; inert for a
+    model without score biases or with the rate 0."""
+    model = meter.model
+    rate = getattr(getattr(model, "args", None), "score_bias_rate", 0.0)
+    if not rate or not hasattr(model, "score_biases") or "expert_tokens" not in meter.sums:
+        return
+    tokens = meter.sums["expert_tokens"].detach().clone()
+    if dims.world_size > 1:
+        dist.all_reduce(tokens)
+    for bias, load in zip(model.score_biases(), tokens):
+        update_score_bias(bias, load, rate)

@@ -10,7 +10,10 @@ rope_interleave), so the published weights load unpermuted; YaRN stretches its f
 config does and scales the softmax by mscale^2.
 
 As the Qwen3-MoE model does, a MoE block returns its routing statistics beside the hidden states and the model
-exposes, after each forward, `auxiliary_loss()` and `routing_metrics()` (trainer/routing.py).
+exposes, after each forward, `auxiliary_loss()` (seq_aux_loss_coef x the sequence-wise balance loss summed over the
+MoE layers, when the coefficient is set) and `routing_metrics()` (trainer/routing.py); `score_biases()` are the
+routers' biases that aux-loss-free balancing moves after each optimizer step (trainer/routing.py,
+update_score_biases).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from titan_npu.models.decoder.model import Linear, RMSNorm, Transformer, Transfo
 from titan_npu.models.deepseek_v3.args import DeepSeekArgs, yarn_mscale
 from titan_npu.models.init import ParamInit, prefixed, trunc_normal
 from titan_npu.models.moe.balance import load_balancing_loss
-from titan_npu.models.moe.group_router import GroupRouter
+from titan_npu.models.moe.group_router import GroupRouter, sequence_balance_loss
 from titan_npu.models.moe.layer import MoE, RoutingStats
 
 # The low-rank paths' norms have a fixed eps, whatever model.norm_eps (as the published model has them).
@@ -118,21 +121,27 @@ class MLA(nn.Module):
 
 
 class DeepSeekBlock(TransformerBlock):
-    """A pre-norm layer with MLA; a MoE layer's forward returns (hidden states, RoutingStats), a dense one's the
-    hidden states."""
+    """A pre-norm layer with MLA; a MoE layer's forward returns (hidden states, RoutingStats, its sequence-wise
+    balance loss or None), a dense one's the hidden states."""
 
     def __init__(self, layer_id: int, args: DeepSeekArgs) -> None:
-        self.is_moe = args.is_moe_layer(layer_id)
-        super().__init__(layer_id, args, feed_forward=MoE(args.moe_args()) if self.is_moe else None,
-                         attention=MLA(args))
+        moe = args.is_moe_layer(layer_id)
+        super().__init__(layer_id, args, feed_forward=MoE(args.moe_args()) if moe else None, attention=MLA(args))
+        self.is_moe = moe
+        self.seq_aux = moe and args.seq_aux_loss_coef > 0
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> torch.Tensor | tuple[torch.Tensor, RoutingStats]:
+                ) -> torch.Tensor | tuple[torch.Tensor, RoutingStats, torch.Tensor | None]:
         h = x + self.attention(self.attention_norm(x), cos, sin)
         if not self.is_moe:
             return h + self.feed_forward(self.ffn_norm(h))
-        out, routing = self.feed_forward(self.ffn_norm(h))
-        return h + out, routing
+        normed = self.ffn_norm(h)
+        out, routing = self.feed_forward(normed)
+        balance = None
+        if self.seq_aux:  # the router again on the same input: its choices per token, grouped by sequence
+            _, experts, scores = self.feed_forward.router(normed.reshape(-1, normed.shape[-1]))
+            balance = sequence_balance_loss(experts, scores, normed.shape[0])
+        return h + out, routing, balance
 
 
 class DeepSeekTransformer(Transformer):
@@ -141,6 +150,7 @@ class DeepSeekTransformer(Transformer):
     def __init__(self, args: DeepSeekArgs) -> None:
         super().__init__(args, block=DeepSeekBlock)
         self.routing: list[RoutingStats] = []
+        self.balance: list[torch.Tensor] = []
         self.routed_rows = 0
 
     def rope_tables(self, device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,22 +167,33 @@ class DeepSeekTransformer(Transformer):
 
     def run_layers(self, h: torch.Tensor) -> torch.Tensor:
         """The blocks in order, keeping each MoE block's routing statistics of this forward."""
-        routing = []
+        routing, balance = [], []
         for layer in self.layers.values():
             if layer is None:
                 continue
             out = layer(h, self.freqs_cos, self.freqs_sin)
             if isinstance(out, tuple):
-                h, stats = out
+                h, stats, seq_loss = out
                 routing.append(stats)
+                if seq_loss is not None:
+                    balance.append(seq_loss)
             else:
                 h = out
-        self.routing, self.routed_rows = routing, h.shape[:-1].numel()
+        self.routing, self.balance, self.routed_rows = routing, balance, h.shape[:-1].numel()
         return h
 
     def auxiliary_loss(self) -> torch.Tensor | None:
-        """The term the last forward adds to the optimised loss: none (balance comes from the score bias)."""
-        return None
+        """The term the last forward adds to the optimised loss: seq_aux_loss_coef x the sequence-wise balance
+        loss summed over the MoE layers held; None when the coefficient is 0 (balance then comes from the score
+        bias alone)."""
+        if not self.balance:
+            return None
+        return self.args.seq_aux_loss_coef * torch.stack(self.balance).sum()
+
+    def score_biases(self) -> list[torch.Tensor]:
+        """The score bias buffer of each MoE layer held, in the order routing_metrics' expert_tokens rows are."""
+        return [layer.feed_forward.router.score_bias for layer in self.layers.values()
+                if layer is not None and layer.is_moe]
 
     @torch.no_grad()
     def routing_metrics(self) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """How a DeepSeek-V3 model is parallelised: as the dense decoder (parallelize_decoder: activation checkpointing,
 compile per block, FSDP / HSDP / replicate), pipeline stages split as the decoder's; under expert parallelism
 (parallel.ep_degree) the experts are split over the ep ranks first (models/moe/parallelize.py). Tensor and context
-parallelism of multi-head latent attention are not in this version: a run asking for them is refused in one line."""
+parallelism of multi-head latent attention are not in this version, nor balancing (score bias updates, the
+sequence-wise loss) under pipeline parallelism: a run asking for them is refused in one line."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ def parallelize_deepseek(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -
             raise LayoutError(f"parallel.{key}={degree}: {key[:2].upper()} of multi-head latent attention "
                               f"({cfg.model.name}) is not supported yet; set parallel.{key} = 1 and shard with FSDP "
                               f"(parallel.dp_shard) and expert parallelism (parallel.ep_degree)")
+    args = model.args
+    if dims.pp_enabled and (args.score_bias_rate > 0 or args.seq_aux_loss_coef > 0):
+        raise LayoutError(f"parallel.pp_degree={dims.pp} with model.score_bias_rate={args.score_bias_rate} / "
+                          f"model.seq_aux_loss_coef={args.seq_aux_loss_coef}: balancing across pipeline stages is not "
+                          f"supported yet; set both to 0 or parallel.pp_degree = 1")
     if dims.ep_enabled:
         apply_expert_parallel(model, dims.ep_mesh)
     return parallelize_decoder(model, dims, cfg)

@@ -5,7 +5,8 @@ norm_topk_prob) times route_scale.
 
 The per-expert score bias (aux-loss-free balancing, always present here: Hugging Face's e_score_correction_bias)
 is added to the scores for the choice of groups and experts only, never to the weights; it is a persistent buffer
-(saved with the weights) that balance.update_score_bias moves between steps. The router computes in fp32, as
+(saved with the weights) that balance.update_score_bias moves between steps. sequence_balance_loss is the paper's
+optional sequence-wise balance loss. The router computes in fp32, as
 transformers' DeepseekV3TopkRouter does.
 """
 
@@ -58,3 +59,17 @@ class GroupRouter(nn.Module):
     def reset_score_bias(self) -> None:
         """Zero the score bias (a model allocated after the meta device holds garbage there until this)."""
         self.score_bias.zero_()
+
+
+def sequence_balance_loss(experts: torch.Tensor, scores: torch.Tensor, n_sequences: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss of one MoE layer: sum_i f_i P_i per sequence, averaged over the
+    sequences, f_i = n_experts / (top_k T) x the assignments to expert i among the sequence's T tokens, P_i the mean
+    over those tokens of expert i's score normalised over the experts. experts [N, top_k], scores [N, n_experts]
+    (N = n_sequences x T tokens, in sequence order); gradients flow through the scores only."""
+    n_experts = scores.shape[-1]
+    scores = scores.view(n_sequences, -1, n_experts)
+    mean_share = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)  # [sequences, n_experts]
+    picks = experts.view(n_sequences, -1)
+    counts = torch.zeros_like(mean_share).scatter_add_(1, picks, torch.ones_like(picks, dtype=mean_share.dtype))
+    fraction = counts * n_experts / picks.shape[1]  # picks.shape[1] = top_k x T
+    return (fraction * mean_share).sum(dim=-1).mean()

@@ -1,0 +1,175 @@
+"""configs/debug_deepseek.toml trains from the command line with a falling loss and resumes bit for bit, its score
+bias included; aux-loss-free balancing moves the expert load toward even and only selects experts (it never
+enters a gradient); the sequence-wise balance loss is the paper's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hf_reference import ROOT, run_python
+
+from titan_npu.checkpoint.formats import read_weights
+from titan_npu.config.loader import load_config
+from titan_npu.models.moe.group_router import sequence_balance_loss
+from titan_npu.models.registry import build_model, build_model_args, get_spec
+from titan_npu.trainer import Trainer
+from titan_npu.trainer.routing import RoutingMeter, update_score_biases
+
+CONFIG = ROOT / "configs" / "debug_deepseek.toml"
+SHORT = ["--training.seq_len", "64", "--training.batch_size", "4", "--lr_scheduler.warmup_steps", "2",
+         "--metrics.log_interval", "1", "--metrics.tensorboard", "false", "--metrics.report", "false",
+         "--metrics.progress", "lines", "--training.deterministic", "true"]
+
+
+def _records(log_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def test_debug_deepseek_trains_from_the_command_line_and_resumes_bit_for_bit(tmp_path):
+    # The bias moves (rate 0.01) and the sequence-wise loss is on, so both are in what the resume must restore.
+    argv = [str(ROOT / "train.py"), "--config", str(CONFIG), *SHORT, "--training.max_steps", "4",
+            "--model.score_bias_rate", "0.01", "--model.seq_aux_loss_coef", "0.001",
+            "--checkpoint.dir", str(tmp_path / "ckpt"), "--checkpoint.save_interval", "2",
+            "--checkpoint.keep_last_n", "5", "--checkpoint.async_save", "false"]
+    whole = run_python(*argv, "--metrics.log_dir", str(tmp_path / "whole"), cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    records = _records(tmp_path / "whole")
+    assert [r["step"] for r in records] == list(range(1, 5))
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    assert all(len(r["expert_load_per_layer"]) == 3 for r in records)  # layers 1-3 are MoE
+    final = read_weights(tmp_path / "ckpt" / "step-4").state_dict
+    shutil.move(tmp_path / "ckpt" / "step-4", tmp_path / "step-4-whole")
+    resumed = run_python(*argv, "--metrics.log_dir", str(tmp_path / "resumed"), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = _records(tmp_path / "resumed")
+    assert [r["step"] for r in again] == [3, 4]
+    assert [r["loss"] for r in again] == [r["loss"] for r in records[2:]]
+    back = read_weights(tmp_path / "ckpt" / "step-4").state_dict
+    biases = [k for k in final if k.endswith("router.score_bias")]
+    assert len(biases) == 3 and all(final[k].abs().sum() > 0 for k in biases)
+    for key, tensor in final.items():
+        assert torch.equal(back[key], tensor), key
+
+
+@pytest.fixture
+def _single_process(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TITAN_DEVICE", "cpu")
+
+
+def _train(tmp_path: Path, *extra: str) -> list[dict]:
+    cfg = load_config(CONFIG, [*SHORT, "--training.max_steps", "12", "--metrics.log_dir", str(tmp_path / "logs"),
+                               "--checkpoint.enable", "false", *extra])
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return _records(tmp_path / "logs")
+
+
+def test_the_score_bias_moves_the_expert_load_toward_even(tmp_path, one_thread, _single_process):
+    fixed = _train(tmp_path / "fixed", "--model.score_bias_rate", "0")
+    balanced = _train(tmp_path / "balanced", "--model.score_bias_rate", "0.01")
+    assert fixed[0]["expert_load_max_mean"] == balanced[0]["expert_load_max_mean"]  # the same start
+    late = slice(8, 12)
+
+    def mean_load(records):
+        return sum(r["expert_load_max_mean"] for r in records[late]) / 4
+
+    # Measured: max / mean tokens per expert 3.77 with the bias fixed, 2.84 with it moving (8 experts, top-2).
+    assert mean_load(balanced) < mean_load(fixed) - 0.5
+
+
+def _debug_model(seed: int = 0) -> torch.nn.Module:
+    cfg = load_config(CONFIG, ["--model.dim", "64", "--model.n_layers", "2"])
+    model = build_model(build_model_args(cfg.model))
+    model.init_weights(seed=seed)
+    return model
+
+
+def test_the_score_bias_only_selects_experts_and_is_moved_outside_the_gradient():
+    model = _debug_model()
+    assert not any(name.endswith("score_bias") for name, _ in model.named_parameters())
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, before = grads()
+    (bias,) = model.score_biases()
+    with torch.no_grad():
+        bias.add_(0.25)  # the same shift for every expert: the same choices, and weights never see the bias
+    loss_shifted, after = grads()
+    assert torch.equal(loss, loss_shifted) and before.keys() == after.keys()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    # The update reads the step's load and leaves every parameter and gradient as it was.
+    meter = RoutingMeter(model)
+    meter.begin_step()
+    meter.add_auxiliary(loss_shifted, 1.0)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    old = bias.clone()
+    update_score_biases(meter, _one_rank())
+    assert not torch.equal(bias, old)
+    load = meter.sums["expert_tokens"][0]
+    assert torch.allclose(bias - old, model.args.score_bias_rate * torch.sign(load.mean() - load), atol=1e-7)
+    assert all(torch.equal(p, params[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(p.grad, after[n]) for n, p in model.named_parameters() if p.grad is not None)
+
+
+def _one_rank():
+    from titan_npu.parallel import ParallelDims
+
+    return ParallelDims.from_config(load_config(CONFIG).parallel, 1)
+
+
+def test_weights_initialised_after_the_meta_device_start_with_a_zero_score_bias():
+    args = build_model_args(load_config(CONFIG, ["--model.n_layers", "2"]).model)
+    with torch.device("meta"):
+        model = build_model(args)
+    model.to_empty(device="cpu")
+    for bias in model.score_biases():
+        bias.fill_(float("nan"))  # whatever memory to_empty handed out
+    model.init_weights(seed=1)
+    assert all(torch.equal(b, torch.zeros_like(b)) for b in model.score_biases())
+
+
+def test_the_sequence_balance_loss_is_one_when_even_and_grows_with_concentration():
+    n_experts, tokens = 4, 8  # top-2
+    even_scores = torch.full((tokens, n_experts), 0.5)
+    even = torch.tensor([[0, 1], [2, 3]] * (tokens // 2))
+    assert sequence_balance_loss(even, even_scores, 1).item() == pytest.approx(1.0)
+    skewed_scores = torch.tensor([[0.9, 0.9, 0.1, 0.1]]).expand(tokens, -1)
+    skewed = torch.tensor([[0, 1]] * tokens)
+    # f = (2, 2, 0, 0), P = (0.45, 0.45, 0.05, 0.05): 1.8.
+    assert sequence_balance_loss(skewed, skewed_scores, 1).item() == pytest.approx(1.8)
+    # Two sequences are scored apart and averaged, not pooled.
+    both = sequence_balance_loss(torch.cat([even, skewed]), torch.cat([even_scores, skewed_scores]), 2)
+    assert both.item() == pytest.approx(1.4)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--parallel.tp_degree", "2"], "parallel.tp_degree=2: TP of multi-head latent attention"),
+    (["--parallel.cp_degree", "2"], "parallel.cp_degree=2: CP of multi-head latent attention"),
+    (["--parallel.pp_degree", "2"], "balancing across pipeline stages is not supported yet"),
+], ids=["tp", "cp", "pp-with-balancing"])
+def test_layouts_deepseek_does_not_take_yet_are_refused_in_one_line(overrides, message):
+    from titan_npu.errors import LayoutError
+    from titan_npu.parallel import ParallelDims
+
+    cfg = load_config(CONFIG, ["--parallel.dp_shard", "1", *overrides])
+    dims = ParallelDims.from_config(cfg.parallel, 2)
+    spec, args = get_spec("deepseek_v3"), build_model_args(cfg.model)
+    with torch.device("meta"):
+        model = spec.build_model(args)
+    with pytest.raises(LayoutError, match=message) as error:
+        spec.parallelize(model, dims, cfg)
+    assert "\n" not in str(error.value)
