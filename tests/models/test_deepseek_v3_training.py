@@ -1,6 +1,7 @@
 """configs/debug_deepseek.toml trains from the command line with a falling loss and resumes bit for bit, its score
-bias included; aux-loss-free balancing moves the expert load toward even and only selects experts (it never
-enters a gradient); the sequence-wise balance loss is the paper's."""
+bias and multi-token prediction module included; aux-loss-free balancing moves the expert load toward even and only
+selects experts (it never enters a gradient); the sequence-wise balance loss is the paper's; multi-token prediction
+learns, leaves the main loss alone, is causal and keeps its Hugging Face layer."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ def _records(log_dir: Path) -> list[dict]:
 
 
 def test_debug_deepseek_trains_from_the_command_line_and_resumes_bit_for_bit(tmp_path):
-    # The bias moves (rate 0.01) and the sequence-wise loss is on, so both are in what the resume must restore.
+    # The bias moves (rate 0.01), the sequence-wise loss is on and a multi-token prediction module trains, so all
+    # are in what the resume must restore.
     argv = [str(ROOT / "train.py"), "--config", str(CONFIG), *SHORT, "--training.max_steps", "4",
-            "--model.score_bias_rate", "0.01", "--model.seq_aux_loss_coef", "0.001",
+            "--model.score_bias_rate", "0.01", "--model.seq_aux_loss_coef", "0.001", "--model.mtp_depth", "1",
             "--checkpoint.dir", str(tmp_path / "ckpt"), "--checkpoint.save_interval", "2",
             "--checkpoint.keep_last_n", "5", "--checkpoint.async_save", "false"]
     whole = run_python(*argv, "--metrics.log_dir", str(tmp_path / "whole"), cwd=tmp_path)
@@ -41,16 +43,18 @@ def test_debug_deepseek_trains_from_the_command_line_and_resumes_bit_for_bit(tmp
     assert [r["step"] for r in records] == list(range(1, 5))
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
     assert all(len(r["expert_load_per_layer"]) == 3 for r in records)  # layers 1-3 are MoE
+    assert all(r["mtp_loss"] > 0 for r in records)
     final = read_weights(tmp_path / "ckpt" / "step-4").state_dict
     shutil.move(tmp_path / "ckpt" / "step-4", tmp_path / "step-4-whole")
     resumed = run_python(*argv, "--metrics.log_dir", str(tmp_path / "resumed"), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = _records(tmp_path / "resumed")
     assert [r["step"] for r in again] == [3, 4]
-    assert [r["loss"] for r in again] == [r["loss"] for r in records[2:]]
+    assert [(r["loss"], r["mtp_loss"]) for r in again] == [(r["loss"], r["mtp_loss"]) for r in records[2:]]
+    assert any(k.startswith("layers.4.eh_proj") for k in final)  # the module is layer n_layers, saved with the rest
     back = read_weights(tmp_path / "ckpt" / "step-4").state_dict
-    biases = [k for k in final if k.endswith("router.score_bias")]
-    assert len(biases) == 3 and all(final[k].abs().sum() > 0 for k in biases)
+    moved = [k for k in final if k.endswith("router.score_bias") and final[k].abs().sum() > 0]
+    assert moved == [f"layers.{i}.feed_forward.router.score_bias" for i in (1, 2, 3)]  # not the MTP module's
     for key, tensor in final.items():
         assert torch.equal(back[key], tensor), key
 
@@ -62,8 +66,8 @@ def _single_process(monkeypatch):
     monkeypatch.setenv("TITAN_DEVICE", "cpu")
 
 
-def _train(tmp_path: Path, *extra: str) -> list[dict]:
-    cfg = load_config(CONFIG, [*SHORT, "--training.max_steps", "12", "--metrics.log_dir", str(tmp_path / "logs"),
+def _train(tmp_path: Path, *extra: str, steps: int = 12) -> list[dict]:
+    cfg = load_config(CONFIG, [*SHORT, "--training.max_steps", str(steps), "--metrics.log_dir", str(tmp_path / "logs"),
                                "--checkpoint.enable", "false", *extra])
     trainer = Trainer(cfg)
     try:
@@ -173,3 +177,62 @@ def test_layouts_deepseek_does_not_take_yet_are_refused_in_one_line(overrides, m
     with pytest.raises(LayoutError, match=message) as error:
         spec.parallelize(model, dims, cfg)
     assert "\n" not in str(error.value)
+
+
+def test_multi_token_prediction_learns_and_is_logged_beside_the_loss(tmp_path, one_thread, _single_process):
+    records = _train(tmp_path, "--model.mtp_depth", "1", steps=8)
+    assert records[-1]["mtp_loss"] < records[0]["mtp_loss"] - 1.0
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+
+
+def _mtp_model(depth: int) -> torch.nn.Module:
+    cfg = load_config(CONFIG, ["--model.dim", "64", "--model.n_layers", "2", "--model.mtp_depth", str(depth)])
+    model = build_model(build_model_args(cfg.model))
+    model.init_weights(seed=0)
+    return model
+
+
+def test_multi_token_prediction_leaves_the_main_loss_alone_and_sees_no_later_token():
+    with_mtp, without = _mtp_model(2), _mtp_model(0)
+    assert sum(p.numel() for p in with_mtp.parameters()) == with_mtp.args.num_params()
+    without.load_state_dict({k: v for k, v in with_mtp.state_dict().items() if k in without.state_dict()})
+    tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    with torch.no_grad():
+        assert torch.equal(with_mtp(inputs, labels, 64), without(inputs, labels, 64))
+        assert len(with_mtp.mtp_losses) == 2 and without.auxiliary_loss() is None
+        coef = with_mtp.args.mtp_loss_coef
+        assert torch.allclose(with_mtp.auxiliary_loss(), coef * (with_mtp.mtp_losses[0] + with_mtp.mtp_losses[1]) / 2)
+
+        def depth_one_logits(labels):
+            """Module 1's logits: it predicts token i + 2 at position i."""
+            h = with_mtp.run_layers(with_mtp.tok_embeddings(inputs))
+            block = with_mtp.layers[str(with_mtp.args.n_layers)]
+            _, normed = block(h[:, :-1], with_mtp.tok_embeddings(labels[:, :-1]), with_mtp.freqs_cos,
+                              with_mtp.freqs_sin)
+            return with_mtp.output(normed)
+
+        changed = labels.clone()
+        changed[:, 20] = (changed[:, 20] + 1) % 512  # token 21
+        before, after = depth_one_logits(labels), depth_one_logits(changed)
+    # Positions up to 19 see tokens up to 21 only through labels[:, :20]: unchanged; position 20 sees it.
+    assert torch.equal(before[:, :20], after[:, :20]) and not torch.equal(before[:, 20], after[:, 20])
+
+
+def test_the_hf_multi_token_prediction_layer_is_kept_with_mtp_depth_and_set_aside_without(caplog):
+    model = _mtp_model(1)
+    spec = get_spec("deepseek_v3")
+    exported = spec.hf.to_hf(model.state_dict(), model.args)
+    layer = model.args.n_layers
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "embed_tokens.weight",
+                 "shared_head.head.weight", "self_attn.kv_a_proj_with_mqa.weight", "mlp.experts.7.up_proj.weight",
+                 "mlp.gate.e_score_correction_bias"):
+        assert f"model.layers.{layer}.{name}" in exported, name
+    back = spec.hf.from_hf(exported, model.args)
+    assert back.keys() == model.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+    plain = _mtp_model(0)
+    with caplog.at_level("INFO"):
+        without = spec.hf.from_hf(exported, plain.args)
+    assert without.keys() == plain.state_dict().keys()
+    assert f"layers [{layer}] of the checkpoint (multi-token prediction) set aside" in caplog.text

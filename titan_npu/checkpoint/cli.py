@@ -96,7 +96,8 @@ def model_section(args) -> str:
     # as JSON does.
     for key in ("n_experts", "top_k", "moe_ffn_dim", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
                 "router_aux_loss_coef", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                "v_head_dim", "n_shared_experts", "n_groups", "topk_groups", "route_scale", "first_k_dense"):
+                "v_head_dim", "n_shared_experts", "n_groups", "topk_groups", "route_scale", "first_k_dense",
+                "mtp_depth"):
         if hasattr(args, key):
             lines.append(f"{key} = {json.dumps(getattr(args, key))}")
     return "\n".join(lines)

@@ -39,7 +39,7 @@ class ModelConfig:
     capacity_factor: float | None = None  # expert capacity = factor x tokens x top_k / n_experts; 0 = dropless
     shared_ffn_dim: int | None = None  # width of an always-on shared expert; 0 = none
     # DeepSeek-V3 (deepseek_v3; docs/models.md): multi-head latent attention, group-limited sigmoid routing,
-    # aux-loss-free balancing.
+    # aux-loss-free balancing, multi-token prediction.
     q_lora_rank: int | None = None  # rank of the query's low-rank path; 0 = a plain query projection
     kv_lora_rank: int | None = None  # rank of the compressed key/value latent
     qk_nope_head_dim: int | None = None  # per-head query/key width without RoPE
@@ -52,6 +52,8 @@ class ModelConfig:
     first_k_dense: int | None = None  # the first k layers keep a dense SwiGLU (first_k_dense_replace)
     score_bias_rate: float | None = None  # aux-loss-free balancing: score bias step per optimizer step; 0 = off
     seq_aux_loss_coef: float | None = None  # weight of the sequence-wise balance loss; 0 = off
+    mtp_depth: int | None = None  # multi-token prediction modules; 0 = none
+    mtp_loss_coef: float | None = None  # weight of the multi-token prediction loss
     use_flash_attention: bool = True
     attention_backend: str = "auto"  # CUDA SDPA kernel: auto (by GPU capability) | cudnn | flash | efficient
     rope_fp32: bool = False  # NPU: npu_rotary_mul on fp32 q/k and tables (cast back), as torchtitan-npu runs RoPE

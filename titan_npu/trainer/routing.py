@@ -42,7 +42,7 @@ class RoutingMeter:
         if self.model is None:
             return loss
         for key, value in self.model.routing_metrics().items():
-            value = value * scale if key == "aux_loss" else value
+            value = value * scale if key in ("aux_loss", "mtp_loss") else value
             self.sums[key] = self.sums[key] + value if key in self.sums else value
         aux = self.model.auxiliary_loss()
         return loss if aux is None else loss + aux
@@ -60,6 +60,8 @@ class RoutingMeter:
         per_layer = (tokens.max(dim=1).values / tokens.mean(dim=1).clamp(min=1e-9)).tolist()
         out["expert_load_max_mean"] = sum(per_layer) / len(per_layer)
         out["expert_load_per_layer"] = [round(v, 4) for v in per_layer]
+        if "mtp_loss" in self.sums:  # multi-token prediction's cross entropy (DeepSeek-V3), mean like aux_loss
+            out["mtp_loss"] = mean_loss(self.sums["mtp_loss"], dims)
         if "dropped_tokens" in self.sums:  # the model routes with a capacity
             dropped = self.sums["dropped_tokens"].detach().double().cpu().reshape(1)
             if dims.world_size > 1:

@@ -22,7 +22,8 @@ from titan_npu.models.moe.args import MoEArgs
 # ModelConfig fields of DeepSeek's own that override a flavor when set.
 DEEPSEEK_OVERRIDABLE = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                         "n_experts", "top_k", "moe_ffn_dim", "n_shared_experts", "n_groups", "topk_groups",
-                        "route_scale", "norm_topk_prob", "first_k_dense", "score_bias_rate", "seq_aux_loss_coef")
+                        "route_scale", "norm_topk_prob", "first_k_dense", "score_bias_rate", "seq_aux_loss_coef",
+                        "mtp_depth", "mtp_loss_coef")
 # Fields a flavor sets that [model] does not override (YaRN's, as published).
 YARN_FIELDS = ("yarn_factor", "yarn_original_seq_len", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
                "yarn_mscale_all_dim")
@@ -79,6 +80,8 @@ class DeepSeekArgs(DecoderArgs):
     first_k_dense: int = 1
     score_bias_rate: float = 0.001  # aux-loss-free balancing step; 0 = the bias never moves
     seq_aux_loss_coef: float = 0.0  # the sequence-wise balance loss's weight; 0 = off
+    mtp_depth: int = 0  # multi-token prediction modules after the last layer; 0 = none
+    mtp_loss_coef: float = 0.3  # weight of their mean cross entropy in the optimised loss (the paper's lambda)
     yarn_factor: float | None = None
     yarn_original_seq_len: int = 4096
     yarn_beta_fast: float = 32.0
@@ -103,6 +106,9 @@ class DeepSeekArgs(DecoderArgs):
         if self.score_bias_rate < 0 or self.seq_aux_loss_coef < 0:
             raise ConfigError(f"model.score_bias_rate={self.score_bias_rate} and model.seq_aux_loss_coef="
                               f"{self.seq_aux_loss_coef} must be >= 0 (0 = off)")
+        if not isinstance(self.mtp_depth, int) or self.mtp_depth < 0 or self.mtp_loss_coef < 0:
+            raise ConfigError(f"model.mtp_depth={self.mtp_depth!r} and model.mtp_loss_coef={self.mtp_loss_coef} "
+                              f"must be >= 0 (mtp_depth 0 = no multi-token prediction)")
         if self.yarn_factor is not None and self.yarn_factor <= 0:
             raise ConfigError(f"the YaRN factor {self.yarn_factor} must be positive, or None for plain RoPE")
         self.moe_args()  # validates the MoE shapes
@@ -142,8 +148,14 @@ class DeepSeekArgs(DecoderArgs):
             + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
         return q + kv + h * self.v_head_dim * d
 
+    def mtp_params(self, per_moe_layer: int) -> int:
+        """Parameters of the multi-token prediction modules (each a MoE layer, its two input norms, its projection
+        of both down to dim and its output norm; the embedding and output head are the model's)."""
+        block = self.attention_params() + 2 * self.dim + per_moe_layer
+        return self.mtp_depth * (block + 2 * self.dim + 2 * self.dim * self.dim + self.dim)
+
     def num_params(self, exclude_embedding: bool = False) -> int:
-        """Every parameter, all experts included."""
+        """Every parameter, all experts and the multi-token prediction modules included."""
         return self._count(self.moe_args().total_params(), exclude_embedding)
 
     def num_active_params(self, exclude_embedding: bool = False) -> int:
@@ -159,7 +171,7 @@ class DeepSeekArgs(DecoderArgs):
     def _count(self, per_moe_layer: int, exclude_embedding: bool) -> int:
         dense_ffn = 3 * self.dim * self.ffn_dim
         layers = self.n_layers * (self.attention_params() + 2 * self.dim) + self.first_k_dense * dense_ffn \
-            + self.n_moe_layers * per_moe_layer
+            + self.n_moe_layers * per_moe_layer + self.mtp_params(per_moe_layer)
         embedding = self.vocab_size * self.dim
         total = embedding + layers + self.dim + (0 if self.tie_embeddings else embedding)
         return total - embedding if exclude_embedding and not self.tie_embeddings else total

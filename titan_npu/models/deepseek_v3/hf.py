@@ -12,9 +12,9 @@ stacked here for the grouped GEMM and one tensor per expert in Hugging Face file
                                                      w2: down_proj)
   layers.N.feed_forward.shared_experts.w1/w2/w3  <-> model.layers.N.mlp.shared_experts.gate/down/up_proj
 A transformers 5 in-memory state dict (experts fused: mlp.experts.gate_up_proj [E, 2 ffn, dim], gate first) is
-read as well. The published checkpoint's multi-token-prediction layer (model.layers.{num_hidden_layers}.*) is set
-aside with a one-line note. Its fp8 weights (quantization_config fp8, 128 x 128 blocks, a `weight_scale_inv` per
-weight) are dequantised to fp32 on import.
+read as well. The multi-token-prediction layers (model.layers.{num_hidden_layers + k}.*) load as our layers of the
+same index when mtp_depth > k and are set aside with a one-line note otherwise. Its fp8 weights
+(quantization_config fp8, 128 x 128 blocks, a `weight_scale_inv` per weight) are dequantised to fp32 on import.
 """
 
 from __future__ import annotations
@@ -53,7 +53,14 @@ PER_LAYER = {
     "feed_forward.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
     "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
     "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+    # A multi-token prediction layer's own (layers.{n_layers + k}); its embed_tokens and shared_head.head are the
+    # model's embedding and output head, copied into the layer on export and not read back.
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "head_norm.weight": "shared_head.norm.weight",
 }
+MTP_SHARED = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
 PER_LAYER_FROM_HF = {hf: ours for ours, hf in PER_LAYER.items()}
 TOP_LEVEL_FROM_HF = {hf: ours for ours, hf in TOP_LEVEL.items()}
 EXPERT_PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
@@ -96,6 +103,9 @@ def to_hf(state_dict: StateDict, args: DeepSeekArgs) -> StateDict:
             out.update(zip(names, tensor.unbind(0)))
         elif not (key == "output.weight" and args.tie_embeddings):
             out[hf_name(key)] = tensor
+    for layer in range(args.n_layers, args.n_layers + args.mtp_depth):
+        out.update({f"model.layers.{layer}.{hf}": state_dict[ours] for hf, ours in MTP_SHARED.items()
+                    if ours in state_dict})
     return out
 
 
@@ -139,9 +149,11 @@ def from_hf(hf_state_dict: StateDict, args: DeepSeekArgs, *, tie_word_embeddings
         if match is None:
             raise CheckpointError(f"Hugging Face key '{key}' has no counterpart in a DeepSeek-V3 model")
         layer, rest = match.group(1), match.group(2)
-        if int(layer) >= args.n_layers:
+        if int(layer) >= args.n_layers + args.mtp_depth:
             set_aside.add(int(layer))
             continue
+        if int(layer) >= args.n_layers and rest in MTP_SHARED:
+            continue  # the model's own embedding / output head
         if (expert := _HF_EXPERT.fullmatch(rest)) is not None:
             name = {v: k for k, v in EXPERT_PROJECTIONS.items()}[expert.group(2)]
             experts.setdefault((layer, name), {})[int(expert.group(1))] = tensor
@@ -156,8 +168,8 @@ def from_hf(hf_state_dict: StateDict, args: DeepSeekArgs, *, tie_word_embeddings
         else:
             raise CheckpointError(f"Hugging Face key '{key}' has no counterpart in a DeepSeek-V3 model")
     if set_aside:
-        logger.info("layers %s of the checkpoint (multi-token prediction) set aside: this model has %d layers",
-                    sorted(set_aside), args.n_layers)
+        logger.info("layers %s of the checkpoint (multi-token prediction) set aside: model.mtp_depth=%d",
+                    sorted(set_aside), args.mtp_depth)
     for (layer, name), per_expert in experts.items():
         if sorted(per_expert) != list(range(args.n_experts)):
             raise CheckpointError(f"layer {layer} holds experts {sorted(per_expert)} of its {name} projection but the "
@@ -219,7 +231,8 @@ def args_from_hf_config(config: dict[str, Any]) -> DeepSeekArgs:
             n_groups=config.get("n_group") or 1, topk_groups=config.get("topk_group") or 1,
             route_scale=float(config.get("routed_scaling_factor", 1.0)),
             norm_topk_prob=bool(config.get("norm_topk_prob", True)),
-            first_k_dense=config.get("first_k_dense_replace", 0), **yarn)
+            first_k_dense=config.get("first_k_dense_replace", 0),
+            mtp_depth=int(config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0), **yarn)
     except Exception as e:
         raise CheckpointError(f"config.json describes a model that cannot be built: {e}") from e
     args.flavor = _matching_flavor(args)
@@ -258,4 +271,4 @@ def hf_config(args: DeepSeekArgs) -> dict[str, Any]:
             "n_shared_experts": args.n_shared_experts, "n_group": args.n_groups, "topk_group": args.topk_groups,
             "routed_scaling_factor": args.route_scale, "norm_topk_prob": args.norm_topk_prob,
             "first_k_dense_replace": args.first_k_dense, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-            "num_nextn_predict_layers": 0}
+            "num_nextn_predict_layers": args.mtp_depth}

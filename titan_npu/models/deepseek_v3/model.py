@@ -14,6 +14,12 @@ exposes, after each forward, `auxiliary_loss()` (seq_aux_loss_coef x the sequenc
 MoE layers, when the coefficient is set) and `routing_metrics()` (trainer/routing.py); `score_biases()` are the
 routers' biases that aux-loss-free balancing moves after each optimizer step (trainer/routing.py,
 update_score_biases).
+
+Multi-token prediction (mtp_depth > 0): module k (held as layers.{n_layers + k - 1}, the Hugging Face checkpoint's
+index) combines the previous depth's hidden states at position i with the embedding of token i + k, runs one MoE
+block and predicts token i + k + 1 through its own norm and the model's output head; a forward given labels adds
+mtp_loss_coef x the modules' mean cross entropy to auxiliary_loss() and logs it as mtp_loss. Their routers'
+biases stay as they are (their load is not part of routing_metrics).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from titan_npu.models.init import ParamInit, prefixed, trunc_normal
 from titan_npu.models.moe.balance import load_balancing_loss
 from titan_npu.models.moe.group_router import GroupRouter, sequence_balance_loss
 from titan_npu.models.moe.layer import MoE, RoutingStats
+from titan_npu.ops.cross_entropy import chunked_linear_cross_entropy
 
 # The low-rank paths' norms have a fixed eps, whatever model.norm_eps (as the published model has them).
 LORA_NORM_EPS = 1e-6
@@ -144,13 +151,42 @@ class DeepSeekBlock(TransformerBlock):
         return h + out, routing, balance
 
 
+class MTPBlock(DeepSeekBlock):
+    """One multi-token prediction depth: (hidden states [B, S, dim], embeddings of the tokens one further
+    [B, S, dim]) -> (its hidden states: eh_proj([enorm(embedding); hnorm(hidden)]) through a MoE block, and those
+    through head_norm, the input of the shared output head)."""
+
+    def __init__(self, layer_id: int, args: DeepSeekArgs) -> None:
+        super().__init__(layer_id, args)
+        self.enorm = RMSNorm(args.dim, args.norm_eps)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps)
+        self.eh_proj = Linear(2 * args.dim, args.dim)
+        self.head_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, h: torch.Tensor, embedding: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.eh_proj(torch.cat([self.enorm(embedding), self.hnorm(h)], dim=-1))
+        out = super().forward(x, cos, sin)
+        out = out[0] if isinstance(out, tuple) else out
+        return out, self.head_norm(out)
+
+    def param_inits(self) -> dict[str, ParamInit]:
+        """The block's, the input norms and the output norm a unit scale, the projection ~ N(0, 0.02)."""
+        return {**super().param_inits(), **prefixed("enorm", self.enorm.param_inits()),
+                **prefixed("hnorm", self.hnorm.param_inits()), "eh_proj.weight": trunc_normal(0.02),
+                **prefixed("head_norm", self.head_norm.param_inits())}
+
+
 class DeepSeekTransformer(Transformer):
     """DeepSeek-V3; after each forward, auxiliary_loss() and routing_metrics() describe its routing."""
 
     def __init__(self, args: DeepSeekArgs) -> None:
         super().__init__(args, block=DeepSeekBlock)
+        for depth in range(args.mtp_depth):
+            self.layers[str(args.n_layers + depth)] = MTPBlock(args.n_layers + depth, args)
         self.routing: list[RoutingStats] = []
         self.balance: list[torch.Tensor] = []
+        self.mtp_losses: list[torch.Tensor] = []
         self.routed_rows = 0
 
     def rope_tables(self, device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,8 +204,8 @@ class DeepSeekTransformer(Transformer):
     def run_layers(self, h: torch.Tensor) -> torch.Tensor:
         """The blocks in order, keeping each MoE block's routing statistics of this forward."""
         routing, balance = [], []
-        for layer in self.layers.values():
-            if layer is None:
+        for layer_id, layer in self.layers.items():
+            if layer is None or int(layer_id) >= self.args.n_layers:  # multi-token prediction runs in forward
                 continue
             out = layer(h, self.freqs_cos, self.freqs_sin)
             if isinstance(out, tuple):
@@ -182,24 +218,53 @@ class DeepSeekTransformer(Transformer):
         self.routing, self.balance, self.routed_rows = routing, balance, h.shape[:-1].numel()
         return h
 
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_chunk_tokens: int = 0) -> torch.Tensor:
+        """The decoder's forward; with labels and multi-token prediction modules, each module's cross entropy is
+        kept for auxiliary_loss (module k sees the first S - k positions, its targets labels shifted by k)."""
+        self.mtp_losses = []
+        if not self.args.mtp_depth or labels is None:
+            return super().forward(tokens, labels, loss_chunk_tokens)
+        h = self.run_layers(self.tok_embeddings(tokens))
+        loss = chunked_linear_cross_entropy(self.norm(h), self.output.weight, labels, loss_chunk_tokens)
+        seqlen = tokens.shape[1]
+        for depth in range(1, min(self.args.mtp_depth, seqlen - 1) + 1):
+            block = self.layers[str(self.args.n_layers + depth - 1)]
+            # Token i + depth is labels[i + depth - 1]; ignored labels (negative) embed as token 0.
+            embedding = self.tok_embeddings(labels[:, depth - 1:seqlen - 1].clamp(min=0))
+            h, normed = block(h[:, :seqlen - depth], embedding, self.freqs_cos, self.freqs_sin)
+            self.mtp_losses.append(chunked_linear_cross_entropy(normed, self.output.weight, labels[:, depth:],
+                                                                loss_chunk_tokens))
+        return loss
+
+    def mtp_loss(self) -> torch.Tensor | None:
+        """The mean cross entropy of the multi-token prediction modules in the last forward (None: none ran)."""
+        return torch.stack(self.mtp_losses).mean() if self.mtp_losses else None
+
     def auxiliary_loss(self) -> torch.Tensor | None:
         """The term the last forward adds to the optimised loss: seq_aux_loss_coef x the sequence-wise balance
-        loss summed over the MoE layers held; None when the coefficient is 0 (balance then comes from the score
-        bias alone)."""
-        if not self.balance:
-            return None
-        return self.args.seq_aux_loss_coef * torch.stack(self.balance).sum()
+        loss summed over the MoE layers held, plus mtp_loss_coef x the multi-token prediction loss; None when
+        neither is on (balance then comes from the score bias alone)."""
+        terms = []
+        if self.balance:
+            terms.append(self.args.seq_aux_loss_coef * torch.stack(self.balance).sum())
+        if self.mtp_losses:
+            terms.append(self.args.mtp_loss_coef * self.mtp_loss())
+        return sum(terms[1:], terms[0]) if terms else None
 
     def score_biases(self) -> list[torch.Tensor]:
         """The score bias buffer of each MoE layer held, in the order routing_metrics' expert_tokens rows are."""
-        return [layer.feed_forward.router.score_bias for layer in self.layers.values()
-                if layer is not None and layer.is_moe]
+        return [layer.feed_forward.router.score_bias for layer_id, layer in self.layers.items()
+                if layer is not None and layer.is_moe and int(layer_id) < self.args.n_layers]
 
     @torch.no_grad()
     def routing_metrics(self) -> dict[str, torch.Tensor]:
         """Device tensors of the last forward, detached: aux_loss (the pooled load-balancing loss of the sigmoid
-        scores, a diagnostic) and expert_tokens [MoE layers, n_experts]."""
+        scores, a diagnostic), expert_tokens [MoE layers, n_experts] and, with multi-token prediction, mtp_loss."""
         if not self.routing:
             return {}
         aux = load_balancing_loss([r[0] for r in self.routing], [r[1] for r in self.routing], self.routed_rows)
-        return {"aux_loss": aux.detach(), "expert_tokens": torch.stack([r[0] for r in self.routing])}
+        metrics = {"aux_loss": aux.detach(), "expert_tokens": torch.stack([r[0] for r in self.routing])}
+        if self.mtp_losses:
+            metrics["mtp_loss"] = self.mtp_loss().detach()
+        return metrics

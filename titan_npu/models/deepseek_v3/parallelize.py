@@ -28,6 +28,10 @@ def parallelize_deepseek(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -
         raise LayoutError(f"parallel.pp_degree={dims.pp} with model.score_bias_rate={args.score_bias_rate} / "
                           f"model.seq_aux_loss_coef={args.seq_aux_loss_coef}: balancing across pipeline stages is not "
                           f"supported yet; set both to 0 or parallel.pp_degree = 1")
+    if args.mtp_depth and (dims.pp_enabled or cfg.training.loss_chunk_tokens == 0):
+        raise LayoutError(f"model.mtp_depth={args.mtp_depth} needs the loss inside the model's forward: set "
+                          f"parallel.pp_degree = 1 (now {dims.pp}) and training.loss_chunk_tokens > 0 (now "
+                          f"{cfg.training.loss_chunk_tokens})")
     if dims.ep_enabled:
         apply_expert_parallel(model, dims.ep_mesh)
     return parallelize_decoder(model, dims, cfg)
