@@ -236,3 +236,39 @@ def test_the_hf_multi_token_prediction_layer_is_kept_with_mtp_depth_and_set_asid
         without = spec.hf.from_hf(exported, plain.args)
     assert without.keys() == plain.state_dict().keys()
     assert f"layers [{layer}] of the checkpoint (multi-token prediction) set aside" in caplog.text
+
+
+def _torchrun(tmp_path: Path, *extra: str, nproc: int = 2) -> list[dict]:
+    """debug_deepseek shrunk as _train does, 3 steps on `nproc` CPU processes (gloo); the training records."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))
+           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env.update(TITAN_DEVICE="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py",
+           "--config", str(CONFIG), *SHORT, "--training.max_steps", "3", "--metrics.log_dir", str(tmp_path / "logs"),
+           "--checkpoint.enable", "false", *extra]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return _records(tmp_path / "logs")
+
+
+# Expert parallelism with balancing on (the bias moves from the load summed over the ranks, the sequence-wise loss
+# is per sequence) and multi-token prediction: every term is the same whichever rank holds a sequence or an expert.
+# Pipeline parallelism: 2 stages of layers [0, 1] (the dense layer first) and [2, 3], balancing off (refused on).
+@pytest.mark.parametrize("model, layout", [
+    (["--model.score_bias_rate", "0.01", "--model.seq_aux_loss_coef", "0.001", "--model.mtp_depth", "1"],
+     ["--parallel.ep_degree", "2", "--training.batch_size", "2"]),
+    (["--model.score_bias_rate", "0"], ["--parallel.pp_degree", "2", "--training.batch_size", "4"]),
+], ids=["ep-balancing-mtp", "pp"])
+def test_expert_and_pipeline_parallel_runs_on_two_ranks_give_the_single_process_losses(tmp_path, one_thread,
+                                                                                      _single_process, model, layout):
+    single = _train(tmp_path / "one", *model, steps=3)
+    split = _torchrun(tmp_path / "split", *model, *layout)
+    assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in single], rel=1e-5)
+    if "--model.mtp_depth" in model:
+        assert [r["mtp_loss"] for r in split] == pytest.approx([r["mtp_loss"] for r in single], rel=1e-5)
+    if "--parallel.ep_degree" in layout:  # the pipeline's stages log no expert load of the whole model
+        assert [r["expert_load_per_layer"] for r in split] == [r["expert_load_per_layer"] for r in single]
