@@ -10,8 +10,10 @@ from hf_reference import adamw_steps, logits, memorisable_batches, randomise
 
 from titan_npu import ops
 from titan_npu.checkpoint.formats import read_weights
+from titan_npu.config.schema import ModelConfig
+from titan_npu.errors import CheckpointError
 from titan_npu.models.deepseek_v3.args import DeepSeekArgs
-from titan_npu.models.registry import build_model, get_spec, spec_for_hf_config
+from titan_npu.models.registry import build_model, build_model_args, get_spec, spec_for_hf_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -179,3 +181,18 @@ def test_an_fp8_checkpoint_with_block_scales_imports_dequantised(tmp_path):
     w = weights.state_dict["layers.0.attention.wq.weight"]
     original = state["model.layers.0.self_attn.q_proj.weight"]
     assert (w - original).abs().max() <= 0.07 * original.abs().max()
+
+
+@pytest.mark.parametrize("flavor", ["debug", "16B", "236B", "671B"])
+def test_a_published_config_reads_back_as_its_flavor_yarn_included(flavor):
+    args = build_model_args(ModelConfig(name="deepseek_v3", flavor=flavor))
+    back = get_spec("deepseek_v3").hf.args_from_config(get_spec("deepseek_v3").hf.config(args))
+    assert back == args and back.flavor == flavor
+
+
+def test_the_shard_wise_reader_refuses_fp8_in_one_line():
+    args = SHAPES["plain-q"]
+    with pytest.raises(CheckpointError, match="dequantise the checkpoint first with `titan-npu import`") as error:
+        get_spec("deepseek_v3").hf.from_hf_layout("layers.0.attention.wq.weight",
+                                                  torch.zeros(4, 4, dtype=torch.float8_e4m3fn), args)
+    assert "\n" not in str(error.value)

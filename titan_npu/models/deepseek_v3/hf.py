@@ -242,7 +242,10 @@ def args_from_hf_config(config: dict[str, Any]) -> DeepSeekArgs:
 def _matching_flavor(args: DeepSeekArgs) -> str:
     """The flavor with these shapes and routing, or 'custom'."""
     own = (*DEEPSEEK_OVERRIDABLE, *YARN_FIELDS)
-    dense = {name: {k: v for k, v in preset.items() if k not in own} for name, preset in FLAVORS.items()}
+    # The decoder's match compares head_dim: a DeepSeek query/key head is qk_nope + qk_rope wide.
+    dense = {name: {**{k: v for k, v in preset.items() if k not in own},
+                    "head_dim": preset["qk_nope_head_dim"] + preset["qk_rope_head_dim"]}
+             for name, preset in FLAVORS.items()}
     flavor = matching_flavor(args, dense)
     if flavor == "custom":
         return flavor
