@@ -19,11 +19,13 @@ from titan_npu.models.registry import build_model, get_spec
 
 transformers = pytest.importorskip("transformers")
 
-# The tiny run's byte tokenizer (vocab 512) and seq 32; layer 0 dense, layers 1-2 MoE in 4 groups.
+# The tiny run's byte tokenizer (vocab 512) and seq 32; layer 0 dense, layers 1-2 MoE in 4 groups; YaRN (not a
+# flavor's: the printed [model] lines must carry it).
 ARGS = DeepSeekArgs(dim=64, n_layers=3, n_heads=4, vocab_size=512, ffn_dim=96, norm_eps=1e-6, rope_theta=10000.0,
                     max_seq_len=64, family="deepseek_v3", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
                     qk_rope_head_dim=8, v_head_dim=12, n_experts=8, top_k=2, moe_ffn_dim=24, n_shared_experts=1,
-                    n_groups=4, topk_groups=2, route_scale=2.5, first_k_dense=1)
+                    n_groups=4, topk_groups=2, route_scale=2.5, first_k_dense=1, yarn_factor=4.0,
+                    yarn_original_seq_len=16, yarn_mscale=1.0, yarn_mscale_all_dim=0.8)
 
 
 def _hf_dir(path: Path) -> torch.nn.Module:
@@ -46,7 +48,8 @@ def test_import_train_from_the_hf_directory_and_export_back(tmp_path, capsys):
     assert main(["import", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "w.pt")]) == 0
     lines = capsys.readouterr().out
     for line in ('name = "deepseek_v3"', "n_experts = 8", "q_lora_rank = 24", "kv_lora_rank = 16", "v_head_dim = 12",
-                 "n_groups = 4", "topk_groups = 2", "route_scale = 2.5", "first_k_dense = 1"):
+                 "n_groups = 4", "topk_groups = 2", "route_scale = 2.5", "first_k_dense = 1", "yarn_factor = 4.0",
+                 "yarn_mscale_all_dim = 0.8"):
         assert line in lines
     model_lines = lines[lines.index("[model]"):lines.index("[checkpoint]")]
     (tmp_path / "run.toml").write_text(model_lines + f'\n[checkpoint]\ninitial_load = "{tmp_path / "hf"}"\n'

@@ -53,6 +53,12 @@ class ModelConfig:
     score_bias_rate: float | None = None  # aux-loss-free balancing: score bias step per optimizer step; 0 = off
     seq_aux_loss_coef: float | None = None  # weight of the sequence-wise balance loss; 0 = off
     mtp_depth: int | None = None  # multi-token prediction modules; 0 = none
+    yarn_factor: float | None = None  # YaRN RoPE stretch (40 in the published flavors); 0 = plain RoPE
+    yarn_original_seq_len: int | None = None  # the context YaRN stretches from (4096)
+    yarn_beta_fast: float | None = None  # YaRN's ramp bounds, in rotations (32 and 1)
+    yarn_beta_slow: float | None = None
+    yarn_mscale: float | None = None  # YaRN magnitude scales of the cos/sin tables and of the softmax
+    yarn_mscale_all_dim: float | None = None
     mtp_loss_coef: float | None = None  # weight of the multi-token prediction loss
     use_flash_attention: bool = True
     attention_backend: str = "auto"  # CUDA SDPA kernel: auto (by GPU capability) | cudnn | flash | efficient

@@ -24,7 +24,7 @@ DEEPSEEK_OVERRIDABLE = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_r
                         "n_experts", "top_k", "moe_ffn_dim", "n_shared_experts", "n_groups", "topk_groups",
                         "route_scale", "norm_topk_prob", "first_k_dense", "score_bias_rate", "seq_aux_loss_coef",
                         "mtp_depth", "mtp_loss_coef")
-# Fields a flavor sets that [model] does not override (YaRN's, as published).
+# YaRN's fields (the published flavors stretch RoPE 40x from 4096 positions); [model] overrides them too.
 YARN_FIELDS = ("yarn_factor", "yarn_original_seq_len", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
                "yarn_mscale_all_dim")
 
@@ -181,7 +181,9 @@ def build_args(model_cfg: ModelConfig, flavor: str) -> DeepSeekArgs:
     """[model] resolved into the args of DeepSeek-V3 `flavor`."""
     preset = dict(FLAVORS[flavor])
     own = {k: preset.pop(k) for k in (*DEEPSEEK_OVERRIDABLE, *YARN_FIELDS) if k in preset}
-    own.update({k: getattr(model_cfg, k) for k in DEEPSEEK_OVERRIDABLE if getattr(model_cfg, k, None) is not None})
+    own.update({k: getattr(model_cfg, k) for k in (*DEEPSEEK_OVERRIDABLE, *YARN_FIELDS)
+                if getattr(model_cfg, k, None) is not None})
+    own["yarn_factor"] = own.get("yarn_factor") or None  # 0 means plain RoPE, as None does
     dense = resolve_args(model_cfg, "deepseek_v3", {flavor: preset}, flavor)
     fields = {f.name: getattr(dense, f.name) for f in dataclasses.fields(DecoderArgs)}
     return DeepSeekArgs(**fields, **own)
