@@ -161,10 +161,10 @@ def test_the_sequence_balance_loss_is_one_when_even_and_grows_with_concentration
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["--parallel.tp_degree", "2"], "parallel.tp_degree=2: TP of multi-head latent attention"),
+    (["--parallel.tp_degree", "2", "--model.seq_aux_loss_coef", "0.001"], "the sequence-wise balance loss under"),
     (["--parallel.cp_degree", "2"], "parallel.cp_degree=2: CP of multi-head latent attention"),
     (["--parallel.pp_degree", "2"], "balancing across pipeline stages is not supported yet"),
-], ids=["tp", "cp", "pp-with-balancing"])
+], ids=["tp-with-seq-aux", "cp", "pp-with-balancing"])
 def test_layouts_deepseek_does_not_take_yet_are_refused_in_one_line(overrides, message):
     from titan_npu.errors import LayoutError
     from titan_npu.parallel import ParallelDims
@@ -258,17 +258,19 @@ def _torchrun(tmp_path: Path, *extra: str, nproc: int = 2) -> list[dict]:
 # Expert parallelism with balancing on (the bias moves from the load summed over the ranks, the sequence-wise loss
 # is per sequence) and multi-token prediction: every term is the same whichever rank holds a sequence or an expert.
 # Pipeline parallelism: 2 stages of layers [0, 1] (the dense layer first) and [2, 3], balancing off (refused on).
+# Tensor parallelism: MLA's heads split, the low-rank path and the MoE layers replicated, the score bias moving.
 @pytest.mark.parametrize("model, layout", [
     (["--model.score_bias_rate", "0.01", "--model.seq_aux_loss_coef", "0.001", "--model.mtp_depth", "1"],
      ["--parallel.ep_degree", "2", "--training.batch_size", "2"]),
     (["--model.score_bias_rate", "0"], ["--parallel.pp_degree", "2", "--training.batch_size", "4"]),
-], ids=["ep-balancing-mtp", "pp"])
-def test_expert_and_pipeline_parallel_runs_on_two_ranks_give_the_single_process_losses(tmp_path, one_thread,
-                                                                                      _single_process, model, layout):
+    (["--model.score_bias_rate", "0.01"], ["--parallel.tp_degree", "2", "--training.batch_size", "4"]),
+], ids=["ep-balancing-mtp", "pp", "tp-balancing"])
+def test_expert_pipeline_and_tensor_parallel_runs_on_two_ranks_give_the_single_process_losses(
+        tmp_path, one_thread, _single_process, model, layout):
     single = _train(tmp_path / "one", *model, steps=3)
     split = _torchrun(tmp_path / "split", *model, *layout)
     assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in single], rel=1e-5)
     if "--model.mtp_depth" in model:
         assert [r["mtp_loss"] for r in split] == pytest.approx([r["mtp_loss"] for r in single], rel=1e-5)
-    if "--parallel.ep_degree" in layout:  # the pipeline's stages log no expert load of the whole model
+    if "--parallel.pp_degree" not in layout:  # the pipeline's stages log no expert load of the whole model
         assert [r["expert_load_per_layer"] for r in split] == [r["expert_load_per_layer"] for r in single]

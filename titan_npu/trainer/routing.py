@@ -55,7 +55,7 @@ class RoutingMeter:
             return {}
         out: dict[str, Any] = {"aux_loss": mean_loss(self.sums["aux_loss"], dims)}
         tokens = self.sums["expert_tokens"].detach().double().cpu()
-        if dims.world_size > 1:  # every rank's tokens (tensor-parallel ranks would repeat them: TP is refused)
+        if dims.world_size > 1:  # every rank's tokens (tensor-parallel ranks repeat theirs: max / mean is unchanged)
             dist.all_reduce(tokens)
         per_layer = (tokens.max(dim=1).values / tokens.mean(dim=1).clamp(min=1e-9)).tolist()
         out["expert_load_max_mean"] = sum(per_layer) / len(per_layer)

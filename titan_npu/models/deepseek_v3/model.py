@@ -70,6 +70,22 @@ def yarn_rope(args: DeepSeekArgs, device: torch.device | str | None) -> tuple[to
     return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
+class _SumGradOver(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over a process group (a tensor every tensor-parallel rank
+    computes whole but each rank's heads use only in part)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 class MLA(nn.Module):
     """Multi-head latent attention, causal; x [B, S, dim] -> [B, S, dim]."""
 
@@ -92,6 +108,9 @@ class MLA(nn.Module):
         self.wo = Linear(args.n_heads * args.v_head_dim, args.dim)
         # The attention kernels scale by head_dim^-0.5; YaRN's extra factor goes onto the queries.
         self.q_scale = args.softmax_scale * args.head_dim ** 0.5
+        # Set by tensor parallelism: the group whose ranks hold the other heads (the shared RoPE key's gradient is
+        # summed over it). None: every head is here.
+        self.tp_group = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, S, dim]; cos/sin: the RoPE tables from position 0 with at least S rows."""
@@ -102,6 +121,8 @@ class MLA(nn.Module):
         q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
         q_nope, q_rope = q.view(bs, seqlen, -1, self.head_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        if self.tp_group is not None:
+            k_rope = _SumGradOver.apply(k_rope, self.tp_group)
         q_rope, k_rope = ops.apply_rotary_emb(q_rope, k_rope.unsqueeze(2), cos[:seqlen], sin[:seqlen])
         kv = self.wkv_b(self.kv_norm(latent)).view(bs, seqlen, -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
@@ -187,7 +208,7 @@ class DeepSeekTransformer(Transformer):
         self.routing: list[RoutingStats] = []
         self.balance: list[torch.Tensor] = []
         self.mtp_losses: list[torch.Tensor] = []
-        self.routed_rows = 0
+        self.routed_rows: torch.Tensor | int = 0
 
     def rope_tables(self, device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE (or YaRN) tables of the rotated query/key parts."""
@@ -215,7 +236,10 @@ class DeepSeekTransformer(Transformer):
                     balance.append(seq_loss)
             else:
                 h = out
-        self.routing, self.balance, self.routed_rows = routing, balance, h.shape[:-1].numel()
+        # Rows routed per MoE layer: the tokens here, or under tensor parallelism the whole sequence each rank
+        # routes (its assignments over top_k).
+        rows = routing[0][0].sum() / self.args.top_k if routing else h.shape[:-1].numel()
+        self.routing, self.balance, self.routed_rows = routing, balance, rows
         return h
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,

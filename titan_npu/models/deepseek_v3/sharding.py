@@ -1,9 +1,15 @@
-"""Every kind of parameter of a DeepSeek-V3 model with its full shape; tensor parallelism is refused for this
-family (parallelize.py), so every kind is replicated across tensor-parallel ranks (dim None)."""
+"""Every kind of parameter of a DeepSeek-V3 model with its full shape and the dim tensor parallelism splits it
+along (parallelize.py's plan): the query / key-value up-projections and dense w1/w3 by output (0), the output
+projection and dense w2 by input (1), the embedding and output head by vocabulary (0); the low-rank
+down-projections, their norms, the MoE layers and every other norm replicated (None)."""
 
 from __future__ import annotations
 
 from titan_npu.models.deepseek_v3.args import DeepSeekArgs
+
+TP_DIM = {"attention.wq.weight": 0, "attention.wq_b.weight": 0, "attention.wkv_b.weight": 0, "attention.wo.weight": 1,
+          "feed_forward.w1.weight": 0, "feed_forward.w3.weight": 0, "feed_forward.w2.weight": 1,
+          "tok_embeddings.weight": 0, "output.weight": 0}
 
 
 def parameter_kinds(args: DeepSeekArgs) -> dict[str, tuple[tuple[int, ...], int | None]]:
@@ -38,4 +44,4 @@ def parameter_kinds(args: DeepSeekArgs) -> dict[str, tuple[tuple[int, ...], int 
                    "tok_embeddings.weight": (args.vocab_size, d), "norm.weight": (d,)})
     if not args.tie_embeddings:
         shapes["output.weight"] = (args.vocab_size, d)
-    return {kind: (shape, None) for kind, shape in shapes.items()}
+    return {kind: (shape, TP_DIM.get(kind)) for kind, shape in shapes.items()}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_npu.models.decoder.model import Linear
 from titan_npu.models.init import ParamInit, trunc_normal
@@ -36,8 +37,11 @@ class GroupRouter(nn.Module):
         self.register_buffer("score_bias", torch.zeros(args.n_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        weight = self.gate.weight
+        if isinstance(weight, DTensor):  # replicated over tensor-parallel ranks that route the same tokens
+            weight = weight.to_local()
         with torch.autocast(x.device.type, enabled=False):
-            scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))
+            scores = torch.sigmoid(F.linear(x.float(), weight.float()))
         choice = scores + self.score_bias
         if self.n_groups > 1:
             grouped = choice.unflatten(-1, (self.n_groups, -1))  # [T, groups, experts per group]
