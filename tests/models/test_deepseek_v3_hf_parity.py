@@ -105,7 +105,7 @@ def test_twenty_steps_from_imported_weights_track_a_transformers_training_loop(s
     hf = _hf_model(args).train()
     _randomise(hf, seed=7)
     ours = _import(hf, args).train()
-    batches = memorisable_batches(args.vocab_size, SEQ_LEN, 20)
+    batches = memorisable_batches(args.vocab_size, SEQ_LEN, 20, batch=2)
     ours_losses = adamw_steps(ours, batches, _ce)
     hf_losses = adamw_steps(hf, batches, _ce)
     assert ours_losses[-1] < ours_losses[0] - 1.0  # it learns: the comparison is not between two flat lines

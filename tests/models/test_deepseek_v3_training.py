@@ -30,7 +30,7 @@ def _records(log_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-def test_debug_deepseek_trains_from_the_command_line_and_resumes_bit_for_bit(tmp_path):
+def test_debug_deepseek_trains_from_the_command_line_and_resumes_bit_for_bit(tmp_path, _single_process):
     # The bias moves (rate 0.01), the sequence-wise loss is on and a multi-token prediction module trains, so all
     # are in what the resume must restore.
     argv = [str(ROOT / "train.py"), "--config", str(CONFIG), *SHORT, "--training.max_steps", "4",
@@ -46,8 +46,13 @@ def test_debug_deepseek_trains_from_the_command_line_and_resumes_bit_for_bit(tmp
     assert all(r["mtp_loss"] > 0 for r in records)
     final = read_weights(tmp_path / "ckpt" / "step-4").state_dict
     shutil.move(tmp_path / "ckpt" / "step-4", tmp_path / "step-4-whole")
-    resumed = run_python(*argv, "--metrics.log_dir", str(tmp_path / "resumed"), cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # Resumed in this process (the same config as the command line's): the rest of the run from step 2's checkpoint.
+    cfg = load_config(CONFIG, [*argv[3:], "--metrics.log_dir", str(tmp_path / "resumed")])
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
     again = _records(tmp_path / "resumed")
     assert [r["step"] for r in again] == [3, 4]
     assert [(r["loss"], r["mtp_loss"]) for r in again] == [(r["loss"], r["mtp_loss"]) for r in records[2:]]
