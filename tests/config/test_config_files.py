@@ -16,6 +16,7 @@ DOCS = CONFIGS.parent / "docs" / "config.md"
 EXPECTED = {
     "debug.toml": ("llama3", "debug"),
     "debug_moe.toml": ("qwen3_moe", "debug"),
+    "debug_deepseek.toml": ("deepseek_v3", "debug"),
     "llama2_7b.toml": ("llama2", "7B"),
     "llama2_13b.toml": ("llama2", "13B"),
     "llama2_70b.toml": ("llama2", "70B"),

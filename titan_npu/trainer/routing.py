@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from titan_npu.models.moe.balance import update_score_bias
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.reduce import mean_loss
 
@@ -57,7 +58,7 @@ class RoutingMeter:
     def _add(self, metrics: dict[str, torch.Tensor], scale: float) -> None:
         """Add one forward's routing metrics, a share `scale` of the step, to the step's sums."""
         for key, value in metrics.items():
-            value = value * scale if key == "aux_loss" else value
+            value = value * scale if key in ("aux_loss", "mtp_loss") else value
             self.sums[key] = self.sums[key] + value if key in self.sums else value
 
     def add_auxiliary(self, loss: torch.Tensor, scale: float) -> torch.Tensor:
@@ -112,9 +113,27 @@ class RoutingMeter:
         per_layer = (tokens.max(dim=1).values / tokens.mean(dim=1).clamp(min=1e-9)).tolist()
         out["expert_load_max_mean"] = sum(per_layer) / len(per_layer)
         out["expert_load_per_layer"] = [round(v, 4) for v in per_layer]
+        if "mtp_loss" in self.sums:  # multi-token prediction's cross entropy (DeepSeek-V3), mean like aux_loss
+            out["mtp_loss"] = mean_loss(self.sums["mtp_loss"], dims)
         if "dropped_tokens" in self.sums:  # the model routes with a capacity
             dropped = self.sums["dropped_tokens"].detach().double().cpu().reshape(1)
             if dims.world_size > 1:
                 dist.all_reduce(dropped)
             out["dropped_tokens"] = int(dropped.item()) // dims.tp  # the tp ranks route the same tokens
         return out
+
+
+def update_score_biases(meter: RoutingMeter, dims: ParallelDims) -> None:
+    """Aux-loss-free balancing, after an optimizer step: each MoE layer's router score bias steps by the model's
+    score_bias_rate toward an even load, the load of the step summed over the data-parallel ranks on the device (a
+    collective: call it on every rank), so every rank's bias stays identical. Not part of any gradient; inert for a
+    model without score biases or with the rate 0."""
+    model = meter.model
+    rate = getattr(getattr(model, "args", None), "score_bias_rate", 0.0)
+    if not rate or not hasattr(model, "score_biases") or "expert_tokens" not in meter.sums:
+        return
+    tokens = meter.sums["expert_tokens"].detach().clone()
+    if dims.world_size > 1:
+        dist.all_reduce(tokens)
+    for bias, load in zip(model.score_biases(), tokens):
+        update_score_bias(bias, load, rate)

@@ -59,7 +59,7 @@ from titan_npu.trainer.precision import (
     set_fp32_matmul_precision,
     to_torch_dtype,
 )
-from titan_npu.trainer.routing import RoutingMeter
+from titan_npu.trainer.routing import RoutingMeter, update_score_biases
 
 log = logging.getLogger("titan_npu")
 
@@ -301,6 +301,7 @@ class Trainer:
             self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        update_score_biases(self.routing, self.dims)
         return loss_sum / accum, grad_norm, data_time
 
     def _global_mean(self, value: torch.Tensor) -> float:

@@ -32,6 +32,7 @@ from titan_npu.models.init import ParamInit, prefixed
 from titan_npu.models.moe.args import MoEArgs
 from titan_npu.models.moe.dispatch import all_reduce_grad, run_experts_parallel, run_experts_parallel_padded
 from titan_npu.models.moe.experts import GroupedExperts
+from titan_npu.models.moe.group_router import GroupRouter
 from titan_npu.models.moe.router import Router
 
 # What a MoE layer reports of one forward: (assignments per expert [n_experts] fp32, detached; router probability
@@ -45,7 +46,7 @@ class MoE(nn.Module):
     def __init__(self, args: MoEArgs) -> None:
         super().__init__()
         self.args = args
-        self.router = Router(args)
+        self.router = GroupRouter(args) if args.router == "sigmoid_group" else Router(args)
         self.experts = GroupedExperts(args.n_experts, args.dim, args.ffn_dim)
         self.shared_experts = FeedForward(args.dim, args.shared_ffn_dim) if args.shared_ffn_dim else None
         # The group the experts are split over (expert parallelism, dispatch.py); None = every expert here.
