@@ -16,8 +16,8 @@ Tensor parallelism (parallel.tp_degree), with sequence parallelism as the decode
   MoE feed_forward (router, experts, shared experts)       replicated: every rank routes and runs the whole
                                                            sequence (gathered), then keeps its own slice
 Refused in one line: context parallelism of MLA, tensor parallelism with the sequence-wise balance loss (and with
-expert parallelism: parallel/layout.py), balancing (score
-bias updates, the sequence-wise loss) under pipeline parallelism, and multi-token prediction without the loss in
+expert parallelism: parallel/layout.py), the sequence-wise balance loss under pipeline parallelism (the score bias
+moves there: each stage from its own layers' load), and multi-token prediction without the loss in
 the forward (pipeline or tensor parallelism, training.loss_chunk_tokens = 0)."""
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def parallelize_deepseek(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -
         raise LayoutError(f"parallel.tp_degree={dims.tp} with model.seq_aux_loss_coef={args.seq_aux_loss_coef}: the "
                           f"sequence-wise balance loss under tensor parallelism is not supported yet; set "
                           f"model.seq_aux_loss_coef = 0 (the score bias balances) or parallel.tp_degree = 1")
-    if dims.pp_enabled and (args.score_bias_rate > 0 or args.seq_aux_loss_coef > 0):
-        raise LayoutError(f"parallel.pp_degree={dims.pp} with model.score_bias_rate={args.score_bias_rate} / "
-                          f"model.seq_aux_loss_coef={args.seq_aux_loss_coef}: balancing across pipeline stages is not "
-                          f"supported yet; set both to 0 or parallel.pp_degree = 1")
+    if dims.pp_enabled and args.seq_aux_loss_coef > 0:
+        raise LayoutError(f"parallel.pp_degree={dims.pp} with model.seq_aux_loss_coef={args.seq_aux_loss_coef}: the "
+                          f"sequence-wise balance loss across pipeline stages is not supported yet; set "
+                          f"model.seq_aux_loss_coef = 0 (the score bias balances) or parallel.pp_degree = 1")
     if args.mtp_depth and (dims.pp_enabled or dims.tp_enabled or cfg.training.loss_chunk_tokens == 0):
         raise LayoutError(f"model.mtp_depth={args.mtp_depth} needs the loss inside the model's forward: set "
                           f"parallel.pp_degree = 1 (now {dims.pp}), parallel.tp_degree = 1 (now {dims.tp}) and "
