@@ -208,10 +208,10 @@ def test_the_sequence_balance_loss_is_one_when_even_and_grows_with_concentration
 
 @pytest.mark.parametrize("overrides, message", [
     (["--parallel.tp_degree", "2", "--model.seq_aux_loss_coef", "0.001"], "the sequence-wise balance loss under"),
-    (["--parallel.cp_degree", "2"], "parallel.cp_degree=2: CP of multi-head latent attention"),
+    (["--parallel.cp_degree", "2", "--model.mtp_depth", "1"], "multi-token prediction shifts whole sequences"),
     (["--parallel.pp_degree", "2", "--model.seq_aux_loss_coef", "0.001"],
      "the sequence-wise balance loss across pipeline stages"),
-], ids=["tp-with-seq-aux", "cp", "pp-with-seq-aux"])
+], ids=["tp-with-seq-aux", "cp-with-mtp", "pp-with-seq-aux"])
 def test_layouts_deepseek_does_not_take_yet_are_refused_in_one_line(overrides, message):
     from titan_npu.errors import LayoutError
     from titan_npu.parallel import ParallelDims
@@ -307,8 +307,11 @@ def _torchrun(tmp_path: Path, *extra: str, nproc: int = 2) -> list[dict]:
 # Pipeline parallelism: 2 stages of layers [0, 1] (the dense layer first) and [2, 3], the score bias moving (each
 # stage moves its own layers' biases, from their load summed over the stage's data-parallel ranks).
 # Tensor parallelism: MLA's heads split, the low-rank path and the MoE layers replicated, the score bias moving.
+# Context parallelism (ring and Ulysses): MLA's q/k/v through the context seam at the chunks' true RoPE positions,
+# the sequence-wise loss's counts and the bias's load summed over the cp ranks.
 # On 4 ranks: EP 2 within FSDP 4 (the experts' FSDP over 2), EP 2 on each of 2 pipeline stages, FSDP 2 x TP 2.
 BALANCING = ["--model.score_bias_rate", "0.01"]
+SEQ_AUX = [*BALANCING, "--model.seq_aux_loss_coef", "0.1"]  # weighty enough that counts not pooled over cp would show
 
 
 @pytest.mark.parametrize("model, layout, nproc", [
@@ -316,6 +319,8 @@ BALANCING = ["--model.score_bias_rate", "0.01"]
      ["--parallel.ep_degree", "2", "--training.batch_size", "2"], 2),
     (BALANCING, ["--parallel.pp_degree", "2", "--training.batch_size", "4"], 2),
     (BALANCING, ["--parallel.tp_degree", "2", "--training.batch_size", "4"], 2),
+    (SEQ_AUX, ["--parallel.cp_degree", "2", "--training.batch_size", "4"], 2),
+    (SEQ_AUX, ["--parallel.cp_degree", "2", "--parallel.cp_mode", "ulysses", "--training.batch_size", "4"], 2),
     # The 4-rank EP x FSDP and FSDP x TP runs (~30 s and ~20 s on 2 cores) are slow: the 2-rank EP and TP runs above
     # stay in the default run; EP x PP stays too (the bias from a stage's load summed over its dp ranks).
     pytest.param([*BALANCING, "--model.seq_aux_loss_coef", "0.001"],
@@ -325,8 +330,9 @@ BALANCING = ["--model.score_bias_rate", "0.01"]
                  "--training.batch_size", "2", "--parallel.pp_microbatches", "2"], 4),
     pytest.param(BALANCING, ["--parallel.dp_shard", "2", "--parallel.tp_degree", "2", "--training.batch_size", "2"],
                  4, marks=pytest.mark.slow),
-], ids=["ep-balancing-mtp", "pp-balancing", "tp-balancing", "ep2-fsdp4", "pp2-ep2", "fsdp2-tp2"])
-def test_expert_pipeline_and_tensor_parallel_layouts_give_the_single_process_losses(
+], ids=["ep-balancing-mtp", "pp-balancing", "tp-balancing", "cp-ring", "cp-ulysses", "ep2-fsdp4", "pp2-ep2",
+        "fsdp2-tp2"])
+def test_expert_pipeline_tensor_and_context_parallel_layouts_give_the_single_process_losses(
         tmp_path, one_thread, _single_process, model, layout, nproc):
     single = _train(tmp_path / "one", *model, steps=3)
     split = _torchrun(tmp_path / "split", *model, *layout, nproc=nproc)

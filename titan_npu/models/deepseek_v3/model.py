@@ -111,19 +111,25 @@ class MLA(nn.Module):
         # Set by tensor parallelism: the group whose ranks hold the other heads (the shared RoPE key's gradient is
         # summed over it). None: every head is here.
         self.tp_group = None
+        # Set by context parallelism (parallel/context_parallel.py's RingContext or UlyssesContext, as for the dense
+        # decoder's Attention): this rank holds the load-balanced chunks of each sequence. None: every position.
+        self.context = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, S, dim]; cos/sin: the RoPE tables from position 0 with at least S rows."""
         bs, seqlen, _ = x.shape
-        if seqlen > cos.shape[0]:
-            raise ConfigError(f"sequence length {seqlen} exceeds model.max_seq_len={cos.shape[0]}; "
+        whole = seqlen if self.context is None else seqlen * self.context.size
+        if whole > cos.shape[0]:
+            raise ConfigError(f"sequence length {whole} exceeds model.max_seq_len={cos.shape[0]}; "
                               f"raise model.max_seq_len or lower training.seq_len")
+        # The RoPE (YaRN) rows of the positions held: the first S, or the chunks' true positions under CP.
+        rows = slice(seqlen) if self.context is None else self.context.positions(seqlen, x.device)
         q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
         q_nope, q_rope = q.view(bs, seqlen, -1, self.head_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         if self.tp_group is not None:
             k_rope = _SumGradOver.apply(k_rope, self.tp_group)
-        q_rope, k_rope = ops.apply_rotary_emb(q_rope, k_rope.unsqueeze(2), cos[:seqlen], sin[:seqlen])
+        q_rope, k_rope = ops.apply_rotary_emb(q_rope, k_rope.unsqueeze(2), cos[rows], sin[rows])
         kv = self.wkv_b(self.kv_norm(latent)).view(bs, seqlen, -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         heads = k_nope.shape[2]
@@ -133,7 +139,11 @@ class MLA(nn.Module):
             q = q * self.q_scale
         # Kernels take one head width for q, k and v: the value is padded to it and the padding cut off after.
         pad = self.head_dim - self.v_dim
-        out = ops.attention(q, k, F.pad(v, (0, pad)) if pad > 0 else v, causal=True, use_flash=self.use_flash)
+        v = F.pad(v, (0, pad)) if pad > 0 else v
+        if self.context is None:
+            out = ops.attention(q, k, v, causal=True, use_flash=self.use_flash)
+        else:  # across the cp ranks, through the seam the dense decoder's attention uses
+            out = self.context.attention(q, k, v)
         if pad > 0:
             out = out[..., :self.v_dim]
         return self.wo(out.reshape(bs, seqlen, -1))
@@ -168,7 +178,7 @@ class DeepSeekBlock(TransformerBlock):
         balance = None
         if self.seq_aux:  # the router again on the same input: its choices per token, grouped by sequence
             _, experts, scores = self.feed_forward.router(normed.reshape(-1, normed.shape[-1]))
-            balance = sequence_balance_loss(experts, scores, normed.shape[0])
+            balance = sequence_balance_loss(experts, scores, normed.shape[0], self.attention.context)
         return h + out, routing, balance
 
 
@@ -214,6 +224,9 @@ class DeepSeekTransformer(Transformer):
         # The multi-token prediction modules' rows follow (their routing of the last forward in mtp_routing).
         self.mtp_rows = {str(args.n_layers + d): len(self.moe_rows) + d for d in range(args.mtp_depth)}
         self.mtp_routing: list[RoutingStats] = []
+        # Set by context parallelism: the cp ranks hold the other positions of these sequences; the logged aux_loss
+        # pools the expert counts over them. None: every position is here.
+        self.context = None
 
     def rope_tables(self, device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE (or YaRN) tables of the rotated query/key parts."""
@@ -304,7 +317,10 @@ class DeepSeekTransformer(Transformer):
             tokens = torch.cat([tokens, mtp])
         metrics = {"expert_tokens": tokens}
         if self.output is not None:
-            metrics["aux_loss"] = load_balancing_loss(held, [r[1] for r in self.routing], self.routed_rows).detach()
+            counts = held
+            if self.context is not None:  # f over the whole sequences (the cp ranks' mean of the loss: qwen3_moe's)
+                counts = [self.context.token_sum(c.float()) / self.context.size for c in held]
+            metrics["aux_loss"] = load_balancing_loss(counts, [r[1] for r in self.routing], self.routed_rows).detach()
         if self.mtp_losses:
             metrics["mtp_loss"] = self.mtp_loss().detach()
         return metrics
