@@ -137,7 +137,8 @@ class MLA(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, -1, heads, -1)], dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        # Kernels take one head width for q, k and v: the value is padded to it and the padding cut off after.
+        # Kernels take one head width for q, k and v (npu_fusion_attention among them): the value is zero-padded to it
+        # and the padding cut off after, as MindSpeed-LLM does for MLA (its multi_latent_attention.py).
         pad = self.head_dim - self.v_dim
         v = F.pad(v, (0, pad)) if pad > 0 else v
         if self.context is None:
