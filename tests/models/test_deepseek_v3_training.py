@@ -321,8 +321,8 @@ SEQ_AUX = [*BALANCING, "--model.seq_aux_loss_coef", "0.1"]  # weighty enough tha
     (BALANCING, ["--parallel.tp_degree", "2", "--training.batch_size", "4"], 2),
     (SEQ_AUX, ["--parallel.cp_degree", "2", "--training.batch_size", "4"], 2),
     (SEQ_AUX, ["--parallel.cp_degree", "2", "--parallel.cp_mode", "ulysses", "--training.batch_size", "4"], 2),
-    # The 4-rank EP x FSDP and FSDP x TP runs (~30 s and ~20 s on 2 cores) are slow: the 2-rank EP and TP runs above
-    # stay in the default run; EP x PP stays too (the bias from a stage's load summed over its dp ranks).
+    # The 4-rank EP x FSDP, FSDP x TP and CP x TP runs (~20-30 s each on 2 cores) are slow: the 2-rank EP, TP and CP
+    # runs above stay in the default run; EP x PP stays too (the bias from a stage's load summed over its dp ranks).
     pytest.param([*BALANCING, "--model.seq_aux_loss_coef", "0.001"],
                  ["--parallel.ep_degree", "2", "--parallel.dp_shard", "4", "--training.batch_size", "1"], 4,
                  marks=pytest.mark.slow),
@@ -330,8 +330,10 @@ SEQ_AUX = [*BALANCING, "--model.seq_aux_loss_coef", "0.1"]  # weighty enough tha
                  "--training.batch_size", "2", "--parallel.pp_microbatches", "2"], 4),
     pytest.param(BALANCING, ["--parallel.dp_shard", "2", "--parallel.tp_degree", "2", "--training.batch_size", "2"],
                  4, marks=pytest.mark.slow),
+    pytest.param(BALANCING, ["--parallel.cp_degree", "2", "--parallel.tp_degree", "2", "--training.batch_size", "4"],
+                 4, marks=pytest.mark.slow),
 ], ids=["ep-balancing-mtp", "pp-balancing", "tp-balancing", "cp-ring", "cp-ulysses", "ep2-fsdp4", "pp2-ep2",
-        "fsdp2-tp2"])
+        "fsdp2-tp2", "cp2-tp2"])
 def test_expert_pipeline_tensor_and_context_parallel_layouts_give_the_single_process_losses(
         tmp_path, one_thread, _single_process, model, layout, nproc):
     single = _train(tmp_path / "one", *model, steps=3)
@@ -341,3 +343,6 @@ def test_expert_pipeline_tensor_and_context_parallel_layouts_give_the_single_pro
         assert [r["mtp_loss"] for r in split] == pytest.approx([r["mtp_loss"] for r in single], rel=1e-5)
     if "--parallel.pp_degree" not in layout:  # the pipeline's stages log no expert load of the whole model
         assert [r["expert_load_per_layer"] for r in split] == [r["expert_load_per_layer"] for r in single]
+    if "--parallel.cp_degree" in layout:  # the pooled balance diagnostic, its counts summed over the cp ranks (data
+        # parallel ranks each pool their own sequences: a mean of per-rank values, not one process's)
+        assert [r["aux_loss"] for r in split] == pytest.approx([r["aux_loss"] for r in single], rel=1e-5)

@@ -15,7 +15,7 @@ Tensor parallelism (parallel.tp_degree), with sequence parallelism as the decode
   dense feed_forward (the first_k_dense layers)            as the decoder's (w1/w3 column-wise, w2 row-wise)
   MoE feed_forward (router, experts, shared experts)       replicated: every rank routes and runs the whole
                                                            sequence (gathered), then keeps its own slice
-Context parallelism (parallel.cp_degree, ring / Ulysses / hybrid) as the decoder's: MLA's q, k (the shared RoPE key
+Context parallelism (parallel.cp_degree, any parallel.cp_mode) as the decoder's: MLA's q, k (the shared RoPE key
 expanded per head) and zero-padded v go through the same context seam, RoPE at the chunks' true positions.
 Refused in one line: multi-token prediction under context parallelism, tensor parallelism with the sequence-wise
 balance loss (and with expert parallelism: parallel/layout.py), the sequence-wise balance loss under pipeline
