@@ -168,9 +168,12 @@ def test_a_softmax_router_with_a_score_bias_also_starts_at_zero_after_the_meta_d
     assert all(torch.equal(r.score_bias, torch.zeros_like(r.score_bias)) for r in routers)
 
 
-@pytest.mark.parametrize("implementation", ["fused", "foreach"])  # the skip on a device flag / decided on the host
+# The skip on a device flag / decided on the host / by fp16's loss scaler on overflowing gradients (installed on an
+# fp32 run: CPUs refuse fp16).
+@pytest.mark.parametrize("implementation, scaler", [("fused", False), ("foreach", False), ("fused", True)],
+                         ids=["device-flag", "host", "loss-scaler"])
 def test_the_score_bias_stays_on_a_step_whose_update_was_skipped(tmp_path, one_thread, _single_process,
-                                                                  implementation):
+                                                                  implementation, scaler):
     from fault_hooks import Faults
 
     cfg = load_config(CONFIG, [*SHORT, "--training.max_steps", "3", "--training.seq_len", "32",
@@ -178,6 +181,9 @@ def test_the_score_bias_stays_on_a_step_whose_update_was_skipped(tmp_path, one_t
                                "--model.score_bias_rate", "0.01", "--optimizer.implementation", implementation,
                                "--metrics.log_dir", str(tmp_path / "logs"), "--checkpoint.enable", "false"])
     trainer = Trainer(cfg)
+    if scaler:  # as training.dtype = fp16 builds it: the scaler, not the guard, skips overflowing steps
+        trainer.grad_scaler = torch.amp.GradScaler("cpu")
+        trainer.reliability.guard.scaler_handles_overflow = True
     Faults(nan_at=2).install(trainer)  # step 2's loss (and gradients) non-finite: its update is skipped
     biases: dict[int, torch.Tensor] = {}
     trainer.step_callbacks.append(lambda step: biases.update({step: torch.cat(
