@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_reference import ROOT, run_python
+from torch.overrides import TorchFunctionMode
 
 from titan_npu.checkpoint.formats import read_weights
 from titan_npu.config.loader import load_config
@@ -168,8 +169,21 @@ def test_a_softmax_router_with_a_score_bias_also_starts_at_zero_after_the_meta_d
     assert all(torch.equal(r.score_bias, torch.zeros_like(r.score_bias)) for r in routers)
 
 
+class _HostReads(TorchFunctionMode):
+    """The trainer steps at which a device value was read on the host (item, tolist, cpu, ...)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        super().__init__()
+        self.trainer, self.steps = trainer, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in {"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"}:
+            self.steps.add(self.trainer.step)
+        return func(*args, **(kwargs or {}))
+
+
 # The skip on a device flag / decided on the host / by fp16's loss scaler on overflowing gradients (installed on an
-# fp32 run: CPUs refuse fp16).
+# fp32 run: CPUs refuse fp16). Steps 1 and 3 log; the device flag and the scaler's read nothing at step 2.
 @pytest.mark.parametrize("implementation, scaler", [("fused", False), ("foreach", False), ("fused", True)],
                          ids=["device-flag", "host", "loss-scaler"])
 def test_the_score_bias_stays_on_a_step_whose_update_was_skipped(tmp_path, one_thread, _single_process,
@@ -179,7 +193,8 @@ def test_the_score_bias_stays_on_a_step_whose_update_was_skipped(tmp_path, one_t
     cfg = load_config(CONFIG, [*SHORT, "--training.max_steps", "3", "--training.seq_len", "32",
                                "--training.batch_size", "2", "--model.dim", "64", "--model.n_layers", "2",
                                "--model.score_bias_rate", "0.01", "--optimizer.implementation", implementation,
-                               "--metrics.log_dir", str(tmp_path / "logs"), "--checkpoint.enable", "false"])
+                               "--metrics.log_dir", str(tmp_path / "logs"), "--checkpoint.enable", "false",
+                               "--metrics.log_interval", "3"])
     trainer = Trainer(cfg)
     if scaler:  # as training.dtype = fp16 builds it: the scaler, not the guard, skips overflowing steps
         trainer.grad_scaler = torch.amp.GradScaler("cpu")
@@ -188,11 +203,14 @@ def test_the_score_bias_stays_on_a_step_whose_update_was_skipped(tmp_path, one_t
     biases: dict[int, torch.Tensor] = {}
     trainer.step_callbacks.append(lambda step: biases.update({step: torch.cat(
         list(trainer.model.score_biases().values())).clone()}))
+    reads = _HostReads(trainer)
     try:
-        trainer.train()
+        with reads:
+            trainer.train()
     finally:
         trainer.close()
     assert trainer.reliability.guard.total == 1
+    assert (2 in reads.steps) == (implementation == "foreach")  # the for-each optimizer's skip is a host decision
     assert not torch.equal(biases[1], torch.zeros_like(biases[1]))
     assert torch.equal(biases[2], biases[1])  # the skipped step moved no bias
     assert not torch.equal(biases[3], biases[2])
