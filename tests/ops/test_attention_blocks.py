@@ -1,6 +1,8 @@
 """The block kernel of blockwise attention, on cpu's flash kernel and in plain math: the output, its log-sum-exp
 and the backward (given the block's own output and log-sum-exp) equal SDPA and autograd through it, within fp32
-tolerance; causal and not, grouped-query heads, more keys than queries."""
+tolerance; causal and not, grouped-query heads, more keys than queries. The kernel follows the device type; on CUDA
+(where a GPU is present) the FlashAttention / memory-efficient kernels equal the math kernel, and which of the two
+runs is decided by rules checked here on the CPU."""
 
 from __future__ import annotations
 

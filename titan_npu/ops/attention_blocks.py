@@ -194,7 +194,7 @@ def cuda_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, _additive(mask, q.dtype), True, 0.0, causal)[:2]
+            q, k, v, _efficient_bias(mask, q), True, 0.0, causal)[:2]
     lse = lse[..., : q.shape[2]].float()  # the efficient kernel may pad the rows
     if mask is not None:  # rows that see no key: out 0 and lse -inf
         empty = ~mask.any(-1)
@@ -216,9 +216,19 @@ def cuda_block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.
             dout, q, ke, ve, out, lse, None, None, q.shape[2], ke.shape[2], 0.0, causal, unused, unused)
     else:
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, ke, ve, _additive(mask, q.dtype), out, lse, unused, unused, 0.0, [True, True, True, False],
+            dout, q, ke, ve, _efficient_bias(mask, q), out, lse, unused, unused, 0.0, [True, True, True, False],
             causal)
     return dq, _fold_heads(dk, n_rep), _fold_heads(dv, n_rep)
+
+
+def _efficient_bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """A block's document mask as the memory-efficient kernel's bias: additive (0 / -inf) in q's dtype, its rows
+    stored 16-element aligned and broadcast over the heads, as SDPA prepares a mask for that kernel."""
+    if mask is None:
+        return None
+    sk = mask.shape[-1]
+    bias = torch.zeros(*mask.shape[:-1], -(-sk // 16) * 16, dtype=q.dtype, device=q.device)[..., :sk]
+    return bias.masked_fill_(~mask, float("-inf")).expand(q.shape[0], q.shape[1], q.shape[2], sk)
 
 
 BlockKernels = tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]], Callable[..., tuple[torch.Tensor, ...]]]
