@@ -16,6 +16,7 @@ DOCS = CONFIGS.parent / "docs" / "config.md"
 EXPECTED = {
     "debug.toml": ("llama3", "debug"),
     "debug_moe.toml": ("qwen3_moe", "debug"),
+    "debug_deepseek.toml": ("deepseek_v3", "debug"),
     "llama2_7b.toml": ("llama2", "7B"),
     "llama2_13b.toml": ("llama2", "13B"),
     "llama2_70b.toml": ("llama2", "70B"),
@@ -30,6 +31,9 @@ EXPECTED = {
     "qwen3_8b.toml": ("qwen3", "8B"),
     "qwen2_7b.toml": ("qwen2", "7B"),
     "qwen3_32b.yaml": ("qwen3", "32B"),
+    "qwen3_30b_a3b.toml": ("qwen3_moe", "30B-A3B"),
+    "qwen3_235b_a22b.toml": ("qwen3_moe", "235B-A22B"),
+    "llama3_8b_128k.toml": ("llama3", "3.1-8B"),
 }
 # The cards a Qwen config's header names (nodes, 910B per node) and a rank whose dry run is checked.
 QWEN_CLUSTERS = {"qwen3_32b.toml": (2, 8, 6), "qwen3_8b.toml": (1, 8, 7), "qwen2_7b.toml": (1, 4, 3)}
@@ -63,6 +67,57 @@ def test_qwen_configs_hold_the_planners_first_layout_and_dry_run_to_its_bytes(na
     assert plan.config_candidate is not None and plan.config_candidate.fits, plan.config_error
     assert plan.ranked[0].layout == plan.config_candidate.layout
     comparison = compare_with_plan(dry_run(cfg, nodes * per_node, rank), cfg)
+    assert comparison["match"], comparison["problems"]
+
+
+# The cards a MoE config's header names (nodes, 910B per node), a rank whose dry run is checked, and its ep degree.
+MOE_CLUSTERS = {"qwen3_30b_a3b.toml": (1, 8, 7, 1), "qwen3_235b_a22b.toml": (16, 8, 77, 8)}
+
+
+@pytest.mark.parametrize("name", list(MOE_CLUSTERS))
+def test_moe_configs_hold_the_planners_first_layout_and_dry_run_to_its_bytes(name):
+    from titan_npu.planner.dry_run import dry_run
+    from titan_npu.planner.hardware import hardware
+    from titan_npu.planner.search import make_plan
+    from titan_npu.planner.verify import compare_with_plan
+
+    nodes, per_node, rank, ep = MOE_CLUSTERS[name]
+    cfg = load_config(CONFIGS / name)
+    assert cfg.parallel.ep_degree == ep
+    plan = make_plan(cfg, nodes, per_node, hardware("910B2"))
+    assert plan.config_candidate is not None and plan.config_candidate.fits, plan.config_error
+    assert plan.ranked[0].layout == plan.config_candidate.layout
+    # Shards only (no forward): tests/tools/test_plan_moe.py runs forward/backward under expert parallelism.
+    comparison = compare_with_plan(dry_run(cfg, nodes * per_node, rank, forward=False), cfg)
+    assert comparison["match"], comparison["problems"]
+
+
+def test_the_235b_moe_config_is_on_the_smallest_cluster_that_fits_without_offload():
+    from titan_npu.planner.hardware import hardware
+    from titan_npu.planner.search import make_plan
+
+    cfg = load_config(CONFIGS / "qwen3_235b_a22b.toml")
+    # The same 1024-sequence global batch on 8 nodes: only layouts keeping the state in host memory fit.
+    smaller = make_plan(cfg, 8, 8, hardware("910B2"))
+    assert smaller.ranked and all(c.layout.cpu_offload for c in smaller.ranked)
+
+
+def test_the_128k_config_is_llama_3_1_with_its_rope_scaling_on_the_planners_context_parallel_layout():
+    from titan_npu.models.registry import build_model_args
+    from titan_npu.planner.dry_run import dry_run
+    from titan_npu.planner.hardware import hardware
+    from titan_npu.planner.search import make_plan
+    from titan_npu.planner.verify import compare_with_plan
+
+    cfg = load_config(CONFIGS / "llama3_8b_128k.toml")
+    args = build_model_args(cfg.model)
+    assert (args.rope_scaling_factor, args.rope_theta, args.max_seq_len) == (8.0, 500000.0, 131072)
+    assert cfg.training.seq_len == 131072
+    plan = make_plan(cfg, 1, 8, hardware("910B2"))
+    assert plan.config_candidate is not None and plan.config_candidate.fits, plan.config_error
+    assert plan.ranked[0].layout == plan.config_candidate.layout
+    assert (plan.ranked[0].layout.cp, plan.ranked[0].layout.cp_mode) == (2, "ulysses")
+    comparison = compare_with_plan(dry_run(cfg, 8, 5, forward=False), cfg)
     assert comparison["match"], comparison["problems"]
 
 

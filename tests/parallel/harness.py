@@ -9,6 +9,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -129,11 +130,16 @@ def _save_initial_weights(trainer, log_dir: Path) -> None:
     torch.save({k: v.detach().cpu() for k, v in full.items()}, log_dir / f"initial_weights.rank{trainer.rank}.pt")
 
 
-def _train(args: list[str]) -> None:
+def config_run(config: Path, args: list[str]) -> Job:
+    """A pool job: a training run of the config file `config` with the command-line overrides `args`."""
+    return partial(_train, args, config)
+
+
+def _train(args: list[str], config: Path | None = None) -> None:
     from titan_npu.config.loader import load_config
     from titan_npu.trainer import Trainer
 
-    cfg = load_config(None, args)
+    cfg = load_config(config, args)
     trainer = Trainer(cfg)
     _save_initial_weights(trainer, Path(cfg.metrics.log_dir))
     trainer.train()

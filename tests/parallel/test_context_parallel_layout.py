@@ -52,18 +52,71 @@ def test_ulysses_with_heads_that_do_not_split_over_cp_is_refused(world, heads, m
 
 
 @pytest.mark.parametrize(("world", "parallel", "message"), [
-    (4, {"cp_degree": 2, "tp_degree": 2}, r"cp_degree=2 with tensor parallelism \(tp_degree=2\) is not yet "
-                                          r"available; set parallel.tp_degree = 1 or parallel.cp_degree = 1"),
-    (4, {"cp_degree": 2, "pp_degree": 2}, r"with pipeline parallelism \(pp_degree=2\) is not yet available; "
-                                          r"set parallel.pp_degree = 1"),
     (2, {"cp_degree": 2, "fsdp": False}, r"parallel.fsdp=false .* is not yet available; set parallel.fsdp = true"),
-    (2, {"cp_degree": 2, "cp_mode": "hybrid"}, r"cp_mode='hybrid' is not yet available .*cp_mode = \"ring\" or "
-                                               r"\"ulysses\"$"),
-    (1, {"cp_mode": "hybrid"}, r"cp_mode='hybrid' is not yet available"),
 ])
 def test_what_context_parallelism_does_not_run_yet_is_refused(world, parallel, message):
     with pytest.raises(LayoutError, match=message):
         check(world, **parallel)
+
+
+def test_context_parallel_with_tensor_parallel_layouts_pass():
+    check(4, cp_degree=2, tp_degree=2)
+    check(8, cp_degree=2, tp_degree=2)  # dp_shard 2 x cp 2 x tp 2
+    check(4, cp_degree=2, tp_degree=2, cp_mode="ulysses")  # 4 / 2 heads: 2 / 1 per tp rank, split 2 ways
+
+
+def test_context_parallel_with_pipeline_parallel_layouts_pass():
+    check(4, cp_degree=2, pp_degree=2)
+    check(8, cp_degree=2, pp_degree=2, tp_degree=2)
+
+
+def test_ulysses_counts_the_heads_of_one_tensor_parallel_rank():
+    with pytest.raises(LayoutError, match=r"n_heads=4 / n_kv_heads=2 \(2 / 1 per rank of tp_degree=2\) do not split "
+                                          r"4 ways .* choose cp_degree from 2 or set parallel.cp_mode = \"ring\"$"):
+        check(8, cp_degree=4, tp_degree=2, cp_mode="ulysses")
+
+
+def test_a_cp_chunk_that_sequence_parallelism_cannot_split_over_tp_is_refused():
+    with pytest.raises(LayoutError, match=r"seq_len=12 leaves each cp rank 6 positions, which sequence parallelism "
+                                          r"cannot split over parallel.tp_degree=4; use a seq_len that is a multiple "
+                                          r"of 8$"):
+        check(8, cp_degree=2, tp_degree=4, seq_len=12)
+
+
+def test_hybrid_layouts_whose_ulysses_groups_split_the_heads_pass():
+    check(4, cp_degree=4, cp_mode="hybrid")  # Ulysses 2 x ring 2
+    check(8, cp_degree=4, cp_mode="hybrid", tp_degree=2)  # 2 / 1 heads per tp rank over Ulysses groups of 2
+    check(8, cp_degree=8, cp_mode="hybrid", cp_ulysses_degree=4)  # 2 key/value heads, each read by 2 ranks
+    check(1, cp_mode="hybrid")  # no context parallelism: the mode is not used
+
+
+@pytest.mark.parametrize(("world", "parallel", "message"), [
+    (2, {"cp_degree": 2}, r"cp_ulysses_degree=2: hybrid .* must divide cp_degree=2 and lie strictly between 1 and "
+                          r"it; use parallel.cp_mode = \"ring\" or \"ulysses\"$"),
+    (4, {"cp_degree": 4, "cp_ulysses_degree": 4}, r"cp_ulysses_degree=4: .* choose it from \[2\]$"),
+    (8, {"cp_degree": 8, "cp_ulysses_degree": 3}, r"cp_ulysses_degree=3: .* choose it from \[2, 4\]$"),
+])
+def test_hybrid_ulysses_groups_that_do_not_divide_cp_are_refused(world, parallel, message):
+    with pytest.raises(LayoutError, match=message):
+        check(world, cp_mode="hybrid", **parallel)
+
+
+def test_hybrid_with_heads_that_do_not_split_over_a_ulysses_group_is_refused():
+    model = ModelConfig(name="llama3", dim=96, n_layers=2, n_heads=6, n_kv_heads=3, vocab_size=512, max_seq_len=64)
+    with pytest.raises(LayoutError, match=r"cp_mode=\"hybrid\" splits the attention heads over "
+                                          r"parallel.cp_ulysses_degree=2 ranks, .* choose cp_ulysses_degree from 3, 6 "
+                                          r"or set parallel.cp_mode = \"ring\"$"):
+        check(4, model=model, cp_degree=4, cp_mode="hybrid")
+
+
+def test_expert_parallel_ranks_are_borrowed_from_dp_shard_x_cp():
+    moe = ModelConfig(name="qwen3_moe", flavor="debug")
+    check(2, model=moe, cp_degree=2, ep_degree=2)  # the experts split over both cp ranks
+    check(4, model=moe, cp_degree=2, ep_degree=4)  # over dp_shard 2 x cp 2
+    check(4, model=moe, cp_degree=2, ep_degree=2)  # over 2 of them, FSDP over the other 2
+    with pytest.raises(LayoutError, match=r"ep_degree=8 must divide dp_shard x cp_degree = 2 x 2 = 4 .* choose "
+                                          r"ep_degree from \[1, 2, 4\]$"):
+        check(4, model=moe, cp_degree=2, ep_degree=8)
 
 
 def test_sequence_that_does_not_split_into_2cp_chunks_is_refused():
@@ -108,18 +161,7 @@ def test_cp_shares_of_the_loss_add_up_to_the_batch_mean_with_ignored_labels(cp):
     torch.testing.assert_close(torch.stack(shares).mean(), want)
 
 
-def test_the_planner_and_dry_run_refuse_context_parallelism_until_they_model_it():
-    from titan_npu.planner.dry_run import dry_run
-    from titan_npu.planner.layout import layout_from_config
-
-    cfg = load_config(None, ["--parallel.cp_degree=2"])
-    with pytest.raises(LayoutError, match=r"cp_degree=2: the planner and dry run do not model context parallelism "
-                                          r"yet; plan with parallel.cp_degree = 1"):
-        layout_from_config(cfg, 2)
-    with pytest.raises(LayoutError, match="do not model context parallelism yet"):
-        dry_run(cfg, world_size=2)
-
-
 def test_a_cp_mode_without_an_attention_context_is_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"cp_mode = 'hybrid' has no attention context; use one of ring, ulysses$"):
-        context_for("hybrid", None)
+    with pytest.raises(ValueError, match=r"cp_mode = 'striped' has no attention context; use one of ring, ulysses, "
+                                         r"hybrid$"):
+        context_for("striped", None)

@@ -132,6 +132,34 @@ def test_qwen_activation_estimate_matches_measured_cpu_peak(name):
     assert_estimate_matches(name, Job(args, SEQ, dtype), layout, measured)
 
 
+MOE_SHAPES = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=256, max_seq_len=SEQ,
+                  n_experts=8, moe_ffn_dim=96)
+MOE_CASES = {
+    # name: (top_k, dtype, activation checkpointing, parameters held); the estimate assumes balanced routing, which
+    # a freshly initialised router comes close to.
+    "qwen3_moe fp32 top-2, no checkpointing": (2, "fp32", ("none", 2, False), "plain"),
+    "qwen3_moe fp32 top-4, full checkpointing": (4, "fp32", ("full", 2, False), "plain"),
+    "qwen3_moe fp32 top-2, op-level selective (experts recomputed)": (2, "fp32", ("selective", 2, True), "plain"),
+    "qwen3_moe bf16 parameters (FSDP mixed precision)": (2, "bf16", ("none", 2, False), "bf16"),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_CASES))
+def test_moe_activation_estimate_matches_measured_cpu_peak(name):
+    top_k, dtype, (mode, every, op_level), held = MOE_CASES[name]
+    args = build_model_args(ModelConfig(name="qwen3_moe", flavor="debug", top_k=top_k, **MOE_SHAPES))
+    torch.manual_seed(0)
+    model = build_model(args)
+    if held == "bf16":
+        model = model.to(torch.bfloat16)
+    apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode, selective_every=every,
+                                                                     selective_ops=op_level))
+    measured = _peak_step_bytes(model, autocast=False)
+    layout = Layout(ac=mode, selective_every=every, selective_ops=op_level, batch_size=BATCH,
+                    dp_shard=2 if held == "bf16" else 1)
+    assert_estimate_matches(name, Job(args, SEQ, dtype), layout, measured)
+
+
 CHUNKED = {
     # name: (dtype, how the parameters are held, tokens per loss chunk); a vocabulary large enough to dominate
     "fp32, chunked loss": ("fp32", "plain", 32),

@@ -14,11 +14,15 @@ from titan_npu.trainer import Trainer
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "debug_moe.toml"
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch):
+def _as_one_cpu_process(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TITAN_DEVICE", "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    _as_one_cpu_process(monkeypatch)
 
 
 def _run(tmp_path: Path, steps: int, *extra: str) -> list[dict]:
@@ -87,12 +91,13 @@ def _torchrun(tmp_path: Path, *extra: str, nproc: int = 2) -> list[float]:
 # The aux loss is pooled over each rank's micro-batch (as transformers pools one forward's tokens), so a layout
 # that splits the batch optimises a slightly different sum: the layouts agree exactly with it off. Expert
 # parallelism moves tokens between ranks but routes each on the rank that holds it: the same per-rank pooling.
-# ep 2 on 4 ranks: each pair of ranks holds half the experts, sharded by FSDP over the 2 pairs.
+# ep 2 x HSDP 2 x 2: each replica's 2 ranks split the experts, the 2 replicas of an expert shard it with FSDP (ep 2
+# x FSDP 2 on 4 ranks, the experts sharded over the ep groups, is the resume test's last layout).
 @pytest.mark.parametrize("nproc, layout", [(2, ["--parallel.dp_shard", "2", "--training.batch_size", "2"]),
-                                           (2, ["--parallel.pp_degree", "2", "--training.batch_size", "4"]),
                                            (2, ["--parallel.ep_degree", "2", "--training.batch_size", "2"]),
-                                           (4, ["--parallel.ep_degree", "2", "--training.batch_size", "1"])],
-                         ids=["fsdp", "pp", "ep", "ep-x-fsdp"])
+                                           (4, ["--parallel.ep_degree", "2", "--parallel.dp_replicate", "2",
+                                                "--parallel.dp_shard", "2", "--training.batch_size", "1"])],
+                         ids=["fsdp", "ep", "ep-x-hsdp"])
 def test_fsdp_pipeline_and_expert_parallel_runs_give_the_single_process_losses(tmp_path, one_thread, nproc,
                                                                                   layout):
     single = [r["loss"] for r in _run(tmp_path / "one", 3, "--model.router_aux_loss_coef", "0",
@@ -101,53 +106,109 @@ def test_fsdp_pipeline_and_expert_parallel_runs_give_the_single_process_losses(t
     assert split == pytest.approx(single, rel=1e-5)
 
 
-def test_a_checkpoint_saved_under_expert_parallelism_resumes_in_one_process_exactly(tmp_path, one_thread):
-    import shutil
-
-    # The experts are saved under their global names and shapes (DTensors sharded on the expert dim), so one
-    # process loads them whole: resumed at step 3 of a 2-rank ep 2 run, it goes on as an uninterrupted run does.
-    common = ["--model.router_aux_loss_coef", "0", "--training.deterministic", "true", "--training.max_steps", "6",
-              "--checkpoint.enable", "true", "--checkpoint.save_interval", "3", "--checkpoint.keep_last_n", "5",
-              "--checkpoint.dir", str(tmp_path / "ckpt")]
-    _torchrun(tmp_path / "ep", *common, "--parallel.ep_degree", "2", "--training.batch_size", "2")
-    shutil.rmtree(tmp_path / "ckpt" / "step-6")  # resume from step 3
-    resumed = _run(tmp_path / "resumed", 6, *common)
-    whole = _run(tmp_path / "whole", 6, "--model.router_aux_loss_coef", "0", "--training.deterministic", "true")
-    assert [r["step"] for r in resumed] == [4, 5, 6]
-    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in whole[3:]], rel=1e-5)
+AUX_ON = ["--model.router_aux_loss_coef", "1.0", "--training.deterministic", "true"]
+ONE_SEQUENCE_A_FORWARD = ["--training.batch_size", "1", "--training.gradient_accumulation_steps", "4"]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["--parallel.tp_degree", "2"], "tensor parallelism of a MoE model"),
-    (["--parallel.pp_degree", "2"], "the load-balancing loss spans every stage's layers"),
-], ids=["tp", "pp-with-aux-loss"])
-def test_layouts_a_moe_model_does_not_take_yet_are_refused_in_one_line(overrides, message):
+@pytest.fixture(scope="module")
+def aux_on_single_process(tmp_path_factory) -> list[dict]:
+    """One process's records with the aux loss on (coef 1.0), 4 accumulation steps of one sequence each."""
     import torch
 
-    from titan_npu.errors import LayoutError
-    from titan_npu.models.registry import build_model_args, get_spec
-    from titan_npu.parallel import ParallelDims
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            _as_one_cpu_process(monkeypatch)
+            return _run(tmp_path_factory.mktemp("aux_on_single"), 3, *AUX_ON, *ONE_SEQUENCE_A_FORWARD)
+    finally:
+        torch.set_num_threads(threads)
 
-    cfg = load_config(CONFIG, ["--parallel.dp_shard", "1", *overrides])
-    dims = ParallelDims.from_config(cfg.parallel, 2)
-    spec, args = get_spec("qwen3_moe"), build_model_args(cfg.model)
-    with torch.device("meta"):
-        model = spec.build_model(args)
-    with pytest.raises(LayoutError, match=message) as error:
-        spec.parallelize(model, dims, cfg)
-    assert "\n" not in str(error.value)
+
+def test_the_aux_loss_parity_reference_optimises_the_aux_loss(tmp_path, one_thread, aux_on_single_process):
+    # Without the aux term the second step's loss differs: the layouts below agree on a sum that includes it.
+    off = _run(tmp_path, 2, "--model.router_aux_loss_coef", "0", "--training.deterministic", "true",
+               *ONE_SEQUENCE_A_FORWARD)
+    assert off[1]["loss"] != pytest.approx(aux_on_single_process[1]["loss"], rel=1e-4)
+
+
+# Each forward pools the aux loss over its own tokens: one sequence per micro-batch everywhere (one process: 4
+# accumulation steps of 1; the pipelines: micro-batches of 1), so every layout optimises the same sum. Expert
+# parallelism routes each token, and pools the aux loss, on the rank that holds it (as FSDP does). The pipeline's
+# last stage pools every stage's MoE layers (the stages carry their routing sums on), and the routing metrics are
+# gathered from every stage. ep 2 x pp 2: each pipeline stage's 2 data-parallel ranks split its experts. Under tp 2
+# the ranks route the whole (gathered) sequence, each running half of every expert's ffn dim; ep 2 x tp 2: each rank
+# holds half of the ffn dim of half of the experts and exchanges tokens with the ranks of its tp coordinate (FSDP
+# shards the dense part over dp x tp); fsdp 2 x tp 2: FSDP shards the experts' tp shards too.
+@pytest.mark.parametrize("nproc, layout", [
+    (2, ["--parallel.ep_degree", "2", "--training.batch_size", "1", "--training.gradient_accumulation_steps", "2"]),
+    (2, ["--parallel.pp_degree", "2", "--training.batch_size", "4"]),
+    (4, ["--parallel.pp_degree", "2", "--parallel.ep_degree", "2", "--parallel.pp_microbatches", "2",
+         "--training.batch_size", "2"]),
+    (4, ["--parallel.tp_degree", "2", "--parallel.ep_degree", "2", "--training.batch_size", "1",
+         "--training.gradient_accumulation_steps", "2"]),
+    pytest.param(4, ["--parallel.tp_degree", "2", "--training.batch_size", "1",
+                     "--training.gradient_accumulation_steps", "2"], marks=pytest.mark.slow),
+], ids=["ep", "pp", "ep-x-pp", "ep-x-tp", "fsdp-x-tp"])
+def test_with_the_aux_loss_on_pp_tp_and_ep_layouts_give_the_single_process_losses_and_routing(
+        tmp_path, one_thread, aux_on_single_process, nproc, layout):
+    single = aux_on_single_process
+    split = _torchrun(tmp_path, *AUX_ON, *layout, nproc=nproc)
+    records = [r for r in map(json.loads, (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r]
+    assert split == pytest.approx([r["loss"] for r in single], rel=1e-5)
+    assert [r["aux_loss"] for r in records] == pytest.approx([r["aux_loss"] for r in single], rel=1e-5)
+    assert [r["expert_load_per_layer"] for r in records] == [r["expert_load_per_layer"] for r in single]
+
+
+def _records(log_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (log_dir / "logs" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def test_a_run_resumes_under_another_expert_parallel_degree_with_the_uninterrupted_losses(tmp_path, one_thread):
+    import shutil
+
+    # The experts are saved under their global names and shapes (DTensors sharded on the expert dim), so any layout
+    # loads them: step 3 of a one-process run resumed at ep 2 on 2 ranks, and step 3 of a 2-rank ep 2 run resumed
+    # in one process and at ep 2 x FSDP 2 on 4 ranks, go on as the uninterrupted run does (the same global batch).
+    def saving(ckpt: Path) -> list[str]:
+        return ["--model.router_aux_loss_coef", "0", "--training.deterministic", "true", "--training.max_steps", "6",
+                "--checkpoint.enable", "true", "--checkpoint.save_interval", "3", "--checkpoint.keep_last_n", "5",
+                "--checkpoint.dir", str(ckpt)]
+
+    ep = ["--parallel.ep_degree", "2"]
+    whole = [r["loss"] for r in _run(tmp_path / "whole", 6, *saving(tmp_path / "one_ckpt"))]
+    _torchrun(tmp_path / "ep", *saving(tmp_path / "ep_ckpt"), *ep, "--training.batch_size", "2")
+    for ckpt in ("one_ckpt", "ep_ckpt"):
+        shutil.rmtree(tmp_path / ckpt / "step-6")  # resume from step 3
+    shutil.copytree(tmp_path / "ep_ckpt", tmp_path / "ep_ckpt_copy")
+    resumed = {
+        "ep 2 -> one process": _run(tmp_path / "to_one", 6, *saving(tmp_path / "ep_ckpt")),
+        "one process -> ep 2": (_torchrun(tmp_path / "to_ep", *saving(tmp_path / "one_ckpt"), *ep,
+                                          "--training.batch_size", "2"), _records(tmp_path / "to_ep")),
+        "ep 2 -> ep 2 x FSDP 2": (_torchrun(tmp_path / "to_ep_fsdp", *saving(tmp_path / "ep_ckpt_copy"), *ep,
+                                            "--training.batch_size", "1", nproc=4),
+                                  _records(tmp_path / "to_ep_fsdp")),
+    }
+    for how, run in resumed.items():
+        records = run if isinstance(run, list) else run[1]
+        assert [r["step"] for r in records] == [4, 5, 6], how
+        assert [r["loss"] for r in records] == pytest.approx(whole[3:], rel=1e-5), how
 
 
 @pytest.mark.parametrize("world, overrides, message", [
     (2, ["--parallel.ep_degree", "3"], "parallel.ep_degree=3 must divide dp_shard=2"),
     (3, ["--parallel.ep_degree", "3"], "does not divide model.n_experts=8"),
-    (4, ["--parallel.ep_degree", "2", "--parallel.tp_degree", "2"], "with tensor parallelism (tp_degree=2)"),
-    (4, ["--parallel.ep_degree", "2", "--parallel.pp_degree", "2"], "with pipeline parallelism (pp_degree=2)"),
-    (2, ["--parallel.ep_degree", "2", "--model.capacity_factor", "1.0"], "expert parallelism is dropless only"),
+    (8, ["--parallel.ep_degree", "2", "--parallel.tp_degree", "2"], "and ep_degree < dp_shard=4"),
+    (8, ["--parallel.ep_degree", "2", "--parallel.dp_replicate", "2"], "dp_replicate=2 and ep_degree < dp_shard=4"),
     (2, ["--parallel.ep_degree", "2", "--model.name", "qwen3"], "has no MoE layer"),
-], ids=["ep-not-dividing-dp-shard", "ep-not-dividing-experts", "ep-x-tp", "ep-x-pp",
-        "ep-with-capacity", "ep-on-a-dense-model"])
-def test_expert_parallel_layouts_this_version_does_not_take_are_refused_in_one_line(world, overrides, message):
+    (2, ["--parallel.tp_degree", "2", "--parallel.dp_shard", "1", "--model.moe_ffn_dim", "127"],
+     "does not divide model.moe_ffn_dim=127"),
+    (2, ["--parallel.tp_degree", "2", "--parallel.dp_shard", "1", "--model.shared_ffn_dim", "63"],
+     "does not divide model.shared_ffn_dim=63"),
+], ids=["ep-not-dividing-dp-shard", "ep-not-dividing-experts", "ep-x-tp", "ep-x-hsdp-below-dp-shard",
+        "ep-on-a-dense-model", "tp-not-dividing-the-expert-ffn", "tp-not-dividing-the-shared-ffn"])
+def test_moe_layouts_this_version_does_not_take_are_refused_in_one_line(world, overrides, message):
     from titan_npu.errors import LayoutError
     from titan_npu.models.registry import build_model_args
     from titan_npu.parallel import ParallelDims
@@ -159,19 +220,12 @@ def test_expert_parallel_layouts_this_version_does_not_take_are_refused_in_one_l
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_an_expert_parallel_dry_run_measures_each_ranks_experts_without_a_forward():
+def test_an_expert_parallel_dry_run_measures_each_ranks_experts_and_runs_forward_with_balanced_routing():
     from titan_npu.planner.dry_run import dry_run
 
-    # The exchange's split sizes are routed token counts, which fake tensors do not hold: no forward is run.
+    # The exchange's split sizes are routed token counts, which fake tensors do not hold: the dry run exchanges
+    # with balanced routing's sizes instead.
     result = dry_run(load_config(CONFIG, ["--parallel.ep_degree", "2"]), 4, 1)
-    assert not result.forward_checked
+    assert result.forward_checked
     w1 = result.parameters["layers.0.feed_forward.experts.w1"]
     assert w1["shape"] == [8, 128, 128] and w1["local_shape"] == [2, 128, 128]  # 8 experts over ep 2 x FSDP 2
-
-
-def test_with_the_aux_loss_on_expert_parallel_gives_the_fsdp_runs_losses(tmp_path, one_thread):
-    # Tokens are routed, and the aux loss pooled, on the rank that holds them under either layout: only where the
-    # experts run differs, so the optimised sums are the same (fp32, deterministic).
-    fsdp = _torchrun(tmp_path / "fsdp", "--training.batch_size", "2")
-    ep = _torchrun(tmp_path / "ep", "--training.batch_size", "2", "--parallel.ep_degree", "2")
-    assert ep == pytest.approx(fsdp, rel=1e-5)

@@ -114,6 +114,11 @@ def load_hf_slices(parts: list[nn.Module], tensors: dict[str, HFTensor], spec: A
     for part in parts:
         for raw_name, param in part.named_parameters(remove_duplicate=False):
             params[id(param)] = (canonical_name(raw_name), param)
+        # Persistent buffers are weights too (a router's score bias: Hugging Face's e_score_correction_bias).
+        saved = part.state_dict().keys()
+        for raw_name, buffer in part.named_buffers():
+            if raw_name in saved:
+                params[id(buffer)] = (canonical_name(raw_name), buffer)
     by_file: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
     read = 0
     for name, param in params.values():

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 class ModelConfig:
     """Model family, preset size and explicit overrides of the preset (None = take the flavor's value)."""
 
-    name: str = "llama3"  # a family of models/registry.py (llama2, llama3, qwen2, qwen3, qwen3_moe), optionally sized
+    # a family of models/registry.py (llama2, llama3, qwen2, qwen3, qwen3_moe, deepseek_v3), optionally sized
+    name: str = "llama3"
     flavor: str = "debug"
     dim: int | None = None
     n_layers: int | None = None
@@ -37,6 +38,28 @@ class ModelConfig:
     router_aux_loss_coef: float | None = None  # weight of the load-balancing loss in the optimised loss; 0 = off
     capacity_factor: float | None = None  # expert capacity = factor x tokens x top_k / n_experts; 0 = dropless
     shared_ffn_dim: int | None = None  # width of an always-on shared expert; 0 = none
+    # DeepSeek-V3 (deepseek_v3; docs/models.md): multi-head latent attention, group-limited sigmoid routing,
+    # aux-loss-free balancing, multi-token prediction.
+    q_lora_rank: int | None = None  # rank of the query's low-rank path; 0 = a plain query projection
+    kv_lora_rank: int | None = None  # rank of the compressed key/value latent
+    qk_nope_head_dim: int | None = None  # per-head query/key width without RoPE
+    qk_rope_head_dim: int | None = None  # per-head query/key width with RoPE (the key's is shared by every head)
+    v_head_dim: int | None = None  # per-head value width
+    n_shared_experts: int | None = None  # always-on experts, each moe_ffn_dim wide
+    n_groups: int | None = None  # expert groups of group-limited routing
+    topk_groups: int | None = None  # groups a token's experts may come from
+    route_scale: float | None = None  # factor on the routed experts' weights (routed_scaling_factor)
+    first_k_dense: int | None = None  # the first k layers keep a dense SwiGLU (first_k_dense_replace)
+    score_bias_rate: float | None = None  # aux-loss-free balancing: score bias step per optimizer step; 0 = off
+    seq_aux_loss_coef: float | None = None  # weight of the sequence-wise balance loss; 0 = off
+    mtp_depth: int | None = None  # multi-token prediction modules; 0 = none
+    yarn_factor: float | None = None  # YaRN RoPE stretch (40 in the published flavors); 0 = plain RoPE
+    yarn_original_seq_len: int | None = None  # the context YaRN stretches from (4096)
+    yarn_beta_fast: float | None = None  # YaRN's ramp bounds, in rotations (32 and 1)
+    yarn_beta_slow: float | None = None
+    yarn_mscale: float | None = None  # YaRN magnitude scales of the cos/sin tables and of the softmax
+    yarn_mscale_all_dim: float | None = None
+    mtp_loss_coef: float | None = None  # weight of the multi-token prediction loss
     use_flash_attention: bool = True
     attention_backend: str = "auto"  # CUDA SDPA kernel: auto (by GPU capability) | cudnn | flash | efficient
     rope_fp32: bool = False  # NPU: npu_rotary_mul on fp32 q/k and tables (cast back), as torchtitan-npu runs RoPE
@@ -95,8 +118,9 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     loss_parallel: bool = True
     cp_degree: int = 1  # context parallel: ranks each sequence is split over (docs/long_context.md)
-    cp_mode: str = "ring"  # ring or ulysses (hybrid: not yet)
-    ep_degree: int = 1  # expert parallel: ranks (taken from dp_shard) the MoE experts are split over (docs/moe.md)
+    cp_mode: str = "ring"  # ring, ulysses, or hybrid: Ulysses within groups of cp_ulysses_degree ranks, ring between
+    cp_ulysses_degree: int = 2  # hybrid: adjacent cp ranks of one Ulysses group (divides cp_degree, below it)
+    ep_degree: int = 1  # expert parallel: ranks (from dp_shard x cp) the MoE experts are split over (docs/moe.md)
 
 
 @dataclass

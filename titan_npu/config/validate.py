@@ -175,7 +175,7 @@ def _check_lr_scheduler(cfg: JobConfig) -> None:
 def _check_parallel(cfg: JobConfig) -> None:
     p = cfg.parallel
     p.backend = _choice("parallel.backend", p.backend, BACKENDS, "backend")
-    for key in ("dp_replicate", "tp_degree", "pp_degree", "cp_degree", "ep_degree"):
+    for key in ("dp_replicate", "tp_degree", "pp_degree", "cp_degree", "cp_ulysses_degree", "ep_degree"):
         _at_least(f"parallel.{key}", getattr(p, key), 1, "1 = this dimension is not split")
     p.cp_mode = _choice("parallel.cp_mode", p.cp_mode, CP_MODES, "context parallel mode")
     if p.dp_shard != -1 and p.dp_shard < 1:

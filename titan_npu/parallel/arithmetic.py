@@ -12,6 +12,13 @@ from collections.abc import Mapping
 # Mesh dimension order, outermost first: pipeline stages talk least often, tensor-parallel ranks most, so tp is
 # innermost (adjacent ranks, on one node) and pp outermost (may cross nodes).
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# With context parallelism the cp ranks sit between dp_shard and tp (parallel/dims.py builds that mesh).
+CP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def mesh_dims(degrees: Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh's dimension names, outermost first: CP_MESH_DIMS when `degrees` has a cp entry, else MESH_DIMS."""
+    return CP_MESH_DIMS if "cp" in degrees else MESH_DIMS
 
 
 def divisors(n: int) -> list[int]:
@@ -20,18 +27,19 @@ def divisors(n: int) -> list[int]:
 
 
 def mesh_coordinates(degrees: Mapping[str, int], rank: int) -> dict[str, int]:
-    """A rank's index along each mesh dimension (MESH_DIMS order), as init_device_mesh lays ranks out (row-major)."""
+    """A rank's index along each mesh dimension (mesh_dims order), as init_device_mesh lays ranks out (row-major)."""
+    names = mesh_dims(degrees)
     coords, rest = {}, rank
-    for name in reversed(MESH_DIMS):
+    for name in reversed(names):
         coords[name] = rest % degrees[name]
         rest //= degrees[name]
-    return {name: coords[name] for name in MESH_DIMS}
+    return {name: coords[name] for name in names}
 
 
 def mesh_rank(degrees: Mapping[str, int], coords: Mapping[str, int]) -> int:
     """The rank at the given mesh coordinates (missing ones 0): the inverse of mesh_coordinates."""
     rank = 0
-    for name in MESH_DIMS:
+    for name in mesh_dims(degrees):
         rank = rank * degrees[name] + coords.get(name, 0)
     return rank
 
@@ -52,6 +60,12 @@ def stages_per_rank(pp_schedule: str, pp_virtual_stages: int) -> int:
 def microbatches(pp_microbatches: int, pp_degree: int) -> int:
     """Microbatches per pipeline step: pp_microbatches, 0 = pp_degree * 2."""
     return pp_microbatches or pp_degree * 2
+
+
+def expert_coordinates(dp_shard_index: int, ep_degree: int) -> tuple[int, int]:
+    """(efsdp index, ep index) of a dp_shard rank: ep consecutive dp_shard ranks form an expert-parallel group, and
+    the dp_shard / ep ranks at the same place in their groups hold the same experts (parallel/dims.py's mesh)."""
+    return dp_shard_index // ep_degree, dp_shard_index % ep_degree
 
 
 def local_batch(batch_size: int, gradient_accumulation_steps: int) -> int:

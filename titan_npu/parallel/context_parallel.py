@@ -4,17 +4,21 @@ The sequence is cut into 2 * cp chunks and rank r holds chunks r and 2 * cp - 1 
 chunk attends to little and a late one to much, so each rank gets one of each and the same work. Every cp rank
 reads the same window from the loader (the cp ranks share a data-parallel coordinate) and keeps its chunks of the
 inputs and labels (ContextParallelBatch); the model's attention takes the chunks' true positions for RoPE and
-attends across the cp group: ring attention (RingContext, parallel.cp_mode = "ring") or Ulysses attention
-(UlyssesContext, "ulysses"), which the model's parallelize step installs in each attention (context_for).
+attends across the cp group: ring attention (RingContext, parallel.cp_mode = "ring"), Ulysses attention
+(UlyssesContext, "ulysses") or both, Ulysses within groups of ranks and the ring between them (HybridContext,
+"hybrid"), which the model's parallelize step installs in each attention (context_for).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from titan_npu.ops.cross_entropy import IGNORE_INDEX
 from titan_npu.ops.documents import Documents
+from titan_npu.parallel.hybrid_attention import hybrid_attention
 from titan_npu.parallel.ring_attention import ring_attention
 from titan_npu.parallel.ulysses_attention import ulysses_attention
 
@@ -55,6 +59,13 @@ class LoadBalancedContext:
             self._positions[key] = load_balanced_positions(local_len * self.size, self.rank, self.size, device)
         return self._positions[key]
 
+    def token_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-token statistic t (a count, no gradient) summed over the cp ranks: over every position of the
+        sequences (a collective of the cp group; nothing is read to the host)."""
+        total = t.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return total
+
 
 class RingContext(LoadBalancedContext):
     """The local chunks' positions, and ring attention over the cp group."""
@@ -76,14 +87,53 @@ class UlyssesContext(LoadBalancedContext):
         return ulysses_attention(q, k, v, self.group, documents)
 
 
-CONTEXTS = {"ring": RingContext, "ulysses": UlyssesContext}
+class HybridContext(LoadBalancedContext):
+    """The local chunks' positions, and hybrid attention: Ulysses within groups of adjacent cp ranks, the ring
+    between the groups (hybrid_attention.py)."""
+
+    def __init__(self, group: dist.ProcessGroup, ulysses_group: dist.ProcessGroup,
+                 ring_group: dist.ProcessGroup) -> None:
+        super().__init__(group)
+        self.ulysses_group, self.ring_group = ulysses_group, ring_group
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+                  ) -> torch.Tensor:
+        """Causal attention of the local q [B, S_local, Hq, D] against the whole sequence's keys/values (within
+        each query's document when documents are given)."""
+        return hybrid_attention(q, k, v, self.ulysses_group, self.ring_group, documents)
 
 
-def context_for(mode: str, group: dist.ProcessGroup) -> LoadBalancedContext:
-    """The attention context of parallel.cp_mode `mode` over the cp group."""
+CONTEXTS = {"ring": RingContext, "ulysses": UlyssesContext, "hybrid": HybridContext}
+
+
+def context_for(mode: str, group: dist.ProcessGroup,
+                hybrid_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None) -> LoadBalancedContext:
+    """The attention context of parallel.cp_mode `mode` over the cp group; hybrid also takes (Ulysses group, ring
+    group) of this rank (ParallelDims.hybrid_cp_groups)."""
     if mode not in CONTEXTS:
         raise ValueError(f"parallel.cp_mode = {mode!r} has no attention context; use one of {', '.join(CONTEXTS)}")
+    if mode == "hybrid":
+        if hybrid_groups is None:
+            raise ValueError("parallel.cp_mode = 'hybrid' needs its Ulysses and ring groups "
+                             "(ParallelDims.hybrid_cp_groups())")
+        return HybridContext(group, *hybrid_groups)
     return CONTEXTS[mode](group)
+
+
+def cp_weighted_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], group: dist.ProcessGroup
+                     ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """loss_fn(output, local labels) weighted as ContextParallelBatch.split weights a batch's loss, for a caller that
+    sees only the local labels (a pipeline's last stage, per microbatch): the batch's label count is the local
+    counts summed over the cp group (a collective; nothing is read to the host)."""
+    cp = dist.get_world_size(group)
+
+    def weighted(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        local_count = (labels != IGNORE_INDEX).sum()
+        batch_count = local_count.detach().clone()
+        dist.all_reduce(batch_count, group=group)
+        return loss_fn(output, labels) * ((local_count * cp).float() / batch_count.clamp(min=1).float())
+
+    return weighted
 
 
 class ContextParallelBatch:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_npu.config.schema import ParallelConfig
@@ -30,9 +31,11 @@ class ParallelDims:
     world_size: int
     fsdp: bool = True
     cp: int = 1
-    ep: int = 1  # expert parallel: borrowed from dp_shard (not a factor of the world size)
+    ep: int = 1  # expert parallel: borrowed from dp_shard x cp (not a factor of the world size)
+    cp_ulysses: int = 1  # hybrid context parallel: the cp ranks of one Ulysses group (1: not hybrid)
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _hybrid_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -77,11 +80,23 @@ class ParallelDims:
                 f"parallel.fsdp=false with dp_shard={dp_shard} and dp_replicate={cfg.dp_replicate} is ambiguous; "
                 "with fsdp=false use dp_replicate only (or dp_shard with dp_replicate=1)"
             )
-        ep = cfg.ep_degree
-        if ep < 1 or dp_shard % ep:
-            raise LayoutError(f"parallel.ep_degree={ep} must divide dp_shard={dp_shard} (the expert-parallel ranks "
-                              f"are taken from the FSDP ranks); choose ep_degree from {divisors(dp_shard)}")
-        return cls(cfg.dp_replicate, dp_shard, cfg.tp_degree, cfg.pp_degree, world_size, cfg.fsdp, cp, ep)
+        ep, shard = cfg.ep_degree, dp_shard * cp  # FSDP's ranks: dp_shard x cp
+        if ep < 1 or shard % ep:
+            ranks = f"dp_shard={dp_shard}" if cp == 1 else f"dp_shard x cp_degree = {dp_shard} x {cp} = {shard}"
+            raise LayoutError(f"parallel.ep_degree={ep} must divide {ranks} (the expert-parallel ranks "
+                              f"are taken from the FSDP ranks); choose ep_degree from {divisors(shard)}")
+        cp_ulysses = 1
+        if cfg.cp_mode == "hybrid" and cp > 1:
+            cp_ulysses = cfg.cp_ulysses_degree
+            if cp % cp_ulysses or not 1 < cp_ulysses < cp:
+                choices = [d for d in divisors(cp) if 1 < d < cp]
+                raise LayoutError(
+                    f"parallel.cp_ulysses_degree={cp_ulysses}: hybrid context parallelism runs Ulysses within groups "
+                    f"of cp_ulysses_degree ranks and the ring between them, so it must divide cp_degree={cp} and lie "
+                    f"strictly between 1 and it; "
+                    + (f"choose it from {choices}" if choices else "use parallel.cp_mode = \"ring\" or \"ulysses\"")
+                )
+        return cls(cfg.dp_replicate, dp_shard, cfg.tp_degree, cfg.pp_degree, world_size, cfg.fsdp, cp, ep, cp_ulysses)
 
     @property
     def dp(self) -> int:
@@ -108,9 +123,17 @@ class ParallelDims:
 
     @property
     def ep_mesh(self) -> DeviceMesh:
-        """The ranks one MoE layer's experts are split over: ep consecutive dp_shard ranks (all of them when
-        ep_degree = dp_shard)."""
-        return self.mesh["dp_shard"] if self._expert_mesh is None else self._expert_mesh["ep"]
+        """The ranks one MoE layer's experts are split over: ep consecutive FSDP ranks (dp_shard, or dp_shard x cp
+        flattened under context parallelism; all of them when ep_degree is their number)."""
+        if self._expert_mesh is not None:
+            return self._expert_mesh["ep"]
+        return self.mesh["dp_shard_cp" if self.cp_enabled else "dp_shard"]
+
+    @property
+    def ep_tp_mesh(self) -> DeviceMesh:
+        """The ep x tp ranks of one expert-parallel group (expert parallelism with tensor parallelism): the experts
+        are split over ep on their expert dim and over tp on their ffn dim."""
+        return self.mesh["dp_shard", "tp"] if self._expert_mesh is None else self._expert_mesh["ep", "tp"]
 
     @property
     def efsdp_mesh(self) -> DeviceMesh | None:
@@ -118,6 +141,14 @@ class ParallelDims:
         if self._mesh is None:
             raise RuntimeError("ParallelDims.build_mesh() has not been called")
         return None if self._expert_mesh is None else self._expert_mesh["efsdp"]
+
+    @property
+    def expert_dp_mesh(self) -> DeviceMesh | None:
+        """The ranks that hold the same experts and shard them with FSDP: the efsdp ranks, or under HSDP with
+        ep_degree = dp_shard the dp_replicate ranks (the replicas of one ep group); None when no two ranks do."""
+        if self.dp_replicate > 1:
+            return self.mesh["dp_replicate"]
+        return self.efsdp_mesh
 
     @property
     def tp_enabled(self) -> bool:
@@ -162,9 +193,18 @@ class ParallelDims:
         if collective_timeout_s:
             for name in (*names, *flat):
                 set_collective_timeout(mesh[name].get_group(), collective_timeout_s)
-        if 1 < self.ep < self.dp_shard:
-            # The experts' own mesh: dp_shard split into (efsdp, ep), consecutive dp_shard ranks forming an ep group.
-            sizes = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+        if self.cp_ulysses > 1:
+            # Hybrid context parallel: cp split into (ring, Ulysses), a Ulysses group of adjacent cp ranks.
+            sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp // self.cp_ulysses, self.cp_ulysses, self.tp)
+            self._hybrid_mesh = DeviceMesh(device_type, mesh.mesh.reshape(sizes), mesh_dim_names=(
+                "pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp"))
+            if collective_timeout_s:
+                for name in ("cp_ring", "cp_ulysses"):
+                    set_collective_timeout(self._hybrid_mesh[name].get_group(), collective_timeout_s)
+        if 1 < self.ep < self.dp_shard * self.cp:
+            # The experts' own mesh: the FSDP ranks (dp_shard x cp) split into (efsdp, ep), consecutive ones forming an
+            # ep group.
+            sizes = (self.pp, self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep, self.tp)
             self._expert_mesh = DeviceMesh(device_type, mesh.mesh.reshape(sizes),
                                            mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
             if collective_timeout_s:
@@ -201,6 +241,13 @@ class ParallelDims:
         step's tokens reduces over this mesh."""
         return self.mesh["dp_cp"] if self.cp_enabled else self.mesh["dp"]
 
+    def hybrid_cp_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """(Ulysses group, ring group) of this rank under hybrid context parallelism: its cp_ulysses adjacent cp
+        ranks, and the cp ranks of the same place in every Ulysses group, in group order."""
+        if self._hybrid_mesh is None:
+            raise RuntimeError("hybrid context parallelism needs parallel.cp_mode = \"hybrid\" and build_mesh()")
+        return self._hybrid_mesh["cp_ulysses"].get_group(), self._hybrid_mesh["cp_ring"].get_group()
+
     def cp_coordinates(self) -> tuple[int, int]:
         """(cp_rank, cp_degree) of this rank: which chunks of each sequence it holds."""
         if self.cp == 1:
@@ -231,7 +278,9 @@ class ParallelDims:
     def describe(self) -> str:
         """One line for the start-up log."""
         kind = {"fsdp": "FSDP", "hsdp": "HSDP", "replicate": "DP (replicated)", "none": "no DP"}[self.dp_mode]
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        if self.cp_ulysses > 1:
+            cp += f" (ulysses {self.cp_ulysses} x ring {self.cp // self.cp_ulysses})"
         return (f"world={self.world_size} pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
-                f"tp={self.tp}{f' cp={self.cp}' if self.cp > 1 else ''}{f' ep={self.ep}' if self.ep > 1 else ''} "
-                f"({kind})")
+                f"tp={self.tp}{cp}{f' ep={self.ep}' if self.ep > 1 else ''} ({kind})")
 

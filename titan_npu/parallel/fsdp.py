@@ -54,20 +54,21 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> None:
 
 
 def _shard_experts(model: nn.Module, dims: ParallelDims, cfg: JobConfig, kwargs: dict, policy) -> None:
-    """Expert-parallel experts (DTensors over the ep ranks already, one slice of the experts per rank): with
-    ep_degree = dp_shard FSDP leaves them (kwargs gets them as ignored_params); otherwise each module holding them is
-    sharded by FSDP over the dp_shard / ep ranks that hold the same experts."""
+    """Expert-parallel experts (DTensors over the ep ranks already, one slice of the experts per rank): where no two
+    ranks hold the same experts FSDP leaves them (kwargs gets them as ignored_params); otherwise each module holding
+    them is sharded by FSDP over the ranks that hold the same experts (ParallelDims.expert_dp_mesh)."""
     from torch.distributed.fsdp import fully_shard
 
-    def is_expert(p: nn.Parameter) -> bool:
-        return getattr(p, "device_mesh", None) is not None
+    def is_expert(p: nn.Parameter) -> bool:  # a DTensor over the ep ranks (tensor-parallel DTensors are over tp only)
+        mesh = getattr(p, "device_mesh", None)
+        return mesh is not None and bool({"dp_shard", "ep"} & set(mesh.mesh_dim_names))
 
-    if dims.efsdp_mesh is None:
+    if dims.expert_dp_mesh is None:
         kwargs["ignored_params"] = {p for p in model.parameters() if is_expert(p)}
         return
     for module in list(model.modules()):
         if any(is_expert(p) for p in module.parameters(recurse=False)):
-            fully_shard(module, **{**kwargs, "mesh": dims.efsdp_mesh},
+            fully_shard(module, **{**kwargs, "mesh": dims.expert_dp_mesh},
                         reshard_after_forward=cfg.parallel.reshard_after_forward, mp_policy=policy)
 
 

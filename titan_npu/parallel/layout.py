@@ -75,41 +75,43 @@ def _check_data_parallel(dims: ParallelDims, cfg: JobConfig) -> None:
 
 def _check_context_parallel(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:
     p, cp = cfg.parallel, dims.cp
-    if p.cp_mode not in ("ring", "ulysses"):
-        raise LayoutError(
-            f"parallel.cp_mode={p.cp_mode!r} is not yet available (hybrid context parallelism is to come); set "
-            "parallel.cp_mode = \"ring\" or \"ulysses\""
-        )
     if not dims.cp_enabled:
         return
     if p.cp_mode == "ulysses":
-        _check_ulysses_heads(cp, a)
+        _check_ulysses_heads(cp, a, dims.tp)
+    if p.cp_mode == "hybrid":
+        _check_ulysses_heads(dims.cp_ulysses, a, dims.tp, "parallel.cp_ulysses_degree")
     seq_len = cfg.training.seq_len
     if seq_len % (2 * cp):
         raise LayoutError(
             f"training.seq_len={seq_len} does not split into 2 * parallel.cp_degree = {2 * cp} equal chunks (each "
             f"cp rank holds an early and a late chunk); use a seq_len that is a multiple of {2 * cp}"
         )
-    not_yet = [(dims.tp_enabled, f"tensor parallelism (tp_degree={dims.tp})", "parallel.tp_degree = 1"),
-               (dims.pp_enabled, f"pipeline parallelism (pp_degree={dims.pp})", "parallel.pp_degree = 1"),
-               (not p.fsdp, "parallel.fsdp=false (the cp ranks shard the parameters with FSDP)",
-                "parallel.fsdp = true")]
-    for refused, what, fix in not_yet:
-        if refused:
-            raise LayoutError(
-                f"parallel.cp_degree={cp} with {what} is not yet available; set {fix} or parallel.cp_degree = 1")
-
-
-def _check_ulysses_heads(cp: int, a: Any) -> None:
-    """Ulysses splits the heads over the cp ranks: query heads a multiple of cp, key/value heads a multiple of cp
-    or a divisor of it (each then repeated for the cp / n_kv_heads ranks that read it)."""
-    if a.n_heads % cp or (a.n_kv_heads % cp and cp % a.n_kv_heads):
-        choices = _listing([d for d in divisors(a.n_heads) if d > 1 and not (a.n_kv_heads % d and d % a.n_kv_heads)])
+    if (seq_len // cp) % dims.tp:
+        multiple = math.lcm(2 * cp, cp * dims.tp)
         raise LayoutError(
-            f"parallel.cp_mode=\"ulysses\" splits the attention heads over parallel.cp_degree={cp} ranks, but "
-            f"model.n_heads={a.n_heads} / n_kv_heads={a.n_kv_heads} do not split {cp} ways (n_heads a multiple of "
-            f"cp_degree, n_kv_heads a multiple or divisor of it); choose cp_degree from {choices} or set "
-            "parallel.cp_mode = \"ring\""
+            f"training.seq_len={seq_len} leaves each cp rank {seq_len // cp} positions, which sequence parallelism "
+            f"cannot split over parallel.tp_degree={dims.tp}; use a seq_len that is a multiple of {multiple}"
+        )
+    if not p.fsdp:
+        raise LayoutError(
+            f"parallel.cp_degree={cp} with parallel.fsdp=false (the cp ranks shard the parameters with FSDP) is not "
+            f"yet available; set parallel.fsdp = true or parallel.cp_degree = 1")
+
+
+def _check_ulysses_heads(cp: int, a: Any, tp: int = 1, degree: str = "parallel.cp_degree") -> None:
+    """Ulysses splits the heads over the cp ranks (`degree`: the cp ranks of a hybrid Ulysses group): query heads a
+    multiple of cp, key/value heads a multiple of cp or a divisor of it (each then repeated for the cp / n_kv_heads
+    ranks that read it); under tensor parallelism, the heads of one tp rank (n_heads / tp, n_kv_heads / tp)."""
+    heads, kv_heads = a.n_heads // tp, a.n_kv_heads // tp
+    if heads % cp or (kv_heads % cp and cp % kv_heads):
+        choices = _listing([d for d in divisors(heads) if d > 1 and not (kv_heads % d and d % kv_heads)])
+        per_tp = f" ({heads} / {kv_heads} per rank of tp_degree={tp})" if tp > 1 else ""
+        raise LayoutError(
+            f"parallel.cp_mode=\"{'ulysses' if degree.endswith('cp_degree') else 'hybrid'}\" splits the attention "
+            f"heads over {degree}={cp} ranks, but model.n_heads={a.n_heads} / n_kv_heads={a.n_kv_heads}{per_tp} do "
+            f"not split {cp} ways (n_heads a multiple of {degree.split('.')[1]}, n_kv_heads a multiple or divisor of "
+            f"it); choose {degree.split('.')[1]} from {choices or 'none'} or set parallel.cp_mode = \"ring\""
         )
 
 
@@ -122,13 +124,12 @@ def _check_expert_parallel(dims: ParallelDims, a: Any) -> None:
     if n_experts % ep:
         raise LayoutError(f"parallel.ep_degree={ep} does not divide model.n_experts={n_experts}: each rank must hold "
                           f"as many whole experts; choose ep_degree from {_listing(divisors(n_experts))}")
-    if getattr(a, "capacity_factor", None) is not None:
-        raise LayoutError(f"parallel.ep_degree={ep} with model.capacity_factor={a.capacity_factor}: expert "
-                          f"parallelism is dropless only; set model.capacity_factor = 0 or parallel.ep_degree = 1")
-    not_yet = [(dims.tp_enabled, f"tensor parallelism (tp_degree={dims.tp})", "parallel.tp_degree = 1"),
-               (dims.pp_enabled, f"pipeline parallelism (pp_degree={dims.pp})", "parallel.pp_degree = 1"),
-               (dims.cp_enabled, f"context parallelism (cp_degree={dims.cp})", "parallel.cp_degree = 1"),
-               (dims.dp_replicate > 1, f"dp_replicate={dims.dp_replicate}", "parallel.dp_replicate = 1"),
+    not_yet = [(dims.tp_enabled and ep < dims.dp_shard,
+                f"tensor parallelism (tp_degree={dims.tp}) and ep_degree < dp_shard={dims.dp_shard}",
+                f"parallel.ep_degree = {dims.dp_shard} (the experts then need no FSDP)"),
+               (dims.dp_replicate > 1 and ep < dims.dp_shard,
+                f"dp_replicate={dims.dp_replicate} and ep_degree < dp_shard={dims.dp_shard}",
+                f"parallel.ep_degree = {dims.dp_shard} (HSDP then shards the experts over the replicas)"),
                (not dims.fsdp, "parallel.fsdp=false", "parallel.fsdp = true")]
     for refused, what, fix in not_yet:
         if refused:
@@ -166,6 +167,22 @@ def _check_tensor_parallel(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:
         raise LayoutError(
             f"training.seq_len={cfg.training.seq_len} is not divisible by parallel.tp_degree={tp} (sequence "
             f"parallelism splits each sequence across the tp ranks); use a seq_len that is a multiple of {tp}"
+        )
+    if getattr(a, "n_moe_layers", 0):
+        _check_moe_tensor_parallel(tp, a)
+
+
+def _check_moe_tensor_parallel(tp: int, a: Any) -> None:
+    """Tensor parallelism of MoE layers splits each expert's ffn dim, and the shared expert's."""
+    if a.moe_ffn_dim % tp:
+        raise LayoutError(
+            f"parallel.tp_degree={tp} does not divide model.moe_ffn_dim={a.moe_ffn_dim} (each expert is split on "
+            f"its ffn dim over the tp ranks); choose tp_degree from {_listing(divisors(a.moe_ffn_dim))}"
+        )
+    if getattr(a, "shared_ffn_dim", 0) % tp:
+        raise LayoutError(
+            f"parallel.tp_degree={tp} does not divide model.shared_ffn_dim={a.shared_ffn_dim} (the shared expert is "
+            f"split on its ffn dim over the tp ranks); choose tp_degree from {_listing(divisors(a.shared_ffn_dim))}"
         )
 
 

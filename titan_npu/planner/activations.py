@@ -1,7 +1,8 @@
 """Activations: the tensors autograd saves for backward in the dense decoder (models/decoder/model.py) with the
 reference ops, per token, and a block-by-block walk of backward for the peak (loss buffers, a checkpointed block's
 recomputation). tests/tools/test_plan_calibration.py holds them to measured CPU peaks; docs/planning.md has the
-formulas.
+formulas. A MoE layer's feed-forward (models/moe/layer.py) is counted under balanced routing: every token's top_k
+copies, whichever rank's experts run them. A context-parallel rank holds seq_len / cp tokens of each sequence.
 """
 
 from __future__ import annotations
@@ -10,6 +11,15 @@ from dataclasses import dataclass
 
 from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.stages import StagePart, rank_parts
+
+# fp32 [S/cp x S/cp] tensors per local head the ring's plain-math block kernel (ops/attention_blocks.py, off the
+# CPU) holds at once in its backward: the scores, their exponentials and the gradient.
+RING_MATH_BLOCKS = 3
+
+# Bytes of the int64 index tensors a MoE layer keeps per routed copy: the sort order, its inverse and the source
+# token of each copy (layer.py), and under expert parallelism the exchange's regrouping order (dispatch.py).
+MOE_INDEX_BYTES = 24
+EP_INDEX_BYTES = 16
 
 # Bytes that the attention kernel keeps per (token, local head) besides q, k, v and the output: the log-sum-exp of
 # SDPA's flash/efficient kernels (fp32), or npu_fusion_attention's softmax max and sum (2 x 8 fp32 values).
@@ -26,7 +36,33 @@ class BlockBytes:
     backward_transient: int  # gradients alive while the block's backward runs
 
 
-def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "cpu") -> BlockBytes:
+def local_tokens(job: Job, layout: Layout, micro_batch: int) -> int:
+    """Tokens of a micro-batch on one rank: its sequences' seq_len / cp tokens each."""
+    return micro_batch * job.seq_len // layout.cp
+
+
+def moe_ffn_bytes(job: Job, layout: Layout) -> tuple[int, int, int]:
+    """Per token, a MoE feed-forward's (saved bytes, bytes op-level checkpointing keeps, backward transient).
+
+    The router keeps its fp32 probabilities (4 E) and top-k indices and weights (16 k); each of the k routed copies
+    keeps its sort indices, the grouped GEMM's input row (c D), gate, silu(gate), up and their product (4 c F_moe,
+    as the dense SwiGLU) and its output row for the weighting (c D); a shared expert keeps a dense SwiGLU's
+    4 c F_shared. Balanced routing: every rank runs k copies per token, under expert parallelism too (the
+    exchange sends and receives as many rows; the received ones are what the grouped GEMM keeps).
+    """
+    a, c = job.args, job.compute_bytes
+    k, d, f, e = a.top_k, a.dim, a.moe_ffn_dim, a.n_experts
+    index = MOE_INDEX_BYTES + (EP_INDEX_BYTES if layout.ep > 1 else 0)
+    saved = 4 * e + 16 * k + k * (index + 2 * c * d + 4 * c * f) + 4 * c * a.shared_ffn_dim
+    # Op-level checkpointing keeps the matmul outputs (activation_checkpoint.py's list): the router's logits and the
+    # shared expert's projections; the grouped GEMM is not on the list, so the experts are recomputed.
+    op_saves = c * e + c * (2 * a.shared_ffn_dim + d if a.shared_ffn_dim else 0)
+    transient = k * 4 * f + 4 * a.shared_ffn_dim
+    return saved, op_saves, transient
+
+
+def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "cpu", moe: bool = False
+                ) -> BlockBytes:
     """Saved-tensor bytes of one transformer block for one micro-batch (the reference ops).
 
     Per token, with c the compute dtype's bytes and sizes local to a tensor-parallel rank: each RMSNorm keeps its
@@ -40,9 +76,16 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     dtype: its input (c (q + kv)) and rstd (4 per head) with the cpu reference, else the fp32 input and
     normalised value (8 (q + kv)) and rstd; it runs on the heads a tensor-parallel rank holds, so sequence
     parallelism does not split it further. Qwen2's q/k/v biases keep nothing (an add's backward needs no input).
+    A MoE block (`moe`) keeps moe_ffn_bytes in place of the SwiGLU's 4 c F. Under context parallelism (tokens =
+    the rank's seq_len / cp of each sequence) attention keeps what flash attention keeps, whatever
+    use_flash_attention says, and two things more per token: the output projection's own copy of attention's
+    output (c q: the ring's and Ulysses' outputs come back in another layout, and the reshape before wo copies
+    them) and the RoPE rows gathered for the rank's load-balanced positions (fp32 cos and sin, 4 head_dim), both
+    measured on CPU (benchmarks/cp_memory.py). The ring's block kernel off the CPU is plain math, whose fp32 score
+    blocks (RING_MATH_BLOCKS x [S/cp]^2 per local head) are alive during a block's backward.
     """
     a, c, tp = job.args, job.compute_bytes, layout.tp
-    tokens = micro_batch * job.seq_len
+    tokens = local_tokens(job, layout, micro_batch)
     d = a.dim
     q, kv, f, heads = a.q_dim // tp, a.kv_dim // tp, a.ffn_dim // tp, a.n_heads // tp
     kv_heads = a.n_kv_heads // tp
@@ -57,17 +100,27 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     if a.qk_norm:
         qk_width = c if device_type == "cpu" and tp == 1 else 8
         norms += qk_width * (q + kv) + 4 * (heads + kv_heads)
-    per_token = norms + (5 if autocast else 2) * c * d + 4 * c * f
-    if a.use_flash_attention:
+    if moe:
+        ffn, ffn_op_saves, ffn_transient = moe_ffn_bytes(job, layout)
+    else:
+        ffn, ffn_op_saves, ffn_transient = 4 * c * f, c * (2 * f + d), 4 * f
+    per_token = norms + (5 if autocast else 2) * c * d + ffn
+    if layout.cp > 1:
+        full = tokens * (per_token + c * (2 * q + 2 * kv) + stats + c * q + 4 * (a.q_dim // a.n_heads))
+    elif a.use_flash_attention:
         full = tokens * (per_token + c * (2 * q + 2 * kv) + stats)
     else:
         probs = micro_batch * heads * job.seq_len**2 * (4 + (c if c != 4 else 0))
         full = tokens * (per_token + 4 * c * q) + probs + job.seq_len**2
     block_input = tokens * d * residual // sp
     # Op-level selective checkpointing keeps the outputs of every matmul (q, k, v, wo, w1, w3, w2) and of attention.
-    op_saves = block_input + tokens * (c * (q + 2 * kv + 2 * d + 2 * f + q) + stats)
-    # Measured on CPU: about one fp32 F-wide gradient is alive beyond the saved tensors while a block's backward runs.
-    transient = tokens * 4 * f
+    op_saves = block_input + tokens * (c * (q + 2 * kv + d + q) + ffn_op_saves + stats)
+    # Measured on CPU: about one fp32 F-wide gradient is alive beyond the saved tensors while a block's backward runs
+    # (per routed copy in a MoE block).
+    transient = tokens * ffn_transient
+    if layout.cp > 1 and layout.cp_mode == "ring" and device_type != "cpu":
+        local = job.seq_len // layout.cp
+        transient = max(transient, micro_batch * heads * local * local * 4 * RING_MATH_BLOCKS)
     return BlockBytes(full, block_input, op_saves, transient)
 
 
@@ -85,13 +138,13 @@ def checkpoint_kind(layer_id: int, layout: Layout) -> str:
 def loss_bytes(job: Job, layout: Layout, micro_batch: int) -> int:
     """Logits and loss buffers at their peak (backward of the loss): logits (c), fp32 log-softmax, two fp32 grads."""
     vocab = job.args.vocab_size // layout.tp if (layout.tp > 1 and layout.loss_parallel) else job.args.vocab_size
-    return micro_batch * job.seq_len * vocab * (job.compute_bytes + 12)
+    return local_tokens(job, layout, micro_batch) * vocab * (job.compute_bytes + 12)
 
 
 def logits_bytes(job: Job, layout: Layout, micro_batch: int) -> int:
     """The logits the training step holds through backward."""
     vocab = job.args.vocab_size // layout.tp if (layout.tp > 1 and layout.loss_parallel) else job.args.vocab_size
-    return micro_batch * job.seq_len * vocab * job.compute_bytes
+    return local_tokens(job, layout, micro_batch) * vocab * job.compute_bytes
 
 
 def chunked_loss_bytes(job: Job, layout: Layout, micro_batch: int) -> tuple[int, int]:
@@ -99,7 +152,7 @@ def chunked_loss_bytes(job: Job, layout: Layout, micro_batch: int) -> tuple[int,
     starts holding the output weight's gradient (the hidden states' one replaces the output's saved input, counted
     with the activations); the peak is a chunk's logits with the fp32 weight-gradient sum, or backward's scaling."""
     a, c = job.args, job.compute_bytes
-    tokens, vocab, dim = micro_batch * job.seq_len, a.vocab_size, a.dim
+    tokens, vocab, dim = local_tokens(job, layout, micro_batch), a.vocab_size, a.dim
     chunk = min(layout.loss_chunk, tokens)
     autocast = c < 4 and not layout.fsdp_wrapped
     narrow = c if c < 4 else 0  # the low-precision copies the fp32 path does not make
@@ -141,10 +194,14 @@ class ActivationPeak:
 def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str = "cpu") -> ActivationPeak:
     """One micro-batch through one stage: its saved bytes and the peak over a block-by-block walk of backward."""
     mb = layout.micro_batch
-    tokens = mb * job.seq_len
-    b = block_bytes(job, layout, mb, device_type)
-    saved_by, recompute_by = [], []
+    tokens = local_tokens(job, layout, mb)
+    is_moe = getattr(job.args, "is_moe_layer", None)
+    dense = block_bytes(job, layout, mb, device_type)
+    moe = block_bytes(job, layout, mb, device_type, moe=True) if is_moe else dense
+    saved_by, recompute_by, transients = [], [], []
     for layer in part.layers:
+        b = moe if is_moe and is_moe(layer) else dense
+        transients.append(b.backward_transient)
         kind = checkpoint_kind(layer, layout)
         saved_by.append({"none": b.full, "full": b.block_input, "ops": b.op_saves}[kind])
         recompute_by.append({"none": 0, "full": b.full, "ops": max(0, b.full - b.op_saves)}[kind])
@@ -163,8 +220,8 @@ def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str
         extra = loss_bytes(job, layout, mb) if part.last else held
         held += tied_output_gradient_bytes(job, layout) if part.last else 0
     freed = 0  # saved bytes of the blocks whose backward already ran
-    for block_saved, recompute in zip(reversed(saved_by), reversed(recompute_by)):
-        extra = max(extra, held + recompute + b.backward_transient - freed)
+    for block_saved, recompute, transient in zip(reversed(saved_by), reversed(recompute_by), reversed(transients)):
+        extra = max(extra, held + recompute + transient - freed)
         freed += block_saved
     return ActivationPeak(saved, extra)
 

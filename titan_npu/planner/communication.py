@@ -1,9 +1,9 @@
-"""Device memory outside the model's tensors: the collective library's buffers per communicator and the
-runtime's own reserve."""
+"""Device memory outside the model's tensors (the collective library's buffers per communicator, the runtime's own
+reserve) and the bytes a rank's expert- and context-parallel exchanges send per step."""
 
 from __future__ import annotations
 
-from titan_npu.planner.layout import GiB, Layout, MiB
+from titan_npu.planner.layout import GiB, Job, Layout, MiB
 
 # Device memory the runtime keeps for itself before the allocator sees any (CANN runtime and HCCL workspace on a
 # 910B; CUDA context and cuBLAS workspace on a GPU). Assumptions, stated in docs/planning.md.
@@ -13,12 +13,17 @@ NCCL_COMMUNICATOR_BYTES = 128 * MiB  # NCCL channels' staging buffers per commun
 
 
 def communicators(layout: Layout) -> int:
-    """Process groups a rank talks over: each mesh dim larger than 1, the flattened dp group and the world group."""
+    """Process groups a rank talks over: each mesh dim larger than 1, the flattened dp group(s), the experts' mesh
+    and the world group."""
     if layout.world_size == 1:
         return 0
     n = sum(1 for size in layout.degrees().values() if size > 1) + 1
     if layout.dp_replicate > 1 and layout.dp_shard > 1:
         n += 1
+    if layout.cp > 1:
+        n += 2  # dp_shard x cp (FSDP's group) and dp x cp (the token reductions), flattened
+    if 1 < layout.ep < layout.dp_shard:
+        n += 2  # the experts' own mesh: ep and efsdp groups
     return n
 
 
@@ -30,3 +35,31 @@ def communication_bytes(layout: Layout, device_type: str, hccl_buffsize_mb: int 
     if device_type == "cuda":
         return groups * NCCL_COMMUNICATOR_BYTES
     return 0
+
+
+def expert_all_to_all_bytes(job: Job, layout: Layout, tokens: int, layers: int) -> float:
+    """Bytes expert parallelism's all-to-alls send from a rank for `tokens` tokens through `layers` MoE layers.
+
+    Under balanced routing each token's top_k copies (D values each) go to the experts' ranks and come back, in
+    forward and again (their gradients) in backward, once more in a recomputed forward; (ep - 1) / ep of them
+    leave the rank."""
+    if layout.ep == 1 or not layers:
+        return 0.0
+    a = job.args
+    exchanges = 4 + (2 if layout.ac == "full" else 0)
+    return exchanges * layers * tokens * a.top_k * a.dim * job.compute_bytes * (layout.ep - 1) / layout.ep
+
+
+def context_exchange_bytes(job: Job, layout: Layout, tokens: int, layers: int) -> float:
+    """Bytes context parallelism sends from a rank for `tokens` local tokens through `layers` blocks.
+
+    Ring: the rank's K/V block travels cp - 1 hops in forward; backward sends K/V and their gradients around again
+    (3 x in all). Ulysses: all-to-alls of q, k, v and the output in forward and of their gradients in backward,
+    (cp - 1) / cp of each leaving the rank."""
+    if layout.cp == 1:
+        return 0.0
+    a, c, cp = job.args, job.compute_bytes, layout.cp
+    q, kv = a.q_dim // layout.tp, a.kv_dim // layout.tp
+    if layout.cp_mode == "ring":
+        return 3 * (cp - 1) * tokens * 2 * kv * c * layers
+    return 2 * tokens * (2 * q + 2 * kv) * c * (cp - 1) / cp * layers

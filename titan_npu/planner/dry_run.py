@@ -6,6 +6,11 @@ DTensor placement and FSDP shard is the one the job would create. Parameters are
 without storage) to run one forward and backward, which checks every shape end to end, and the optimizer is built
 over the sharded parameters. Byte counts come from the local shards of the resulting DTensors.
 
+Under expert parallelism the token exchange's split sizes are routed counts, values fake tensors do not hold: the
+dry run assumes balanced routing (every expert receives tokens x top_k / n_experts copies from every rank), the
+assumption the planner's activation and all-to-all estimates make too, and runs the exchange with those sizes.
+Under context parallelism each rank runs its seq_len / cp tokens of every sequence, as the trainer does.
+
     python train.py --config configs/llama3_70b.toml --dry-run --world-size 64 --rank 5
     titan-npu plan --config configs/llama3_70b.toml --nodes 8 --devices-per-node 8 --verify --rank 5
 
@@ -14,9 +19,11 @@ planner/verify.py compares what it measures with the planner's exact numbers.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -143,11 +150,50 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims) -> list[nn.Module]:
     return [spec.parallelize(part, dims, cfg) for part in parts]
 
 
+def balanced_rows(rows: int, n_experts: int) -> list[int]:
+    """Rows of `rows` routed copies each expert receives from one rank when routing is balanced (the first
+    rows % n_experts experts one more)."""
+    return [rows // n_experts + (1 if e < rows % n_experts else 0) for e in range(n_experts)]
+
+
+def balanced_exchange(experts: nn.Module, routed: torch.Tensor, counts: torch.Tensor,
+                      group: dist.ProcessGroup) -> torch.Tensor:
+    """The expert-parallel exchange (models/moe/dispatch.py) with balanced routing's split sizes instead of the
+    routed counts: the same all-to-alls and grouped GEMM, on shapes fake tensors can carry. Rank r holds experts
+    [r x L, (r + 1) x L) (L = n_experts / ep) and every rank routes as many rows."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    local = counts.shape[0] // ep
+    per_expert = balanced_rows(routed.shape[0], counts.shape[0])
+    send = [sum(per_expert[r * local:(r + 1) * local]) for r in range(ep)]
+    mine = per_expert[rank * local:(rank + 1) * local]
+    receive = [send[rank]] * ep
+    received = all_to_all_single_autograd(routed, receive, send, group)
+    ends = torch.tensor(mine, dtype=torch.int64).mul(ep).cumsum(0).to(torch.int32)
+    out = experts(received, ends, max_group_rows=max(1, max(mine) * ep))
+    return all_to_all_single_autograd(out, send, receive, group)
+
+
+@contextlib.contextmanager
+def balanced_routing() -> Iterator[None]:
+    """MoE layers exchange their tokens with balanced routing's split sizes while the context is open."""
+    from titan_npu.models.moe import layer
+
+    exchange = layer.run_experts_parallel
+    layer.run_experts_parallel = balanced_exchange
+    try:
+        yield
+    finally:
+        layer.run_experts_parallel = exchange
+
+
 def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims) -> tuple[int, ...]:
     """One forward/backward of every part with fake tensors; returns the output shape of the last part run.
 
     A pipeline stage without the embedding takes the hidden states its predecessor would send: the local
-    [micro-batch, seq / tp (sequence parallel), dim] slice, in the dtype the activations have.
+    [micro-batch, seq / tp (sequence parallel), dim] slice, in the dtype the activations have. A context-parallel
+    rank takes its seq / cp tokens of each sequence.
     """
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -161,9 +207,10 @@ def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims
     t = cfg.training
     batch = pp_local_batch(cfg) // pp_microbatches(cfg, dims) if dims.pp_enabled else t.batch_size
     hidden_dtype = to_torch_dtype(t.dtype) if dims.dp > 1 else torch.float32
-    seq_local = t.seq_len // dims.tp
+    seq = t.seq_len // dims.cp
+    seq_local = seq // dims.tp
     shape: tuple[int, ...] = ()
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing():
         for part in parts:
             # Fake storage on the host: FSDP refuses to run with meta parameters, and fake tensors cost nothing.
             part.to_empty(device="cpu")
@@ -171,14 +218,14 @@ def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims
             install_requested_grad_hooks(part)
         for part in parts:
             if part.tok_embeddings is not None:
-                x = torch.randint(0, args.vocab_size, (batch, t.seq_len))
+                x = torch.randint(0, args.vocab_size, (batch, seq))
             else:
                 x = torch.randn(batch, seq_local, args.dim, dtype=hidden_dtype, requires_grad=True)
             out = part(x)
             shape = tuple(out.shape)
             if part.output is not None:
                 logits = out.full_tensor() if hasattr(out, "full_tensor") else out
-                labels = torch.randint(0, args.vocab_size, (batch, t.seq_len))
+                labels = torch.randint(0, args.vocab_size, (batch, seq))
                 F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).backward()
             else:
                 # A stage that sends hidden states on: a stand-in loss reaches every parameter it holds.
@@ -195,9 +242,6 @@ def _build_and_measure(cfg: JobConfig, dims: ParallelDims, result: DryRunResult,
     if dims.world_size > 1:
         dims.build_mesh("cpu")
     parts = build_parallel_model(cfg, dims)
-    # The expert-parallel exchange sizes its all-to-all by the routed token counts, read on the host: fake tensors
-    # hold no values, so under expert parallelism the shards are measured without a forward.
-    forward = forward and not dims.ep_enabled
     optimizer = build_optimizer(parts, cfg.optimizer, device_type)
     result.optimizer = type(optimizer).__name__
     for part in parts:
@@ -242,9 +286,6 @@ def dry_run(cfg: JobConfig, world_size: int | None = None, rank: int = 0, device
     from titan_npu.models.registry import build_model_args
     from titan_npu.parallel.dims import ParallelDims
     from titan_npu.parallel.layout import validate_layout
-    from titan_npu.planner.layout import refuse_context_parallel
-
-    refuse_context_parallel(cfg)
     world_size = resolve_world_size(cfg, world_size)
     if not 0 <= rank < world_size:
         raise ConfigError(f"--rank {rank} is outside a {world_size}-rank job (choose 0..{world_size - 1})")

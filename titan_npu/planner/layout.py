@@ -15,6 +15,7 @@ GiB = 1024**3
 MiB = 1024**2
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 AC_MODES = ("none", "selective", "full")
+CP_MODES = ("ring", "ulysses")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class Layout:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: each sequence split over cp ranks (a factor of the world size)
+    ep: int = 1  # expert parallel: the experts split over ep of the dp_shard ranks (not a factor of the world size)
+    cp_mode: str = "ring"  # ring | ulysses
     fsdp: bool = True
     ac: str = "none"  # none | selective | full
     selective_every: int = 2
@@ -40,11 +44,17 @@ class Layout:
     loss_chunk_tokens: int = 0  # training.loss_chunk_tokens; 0 = the whole logits at once
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "batch_size", "grad_accum", "selective_every"):
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "batch_size", "grad_accum",
+                     "selective_every"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"layout {name}={getattr(self, name)} must be >= 1")
         if self.ac not in AC_MODES:
             raise LayoutError(f"activation_checkpoint.mode={self.ac!r} is unknown (choose {', '.join(AC_MODES)})")
+        if self.cp_mode not in CP_MODES:
+            raise LayoutError(f"parallel.cp_mode={self.cp_mode!r} is unknown (choose {', '.join(CP_MODES)})")
+        if self.dp_shard % self.ep:
+            raise LayoutError(f"parallel.ep_degree={self.ep} must divide dp_shard={self.dp_shard} (the ep ranks are "
+                              f"taken from the FSDP ranks); choose ep_degree from {arithmetic.divisors(self.dp_shard)}")
         if self.pp > 1 and self.local_batch % self.n_microbatches:
             raise LayoutError(
                 f"{self.local_batch} sequences per pipeline step (batch_size x gradient_accumulation_steps) do not "
@@ -53,21 +63,31 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def fsdp_shards(self) -> int:
+        """Ranks FSDP splits a (dense) parameter over: dp_shard, times cp (the cp ranks shard parameters too)."""
+        return self.dp_shard * self.cp
+
+    @property
     def shards_parameters(self) -> bool:
-        """FSDP splits parameters, gradients and optimizer state over dp_shard."""
-        return self.fsdp and self.dp_shard > 1
+        """FSDP splits parameters, gradients and optimizer state over dp_shard (x cp)."""
+        return self.fsdp and self.fsdp_shards > 1
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks FSDP splits an expert-parallel rank's experts over: the dp_shard / ep ranks holding the same ones."""
+        return self.dp_shard // self.ep
 
     @property
     def fsdp_wrapped(self) -> bool:
         """FSDP2 (fully_shard or replicate) holds the parameters: it casts them, so no autocast weight copies."""
-        return self.dp > 1
+        return self.dp * self.cp > 1
 
     @property
     def loss_chunk(self) -> int:
@@ -106,11 +126,17 @@ class Layout:
         return self.n_microbatches if self.pp > 1 else self.grad_accum
 
     def degrees(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        """Size of each mesh dimension (cp only when context parallel, as the trainer's mesh has it)."""
+        cp = {"cp": self.cp} if self.cp > 1 else {}
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, **cp, "tp": self.tp}
 
     def describe(self) -> str:
         """One line: degrees, activation checkpointing and batch split."""
         parts = [f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}", f"tp={self.tp}", f"pp={self.pp}"]
+        if self.cp > 1:
+            parts.append(f"cp={self.cp} ({self.cp_mode})")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         if not self.fsdp:
             parts.append("fsdp=off")
         if self.cpu_offload:
@@ -153,20 +179,10 @@ def job_from_config(cfg: JobConfig) -> Job:
     )
 
 
-def refuse_context_parallel(cfg: JobConfig) -> None:
-    """Refuse a config with context parallelism, which the planner does not model yet."""
-    if cfg.parallel.cp_degree > 1:
-        raise LayoutError(
-            f"parallel.cp_degree={cfg.parallel.cp_degree}: the planner and dry run do not model context parallelism "
-            "yet; plan with parallel.cp_degree = 1 (docs/long_context.md)"
-        )
-
-
 def layout_from_config(cfg: JobConfig, world_size: int) -> Layout:
     """The config's layout on `world_size` ranks (dp_shard = -1 resolved the way ParallelDims does)."""
     from titan_npu.parallel.dims import ParallelDims
 
-    refuse_context_parallel(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     p, ac = cfg.parallel, cfg.activation_checkpoint
     return Layout(
@@ -174,6 +190,9 @@ def layout_from_config(cfg: JobConfig, world_size: int) -> Layout:
         dp_shard=dims.dp_shard,
         tp=dims.tp,
         pp=dims.pp,
+        cp=dims.cp,
+        ep=dims.ep,
+        cp_mode=p.cp_mode,
         fsdp=p.fsdp,
         ac=ac.mode,
         selective_every=ac.selective_every,
@@ -192,7 +211,8 @@ def layout_from_config(cfg: JobConfig, world_size: int) -> Layout:
 
 
 def rank_coordinates(layout: Layout, rank: int) -> dict[str, int]:
-    """A rank's index along each mesh dimension (pp, dp_replicate, dp_shard, tp), as init_device_mesh lays it out."""
+    """A rank's index along each mesh dimension (pp, dp_replicate, dp_shard, [cp,] tp), as init_device_mesh lays it
+    out."""
     if not 0 <= rank < layout.world_size:
         raise LayoutError(f"rank {rank} is outside a {layout.world_size}-rank job (choose 0..{layout.world_size - 1})")
     return arithmetic.mesh_coordinates(layout.degrees(), rank)
@@ -201,3 +221,8 @@ def rank_coordinates(layout: Layout, rank: int) -> dict[str, int]:
 def coordinates_rank(layout: Layout, coords: dict[str, int]) -> int:
     """The rank at the given mesh coordinates (the inverse of rank_coordinates)."""
     return arithmetic.mesh_rank(layout.degrees(), coords)
+
+
+def fsdp_index(layout: Layout, coords: dict[str, int]) -> int:
+    """A rank's index among the ranks FSDP shards a dense parameter over (dp_shard x cp flattened, cp innermost)."""
+    return coords["dp_shard"] * layout.cp + coords.get("cp", 0)

@@ -3,6 +3,9 @@
 The planner walks the same parameter shapes and tensor-parallel placements (the family's
 ModelSpec.parameter_kinds: biases, q/k norms and a tied output included), pipeline split and FSDP2 dim-0 chunking
 as the real parallelized model; the dry run (planner/verify.py) checks that they are equal, shard by shard.
+A MoE layer's stacked experts (dim 0 = the experts) are split differently under expert parallelism: over the ep
+ranks first (whole experts, parallel.ep_degree), then by FSDP over the dp_shard / ep ranks that hold the same
+experts; dense parameters are FSDP-sharded over dp_shard (x cp).
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ from typing import Any
 
 from titan_npu.errors import LayoutError
 from titan_npu.models.registry import spec_of
-from titan_npu.parallel.arithmetic import chunk_size
-from titan_npu.planner.layout import Job, Layout, rank_coordinates
+from titan_npu.parallel.arithmetic import chunk_size, expert_coordinates
+from titan_npu.planner.layout import Job, Layout, fsdp_index, rank_coordinates
 from titan_npu.planner.stages import FIRST_STAGE_KINDS, LAST_STAGE_KINDS, rank_parts
 
 # Per-parameter optimizer state, in parameter-sized tensors (the dry run measures the real optimizer's).
@@ -36,6 +39,11 @@ def block_kinds(args: Any) -> list[str]:
     return [k for k in parameter_kinds(args) if k not in FIRST_STAGE_KINDS + LAST_STAGE_KINDS]
 
 
+def is_expert_kind(kind: str) -> bool:
+    """Whether a kind of parameter is a MoE layer's stacked experts (dim 0 = the experts)."""
+    return kind.startswith("feed_forward.experts.")
+
+
 def parameter_kind(name: str) -> str:
     """'layers.3.attention.wq.weight' -> 'attention.wq.weight'; root parameters are their own kind."""
     return name.split(".", 2)[-1] if name.startswith("layers.") else name
@@ -54,15 +62,21 @@ def rank_parameter_names(args: Any, layout: Layout, pp_rank: int) -> list[str]:
 
 
 
-def local_shape(shape: tuple[int, ...], tp_dim: int | None, layout: Layout, coords: dict[str, int]
-                ) -> tuple[int, ...]:
+def local_shape(shape: tuple[int, ...], tp_dim: int | None, layout: Layout, coords: dict[str, int],
+                expert: bool = False) -> tuple[int, ...]:
     """The shape of a parameter's local shard on a rank: tensor-parallel cut first (along tp_dim, None = none),
-    then FSDP's dim-0 chunk of it."""
+    then FSDP's dim-0 chunk of it; stacked experts (`expert`) under expert parallelism: the ep rank's experts,
+    then FSDP's chunk of those over the dp_shard / ep ranks that hold them."""
     local = list(shape)
     if layout.tp > 1 and tp_dim is not None:
         local[tp_dim] = chunk_size(local[tp_dim], layout.tp, coords["tp"])
-    if layout.shards_parameters:
-        local[0] = chunk_size(local[0], layout.dp_shard, coords["dp_shard"])
+    if expert and layout.ep > 1:
+        efsdp_rank, ep_rank = expert_coordinates(coords["dp_shard"], layout.ep)
+        local[0] = chunk_size(local[0], layout.ep, ep_rank)
+        if layout.fsdp and layout.efsdp > 1:
+            local[0] = chunk_size(local[0], layout.efsdp, efsdp_rank)
+    elif layout.shards_parameters:
+        local[0] = chunk_size(local[0], layout.fsdp_shards, fsdp_index(layout, coords))
     return tuple(local)
 
 
@@ -76,7 +90,7 @@ def numel(shape: tuple[int, ...]) -> int:
 
 def _local_numels(args: Any, layout: Layout, coords: dict[str, int]) -> dict[str, int]:
     """Elements of one local shard of each kind of parameter at `coords`."""
-    return {kind: numel(local_shape(shape, dim, layout, coords))
+    return {kind: numel(local_shape(shape, dim, layout, coords, is_expert_kind(kind)))
             for kind, (shape, dim) in spec_of(args).parameter_kinds(args).items()}
 
 
@@ -89,11 +103,19 @@ def local_parameter_numels(args: Any, layout: Layout, rank: int) -> dict[str, in
 
 def local_numel(args: Any, layout: Layout, rank: int) -> int:
     """Total elements of the parameter shards on `rank` (local_parameter_numels summed, without the names)."""
+    return sum(local_numel_split(args, layout, rank))
+
+
+def local_numel_split(args: Any, layout: Layout, rank: int) -> tuple[int, int]:
+    """(dense, expert) elements of the parameter shards on `rank`: FSDP gathers and reduces the two over different
+    groups under expert parallelism."""
     coords = rank_coordinates(layout, rank)
     per_kind = _local_numels(args, layout, coords)
-    block = sum(per_kind[k] for k in block_kinds(args))
-    return sum(len(p.layers) * block + sum(per_kind[k] for k in p.root_kinds(per_kind))
-               for p in rank_parts(args, layout, coords["pp"]))
+    dense = sum(per_kind[k] for k in block_kinds(args) if not is_expert_kind(k))
+    expert = sum(per_kind[k] for k in block_kinds(args) if is_expert_kind(k))
+    parts = rank_parts(args, layout, coords["pp"])
+    return (sum(len(p.layers) * dense + sum(per_kind[k] for k in p.root_kinds(per_kind)) for p in parts),
+            sum(len(p.layers) * expert for p in parts))
 
 
 @dataclass(frozen=True)

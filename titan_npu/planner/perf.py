@@ -2,7 +2,10 @@
 
 Compute time is the job's training FLOPs at an assumed fraction of the device's peak; communication time is
 bytes over the effective bus bandwidth of the link a process group crosses (intra-node HCCS / NVLink, inter-node
-RoCE / InfiniBand). FSDP traffic overlaps with compute, tensor-parallel traffic and the pipeline bubble do not.
+RoCE / InfiniBand). FSDP traffic overlaps with compute, tensor-parallel traffic and the pipeline bubble do not;
+nor do expert parallelism's all-to-alls (balanced routing: each token's top_k copies leave and return) and context
+parallelism's K/V ring or Ulysses all-to-alls, counted whole. A MoE model's FLOPs are those of its active
+parameters.
 See docs/planning.md for the formulas and their assumptions.
 """
 
@@ -11,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan_npu.metrics.throughput import flops_per_token
-from titan_npu.parallel.arithmetic import MESH_DIMS
+from titan_npu.parallel.arithmetic import mesh_dims
+from titan_npu.planner.communication import context_exchange_bytes, expert_all_to_all_bytes
 from titan_npu.planner.hardware import Hardware
 from titan_npu.planner.layout import Job, Layout
-from titan_npu.planner.parameters import local_numel
+from titan_npu.planner.parameters import local_numel_split
 from titan_npu.planner.stages import rank_parts
 
 # Parameters per second one rank's host-side AdamW updates when the node's ranks share the host (cpu_offload).
@@ -24,8 +28,9 @@ HOST_ADAMW_PARAMS_PER_S = 0.5e9
 def group_crosses_nodes(layout: Layout, dim: str, devices_per_node: int) -> bool:
     """Whether the process group along mesh dim `dim` spans more than one node (ranks are filled node by node)."""
     sizes = layout.degrees()
+    names = mesh_dims(sizes)
     stride = 1
-    for name in MESH_DIMS[MESH_DIMS.index(dim) + 1:]:
+    for name in names[names.index(dim) + 1:]:
         stride *= sizes[name]
     return sizes[dim] > 1 and stride * sizes[dim] > devices_per_node
 
@@ -34,20 +39,37 @@ def _bandwidth(hw: Hardware, crosses: bool) -> float:
     return hw.inter_node_bw if crosses else hw.intra_node_bw
 
 
+# Context parallelism cuts every attention into per-chunk kernels and exchange steps whose launches and
+# bookkeeping the bandwidth terms do not see: a CP layout's compute is taken this much slower.
+CP_OVERHEAD = 0.03
+
 # Op-level selective checkpointing recomputes only element-wise ops (norms, rotary, SwiGLU): few FLOPs, but
 # memory-bound passes over the activations; a small fixed cost stands for them.
 SELECTIVE_OPS_RECOMPUTE = 0.03
 
 
-def recompute_factor(layout: Layout) -> float:
-    """Extra compute from activation checkpointing: a recomputed block runs its forward (1/3 of its FLOPs) twice."""
+def recompute_factor(layout: Layout, grouped_share: float = 0.0) -> float:
+    """Extra compute from activation checkpointing: a recomputed block runs its forward (1/3 of its FLOPs) twice.
+
+    Op-level selective checkpointing keeps the matmul outputs but not the grouped GEMMs' (not on its list): the
+    experts' forward, `grouped_share` of the FLOPs, runs again too.
+    """
     if layout.ac == "full":
         return 4 / 3
     if layout.ac == "selective":
         if layout.selective_ops:
-            return 1 + SELECTIVE_OPS_RECOMPUTE
+            return 1 + SELECTIVE_OPS_RECOMPUTE + grouped_share / 3
         return 1 + 1 / (3 * layout.selective_every)
     return 1.0
+
+
+def grouped_share(args: object) -> float:
+    """The share of a token's matmul FLOPs its routed experts take (0 for a dense model)."""
+    layers = getattr(args, "n_moe_layers", 0)
+    if not layers:
+        return 0.0
+    routed = layers * args.top_k * 3 * args.dim * args.moe_ffn_dim
+    return routed / args.num_active_params(exclude_embedding=True)
 
 
 def pipeline_bubble(layout: Layout) -> float:
@@ -71,6 +93,10 @@ class StepEstimate:
     bubble: float
     fsdp_exposed: float
     offload: float
+    ep_comm: float
+    cp_comm: float
+    ep_bytes: float  # bytes the busiest rank's expert-parallel all-to-alls send per step
+    cp_bytes: float  # bytes a rank's context-parallel exchanges send per step
     tokens_per_step: int
     tokens_per_s: float
     mfu: float
@@ -79,28 +105,52 @@ class StepEstimate:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+def moe_layers(args: object, layers: list[int]) -> int:
+    """How many of `layers` are MoE layers (0 for a dense model)."""
+    is_moe = getattr(args, "is_moe_layer", None)
+    return sum(1 for i in layers if is_moe(i)) if is_moe else 0
+
+
+def expert_exchange_seconds(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, tokens: int,
+                            layers: int) -> float:
+    """Time of expert parallelism's all-to-alls (communication.expert_all_to_all_bytes) over the ep group's link:
+    ep consecutive dp_shard ranks, inside a node when ep x cp x tp ranks fit in one."""
+    volume = expert_all_to_all_bytes(job, layout, tokens, layers)
+    return volume / _bandwidth(hw, layout.ep * layout.cp * layout.tp > devices_per_node) if volume else 0.0
+
+
+def context_exchange_seconds(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, tokens: int,
+                             layers: int) -> float:
+    """Time of context parallelism's exchanges (communication.context_exchange_bytes) over the cp group's link."""
+    volume = context_exchange_bytes(job, layout, tokens, layers)
+    return volume / _bandwidth(hw, group_crosses_nodes(layout, "cp", devices_per_node)) if volume else 0.0
+
+
 def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, efficiency: float = 0.4
                   ) -> StepEstimate:
     """Step time of a layout: compute at `efficiency` x peak, plus exposed communication, pipeline bubble, offload."""
     a, c = job.args, job.compute_bytes
-    fpt = flops_per_token(a.num_params(exclude_embedding=True), a.n_layers, a.dim, job.seq_len)
+    active = getattr(a, "num_active_params", a.num_params)
+    fpt = flops_per_token(active(exclude_embedding=True), a.n_layers, a.dim, job.seq_len)
     tokens_per_rank = layout.local_batch * job.seq_len  # per data-parallel rank, per step
     tokens_per_step = tokens_per_rank * layout.dp
-    flops = fpt * tokens_per_rank * recompute_factor(layout) / (layout.tp * layout.pp)
-    compute = flops / (hw.peak_flops * efficiency)
+    recompute = recompute_factor(layout, grouped_share(a))
+    flops = fpt * tokens_per_rank * recompute / (layout.tp * layout.pp * layout.cp)
+    compute = flops / (hw.peak_flops * efficiency) * (1 + CP_OVERHEAD if layout.cp > 1 else 1)
 
     # Tensor parallel: every block all-gathers its input and reduce-scatters its output (sequence parallel) for
     # attention and the MLP, in forward and again for the gradients in backward; recomputation repeats forward.
     tp_comm = 0.0
-    blocks = max(sum(len(p.layers) for p in rank_parts(a, layout, r)) for r in range(layout.pp))
+    rank_layers = [[i for p in rank_parts(a, layout, r) for i in p.layers] for r in range(layout.pp)]
+    blocks = max(len(layers) for layers in rank_layers)
     if layout.tp > 1:
         # 4 collectives per block in forward, 4 in backward, 4 more per recomputed forward (op-level selective
         # checkpointing keeps the reduce-scatters' outputs and repeats only the 2 all-gathers).
         if layout.ac == "selective" and layout.selective_ops:
             per_block = 10
         else:
-            per_block = 8 + 12 * (recompute_factor(layout) - 1)
-        volume = tokens_per_rank * a.dim * c * per_block * blocks
+            per_block = 8 + 12 * (recompute - 1)
+        volume = tokens_per_rank // layout.cp * a.dim * c * per_block * blocks
         bw = _bandwidth(hw, group_crosses_nodes(layout, "tp", devices_per_node))
         tp_comm = volume * (layout.tp - 1) / layout.tp / bw
 
@@ -110,20 +160,27 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
         volume = 2 * tokens_per_rank * a.dim * c / layout.tp * layout.stages_per_rank
         pp_comm = volume / _bandwidth(hw, group_crosses_nodes(layout, "pp", devices_per_node))
     bubble_frac = pipeline_bubble(layout)
-    busy = compute + tp_comm + pp_comm
+    moe_blocks = max(moe_layers(a, layers) for layers in rank_layers)
+    ep_comm = expert_exchange_seconds(job, layout, hw, devices_per_node, tokens_per_rank, moe_blocks)
+    ep_bytes = expert_all_to_all_bytes(job, layout, tokens_per_rank, moe_blocks)
+    cp_comm = context_exchange_seconds(job, layout, hw, devices_per_node, tokens_per_rank // layout.cp, blocks)
+    cp_bytes = context_exchange_bytes(job, layout, tokens_per_rank // layout.cp, blocks)
+    busy = compute + tp_comm + pp_comm + ep_comm + cp_comm
     bubble = busy * bubble_frac / (1 - bubble_frac)
 
     # FSDP: parameters are all-gathered for forward (and again for backward when resharded) and fp32 gradients
     # reduce-scattered after every forward/backward pass; under pipelining gradients are reduced once per step.
     # HSDP adds an all-reduce over the replicas. Overlapped with compute: only the excess is exposed.
     fsdp_comm = 0.0
-    local = local_numel(a, layout, 0)
+    dense, expert = local_numel_split(a, layout, 0)
+    local = dense + expert
     reductions = 1 if layout.pp > 1 else layout.passes
     if layout.shards_parameters:
-        s = layout.dp_shard
         gathers = (2 if layout.reshard_after_forward else 1) * layout.passes
         bw = _bandwidth(hw, group_crosses_nodes(layout, "dp_shard", devices_per_node))
-        fsdp_comm += local * s * (gathers * c + reductions * 4) * (s - 1) / s / bw
+        # Under expert parallelism the experts are gathered and reduced only over the efsdp ranks that share them.
+        for numel, s in ((dense, layout.fsdp_shards), (expert, layout.efsdp if layout.ep > 1 else layout.fsdp_shards)):
+            fsdp_comm += numel * s * (gathers * c + reductions * 4) * (s - 1) / s / bw
         if layout.dp_replicate > 1:
             r = layout.dp_replicate
             bw = _bandwidth(hw, group_crosses_nodes(layout, "dp_replicate", devices_per_node))
@@ -142,8 +199,8 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
         gathers = (2 if layout.reshard_after_forward else 1) * layout.passes
         offload = local * 4 * (gathers + reductions) / hw.host_bw + local / HOST_ADAMW_PARAMS_PER_S
 
-    step = compute + tp_comm + pp_comm + bubble + fsdp_exposed + offload
+    step = compute + tp_comm + pp_comm + bubble + fsdp_exposed + offload + ep_comm + cp_comm
     tokens_per_s = tokens_per_step / step
     mfu = tokens_per_s * fpt / (layout.world_size * hw.peak_flops)
-    return StepEstimate(step, compute, tp_comm, pp_comm, bubble, fsdp_exposed, offload, tokens_per_step,
-                        tokens_per_s, mfu)
+    return StepEstimate(step, compute, tp_comm, pp_comm, bubble, fsdp_exposed, offload, ep_comm, cp_comm, ep_bytes,
+                        cp_bytes, tokens_per_step, tokens_per_s, mfu)

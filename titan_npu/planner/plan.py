@@ -15,9 +15,7 @@ import argparse
 import json
 import sys
 
-from titan_npu.config.schema import JobConfig
 from titan_npu.errors import ConfigError, LayoutError
-from titan_npu.models.registry import build_model_args
 from titan_npu.planner.hardware import DEVICES, hardware
 from titan_npu.planner.layout import GiB, Layout
 from titan_npu.planner.search import Candidate, Plan, config_overrides, make_plan
@@ -40,9 +38,11 @@ def _ac_label(layout: Layout) -> str:
 def format_breakdown(c: Candidate) -> list[str]:
     """Per-rank memory lines of one candidate."""
     m, lay = c.memory, c.layout
-    shard = f"sharded over {lay.dp_shard}" if lay.shards_parameters else "not sharded"
+    shard = f"sharded over {lay.fsdp_shards}" if lay.shards_parameters else "not sharded"
     if lay.tp > 1:
         shard += f", tp {lay.tp}"
+    if lay.ep > 1:
+        shard += f", experts over ep {lay.ep}"
     where = f"rank {m.rank}" + (f", pipeline rank {m.pp_rank} of {lay.pp}" if lay.pp > 1 else "")
     ac = {"none": "no checkpointing", "full": "full checkpointing"}.get(lay.ac) or (
         "selective ops" if lay.selective_ops else f"1 block in {lay.selective_every} checkpointed")
@@ -65,16 +65,29 @@ def format_breakdown(c: Candidate) -> list[str]:
     return lines
 
 
+def _cp_label(layout: Layout) -> str:
+    return f"{layout.cp}{'u' if layout.cp_mode == 'ulysses' else 'r'}" if layout.cp > 1 else "1"
+
+
+def context_parallel_advice(plan: Plan) -> str | None:
+    """A note when only layouts that split the sequence fit: 'this fits only with cp >= N'."""
+    if plan.least_cp <= 1:
+        return None
+    return (f"note: at seq {plan.job.seq_len} this fits only with context parallelism, cp >= {plan.least_cp} "
+            f"(parallel.cp_degree; docs/long_context.md)")
+
+
 def format_table(ranked: list[Candidate]) -> list[str]:
     """The ranked layouts as a fixed-width table ('passes': accumulation steps or pipeline micro-batches)."""
-    header = (f"{'#':>2}  {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3}  {'AC':<8} {'mb':>3} {'passes':>6} "
+    header = (f"{'#':>2}  {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3} {'cp':>6} {'ep':>3}  {'AC':<8} {'mb':>3} "
+              f"{'passes':>6} "
               f"{'offload':>7}  {'mem/rank':>9}  {'tokens/s':>10}  {'MFU':>5}")
     lines = [header, "-" * len(header)]
     for i, c in enumerate(ranked, 1):
         lay = c.layout
         lines.append(
-            f"{i:>2}  {lay.dp_replicate:>6} {lay.dp_shard:>8} {lay.tp:>3} {lay.pp:>3}  {_ac_label(lay):<8} "
-            f"{lay.micro_batch:>3} {lay.passes:>6} {('yes' if lay.cpu_offload else 'no'):>7}  "
+            f"{i:>2}  {lay.dp_replicate:>6} {lay.dp_shard:>8} {lay.tp:>3} {lay.pp:>3} {_cp_label(lay):>6} {lay.ep:>3}  "
+            f"{_ac_label(lay):<8} {lay.micro_batch:>3} {lay.passes:>6} {('yes' if lay.cpu_offload else 'no'):>7}  "
             f"{_gib(c.memory.total):>5} GiB  {c.step.tokens_per_s:>10,.0f}  {100 * c.step.mfu:>4.1f}%"
         )
     return lines
@@ -84,9 +97,13 @@ def format_plan(plan: Plan) -> str:
     """The plan as text: model, cluster, the config's layout, then the ranked table."""
     a, hw = plan.job.args, plan.hw
     tokens = plan.global_batch * plan.job.seq_len
+    ffn = f"ffn {a.ffn_dim}"
+    if getattr(a, "n_moe_layers", 0):
+        ffn = (f"{a.n_moe_layers} MoE layers of {a.n_experts} experts (top {a.top_k}, ffn {a.moe_ffn_dim}), "
+               f"{a.num_active_params() / 1e9:.2f}B active")
     lines = [
         f"model: {a.family} {a.flavor}, {a.num_params() / 1e9:.2f}B parameters (dim {a.dim}, {a.n_layers} layers, "
-        f"{a.n_heads}/{a.n_kv_heads} heads, ffn {a.ffn_dim}, vocab {a.vocab_size}); seq {plan.job.seq_len}, "
+        f"{a.n_heads}/{a.n_kv_heads} heads, {ffn}, vocab {a.vocab_size}); seq {plan.job.seq_len}, "
         f"{plan.job.dtype}, {plan.job.optimizer}",
         f"cluster: {plan.nodes} node(s) x {plan.devices_per_node} {hw.name} ({_gib(hw.memory_bytes)} GiB, "
         f"{hw.peak_flops / 1e12:.0f} TFLOP/s bf16; {hw.intra_link} {hw.intra_node_bw / 1e9:.0f} GB/s, "
@@ -104,7 +121,8 @@ def format_plan(plan: Plan) -> str:
         s = c.step
         lines.append(f"estimate: {s.tokens_per_s:,.0f} tokens/s, MFU {100 * s.mfu:.1f}%, step {s.step_time:.2f}s "
                      f"(compute {s.compute:.2f}s, tp {s.tp_comm:.2f}s, pp {s.pp_comm + s.bubble:.2f}s, "
-                     f"exposed fsdp {s.fsdp_exposed:.2f}s, offload {s.offload:.2f}s)")
+                     f"exposed fsdp {s.fsdp_exposed:.2f}s, offload {s.offload:.2f}s, ep all-to-all {s.ep_comm:.2f}s, "
+                     f"cp {s.cp_comm:.2f}s)")
     else:
         lines.append(f"config layout does not apply to {plan.nodes * plan.devices_per_node} ranks: {plan.config_error}")
     lines.append("")
@@ -114,6 +132,9 @@ def format_plan(plan: Plan) -> str:
         lines += ["", "to use #1: " + config_overrides(plan.ranked[0].layout)]
     else:
         lines.append("no layout fits: use more devices, a shorter training.seq_len, or a smaller global batch")
+    advice = context_parallel_advice(plan)
+    if advice:
+        lines.append(advice)
     return "\n".join(lines)
 
 
@@ -140,15 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def refuse_mixture_of_experts(cfg: JobConfig) -> None:
-    """A ConfigError for a model whose tokens meet only some of its parameters (MoE): not modelled yet."""
-    a = build_model_args(cfg.model)
-    if a.num_active_params() != a.num_params():
-        raise ConfigError(f"titan-npu plan does not model mixture-of-experts models yet (model.name="
-                          f"'{cfg.model.name}': expert memory, routing and all-to-all traffic); size the run by hand "
-                          f"(docs/moe.md)")
-
-
 def main(argv: list[str]) -> int:
     """Entry of `titan-npu plan`."""
     from titan_npu.config.loader import load_config
@@ -157,7 +169,6 @@ def main(argv: list[str]) -> int:
     if not 0 < args.efficiency <= 1:
         raise ConfigError(f"--efficiency {args.efficiency} must be in (0, 1]; 0.3-0.5 is typical")
     cfg = load_config(args.config, overrides)
-    refuse_mixture_of_experts(cfg)
     hw = hardware(args.device, args.device_memory, args.intra_node_bw, args.inter_node_bw)
     plan = make_plan(cfg, args.nodes, args.devices_per_node, hw, args.efficiency, args.top)
     report = plan.as_dict()

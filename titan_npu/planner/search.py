@@ -37,6 +37,7 @@ class Candidate:
         return {
             "layout": {
                 "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp,
+                "cp": lay.cp, "cp_mode": lay.cp_mode, "ep": lay.ep,
                 "fsdp": lay.fsdp, "activation_checkpoint": lay.ac, "selective_every": lay.selective_every,
                 "selective_ops": lay.selective_ops, "batch_size": lay.batch_size, "grad_accum": lay.grad_accum,
                 "micro_batch": lay.micro_batch, "pp_microbatches": lay.n_microbatches if lay.pp > 1 else 0,
@@ -71,6 +72,7 @@ def config_for_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
         cfg,
         parallel=replace(cfg.parallel, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
                          tp_degree=layout.tp, pp_degree=layout.pp, pp_microbatches=layout.pp_microbatches,
+                         cp_degree=layout.cp, cp_mode=layout.cp_mode, ep_degree=layout.ep,
                          cpu_offload=layout.cpu_offload),
         activation_checkpoint=replace(cfg.activation_checkpoint, mode=layout.ac, selective_ops=layout.selective_ops,
                                       selective_every=layout.selective_every),
@@ -80,12 +82,14 @@ def config_for_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
 
 
 def config_overrides(layout: Layout) -> str:
-    """The command-line overrides that select a layout."""
+    """The command-line overrides that select a layout, whatever degrees and checkpointing the config had."""
     parts = [f"--parallel.dp_replicate {layout.dp_replicate}", f"--parallel.dp_shard {layout.dp_shard}",
              f"--parallel.tp_degree {layout.tp}", f"--parallel.pp_degree {layout.pp}",
+             f"--parallel.cp_degree {layout.cp}", f"--parallel.ep_degree {layout.ep}",
              f"--activation_checkpoint.mode {layout.ac}"]
-    if layout.ac == "selective":
-        parts.append(f"--activation_checkpoint.selective_ops {str(layout.selective_ops).lower()}")
+    if layout.cp > 1:
+        parts.append(f"--parallel.cp_mode {layout.cp_mode}")
+    parts.append(f"--activation_checkpoint.selective_ops {str(layout.selective_ops).lower()}")
     parts += [f"--training.batch_size {layout.batch_size}",
               f"--training.gradient_accumulation_steps {layout.grad_accum}"]
     if layout.pp > 1:
@@ -96,11 +100,22 @@ def config_overrides(layout: Layout) -> str:
 
 
 def check_layout(cfg: JobConfig, job: Job, world_size: int) -> None:
-    """The trainer's own layout checks (head, vocab, sequence and micro-batch splits); raises LayoutError."""
+    """The trainer's own layout checks (head, vocab, sequence and micro-batch splits) and a MoE model's
+    parallelize refusals (models/qwen3_moe/parallelize.py: no tensor parallelism; no pipeline with the
+    load-balancing loss); raises LayoutError."""
     from titan_npu.parallel.dims import ParallelDims
     from titan_npu.parallel.layout import validate_layout
 
-    validate_layout(ParallelDims.from_config(cfg.parallel, world_size), job.args, cfg)
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    validate_layout(dims, job.args, cfg)
+    a = job.args
+    if getattr(a, "n_moe_layers", 0):
+        if dims.tp_enabled:
+            raise LayoutError(f"parallel.tp_degree={dims.tp}: tensor parallelism of a MoE model is not supported "
+                              "yet; set parallel.tp_degree = 1")
+        if dims.pp_enabled and a.router_aux_loss_coef > 0:
+            raise LayoutError(f"parallel.pp_degree={dims.pp} with model.router_aux_loss_coef="
+                              f"{a.router_aux_loss_coef} is not supported yet; set parallel.pp_degree = 1")
 
 
 def is_valid(cfg: JobConfig, job: Job, layout: Layout) -> bool:
@@ -116,25 +131,27 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
                       global_batch: int) -> list[Layout]:
     """Layouts of `world_size` ranks that keep `global_batch` sequences per step and pass the layout checks.
 
-    tp stays inside a node; pp up to 16 stages; dp_replicate > 1 only as HSDP whose shard group stays inside a
-    node; activation checkpointing none / selective every Nth block / selective ops / full; a micro-batch from 1 to
-    16 with accumulation (or, under pipelining, micro-batches) making up the rest; CPU offload as a last resort.
+    tp stays inside a node; pp up to 16 stages; context parallelism (ring or Ulysses) over any divisor of the
+    ranks; dp_replicate > 1 only as HSDP whose shard group stays inside a node; for a MoE model, expert parallelism
+    over any ep dividing dp_shard and the experts; activation checkpointing none / selective every Nth block /
+    selective ops / full; a micro-batch from 1 to 16 with accumulation (or, under pipelining, micro-batches) making
+    up the rest; CPU offload as a last resort.
     """
     a = job.args
     acs = [("none", False), ("selective", False), ("selective", True), ("full", False)]
+    n_experts = getattr(a, "n_experts", 0) if getattr(a, "n_moe_layers", 0) else 0
     out = []
-    for tp in divisors(devices_per_node):
-        if tp > MAX_TP or a.n_heads % tp or a.n_kv_heads % tp:
-            continue
-        for pp in divisors(world_size // tp):
+    for tp, cp, cp_mode in _model_parallel_degrees(job, world_size, devices_per_node):
+        for pp in divisors(world_size // (tp * cp)):
             if pp > min(MAX_PP, a.n_layers):
                 continue
-            dp = world_size // (tp * pp)
+            dp = world_size // (tp * pp * cp)
             if global_batch % dp:
                 continue
             local = global_batch // dp
-            replicas = [1] + [r for r in divisors(dp) if r > 1 and (dp // r) * tp <= devices_per_node]
-            for dp_replicate in replicas:
+            replicas = [1] + [r for r in divisors(dp) if r > 1 and (dp // r) * tp * cp <= devices_per_node]
+            for dp_replicate, ep in [(r, e) for r in replicas
+                                     for e in divisors(dp // r) if e == 1 or (r == 1 and n_experts % e == 0)]:
                 dp_shard = dp // dp_replicate
                 for mb in MICRO_BATCHES:
                     if local % mb:
@@ -150,11 +167,26 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
                                 continue
                             try:
                                 layout = replace(base, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp,
-                                                 ac=ac, selective_ops=ops, cpu_offload=offload, **split)
+                                                 cp=cp, cp_mode=cp_mode, ep=ep, ac=ac, selective_ops=ops,
+                                                 cpu_offload=offload, **split)
                             except LayoutError:
                                 continue
                             if is_valid(cfg, job, layout):
                                 out.append(layout)
+    return out
+
+
+def _model_parallel_degrees(job: Job, world_size: int, devices_per_node: int) -> list[tuple[int, int, str]]:
+    """(tp, cp, cp_mode) to try: tp inside a node splitting the heads; cp any divisor of the ranks left, ring or
+    (when the heads split cp ways) Ulysses."""
+    a = job.args
+    out = []
+    for tp in divisors(devices_per_node):
+        if tp > MAX_TP or a.n_heads % tp or a.n_kv_heads % tp:
+            continue
+        for cp in divisors(world_size // tp):
+            modes = ["ring"] if cp == 1 else ["ring", "ulysses"]
+            out += [(tp, cp, mode) for mode in modes]
     return out
 
 
@@ -171,7 +203,8 @@ def rank_candidates(candidates: list[Candidate]) -> list[Candidate]:
     seen, ranked = set(), []
     for c in fitting:
         lay = c.layout
-        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.ac, lay.selective_ops, lay.cpu_offload)
+        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.cp_mode, lay.ep, lay.ac,
+               lay.selective_ops, lay.cpu_offload)
         if key not in seen:
             seen.add(key)
             ranked.append(c)
@@ -192,6 +225,7 @@ class Plan:
     global_batch: int
     efficiency: float
     fraction: float = FIT_FRACTION
+    least_cp: int = 1  # the smallest cp_degree of any layout that fits (0: none fits)
 
     def as_dict(self) -> dict:
         a = self.job.args
@@ -210,6 +244,7 @@ class Plan:
                         "assumed_efficiency": self.efficiency},
             "config_layout": self.config_candidate.as_dict() if self.config_candidate else None,
             "config_error": self.config_error,
+            "least_cp_that_fits": self.least_cp,
             "ranked": [c.as_dict() for c in self.ranked],
         }
 
@@ -237,11 +272,14 @@ def make_plan(cfg: JobConfig, nodes: int, devices_per_node: int, hw: Hardware, e
         p, ac = cfg.parallel, cfg.activation_checkpoint
         base = Layout(fsdp=p.fsdp, selective_every=ac.selective_every, pp_schedule=p.pp_schedule,
                       pp_virtual_stages=p.pp_virtual_stages, loss_parallel=p.loss_parallel,
-                      reshard_after_forward=p.reshard_after_forward,
+                      reshard_after_forward=p.reshard_after_forward, cp_mode=p.cp_mode,
                       loss_chunk_tokens=cfg.training.loss_chunk_tokens)
         # Without a valid layout the global batch is the config's per-rank batch over pure data parallelism.
         global_batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps * world
     candidates = [evaluate(job, lay, hw, devices_per_node, efficiency, buffsize, fraction)
                   for lay in candidate_layouts(cfg, job, base, world, devices_per_node, global_batch)]
+    # Offload is the last resort (rank_candidates): a cp that fits only with it counts only when nothing fits without.
+    fitting = [c for c in candidates if c.fits and not c.layout.cpu_offload] or [c for c in candidates if c.fits]
+    least_cp = min((c.layout.cp for c in fitting), default=0)
     return Plan(job, hw, nodes, devices_per_node, config_candidate, config_error, rank_candidates(candidates)[:top],
-                global_batch, efficiency, fraction)
+                global_batch, efficiency, fraction, least_cp)

@@ -6,7 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan_npu.planner.layout import Job, Layout
-from titan_npu.planner.parameters import block_kinds, numel, optimizer_state_multiplier, parameter_kinds
+from titan_npu.planner.parameters import (
+    block_kinds,
+    is_expert_kind,
+    numel,
+    optimizer_state_multiplier,
+    parameter_kinds,
+)
 from titan_npu.planner.stages import rank_parts
 
 
@@ -24,6 +30,16 @@ class TemporaryBytes:
         return self.backward + self.fsdp + self.autocast
 
 
+def unsharded_numel(kind: str, shape: tuple[int, ...], layout: Layout) -> int:
+    """Elements of a block parameter FSDP unshards on a rank: its tensor-parallel slice, or for stacked experts the
+    ep rank's experts (none under expert parallelism with ep = dp_shard: FSDP leaves those, already whole)."""
+    if not is_expert_kind(kind):
+        return numel(shape) // layout.tp
+    if layout.ep > 1 and layout.efsdp == 1:
+        return 0
+    return numel(shape) // layout.ep
+
+
 def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int, device_type: str = "cpu",
                     local_param_bytes: int = 0) -> TemporaryBytes:
     """Temporary buffers of a pipeline rank; local_param_bytes sizes the optimizer step's intermediates."""
@@ -31,7 +47,7 @@ def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int,
     tp, c = layout.tp, job.compute_bytes
     parts = rank_parts(job.args, layout, pp_rank)
     n_blocks = sum(len(p.layers) for p in parts)
-    block = sum(numel(kinds[k]) for k in block_kinds(job.args)) // tp
+    block = sum(unsharded_numel(k, kinds[k], layout) for k in block_kinds(job.args))
     root = sum(numel(kinds[k]) for p in parts for k in p.root_kinds(kinds)) // tp
     fsdp = autocast = 0
     if layout.fsdp_wrapped and layout.pp > 1:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from titan_npu.config.schema import JobConfig
 from titan_npu.planner.layout import job_from_config, layout_from_config, rank_coordinates
 from titan_npu.planner.parameters import (
+    is_expert_kind,
     local_shape,
     parameter_kind,
     parameter_kinds,
@@ -40,7 +41,7 @@ def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
         if name not in result.parameters:
             continue
         kind = parameter_kind(name)
-        want = list(local_shape(kinds[kind], tp_dims[kind], layout, coords))
+        want = list(local_shape(kinds[kind], tp_dims[kind], layout, coords, is_expert_kind(kind)))
         got = result.parameters[name]["local_shape"]
         if want != got:
             problems.append(f"{name}: local shard {got} but the plan expects {want}")

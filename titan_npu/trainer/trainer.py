@@ -41,7 +41,8 @@ from titan_npu.ops.cuda import choose_attention_kernel
 from titan_npu.ops.documents import Documents
 from titan_npu.ops.npu import set_rope_fp32
 from titan_npu.parallel import ParallelDims, init_process_group, validate_layout
-from titan_npu.parallel.context_parallel import ContextParallelBatch
+from titan_npu.parallel.context_parallel import ContextParallelBatch, cp_weighted_loss
+from titan_npu.parallel.layout import pp_microbatches
 from titan_npu.parallel.parallelize import build_model_parts
 from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline
 from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, mean_loss, plain_tensor
@@ -58,7 +59,7 @@ from titan_npu.trainer.precision import (
     set_fp32_matmul_precision,
     to_torch_dtype,
 )
-from titan_npu.trainer.routing import RoutingMeter
+from titan_npu.trainer.routing import RoutingMeter, update_score_biases
 
 log = logging.getLogger("titan_npu")
 
@@ -126,8 +127,12 @@ class Trainer:
         self.routing = RoutingMeter(self.model)
         self.pipeline = None
         if self.dims.pp_enabled:
+            loss_fn = cross_entropy_loss  # context parallel: each microbatch's local loss weighted by its share
+            if self.dims.cp_enabled:
+                loss_fn = cp_weighted_loss(loss_fn, self.dims.cp_mesh.get_group())
             self.pipeline = build_pipeline(self.model_parts, stage_ids, self.dims, cfg, self.device.torch_device,
-                                           cross_entropy_loss)
+                                           self.routing.pipeline_loss(self.model_parts, loss_fn,
+                                                                      pp_microbatches(cfg, self.dims)))
 
         # Optimizer, schedule, precision.
         self.optimizer = build_part_optimizers(
@@ -254,6 +259,8 @@ class Trainer:
         batches = [next(data_iter) for _ in range(self.cfg.training.gradient_accumulation_steps)]
         inputs = torch.cat([b[0] for b in batches]).to(self.device.torch_device, non_blocking=True)
         labels = torch.cat([b[1] for b in batches]).to(self.device.torch_device, non_blocking=True)
+        if self.cp_batch is not None:  # the local chunks; the loss function weights each microbatch's loss
+            inputs, labels, _ = self.cp_batch.split(inputs, labels)
         data_time = time.perf_counter() - t0
         with self.autocast(), self.loss_context():
             loss = self.pipeline.step(inputs, labels)
@@ -294,6 +301,7 @@ class Trainer:
             self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        update_score_biases(self.routing, self.dims)
         return loss_sum / accum, grad_norm, data_time
 
     def _global_mean(self, value: torch.Tensor) -> float:

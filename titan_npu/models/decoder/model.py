@@ -184,12 +184,14 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """One pre-norm layer: h = x + attention(norm(x)); out = h + feed_forward(norm(h)).
 
-    `feed_forward` replaces the SwiGLU MLP (a family's MoE layer, whose block subclass defines its forward)."""
+    `feed_forward` replaces the SwiGLU MLP (a family's MoE layer, whose block subclass defines its forward);
+    `attention` replaces the attention (a module of the same call and param_inits contract: DeepSeek's MLA)."""
 
-    def __init__(self, layer_id: int, args: DecoderArgs, feed_forward: nn.Module | None = None) -> None:
+    def __init__(self, layer_id: int, args: DecoderArgs, feed_forward: nn.Module | None = None,
+                 attention: nn.Module | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.attention = Attention(args)
+        self.attention = attention if attention is not None else Attention(args)
         self.feed_forward = feed_forward if feed_forward is not None else FeedForward(args.dim, args.ffn_dim)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)

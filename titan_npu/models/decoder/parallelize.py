@@ -22,6 +22,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_npu.config.schema import JobConfig
+from titan_npu.models.decoder.model import FeedForward
 from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_npu.parallel.compile import apply_compile
 from titan_npu.parallel.context_parallel import context_for
@@ -73,11 +74,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
         }
+        if isinstance(block.feed_forward, FeedForward):  # another feed-forward (MoE) is its family's to split
+            plan.update({
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            })
         if qk_norm:
             # q and k stay DTensors (sharded by head) up to their norms, which see the heads as a sharded "sequence"
             # dim: the weight is replicated and its gradient, partial on each rank, is summed by DTensor. The norms
@@ -87,13 +91,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
         parallelize_module(block, tp_mesh, plan)
 
 
-def apply_context_parallel(model: nn.Module, cp_group: ProcessGroup, mode: str) -> None:
+def apply_context_parallel(model: nn.Module, cp_group: ProcessGroup, mode: str,
+                           hybrid_groups: tuple[ProcessGroup, ProcessGroup] | None = None) -> None:
     """Every attention takes its chunks' positions and attends across the cp ranks (one context of parallel.cp_mode
-    `mode` for all)."""
-    context = context_for(mode, cp_group)
+    `mode` for all; hybrid_groups: hybrid's Ulysses and ring groups); a model that pools statistics over its tokens
+    (a MoE model's load-balancing loss) takes the context too, to pool them over the cp ranks."""
+    context = context_for(mode, cp_group, hybrid_groups)
     for block in model.layers.values():
         if block is not None:
             block.attention.context = context
+    if hasattr(model, "context"):
+        model.context = context
 
 
 def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
@@ -102,7 +110,8 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig) ->
     if dims.tp_enabled:
         apply_tp(model, dims.tp_mesh, loss_parallel=cfg.parallel.loss_parallel)
     if dims.cp_enabled:
-        apply_context_parallel(model, dims.cp_mesh.get_group(), cfg.parallel.cp_mode)
+        hybrid_groups = dims.hybrid_cp_groups() if cfg.parallel.cp_mode == "hybrid" else None
+        apply_context_parallel(model, dims.cp_mesh.get_group(), cfg.parallel.cp_mode, hybrid_groups)
     if cfg.activation_checkpoint.mode != "none":
         apply_activation_checkpointing(model, cfg.activation_checkpoint)
     if cfg.compile.enable:

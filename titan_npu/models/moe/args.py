@@ -24,6 +24,13 @@ class MoEArgs:
     # A per-expert bias added to the scores for the choice of experts only (aux-loss-free balancing, DeepSeek-V3);
     # False = no bias buffer at all.
     score_bias: bool = False
+    # How tokens choose experts: "softmax" (router.Router: softmax top-k, Qwen3-MoE) or "sigmoid_group"
+    # (group_router.GroupRouter: sigmoid scores, top-k within the best topk_groups of n_groups expert groups, the
+    # chosen weights times route_scale; DeepSeek-V3).
+    router: str = "softmax"
+    n_groups: int = 1
+    topk_groups: int = 1
+    route_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for key in ("dim", "n_experts", "top_k", "ffn_dim"):
@@ -36,6 +43,16 @@ class MoEArgs:
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ConfigError(f"model.capacity_factor={self.capacity_factor} must be positive, or 0 / unset for "
                               f"dropless routing")
+        if self.router not in ("softmax", "sigmoid_group"):
+            raise ConfigError(f"router {self.router!r} is not a MoE router (valid: softmax, sigmoid_group)")
+        if self.n_experts % self.n_groups or not 1 <= self.topk_groups <= self.n_groups:
+            raise ConfigError(f"model.n_groups={self.n_groups} must divide model.n_experts={self.n_experts} and "
+                              f"model.topk_groups={self.topk_groups} lie in 1..n_groups")
+        if self.n_groups > 1 and (self.n_experts // self.n_groups < 2
+                                  or self.top_k > self.topk_groups * (self.n_experts // self.n_groups)):
+            raise ConfigError(f"model.top_k={self.top_k} experts must fit in the topk_groups={self.topk_groups} chosen "
+                              f"groups of {self.n_experts // self.n_groups} experts (at least 2 per group); raise "
+                              f"model.topk_groups or lower model.n_groups")
         if self.shared_ffn_dim < 0:
             raise ConfigError(f"model.shared_ffn_dim={self.shared_ffn_dim} must be 0 (no shared expert) or positive")
 

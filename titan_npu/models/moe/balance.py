@@ -14,11 +14,16 @@ def load_balancing_loss(tokens_per_expert: Sequence[torch.Tensor], prob_sums: Se
     """n_experts x sum_e f_e P_e over all layers together: f_e the fraction of the top-k assignments (summed over
     layers, divided by layers x rows) that went to expert e, P_e its mean router probability likewise; gradients
     flow through P only. tokens_per_expert / prob_sums: one [n_experts] tensor per MoE layer."""
-    n_experts = tokens_per_expert[0].shape[0]
-    rows = rows_per_layer * len(tokens_per_expert)
-    fraction = torch.stack(list(tokens_per_expert)).sum(0).float() / rows
-    mean_prob = torch.stack(list(prob_sums)).sum(0).float() / rows
-    return n_experts * torch.sum(fraction * mean_prob)
+    return pooled_load_balancing_loss(torch.stack(list(tokens_per_expert)).sum(0),
+                                      torch.stack(list(prob_sums)).sum(0), rows_per_layer * len(tokens_per_expert))
+
+
+def pooled_load_balancing_loss(counts: torch.Tensor, prob_sums: torch.Tensor, rows: int) -> torch.Tensor:
+    """The same loss from the layers' pooled sums: counts [n_experts] (assignments, summed over the layers), prob_sums
+    [n_experts] (router probabilities, summed over the tokens and layers), rows = tokens per layer x layers."""
+    fraction = counts.detach().float() / rows
+    mean_prob = prob_sums.float() / rows
+    return counts.shape[0] * torch.sum(fraction * mean_prob)
 
 
 @torch.no_grad()

@@ -4,13 +4,12 @@ sorted by expert as one grouped GEMM per projection (ops.grouped_mm), never a Py
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_npu import ops
 from titan_npu.models.init import ParamInit, trunc_normal
-from titan_npu.models.moe.dispatch import scale_grad
+from titan_npu.models.moe.dispatch import fill_slots, read_slots, scale_grad
 
 
 class GroupedExperts(nn.Module):
@@ -53,15 +52,17 @@ class GroupedExperts(nn.Module):
         """Capacity routing: row i of x [N, dim] goes to `slot[i]` of expert `expert[i]`'s `capacity` slots (slot ==
         capacity: dropped). One batched matmul per projection over [n_experts, capacity, dim]; dropped rows
         return zeros."""
-        w1, w2, w3 = self._weights(x)
-        x = x.to(w1.dtype)
-        # One spill slot past the capacity takes the dropped rows (summed there, never computed).
-        slots = x.new_zeros(w1.shape[0], capacity + 1, x.shape[1]).index_put((expert, slot), x, accumulate=True)
-        slots = slots[:, :capacity]
+        return read_slots(self.forward_batched(fill_slots(x, expert, slot, self.w1.shape[0], capacity)), expert, slot)
+
+    def forward_batched(self, slots: torch.Tensor) -> torch.Tensor:
+        """slots [experts held here, rows, dim]: the rows of each expert (empty rows zero). One batched matmul per
+        projection; returns [experts held here, rows, dim]."""
+        w1, w2, w3 = self._weights(slots)
+        slots = slots.to(w1.dtype)
         hidden = ops.swiglu(torch.bmm(slots, w1.transpose(1, 2)), torch.bmm(slots, w3.transpose(1, 2)))
-        out = F.pad(torch.bmm(hidden, w2.transpose(1, 2)), (0, 0, 0, 1))  # the spill slot reads back zeros
-        return out[expert, slot]
+        return torch.bmm(hidden, w2.transpose(1, 2))
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         """Gate and up ~ N(0, 0.02); down, which writes into the residual stream, ~ N(0, init_std)."""
         return {"w1": trunc_normal(0.02), "w3": trunc_normal(0.02), "w2": trunc_normal(init_std)}
+

@@ -1,32 +1,27 @@
 """How a Qwen3-MoE model is parallelised: as the dense decoder (parallelize_decoder: activation checkpointing,
 compile per block, FSDP / HSDP / replicate with the stacked experts sharded on their expert dim like any
 parameter's dim 0), pipeline stages split as the decoder's; under expert parallelism (parallel.ep_degree) the
-experts are split over the ep ranks first (models/moe/parallelize.py) and FSDP leaves them. Tensor parallelism is
-not in this version: a run asking for it is refused with a one-line error (and so are the layouts
-parallel/layout.py refuses with expert parallelism)."""
+experts are split over the ep ranks first (models/moe/parallelize.py) and FSDP leaves them. Under tensor parallelism
+attention, norms, embedding, output and dense layers take the decoder's plan and each MoE layer splits its experts
+on their ffn dim with the router replicated (models/moe/parallelize.py, layer.py). The layouts this version does not
+take are refused by parallel/layout.py."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from titan_npu.config.schema import JobConfig
-from titan_npu.errors import LayoutError
 from titan_npu.models.decoder.parallelize import parallelize_decoder
-from titan_npu.models.moe.parallelize import apply_expert_parallel
+from titan_npu.models.moe.parallelize import apply_expert_parallel, apply_expert_tensor_parallel
 from titan_npu.parallel.dims import ParallelDims
 
 
 def parallelize_moe(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
-    """Expert parallelism, then activation checkpointing, compile and data parallelism as for the dense decoder; TP
-    refused."""
-    if dims.tp_enabled:
-        raise LayoutError(f"parallel.tp_degree={dims.tp}: tensor parallelism of a MoE model ({cfg.model.name}) is not "
-                          f"supported yet; set parallel.tp_degree = 1 and shard it with FSDP (parallel.dp_shard)")
-    if dims.pp_enabled and model.args.router_aux_loss_coef > 0:
-        raise LayoutError(f"parallel.pp_degree={dims.pp} with model.router_aux_loss_coef="
-                          f"{model.args.router_aux_loss_coef}: the load-balancing loss spans every stage's layers, "
-                          f"which the pipeline does not combine yet; set model.router_aux_loss_coef = 0 or "
-                          f"parallel.pp_degree = 1")
+    """Expert and MoE tensor parallelism, then the decoder's TP plan, activation checkpointing, compile and data
+    parallelism."""
     if dims.ep_enabled:
-        apply_expert_parallel(model, dims.ep_mesh)
+        apply_expert_parallel(model, dims.ep_mesh, dims.ep_tp_mesh if dims.tp_enabled else None)
+    if dims.tp_enabled:
+        apply_expert_tensor_parallel(model, dims.tp_mesh)
+        model.sequence_shards = dims.tp
     return parallelize_decoder(model, dims, cfg)

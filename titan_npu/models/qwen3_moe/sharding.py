@@ -1,6 +1,6 @@
 """Every kind of parameter of a Qwen3-MoE model: the dense decoder's, with the MoE layers' router and stacked
-experts. Under tensor parallelism the MoE parameters are replicated (tensor-parallel dim None): this slice runs the
-experts whole on every tensor-parallel rank (see parallelize.py)."""
+experts. Under tensor parallelism each expert is split on its ffn dim (w1 / w3 dim 1, w2 dim 2) and the router is
+replicated (tensor-parallel dim None), a shared expert split as the dense SwiGLU (models/moe/parallelize.py)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ def parameter_kinds(args: MoEDecoderArgs) -> dict[str, tuple[tuple[int, ...], in
     if all(args.is_moe_layer(i) for i in range(args.n_layers)):
         kinds = {k: v for k, v in kinds.items() if k not in DENSE_FFN}
     if args.n_moe_layers:
-        kinds.update({"feed_forward.router.gate.weight": ((e, d), None), "feed_forward.experts.w1": ((e, f, d), None),
-                      "feed_forward.experts.w2": ((e, d, f), None), "feed_forward.experts.w3": ((e, f, d), None)})
+        kinds.update({"feed_forward.router.gate.weight": ((e, d), None), "feed_forward.experts.w1": ((e, f, d), 1),
+                      "feed_forward.experts.w2": ((e, d, f), 2), "feed_forward.experts.w3": ((e, f, d), 1)})
         if args.shared_ffn_dim:
             s = args.shared_ffn_dim
-            kinds.update({"feed_forward.shared_experts.w1.weight": ((s, d), None),
-                          "feed_forward.shared_experts.w2.weight": ((d, s), None),
-                          "feed_forward.shared_experts.w3.weight": ((s, d), None)})
+            kinds.update({"feed_forward.shared_experts.w1.weight": ((s, d), 0),
+                          "feed_forward.shared_experts.w2.weight": ((d, s), 1),
+                          "feed_forward.shared_experts.w3.weight": ((s, d), 0)})
     return kinds

@@ -1,0 +1,168 @@
+"""How a DeepSeek-V3 model is parallelised: tensor parallelism (below), then expert parallelism
+(parallel.ep_degree: the experts split over the ep ranks, models/moe/parallelize.py), then activation
+checkpointing, compile per block and data parallelism (FSDP / HSDP / replicate) as for the dense decoder; pipeline
+stages split as the decoder's (the dense layers first).
+
+Tensor parallelism (parallel.tp_degree), with sequence parallelism as the decoder's:
+  tok_embeddings, norm, output, attention_norm, ffn_norm   as the dense decoder
+  attention.wq / wq_b, attention.wkv_b                     column-wise: each rank holds whole heads
+  attention.wo                                             row-wise, reduce-scattered back onto the sequence
+  attention.wq_a, q_norm, wkv_a, kv_norm                   replicated (the low-rank down-projections and their
+                                                           norms, and the RoPE key shared by every head): every
+                                                           rank computes them on the whole sequence; their
+                                                           gradients arrive summed over the ranks (through the
+                                                           column-wise inputs, and an explicit sum for the key)
+  dense feed_forward (the first_k_dense layers)            as the decoder's (w1/w3 column-wise, w2 row-wise)
+  MoE feed_forward (router, experts, shared experts)       replicated: every rank routes and runs the whole
+                                                           sequence (gathered), then keeps its own slice
+Refused in one line: context parallelism of MLA, tensor parallelism with the sequence-wise balance loss (and with
+expert parallelism: parallel/layout.py), balancing (score
+bias updates, the sequence-wise loss) under pipeline parallelism, and multi-token prediction without the loss in
+the forward (pipeline or tensor parallelism, training.loss_chunk_tokens = 0)."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_npu.config.schema import JobConfig
+from titan_npu.errors import LayoutError
+from titan_npu.models.decoder.parallelize import _fresh_output
+from titan_npu.models.moe.parallelize import apply_expert_parallel
+from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing
+from titan_npu.parallel.compile import apply_compile
+from titan_npu.parallel.dims import ParallelDims
+from titan_npu.parallel.fsdp import apply_data_parallel
+from titan_npu.parallel.tp_grads import request_grads_in_param_layout
+
+
+def parallelize_deepseek(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
+    """Tensor and expert parallelism, then activation checkpointing, compile and data parallelism as for the
+    dense decoder; the layouts above refused."""
+    if dims.cp_enabled:
+        raise LayoutError(f"parallel.cp_degree={dims.cp}: CP of multi-head latent attention ({cfg.model.name}) is "
+                          f"not supported yet; set parallel.cp_degree = 1")
+    args = model.args
+    if dims.tp_enabled and args.seq_aux_loss_coef > 0:
+        raise LayoutError(f"parallel.tp_degree={dims.tp} with model.seq_aux_loss_coef={args.seq_aux_loss_coef}: the "
+                          f"sequence-wise balance loss under tensor parallelism is not supported yet; set "
+                          f"model.seq_aux_loss_coef = 0 (the score bias balances) or parallel.tp_degree = 1")
+    if dims.pp_enabled and (args.score_bias_rate > 0 or args.seq_aux_loss_coef > 0):
+        raise LayoutError(f"parallel.pp_degree={dims.pp} with model.score_bias_rate={args.score_bias_rate} / "
+                          f"model.seq_aux_loss_coef={args.seq_aux_loss_coef}: balancing across pipeline stages is not "
+                          f"supported yet; set both to 0 or parallel.pp_degree = 1")
+    if args.mtp_depth and (dims.pp_enabled or dims.tp_enabled or cfg.training.loss_chunk_tokens == 0):
+        raise LayoutError(f"model.mtp_depth={args.mtp_depth} needs the loss inside the model's forward: set "
+                          f"parallel.pp_degree = 1 (now {dims.pp}), parallel.tp_degree = 1 (now {dims.tp}) and "
+                          f"training.loss_chunk_tokens > 0 (now {cfg.training.loss_chunk_tokens})")
+    if dims.tp_enabled:
+        apply_tp(model, dims.tp_mesh, loss_parallel=cfg.parallel.loss_parallel)
+    if dims.ep_enabled:
+        apply_expert_parallel(model, dims.ep_mesh)
+    # The rest as parallelize_decoder does it after its own TP plan.
+    if cfg.activation_checkpoint.mode != "none":
+        apply_activation_checkpointing(model, cfg.activation_checkpoint)
+    if cfg.compile.enable:
+        if dims.tp_enabled and model.tok_embeddings is not None:
+            model.tok_embeddings.register_forward_hook(_fresh_output)
+        apply_compile(model, cfg.compile, inside_checkpoint=dims.tp_enabled)
+    if dims.dp_enabled:
+        apply_data_parallel(model, dims, cfg)
+    elif dims.tp_enabled:
+        request_grads_in_param_layout(model)
+    return model
+
+
+def _gather_sequence(mesh: DeviceMesh):
+    """A forward pre-hook: the module's input, this rank's slice of the sequence, becomes the whole sequence (its
+    gradient is cut back to the slice)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        return (x.redistribute(mesh, [Replicate()]).to_local(), *args[1:])
+    return hook
+
+
+def _keep_own_slice(mesh: DeviceMesh):
+    """A forward hook: of the module's output (the whole sequence, the same on every rank) this rank keeps its
+    slice; the gradient is gathered back to the whole sequence."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def hook(module: nn.Module, args: tuple, output):
+        out, *rest = output
+        out = DTensor.from_local(out, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
+        return (out.to_local(), *rest)
+    return hook
+
+
+def _replicate(module: nn.Module, mesh: DeviceMesh, hooks: bool = True) -> None:
+    """Hold the module's own parameters as DTensors replicated over the mesh (one optimizer, one checkpoint layout
+    with the sharded ones); with hooks, it takes and returns plain tensors (the same on every rank) around them."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for name, param in list(module.named_parameters(recurse=False)):
+        setattr(module, name, nn.Parameter(DTensor.from_local(param.detach(), mesh, [Replicate()], run_check=False),
+                                           requires_grad=param.requires_grad))
+    if hooks:
+        module.register_forward_pre_hook(
+            lambda m, args: (DTensor.from_local(args[0], mesh, [Replicate()], run_check=False), *args[1:]))
+        module.register_forward_hook(lambda m, args, out: out.to_local())
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """Shard the model over tp_mesh (the module docstring's plan); works on pipeline stages with missing parts."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    parallelize_module(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k, None) is not None})
+    model.tie_weights()
+    for block in model.layers.values():
+        if block is None:
+            continue
+        attention = block.attention
+        plan = {
+            "attention_norm": SequenceParallel(),
+            # The whole sequence as a plain tensor: the replicated low-rank path computes on it.
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None), use_local_output=True),
+            "attention.wq_b" if hasattr(attention, "wq_b") else "attention.wq": ColwiseParallel(),
+            "attention.wkv_b": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+        }
+        if not block.is_moe:
+            plan.update({
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            })
+        parallelize_module(block, tp_mesh, plan)
+        attention.tp_group = tp_mesh.get_group()
+        for name in ("wq_a", "q_norm", "wkv_a", "kv_norm"):
+            if hasattr(attention, name):
+                _replicate(getattr(attention, name), tp_mesh)
+        if block.is_moe:
+            moe = block.feed_forward
+            moe.register_forward_pre_hook(_gather_sequence(tp_mesh))
+            moe.register_forward_hook(_keep_own_slice(tp_mesh))
+            _replicate(moe.router.gate, tp_mesh, hooks=False)  # the router reads its weight's local tensor
+            _replicate(moe.experts, tp_mesh, hooks=False)  # so do the grouped experts
+            if moe.shared_experts is not None:
+                for linear in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3):
+                    _replicate(linear, tp_mesh)

@@ -1,0 +1,31 @@
+"""DeepSeek-V3's registry entry (model.name = "deepseek_v3"; Hugging Face model_type "deepseek_v3")."""
+
+from __future__ import annotations
+
+import re
+
+from titan_npu.models.decoder.pipeline import build_stage, split_layers
+from titan_npu.models.deepseek_v3 import hf
+from titan_npu.models.deepseek_v3.args import FLAVORS, args_from_dict, build_args
+from titan_npu.models.deepseek_v3.model import DeepSeekTransformer
+from titan_npu.models.deepseek_v3.parallelize import parallelize_deepseek
+from titan_npu.models.deepseek_v3.sharding import parameter_kinds
+from titan_npu.models.spec import HFAdapter, ModelSpec
+
+DEEPSEEK_V3 = ModelSpec(
+    name="deepseek_v3",
+    description="DeepSeek-V3 (MLA, sigmoid group-limited MoE; 16B, 236B, 671B)",
+    flavors=FLAVORS,
+    # "deepseek_v3", "deepseek-v3", "deepseekv3"; a size names the flavor: "deepseek_v3_671b".
+    name_pattern=re.compile(r"deepseek[-_ ]?v3(?:[-_ ](?P<size>16|236|671)b)?", re.IGNORECASE),
+    build_args=build_args,
+    build_model=DeepSeekTransformer,
+    parallelize=parallelize_deepseek,
+    split_layers=split_layers,
+    build_stage=build_stage,
+    parameter_kinds=parameter_kinds,
+    hf=HFAdapter(model_types=("deepseek_v3",), args_from_config=hf.args_from_hf_config, config=hf.hf_config,
+                 to_hf=hf.to_hf, from_hf=hf.from_hf, hf_name=hf.hf_name, from_hf_layout=hf.from_hf_layout,
+                 stacked_names=hf.stacked_names),
+    args_from_dict=args_from_dict,
+)
