@@ -345,8 +345,9 @@ SEQ_AUX = [*BALANCING, "--model.seq_aux_loss_coef", "0.1"]  # weighty enough tha
     (BALANCING, ["--parallel.tp_degree", "2", "--training.batch_size", "4"], 2),
     (SEQ_AUX, ["--parallel.cp_degree", "2", "--training.batch_size", "4"], 2),
     (SEQ_AUX, ["--parallel.cp_degree", "2", "--parallel.cp_mode", "ulysses", "--training.batch_size", "4"], 2),
-    # The 4-rank EP x FSDP, FSDP x TP and CP x TP runs (~20-30 s each on 2 cores) are slow: the 2-rank EP, TP and CP
-    # runs above stay in the default run; EP x PP stays too (the bias from a stage's load summed over its dp ranks).
+    # The 4-rank EP x FSDP, FSDP x TP and CP x TP runs (~15 s each on 2 cores) and CP x EP are slow: the 2-rank EP,
+    # TP and CP runs above stay in the default run; EP x PP stays too (the bias from a stage's load summed over its dp
+    # ranks).
     pytest.param([*BALANCING, "--model.seq_aux_loss_coef", "0.001"],
                  ["--parallel.ep_degree", "2", "--parallel.dp_shard", "4", "--training.batch_size", "1"], 4,
                  marks=pytest.mark.slow),
@@ -356,8 +357,10 @@ SEQ_AUX = [*BALANCING, "--model.seq_aux_loss_coef", "0.1"]  # weighty enough tha
                  4, marks=pytest.mark.slow),
     pytest.param(BALANCING, ["--parallel.cp_degree", "2", "--parallel.tp_degree", "2", "--training.batch_size", "4"],
                  4, marks=pytest.mark.slow),
+    pytest.param(SEQ_AUX, ["--parallel.cp_degree", "2", "--parallel.ep_degree", "2", "--training.batch_size", "4"],
+                 2, marks=pytest.mark.slow),  # the experts split over the two cp ranks
 ], ids=["ep-balancing-mtp", "pp-balancing", "tp-balancing", "cp-ring", "cp-ulysses", "ep2-fsdp4", "pp2-ep2",
-        "fsdp2-tp2", "cp2-tp2"])
+        "fsdp2-tp2", "cp2-tp2", "cp2-ep2"])
 def test_expert_pipeline_tensor_and_context_parallel_layouts_give_the_single_process_losses(
         tmp_path, one_thread, _single_process, model, layout, nproc):
     single = _train(tmp_path / "one", *model, steps=3)
