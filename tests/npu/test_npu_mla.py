@@ -1,7 +1,8 @@
 """DeepSeek-V3's multi-head latent attention on the (fake) NPU kernels: npu_fusion_attention on q/k of head dim
 qk_nope + qk_rope and the value zero-padded to it, npu_rms_norm on the low-rank latents, npu_rotary_mul on the
 RoPE slices of the query ([B, S, H, rope]) and on the key shared by the heads ([B, S, 1, rope]); the forward and
-backward equal the reference kernels'."""
+backward equal the reference kernels'. The published shapes' RoPE slice (128 heads x 64) and shared key run on
+npu_rotary_mul within its B x N < 1000 limit and take the reference past it."""
 
 from __future__ import annotations
 
@@ -43,3 +44,22 @@ def test_a_tiny_deepseek_forward_and_backward_on_the_npu_kernels_equals_the_refe
     assert npu_grads.keys() == ref_grads.keys()
     for name, grad in npu_grads.items():
         torch.testing.assert_close(grad, ref_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_the_published_rope_slice_and_shared_key_are_inside_npu_rotary_muls_limits(fake_torch_npu):
+    from titan_npu import ops
+    from titan_npu.ops import reference
+
+    # DeepSeek-V3's shapes: 128 heads of 192 (128 no-RoPE + 64 RoPE channels), the RoPE key [B, S, 1, 64].
+    set_kernels("npu")
+    angles = torch.outer(torch.arange(16).float(), torch.rand(32, generator=torch.Generator().manual_seed(0)))
+    cos, sin = angles.cos(), angles.sin()
+    for batch, kernel_calls in ((7, 2), (8, 0)):  # B x N = 896 < 1000; 1024 takes the reference
+        q = torch.randn(batch, 16, 128, 192)
+        k = torch.randn(batch, 16, 1, 64)
+        fake_torch_npu.calls.clear()
+        q_rope, k_rope = ops.apply_rotary_emb(q[..., 128:], k, cos, sin)
+        assert fake_torch_npu.calls["npu_rotary_mul"] == kernel_calls
+        ref_q, ref_k = reference.apply_rotary_emb(q[..., 128:], k, cos, sin)
+        torch.testing.assert_close(q_rope, ref_q, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(k_rope, ref_k, atol=1e-5, rtol=1e-5)
