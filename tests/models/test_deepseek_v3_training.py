@@ -373,3 +373,22 @@ def test_expert_pipeline_tensor_and_context_parallel_layouts_give_the_single_pro
     if "--parallel.cp_degree" in layout:  # the pooled balance diagnostic, its counts summed over the cp ranks (data
         # parallel ranks each pool their own sequences: a mean of per-rank values, not one process's)
         assert [r["aux_loss"] for r in split] == pytest.approx([r["aux_loss"] for r in single], rel=1e-5)
+
+
+@pytest.mark.parametrize("config, dense", [(CONFIG, "--model.first_k_dense=2"),
+                                           (ROOT / "configs" / "debug_moe.toml", "--model.mlp_only_layers=[0,1]")],
+                         ids=["deepseek_v3", "qwen3_moe"])
+def test_a_pipeline_stage_of_dense_layers_still_reports_every_moe_layers_row(config, dense):
+    # The log step all-reduces expert_tokens over every rank: a stage holding no MoE layer must take part with zero
+    # rows of the same shape, or the stages' collectives mismatch and the run dies at its first log step.
+    from titan_npu.models.decoder.pipeline import build_stage
+
+    args = build_model_args(load_config(config, ["--model.n_layers=4", dense]).model)
+    model = build_model(args)
+    torch.manual_seed(0)
+    model.init_weights(seed=0)
+    dense_stage = build_stage(model, [0, 1], is_first=True, is_last=False)
+    dense_stage(torch.randint(0, args.vocab_size, (2, 16)))
+    metrics = dense_stage.routing_metrics()
+    assert metrics["expert_tokens"].shape == (args.n_moe_layers, args.n_experts)
+    assert not metrics["expert_tokens"].any()

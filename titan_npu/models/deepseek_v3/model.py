@@ -300,13 +300,13 @@ class DeepSeekTransformer(Transformer):
         prediction modules, n_experts] (zero rows for the layers of other pipeline stages and modules that did not
         run), aux_loss (on the output part: the pooled load-balancing loss of
         the sigmoid scores of the MoE layers held, a diagnostic) and, with multi-token prediction, mtp_loss."""
-        if not self.routing:
+        if not self.moe_rows and not self.mtp_rows:
             return {}
         held = [r[0] for r in self.routing]
-        if len(held) == len(self.moe_rows):  # every MoE layer (no pipeline split)
+        if held and len(held) == len(self.moe_rows):  # every MoE layer (no pipeline split)
             tokens = torch.stack(held)
-        else:
-            tokens = held[0].new_zeros(len(self.moe_rows), held[0].shape[-1])
+        else:  # a pipeline stage: its layers' rows (none for a stage of dense layers only, which still reports)
+            tokens = torch.zeros(len(self.moe_rows), self.args.n_experts, device=self.freqs_cos.device)
             rows = [self.moe_rows[layer_id] for layer_id, layer in self.layers.items()
                     if layer_id in self.moe_rows and layer is not None]
             for row, layer_tokens in zip(rows, held, strict=True):
@@ -317,7 +317,7 @@ class DeepSeekTransformer(Transformer):
                 mtp[row] = stats[0]
             tokens = torch.cat([tokens, mtp])
         metrics = {"expert_tokens": tokens}
-        if self.output is not None:
+        if self.output is not None and held:
             counts = held
             if self.context is not None:  # f over the whole sequences (the cp ranks' mean of the loss: qwen3_moe's)
                 counts = [self.context.token_sum(c.float()) / self.context.size for c in held]
