@@ -140,9 +140,11 @@ def test_the_aux_loss_parity_reference_optimises_the_aux_loss(tmp_path, one_thre
 # the ranks route the whole (gathered) sequence, each running half of every expert's ffn dim; ep 2 x tp 2: each rank
 # holds half of the ffn dim of half of the experts and exchanges tokens with the ranks of its tp coordinate (FSDP
 # shards the dense part over dp x tp); fsdp 2 x tp 2: FSDP shards the experts' tp shards too.
+# ep alone and pp alone run with -m slow: ep 2 x pp 2 and ep 2 x tp 2 cover both in the default suite.
 @pytest.mark.parametrize("nproc, layout", [
-    (2, ["--parallel.ep_degree", "2", "--training.batch_size", "1", "--training.gradient_accumulation_steps", "2"]),
-    (2, ["--parallel.pp_degree", "2", "--training.batch_size", "4"]),
+    pytest.param(2, ["--parallel.ep_degree", "2", "--training.batch_size", "1",
+                     "--training.gradient_accumulation_steps", "2"], marks=pytest.mark.slow),
+    pytest.param(2, ["--parallel.pp_degree", "2", "--training.batch_size", "4"], marks=pytest.mark.slow),
     (4, ["--parallel.pp_degree", "2", "--parallel.ep_degree", "2", "--parallel.pp_microbatches", "2",
          "--training.batch_size", "2"]),
     (4, ["--parallel.tp_degree", "2", "--parallel.ep_degree", "2", "--training.batch_size", "1",
