@@ -52,9 +52,10 @@ class Layout:
             raise LayoutError(f"activation_checkpoint.mode={self.ac!r} is unknown (choose {', '.join(AC_MODES)})")
         if self.cp_mode not in CP_MODES:
             raise LayoutError(f"parallel.cp_mode={self.cp_mode!r} is unknown (choose {', '.join(CP_MODES)})")
-        if self.dp_shard % self.ep:
-            raise LayoutError(f"parallel.ep_degree={self.ep} must divide dp_shard={self.dp_shard} (the ep ranks are "
-                              f"taken from the FSDP ranks); choose ep_degree from {arithmetic.divisors(self.dp_shard)}")
+        if self.fsdp_shards % self.ep:
+            raise LayoutError(f"parallel.ep_degree={self.ep} must divide dp_shard x cp = {self.fsdp_shards} (the ep "
+                              f"ranks are taken from the FSDP ranks); choose ep_degree from "
+                              f"{arithmetic.divisors(self.fsdp_shards)}")
         if self.pp > 1 and self.local_batch % self.n_microbatches:
             raise LayoutError(
                 f"{self.local_batch} sequences per pipeline step (batch_size x gradient_accumulation_steps) do not "
@@ -81,8 +82,17 @@ class Layout:
 
     @property
     def efsdp(self) -> int:
-        """Ranks FSDP splits an expert-parallel rank's experts over: the dp_shard / ep ranks holding the same ones."""
-        return self.dp_shard // self.ep
+        """The dp_shard x cp / ep FSDP ranks that hold an expert-parallel rank's experts (the same ones)."""
+        return self.fsdp_shards // self.ep
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks FSDP splits an expert-parallel rank's experts over (parallel/dims.py's experts_fsdp_mesh): the efsdp
+        ranks, or under HSDP with ep = dp_shard x cp the dp_replicate ranks (the replicas of one ep group); 1 when
+        none do (the experts then stay whole on their ep rank)."""
+        if not self.fsdp:
+            return 1
+        return self.efsdp if self.efsdp > 1 else self.dp_replicate
 
     @property
     def fsdp_wrapped(self) -> bool:

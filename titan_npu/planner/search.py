@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import ConfigError, LayoutError
+from titan_npu.models.registry import spec_of
 from titan_npu.parallel.arithmetic import divisors
 from titan_npu.planner.hardware import Hardware
 from titan_npu.planner.layout import GiB, Job, Layout, job_from_config, layout_from_config
@@ -100,22 +101,15 @@ def config_overrides(layout: Layout) -> str:
 
 
 def check_layout(cfg: JobConfig, job: Job, world_size: int) -> None:
-    """The trainer's own layout checks (head, vocab, sequence and micro-batch splits) and a MoE model's
-    parallelize refusals (models/qwen3_moe/parallelize.py: no tensor parallelism; no pipeline with the
-    load-balancing loss); raises LayoutError."""
+    """The trainer's own layout checks (parallel/layout.py: head, vocab, sequence and micro-batch splits, and what
+    MoE layers accept under tensor, expert, pipeline and context parallelism) and the model family's own refusals
+    (ModelSpec.check_layout, what its parallelize refuses); raises LayoutError."""
     from titan_npu.parallel.dims import ParallelDims
     from titan_npu.parallel.layout import validate_layout
 
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     validate_layout(dims, job.args, cfg)
-    a = job.args
-    if getattr(a, "n_moe_layers", 0):
-        if dims.tp_enabled:
-            raise LayoutError(f"parallel.tp_degree={dims.tp}: tensor parallelism of a MoE model is not supported "
-                              "yet; set parallel.tp_degree = 1")
-        if dims.pp_enabled and a.router_aux_loss_coef > 0:
-            raise LayoutError(f"parallel.pp_degree={dims.pp} with model.router_aux_loss_coef="
-                              f"{a.router_aux_loss_coef} is not supported yet; set parallel.pp_degree = 1")
+    spec_of(job.args).check_layout(dims, job.args, cfg)
 
 
 def is_valid(cfg: JobConfig, job: Job, layout: Layout) -> bool:
@@ -150,8 +144,9 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
                 continue
             local = global_batch // dp
             replicas = [1] + [r for r in divisors(dp) if r > 1 and (dp // r) * tp * cp <= devices_per_node]
+            # ep from the FSDP ranks (dp_shard x cp); parallel/layout.py refuses what the MoE layers cannot run.
             for dp_replicate, ep in [(r, e) for r in replicas
-                                     for e in divisors(dp // r) if e == 1 or (r == 1 and n_experts % e == 0)]:
+                                     for e in divisors(dp // r * cp) if e == 1 or n_experts % e == 0]:
                 dp_shard = dp // dp_replicate
                 for mb in MICRO_BATCHES:
                     if local % mb:
