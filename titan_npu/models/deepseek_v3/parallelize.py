@@ -37,6 +37,26 @@ from titan_npu.parallel.fsdp import apply_data_parallel
 from titan_npu.parallel.tp_grads import request_grads_in_param_layout
 
 
+def check_deepseek_layout(dims: ParallelDims, args: DeepSeekArgs, cfg: JobConfig) -> None:
+    """The layouts above refused (LayoutError), beyond parallel/layout.py's: parallelize_deepseek's first step, and
+    what the planner's search skips (ModelSpec.check_layout)."""
+    if dims.cp_enabled:
+        raise LayoutError(f"parallel.cp_degree={dims.cp}: CP of multi-head latent attention ({cfg.model.name}) is "
+                          f"not supported yet; set parallel.cp_degree = 1")
+    if dims.tp_enabled and args.seq_aux_loss_coef > 0:
+        raise LayoutError(f"parallel.tp_degree={dims.tp} with model.seq_aux_loss_coef={args.seq_aux_loss_coef}: the "
+                          f"sequence-wise balance loss under tensor parallelism is not supported yet; set "
+                          f"model.seq_aux_loss_coef = 0 (the score bias balances) or parallel.tp_degree = 1")
+    if dims.pp_enabled and (args.score_bias_rate > 0 or args.seq_aux_loss_coef > 0):
+        raise LayoutError(f"parallel.pp_degree={dims.pp} with model.score_bias_rate={args.score_bias_rate} / "
+                          f"model.seq_aux_loss_coef={args.seq_aux_loss_coef}: balancing across pipeline stages is not "
+                          f"supported yet; set both to 0 or parallel.pp_degree = 1")
+    if args.mtp_depth and (dims.pp_enabled or dims.tp_enabled or cfg.training.loss_chunk_tokens == 0):
+        raise LayoutError(f"model.mtp_depth={args.mtp_depth} needs the loss inside the model's forward: set "
+                          f"parallel.pp_degree = 1 (now {dims.pp}), parallel.tp_degree = 1 (now {dims.tp}) and "
+                          f"training.loss_chunk_tokens > 0 (now {cfg.training.loss_chunk_tokens})")
+
+
 def parallelize_deepseek(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
     """Tensor and expert parallelism, then activation checkpointing, compile and data parallelism as for the
     dense decoder; the layouts above refused (check_deepseek_layout)."""
@@ -57,25 +77,6 @@ def parallelize_deepseek(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -
     elif dims.tp_enabled:
         request_grads_in_param_layout(model)
     return model
-
-
-def check_deepseek_layout(dims: ParallelDims, args: DeepSeekArgs, cfg: JobConfig) -> None:
-    """The layouts a DeepSeek-V3 model refuses (LayoutError), beyond parallel/layout.py's."""
-    if dims.cp_enabled:
-        raise LayoutError(f"parallel.cp_degree={dims.cp}: CP of multi-head latent attention ({cfg.model.name}) is "
-                          f"not supported yet; set parallel.cp_degree = 1")
-    if dims.tp_enabled and args.seq_aux_loss_coef > 0:
-        raise LayoutError(f"parallel.tp_degree={dims.tp} with model.seq_aux_loss_coef={args.seq_aux_loss_coef}: the "
-                          f"sequence-wise balance loss under tensor parallelism is not supported yet; set "
-                          f"model.seq_aux_loss_coef = 0 (the score bias balances) or parallel.tp_degree = 1")
-    if dims.pp_enabled and (args.score_bias_rate > 0 or args.seq_aux_loss_coef > 0):
-        raise LayoutError(f"parallel.pp_degree={dims.pp} with model.score_bias_rate={args.score_bias_rate} / "
-                          f"model.seq_aux_loss_coef={args.seq_aux_loss_coef}: balancing across pipeline stages is not "
-                          f"supported yet; set both to 0 or parallel.pp_degree = 1")
-    if args.mtp_depth and (dims.pp_enabled or dims.tp_enabled or cfg.training.loss_chunk_tokens == 0):
-        raise LayoutError(f"model.mtp_depth={args.mtp_depth} needs the loss inside the model's forward: set "
-                          f"parallel.pp_degree = 1 (now {dims.pp}), parallel.tp_degree = 1 (now {dims.tp}) and "
-                          f"training.loss_chunk_tokens > 0 (now {cfg.training.loss_chunk_tokens})")
 
 
 def _gather_sequence(mesh: DeviceMesh):
