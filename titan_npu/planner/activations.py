@@ -12,9 +12,13 @@ from dataclasses import dataclass
 from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.stages import StagePart, rank_parts
 
-# fp32 [S/cp x S/cp] tensors per local head the ring's plain-math block kernel (ops/attention_blocks.py, off the
-# CPU) holds at once in its backward: the scores, their exponentials and the gradient.
+# fp32 [S/cp x S/cp] tensors per local head the ring's plain-math block kernel (ops/attention_blocks.py, on a
+# device without a fused one) holds at once in its backward: the scores, their exponentials and the gradient.
 RING_MATH_BLOCKS = 3
+# Devices whose ring blocks run a fused kernel returning its log-sum-exp (ops/attention_blocks.py block_kernels:
+# torch's cpu flash kernel, npu_fusion_attention, CUDA's flash / memory-efficient SDPA): no score block is
+# materialised.
+RING_FUSED_DEVICES = ("cpu", "npu", "cuda")
 
 # Bytes of the int64 index tensors a MoE layer keeps per routed copy: the sort order, its inverse and the source
 # token of each copy (layer.py), and under expert parallelism the exchange's regrouping order (dispatch.py).
@@ -113,8 +117,10 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     use_flash_attention says, and two things more per token: the output projection's own copy of attention's
     output (c q: the ring's and Ulysses' outputs come back in another layout, and the reshape before wo copies
     them) and the RoPE rows gathered for the rank's load-balanced positions (fp32 cos and sin, 4 head_dim), both
-    measured on CPU (benchmarks/cp_memory.py). The ring's block kernel off the CPU is plain math, whose fp32 score
-    blocks (RING_MATH_BLOCKS x [S/cp]^2 per local head) are alive during a block's backward.
+    measured on CPU (benchmarks/cp_memory.py). The ring's backward (ring_backward_bytes) holds its fp32 dq and
+    travelling dk/dv accumulators, the keys/values in flight and one block's gradients; a device without a fused
+    block kernel runs plain math, whose fp32 score blocks (RING_MATH_BLOCKS x [S/cp]^2 per local head) are alive
+    then too.
     """
     a, c, tp = job.args, job.compute_bytes, layout.tp
     tokens = local_tokens(job, layout, micro_batch)
@@ -155,10 +161,21 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     # Measured on CPU: about one fp32 F-wide gradient is alive beyond the saved tensors while a block's backward runs
     # (per routed copy in a MoE block).
     transient = tokens * ffn_transient
-    if layout.cp > 1 and layout.cp_mode == "ring" and device_type != "cpu":
-        local = job.seq_len // layout.cp
-        transient = max(transient, micro_batch * heads * local * local * 4 * RING_MATH_BLOCKS)
+    if layout.cp > 1 and layout.cp_mode in ("ring", "hybrid"):
+        ring = tokens * ring_backward_bytes(q, kv, c)
+        if device_type not in RING_FUSED_DEVICES:
+            local = job.seq_len // layout.cp
+            ring += micro_batch * heads * local * local * 4 * RING_MATH_BLOCKS
+        transient = max(transient, ring)
     return BlockBytes(full, block_input, op_saves, transient)
+
+
+def ring_backward_bytes(q: int, kv: int, c: int) -> int:
+    """Per local token, what the ring's backward (parallel/ring_attention.py) holds besides the saved tensors, with
+    q / kv the local query and key/value widths: dq's fp32 accumulator (4 q), the dk/dv accumulators held and
+    received (2 x 4 x 2 kv, fp32), the keys/values held and received (2 x c 2 kv) and one block's dq, dk, dv
+    (c (q + 2 kv)), the fused kernels' own workspace aside."""
+    return 4 * q + 16 * kv + 4 * c * kv + c * (q + 2 * kv)
 
 
 def checkpoint_kind(layer_id: int, layout: Layout) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from titan_npu.metrics.throughput import flops_per_token
 from titan_npu.parallel.arithmetic import mesh_dims
-from titan_npu.planner.communication import context_exchange_bytes, expert_all_to_all_bytes
+from titan_npu.planner.communication import context_exchange_bytes, context_exchange_parts, expert_all_to_all_bytes
 from titan_npu.planner.hardware import Hardware
 from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.parameters import local_numel_split
@@ -136,9 +136,14 @@ def expert_exchange_seconds(job: Job, layout: Layout, hw: Hardware, devices_per_
 
 def context_exchange_seconds(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, tokens: int,
                              layers: int) -> float:
-    """Time of context parallelism's exchanges (communication.context_exchange_bytes) over the cp group's link."""
-    volume = context_exchange_bytes(job, layout, tokens, layers)
-    return volume / _bandwidth(hw, group_crosses_nodes(layout, "cp", devices_per_node)) if volume else 0.0
+    """Time of context parallelism's exchanges (communication.context_exchange_parts) over their groups' links:
+    the cp group's; under hybrid, the Ulysses group's (its cp_ulysses adjacent cp ranks) for the all-to-alls."""
+    if layout.cp == 1:
+        return 0.0
+    ulysses, ring = context_exchange_parts(job, layout, tokens, layers)
+    crosses = group_crosses_nodes(layout, "cp", devices_per_node)
+    inner = crosses if layout.cp_mode == "ulysses" else layout.cp_ulysses * layout.tp > devices_per_node
+    return ulysses / _bandwidth(hw, inner) + ring / _bandwidth(hw, crosses)
 
 
 def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, efficiency: float = 0.4

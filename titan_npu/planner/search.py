@@ -38,7 +38,7 @@ class Candidate:
         return {
             "layout": {
                 "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp,
-                "cp": lay.cp, "cp_mode": lay.cp_mode, "ep": lay.ep,
+                "cp": lay.cp, "cp_mode": lay.cp_mode, "cp_ulysses": lay.cp_ulysses, "ep": lay.ep,
                 "fsdp": lay.fsdp, "activation_checkpoint": lay.ac, "selective_every": lay.selective_every,
                 "selective_ops": lay.selective_ops, "batch_size": lay.batch_size, "grad_accum": lay.grad_accum,
                 "micro_batch": lay.micro_batch, "pp_microbatches": lay.n_microbatches if lay.pp > 1 else 0,
@@ -69,11 +69,13 @@ def evaluate(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, effi
 
 def config_for_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
     """A copy of the config that selects `layout` (what config_overrides says on the command line)."""
+    ulysses = layout.cp_ulysses if layout.cp_ulysses > 1 else cfg.parallel.cp_ulysses_degree
     return replace(
         cfg,
         parallel=replace(cfg.parallel, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
                          tp_degree=layout.tp, pp_degree=layout.pp, pp_microbatches=layout.pp_microbatches,
                          cp_degree=layout.cp, cp_mode=layout.cp_mode, ep_degree=layout.ep,
+                         cp_ulysses_degree=ulysses,
                          cpu_offload=layout.cpu_offload),
         activation_checkpoint=replace(cfg.activation_checkpoint, mode=layout.ac, selective_ops=layout.selective_ops,
                                       selective_every=layout.selective_every),
@@ -90,6 +92,8 @@ def config_overrides(layout: Layout) -> str:
              f"--activation_checkpoint.mode {layout.ac}"]
     if layout.cp > 1:
         parts.append(f"--parallel.cp_mode {layout.cp_mode}")
+        if layout.cp_ulysses > 1:
+            parts.append(f"--parallel.cp_ulysses_degree {layout.cp_ulysses}")
     parts.append(f"--activation_checkpoint.selective_ops {str(layout.selective_ops).lower()}")
     parts += [f"--training.batch_size {layout.batch_size}",
               f"--training.gradient_accumulation_steps {layout.grad_accum}"]
@@ -135,7 +139,7 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
     acs = [("none", False), ("selective", False), ("selective", True), ("full", False)]
     n_experts = getattr(a, "n_experts", 0) if getattr(a, "n_moe_layers", 0) else 0
     out = []
-    for tp, cp, cp_mode in _model_parallel_degrees(job, world_size, devices_per_node):
+    for tp, cp, cp_mode, cp_ulysses in _model_parallel_degrees(job, world_size, devices_per_node):
         for pp in divisors(world_size // (tp * cp)):
             if pp > min(MAX_PP, a.n_layers):
                 continue
@@ -162,7 +166,8 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
                                 continue
                             try:
                                 layout = replace(base, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp,
-                                                 cp=cp, cp_mode=cp_mode, ep=ep, ac=ac, selective_ops=ops,
+                                                 cp=cp, cp_mode=cp_mode, cp_ulysses=cp_ulysses, ep=ep, ac=ac,
+                                                 selective_ops=ops,
                                                  cpu_offload=offload, **split)
                             except LayoutError:
                                 continue
@@ -171,17 +176,19 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
     return out
 
 
-def _model_parallel_degrees(job: Job, world_size: int, devices_per_node: int) -> list[tuple[int, int, str]]:
-    """(tp, cp, cp_mode) to try: tp inside a node splitting the heads; cp any divisor of the ranks left, ring or
-    (when the heads split cp ways) Ulysses."""
+def _model_parallel_degrees(job: Job, world_size: int, devices_per_node: int) -> list[tuple[int, int, str, int]]:
+    """(tp, cp, cp_mode, cp_ulysses) to try: tp inside a node splitting the heads; cp any divisor of the ranks left,
+    ring, Ulysses, or hybrid with each Ulysses group size between (the layout checks keep those the heads allow)."""
     a = job.args
     out = []
     for tp in divisors(devices_per_node):
         if tp > MAX_TP or a.n_heads % tp or a.n_kv_heads % tp:
             continue
         for cp in divisors(world_size // tp):
-            modes = ["ring"] if cp == 1 else ["ring", "ulysses"]
-            out += [(tp, cp, mode) for mode in modes]
+            out.append((tp, cp, "ring", 1))
+            if cp > 1:
+                out.append((tp, cp, "ulysses", 1))
+                out += [(tp, cp, "hybrid", u) for u in divisors(cp) if 1 < u < cp]
     return out
 
 
@@ -198,7 +205,7 @@ def rank_candidates(candidates: list[Candidate]) -> list[Candidate]:
     seen, ranked = set(), []
     for c in fitting:
         lay = c.layout
-        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.cp_mode, lay.ep, lay.ac,
+        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.cp_mode, lay.cp_ulysses, lay.ep, lay.ac,
                lay.selective_ops, lay.cpu_offload)
         if key not in seen:
             seen.add(key)
