@@ -55,6 +55,10 @@ def check_deepseek_layout(dims: ParallelDims, args: DeepSeekArgs, cfg: JobConfig
         raise LayoutError(f"model.mtp_depth={args.mtp_depth} needs the loss inside the model's forward: set "
                           f"parallel.pp_degree = 1 (now {dims.pp}), parallel.tp_degree = 1 (now {dims.tp}) and "
                           f"training.loss_chunk_tokens > 0 (now {cfg.training.loss_chunk_tokens})")
+    if dims.tp_enabled and dims.ep_enabled:
+        raise LayoutError(f"parallel.tp_degree={dims.tp} with parallel.ep_degree={dims.ep}: the MoE layers are "
+                          f"replicated over the tp ranks, which expert parallelism cannot split yet; set "
+                          f"parallel.ep_degree = 1 or parallel.tp_degree = 1")
 
 
 def parallelize_deepseek(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
