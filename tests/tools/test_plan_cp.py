@@ -15,7 +15,7 @@ from titan_npu.planner.activations import block_bytes, rank_activations
 from titan_npu.planner.dry_run import dry_run
 from titan_npu.planner.hardware import hardware
 from titan_npu.planner.layout import Layout, job_from_config, layout_from_config, rank_coordinates
-from titan_npu.planner.perf import context_exchange_seconds
+from titan_npu.planner.perf import context_exchange_seconds, estimate_step
 from titan_npu.planner.plan import format_plan
 from titan_npu.planner.search import config_for_layout, config_overrides, make_plan
 from titan_npu.planner.verify import compare_with_plan
@@ -93,6 +93,15 @@ def test_hybrid_context_parallelism_is_searched_and_plan_equals_dry_run():
     result = dry_run(chosen, 8, 5)
     comparison = compare_with_plan(result, chosen)
     assert result.forward_checked and comparison["match"], comparison["problems"]
+
+
+def test_fsdp_over_dp_shard_x_cp_pays_the_inter_node_link_when_its_ranks_span_nodes():
+    job = job_from_config(load_config(CONFIGS / "qwen3_32b.toml"))
+    hw = hardware("910B2")
+    # dp_shard 1 x cp 8, tp 2 ranks apart: FSDP's group spans 16 ranks, two nodes of 8 (one node of 16: HCCS).
+    layout = Layout(dp_shard=1, cp=8, cp_mode="hybrid", cp_ulysses=4, tp=2, batch_size=2, grad_accum=64)
+    assert estimate_step(job, layout, hw, 16).fsdp_exposed == 0
+    assert estimate_step(job, layout, hw, 8).fsdp_exposed > 0
 
 
 def test_fsdp_shards_over_dp_shard_times_cp_with_cp_innermost():

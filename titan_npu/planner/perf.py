@@ -196,7 +196,8 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
     reductions = 1 if layout.pp > 1 else layout.passes
     if layout.shards_parameters:
         gathers = (2 if layout.reshard_after_forward else 1) * layout.passes
-        bw = _bandwidth(hw, group_crosses_nodes(layout, "dp_shard", devices_per_node))
+        # FSDP's group is dp_shard x cp flattened (cp innermost, tp ranks apart).
+        bw = _bandwidth(hw, layout.fsdp_shards * layout.tp > devices_per_node)
         # Under expert parallelism the experts are gathered and reduced only over the efsdp ranks that share them.
         # Under HSDP with ep = dp_shard x cp the experts are sharded over the replicas instead (no all-reduce).
         hsdp_experts = layout.ep > 1 and layout.efsdp == 1 and layout.dp_replicate > 1
