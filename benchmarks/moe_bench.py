@@ -12,9 +12,10 @@
     (a matmul per expert, the group sizes read to the host), and the padded batched fallback (one bmm over the
     experts' rows padded to the token count, reference.padded_grouped_mm).
 
-Each repeat runs each candidate `--steps` times after one warm-up call and keeps the median; the figures are the
-medians over the repeats, and the ratios the medians of the per-repeat ratios (candidate / first candidate), so
-load on a shared machine moves both sides of a ratio alike.
+Each repeat warms every candidate up once, then times `--steps` calls of each, interleaved call by call (the order
+rotated by one each repeat), and keeps each candidate's median; the figures are the medians over the repeats, and
+the ratios the medians of the per-repeat ratios (candidate / first candidate), so load on a shared machine moves
+both sides of a ratio alike.
 """
 
 from __future__ import annotations
@@ -95,27 +96,27 @@ EXPERT_KERNELS: dict[str, Callable] = {
 }
 
 
-def time_calls(fn: Callable[[], object], steps: int, device: torch.device) -> float:
-    """The median seconds of `steps` calls of fn after one warm-up call."""
-    fn()
-    synchronize(device)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def paired(candidates: dict[str, Callable[[], object]], repeats: int, steps: int, device: torch.device
            ) -> dict[str, list[float]]:
-    """Per candidate, its median step seconds in each repeat; repeat r starts with candidate r (mod n)."""
+    """Per candidate, its median step seconds in each repeat. A repeat warms every candidate up once, then times
+    `steps` calls of each interleaved call by call (A B A B ..., repeat r starting with candidate r mod n), so the
+    calls compared sit a step apart and a burst of load on a shared host falls on both sides of a ratio."""
     names = list(candidates)
     seconds: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            seconds[name].append(time_calls(candidates[name], steps, device))
+        rotated = names[r % len(names):] + names[:r % len(names)]
+        for name in rotated:
+            candidates[name]()
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for _ in range(steps):
+            for name in rotated:
+                synchronize(device)
+                t0 = time.perf_counter()
+                candidates[name]()
+                synchronize(device)
+                times[name].append(time.perf_counter() - t0)
+        for name in names:
+            seconds[name].append(statistics.median(times[name]))
     return seconds
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from titan_npu.device import setup_device, synchronize
 from titan_npu.ops import attention_blocks, current_kernels, dispatch, reference
@@ -111,6 +112,14 @@ def cases(device: torch.device, quick: bool):
         desc = f"B={b} S={s} H={h} KV={kv} D={d}"
         yield ("attention", desc, dispatch.attention, reference.eager_attention,
                [randn(b, s, h, d), randn(b, s, kv, d), randn(b, s, kv, d)])
+    # DeepSeek-V3's multi-head latent attention (models/deepseek_v3/model.py): q/k of head dim qk_nope + qk_rope
+    # (128 + 64 = 192 for the published shapes), the value (v_head_dim 128) zero-padded to it and cut after, as
+    # MindSpeed-LLM pads it (mindspeed_llm/tasks/models/transformer/multi_latent_attention.py).
+    for b, s, h in [(1, 128, 4)] if quick else [(1, 128, 4), (1, 4096, 16)]:
+        yield ("attention", f"B={b} S={s} H={h} D=192 MLA (v 128 padded to 192)",
+               lambda q, k, v: dispatch.attention(q, k, F.pad(v, (0, 64)))[..., :128],
+               lambda q, k, v: reference.eager_attention(q, k, F.pad(v, (0, 64)))[..., :128],
+               [randn(b, s, h, 192), randn(b, s, h, 192), randn(b, s, h, 128)])
     # Attention within the documents of packed windows (data.document_mask): TND varlen npu_fusion_attention on
     # Ascend; a document runs in from the window before, others start inside and one at the window's start.
     for b, s, h, kv, d in [(2, 300, 8, 2, 64)] if quick else [(2, 300, 8, 2, 64), (1, 4096, 32, 8, 128)]:
@@ -144,6 +153,19 @@ def cases(device: torch.device, quick: bool):
                lambda q, k, cos=cos, sin=sin: dispatch.apply_rotary_emb(q, k, cos, sin),
                lambda q, k, cos=cos, sin=sin: reference.apply_rotary_emb(q, k, cos, sin),
                [randn(b, s, h, d), randn(b, s, kv, d)])
+    # MLA's RoPE slices: the last 64 channels of the 192-wide query heads (a strided view) and the key shared by every
+    # head [B, S, 1, 64]; then its low-rank latents' norms (kv_lora_rank 512, q_lora_rank 1536).
+    for b, s, h in ([(2, 37, 4)] if quick else [(2, 37, 4), (1, 2048, 128)]):
+        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 64, 2).float() / 64)
+        angles = torch.outer(torch.arange(s).float(), inv_freq).to(device)
+        cos, sin = angles.cos(), angles.sin()
+        yield ("apply_rotary_emb", f"B={b} S={s} H={h} D=64 MLA rope slice of 192, shared key",
+               lambda q, k, cos=cos, sin=sin: dispatch.apply_rotary_emb(q[..., 128:], k, cos, sin),
+               lambda q, k, cos=cos, sin=sin: reference.apply_rotary_emb(q[..., 128:], k, cos, sin),
+               [randn(b, s, h, 192), randn(b, s, 1, 64)])
+    for shape in ([(2, 37, 512)] if quick else [(2, 37, 512), (2, 2048, 512), (2, 2048, 1536)]):
+        yield ("rms_norm", f"x={list(shape)} MLA latent", lambda x, w: dispatch.rms_norm(x, w, 1e-6),
+               lambda x, w: reference.rms_norm(x, w, 1e-6), [randn(*shape), randn(shape[-1]).abs() + 0.5])
     for shape in ([(2, 37, 128)] if quick else [(2, 37, 128), (2, 2048, 11008)]):
         yield ("swiglu", f"x={list(shape)}", dispatch.swiglu, reference.swiglu, [randn(*shape), randn(*shape)])
     # The MLP's input projections and gating in one kernel call (weights concatenated once tokens >= dim).

@@ -200,3 +200,40 @@ def test_compiled_rotary_embedding_is_generated_code_without_graph_breaks_or_eag
     # One fused kernel per rotated tensor, forward and backward.
     assert 0 < metrics.generated_kernel_count <= 4
     torch._dynamo.reset()
+
+
+def _naive_order(experts):
+    """The token copies t * k + j listed by expert, then by copy index (a stable sort, as a Python loop)."""
+    flat = experts.reshape(-1).tolist()
+    return torch.tensor(sorted(range(len(flat)), key=lambda i: (flat[i], i)))
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_moe_permute_and_unpermute_match_naive_loops_forward_and_backward(top_k):
+    torch.manual_seed(9)
+    tokens, n_experts = 12, 5
+    experts = torch.stack([torch.randperm(n_experts)[:top_k] for _ in range(tokens)])
+    order = _naive_order(experts)
+    _assert_same_forward_and_grads(lambda x: ops.moe_permute(x, experts)[0],
+                                   lambda x: torch.stack([x[i // top_k] for i in order.tolist()]),
+                                   (torch.randn(tokens, 6),))
+    position = {copy: i for i, copy in enumerate(order.tolist())}
+
+    def naive_unpermute(routed, weights):
+        return torch.stack([sum(weights[t, j] * routed[position[t * top_k + j]] for j in range(top_k))
+                            for t in range(tokens)])
+
+    _assert_same_forward_and_grads(lambda routed, weights: ops.moe_unpermute(routed, order, weights),
+                                   naive_unpermute, (torch.randn(tokens * top_k, 6), torch.rand(tokens, top_k)))
+    assert torch.equal(ops.moe_permute(torch.randn(tokens, 6), experts)[1], order)
+
+
+def test_moe_unpermute_at_top_2_is_the_weighted_sum_over_each_tokens_copies_bit_for_bit():
+    torch.manual_seed(10)
+    tokens, top_k = 64, 2
+    experts = torch.stack([torch.randperm(8)[:top_k] for _ in range(tokens)])
+    routed, order = ops.moe_permute(torch.randn(tokens, 16), experts)
+    weights = torch.rand(tokens, top_k)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0]))
+    want = (routed[inverse].view(tokens, top_k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+    assert torch.equal(ops.moe_unpermute(routed, order, weights), want)

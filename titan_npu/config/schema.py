@@ -120,7 +120,7 @@ class ParallelConfig:
     cp_degree: int = 1  # context parallel: ranks each sequence is split over (docs/long_context.md)
     cp_mode: str = "ring"  # ring, ulysses, or hybrid: Ulysses within groups of cp_ulysses_degree ranks, ring between
     cp_ulysses_degree: int = 2  # hybrid: adjacent cp ranks of one Ulysses group (divides cp_degree, below it)
-    ep_degree: int = 1  # expert parallel: ranks (taken from dp_shard) the MoE experts are split over (docs/moe.md)
+    ep_degree: int = 1  # expert parallel: ranks (from dp_shard x cp) the MoE experts are split over (docs/moe.md)
 
 
 @dataclass

@@ -59,9 +59,12 @@ def _shard_experts(model: nn.Module, dims: ParallelDims, cfg: JobConfig, kwargs:
     them is sharded by FSDP over the ranks that hold the same experts (ParallelDims.expert_dp_mesh)."""
     from torch.distributed.fsdp import fully_shard
 
-    def is_expert(p: nn.Parameter) -> bool:  # a DTensor over the ep ranks (dp_shard, dp_shard x cp, or the ep dim)
+    # The ep mesh's dim: "ep", or the dp_shard (dp_shard_cp under context parallelism) ranks it borrows whole.
+    ep_dims = set(dims.ep_mesh.mesh_dim_names)
+
+    def is_expert(p: nn.Parameter) -> bool:  # a DTensor over the ep ranks (tensor-parallel DTensors are over tp only)
         mesh = getattr(p, "device_mesh", None)
-        return mesh is not None and bool({"dp_shard", "dp_shard_cp", "ep"} & set(mesh.mesh_dim_names))
+        return mesh is not None and bool(ep_dims & set(mesh.mesh_dim_names))
 
     if dims.expert_dp_mesh is None:
         kwargs["ignored_params"] = {p for p in model.parameters() if is_expert(p)}

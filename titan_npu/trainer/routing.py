@@ -43,6 +43,7 @@ class RoutingMeter:
         self.sums: dict[str, torch.Tensor] = {}
         # Under pipeline parallelism: each stage module's routing of this step, one entry per forward.
         self.stage_forwards: dict[int, list[dict[str, torch.Tensor]]] = {}
+        self.parts: list[nn.Module] = []
         self.n_microbatches = 0
 
     @property
@@ -77,6 +78,7 @@ class RoutingMeter:
         if self.model is None:
             return loss_fn
         self.n_microbatches = n_microbatches
+        self.parts = parts
 
         def note_forward(module: nn.Module, args: tuple, output: Any) -> None:
             if module.training:
@@ -123,17 +125,38 @@ class RoutingMeter:
         return out
 
 
-def update_score_biases(meter: RoutingMeter, dims: ParallelDims) -> None:
+def update_score_biases(meter: RoutingMeter, dims: ParallelDims, skip: torch.Tensor | bool = False) -> None:
     """Aux-loss-free balancing, after an optimizer step: each MoE layer's router score bias steps by the model's
     score_bias_rate toward an even load, the load of the step summed over the data-parallel ranks on the device (a
-    collective: call it on every rank), so every rank's bias stays identical. Not part of any gradient; inert for a
-    model without score biases or with the rate 0."""
+    collective: call it on every rank), so every rank's bias stays identical. Under pipeline parallelism each stage
+    moves the biases of the layers it holds, from their load summed over the stage's data-parallel ranks. `skip`:
+    the step's update was skipped (True, or a 0-d device flag at 1.0): the biases stay too. Not part of any
+    gradient; inert for a model without score biases or with the rate 0."""
     model = meter.model
     rate = getattr(getattr(model, "args", None), "score_bias_rate", 0.0)
-    if not rate or not hasattr(model, "score_biases") or "expert_tokens" not in meter.sums:
+    if not rate or not hasattr(model, "score_biases") or skip is True:
         return
-    tokens = meter.sums["expert_tokens"].detach().clone()
-    if dims.world_size > 1:
-        dist.all_reduce(tokens)
-    for bias, load in zip(model.score_biases(), tokens):
-        update_score_bias(bias, load, rate)
+    if meter.parts and dims.pp_enabled:  # the pipeline's stages: each its own layers' load, over its token ranks
+        group = dims.token_mesh.get_group() if dims.dp * dims.cp > 1 else None
+        for part in meter.parts:
+            forwards = meter.stage_forwards.get(id(part), [])[-meter.n_microbatches:]
+            if forwards and forwards[0]:
+                tokens = torch.stack([f["expert_tokens"] for f in forwards]).sum(dim=0)
+                _move_biases(part.score_biases(), tokens, rate, skip, group)
+        return
+    if "expert_tokens" in meter.sums:
+        _move_biases(model.score_biases(), meter.sums["expert_tokens"], rate, skip,
+                     dist.group.WORLD if dims.world_size > 1 else None)
+
+
+def _move_biases(biases: dict[int, torch.Tensor], tokens: torch.Tensor, rate: float, skip: torch.Tensor | bool,
+                 group: dist.ProcessGroup | None) -> None:
+    """Step each bias (by its row of `tokens` [MoE layers, n_experts]) by `rate` from that row's load, summed over
+    `group` (None: this rank's); a device flag `skip` at 1.0 zeroes the load, which moves no bias."""
+    tokens = tokens.detach().clone()
+    if group is not None:
+        dist.all_reduce(tokens, group=group)
+    if isinstance(skip, torch.Tensor):
+        tokens = tokens * (1 - skip)
+    for row, bias in biases.items():
+        update_score_bias(bias, tokens[row], rate)

@@ -301,7 +301,9 @@ class Trainer:
             self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        update_score_biases(self.routing, self.dims)
+        if self.grad_scaler is not None and skip is not True:  # the scaler skipped it where the gradients overflowed
+            skip = (~torch.isfinite(plain_tensor(grad_norm.detach()))).float()
+        update_score_biases(self.routing, self.dims, skip)  # not on a skipped update
         return loss_sum / accum, grad_norm, data_time
 
     def _global_mean(self, value: torch.Tensor) -> float:

@@ -268,7 +268,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None, seed: int | None = None) -> None:
-        """Initialise every parameter from `seed` and recompute the RoPE buffers (on buffer_device if given).
+        """Initialise every parameter from `seed`, recompute the RoPE buffers (on buffer_device if given) and zero
+        the routers' score biases (the MoE families').
 
         The weights depend on the seed and the model's shape only, never on how the model is split or sharded
         (models/init.py); seed None takes torch's current seed (`torch.manual_seed`). Call after
@@ -278,6 +279,9 @@ class Transformer(nn.Module):
         self.freqs_cos, self.freqs_sin = cos, sin
         self.tie_weights()
         init_parameters(self, self.param_inits(), torch.initial_seed() if seed is None else seed)
+        for module in self.modules():
+            if hasattr(module, "reset_score_bias"):
+                module.reset_score_bias()
 
     def run_layers(self, h: torch.Tensor) -> torch.Tensor:
         """The blocks this model (or stage) holds, in order, on hidden states [B, S, dim]."""

@@ -18,8 +18,8 @@ update_score_biases).
 Multi-token prediction (mtp_depth > 0): module k (held as layers.{n_layers + k - 1}, the Hugging Face checkpoint's
 index) combines the previous depth's hidden states at position i with the embedding of token i + k, runs one MoE
 block and predicts token i + k + 1 through its own norm and the model's output head; a forward given labels adds
-mtp_loss_coef x the modules' mean cross entropy to auxiliary_loss() and logs it as mtp_loss. Their routers'
-biases stay as they are (their load is not part of routing_metrics).
+mtp_loss_coef x the modules' mean cross entropy to auxiliary_loss() and logs it as mtp_loss. Their routers' loads
+follow the main layers' in routing_metrics' expert_tokens, so their biases move like the others.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from titan_npu.models.decoder.model import Linear, RMSNorm, Transformer, Transfo
 from titan_npu.models.deepseek_v3.args import DeepSeekArgs, yarn_mscale
 from titan_npu.models.init import ParamInit, prefixed, trunc_normal
 from titan_npu.models.moe.balance import load_balancing_loss
-from titan_npu.models.moe.group_router import GroupRouter, sequence_balance_loss
+from titan_npu.models.moe.group_router import sequence_balance_loss
 from titan_npu.models.moe.layer import MoE, RoutingStats
 from titan_npu.ops.cross_entropy import chunked_linear_cross_entropy
 
@@ -111,19 +111,25 @@ class MLA(nn.Module):
         # Set by tensor parallelism: the group whose ranks hold the other heads (the shared RoPE key's gradient is
         # summed over it). None: every head is here.
         self.tp_group = None
+        # Set by context parallelism (parallel/context_parallel.py's RingContext or UlyssesContext, as for the dense
+        # decoder's Attention): this rank holds the load-balanced chunks of each sequence. None: every position.
+        self.context = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, S, dim]; cos/sin: the RoPE tables from position 0 with at least S rows."""
         bs, seqlen, _ = x.shape
-        if seqlen > cos.shape[0]:
-            raise ConfigError(f"sequence length {seqlen} exceeds model.max_seq_len={cos.shape[0]}; "
+        whole = seqlen if self.context is None else seqlen * self.context.size
+        if whole > cos.shape[0]:
+            raise ConfigError(f"sequence length {whole} exceeds model.max_seq_len={cos.shape[0]}; "
                               f"raise model.max_seq_len or lower training.seq_len")
+        # The RoPE (YaRN) rows of the positions held: the first S, or the chunks' true positions under CP.
+        rows = slice(seqlen) if self.context is None else self.context.positions(seqlen, x.device)
         q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
         q_nope, q_rope = q.view(bs, seqlen, -1, self.head_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         if self.tp_group is not None:
             k_rope = _SumGradOver.apply(k_rope, self.tp_group)
-        q_rope, k_rope = ops.apply_rotary_emb(q_rope, k_rope.unsqueeze(2), cos[:seqlen], sin[:seqlen])
+        q_rope, k_rope = ops.apply_rotary_emb(q_rope, k_rope.unsqueeze(2), cos[rows], sin[rows])
         kv = self.wkv_b(self.kv_norm(latent)).view(bs, seqlen, -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         heads = k_nope.shape[2]
@@ -131,9 +137,14 @@ class MLA(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, -1, heads, -1)], dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        # Kernels take one head width for q, k and v: the value is padded to it and the padding cut off after.
+        # Kernels take one head width for q, k and v (npu_fusion_attention among them): the value is zero-padded to it
+        # and the padding cut off after, as MindSpeed-LLM does for MLA (its multi_latent_attention.py).
         pad = self.head_dim - self.v_dim
-        out = ops.attention(q, k, F.pad(v, (0, pad)) if pad > 0 else v, causal=True, use_flash=self.use_flash)
+        v = F.pad(v, (0, pad)) if pad > 0 else v
+        if self.context is None:
+            out = ops.attention(q, k, v, causal=True, use_flash=self.use_flash)
+        else:  # across the cp ranks, through the seam the dense decoder's attention uses
+            out = self.context.attention(q, k, v)
         if pad > 0:
             out = out[..., :self.v_dim]
         return self.wo(out.reshape(bs, seqlen, -1))
@@ -168,14 +179,14 @@ class DeepSeekBlock(TransformerBlock):
         balance = None
         if self.seq_aux:  # the router again on the same input: its choices per token, grouped by sequence
             _, experts, scores = self.feed_forward.router(normed.reshape(-1, normed.shape[-1]))
-            balance = sequence_balance_loss(experts, scores, normed.shape[0])
+            balance = sequence_balance_loss(experts, scores, normed.shape[0], self.attention.context)
         return h + out, routing, balance
 
 
 class MTPBlock(DeepSeekBlock):
     """One multi-token prediction depth: (hidden states [B, S, dim], embeddings of the tokens one further
-    [B, S, dim]) -> (its hidden states: eh_proj([enorm(embedding); hnorm(hidden)]) through a MoE block, and those
-    through head_norm, the input of the shared output head)."""
+    [B, S, dim]) -> (its hidden states: eh_proj([enorm(embedding); hnorm(hidden)]) through a MoE block, those
+    through head_norm, the input of the shared output head, and the MoE block's RoutingStats)."""
 
     def __init__(self, layer_id: int, args: DeepSeekArgs) -> None:
         super().__init__(layer_id, args)
@@ -185,11 +196,10 @@ class MTPBlock(DeepSeekBlock):
         self.head_norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, h: torch.Tensor, embedding: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, RoutingStats]:
         x = self.eh_proj(torch.cat([self.enorm(embedding), self.hnorm(h)], dim=-1))
-        out = super().forward(x, cos, sin)
-        out = out[0] if isinstance(out, tuple) else out
-        return out, self.head_norm(out)
+        out, routing, _ = super().forward(x, cos, sin)
+        return out, self.head_norm(out), routing
 
     def param_inits(self) -> dict[str, ParamInit]:
         """The block's, the input norms and the output norm a unit scale, the projection ~ N(0, 0.02)."""
@@ -209,18 +219,19 @@ class DeepSeekTransformer(Transformer):
         self.balance: list[torch.Tensor] = []
         self.mtp_losses: list[torch.Tensor] = []
         self.routed_rows: torch.Tensor | int = 0
+        # Row of each MoE layer (not the multi-token prediction modules') in expert_tokens: global over the model,
+        # so that pipeline stages line up.
+        self.moe_rows = {str(i): n for n, i in enumerate(j for j in range(args.n_layers) if args.is_moe_layer(j))}
+        # The multi-token prediction modules' rows follow (their routing of the last forward in mtp_routing).
+        self.mtp_rows = {str(args.n_layers + d): len(self.moe_rows) + d for d in range(args.mtp_depth)}
+        self.mtp_routing: list[RoutingStats] = []
+        # Set by context parallelism: the cp ranks hold the other positions of these sequences; the logged aux_loss
+        # pools the expert counts over them. None: every position is here.
+        self.context = None
 
     def rope_tables(self, device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE (or YaRN) tables of the rotated query/key parts."""
         return yarn_rope(self.args, device)
-
-    @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | None = None, seed: int | None = None) -> None:
-        """The decoder's initialisation, and every router's score bias zeroed."""
-        super().init_weights(buffer_device, seed)
-        for module in self.modules():
-            if isinstance(module, GroupRouter):
-                module.reset_score_bias()
 
     def run_layers(self, h: torch.Tensor) -> torch.Tensor:
         """The blocks in order, keeping each MoE block's routing statistics of this forward."""
@@ -246,7 +257,7 @@ class DeepSeekTransformer(Transformer):
                 loss_chunk_tokens: int = 0) -> torch.Tensor:
         """The decoder's forward; with labels and multi-token prediction modules, each module's cross entropy is
         kept for auxiliary_loss (module k sees the first S - k positions, its targets labels shifted by k)."""
-        self.mtp_losses = []
+        self.mtp_losses, self.mtp_routing = [], []
         if not self.args.mtp_depth or labels is None:
             return super().forward(tokens, labels, loss_chunk_tokens)
         h = self.run_layers(self.tok_embeddings(tokens))
@@ -256,7 +267,8 @@ class DeepSeekTransformer(Transformer):
             block = self.layers[str(self.args.n_layers + depth - 1)]
             # Token i + depth is labels[i + depth - 1]; ignored labels (negative) embed as token 0.
             embedding = self.tok_embeddings(labels[:, depth - 1:seqlen - 1].clamp(min=0))
-            h, normed = block(h[:, :seqlen - depth], embedding, self.freqs_cos, self.freqs_sin)
+            h, normed, routing = block(h[:, :seqlen - depth], embedding, self.freqs_cos, self.freqs_sin)
+            self.mtp_routing.append(routing)
             self.mtp_losses.append(chunked_linear_cross_entropy(normed, self.output.weight, labels[:, depth:],
                                                                 loss_chunk_tokens))
         return loss
@@ -276,19 +288,40 @@ class DeepSeekTransformer(Transformer):
             terms.append(self.args.mtp_loss_coef * self.mtp_loss())
         return sum(terms[1:], terms[0]) if terms else None
 
-    def score_biases(self) -> list[torch.Tensor]:
-        """The score bias buffer of each MoE layer held, in the order routing_metrics' expert_tokens rows are."""
-        return [layer.feed_forward.router.score_bias for layer_id, layer in self.layers.items()
-                if layer is not None and layer.is_moe and int(layer_id) < self.args.n_layers]
+    def score_biases(self) -> dict[int, torch.Tensor]:
+        """The score bias buffer of each MoE layer held, by its row of routing_metrics' expert_tokens."""
+        rows = {**self.moe_rows, **self.mtp_rows}
+        return {rows[layer_id]: layer.feed_forward.router.score_bias
+                for layer_id, layer in self.layers.items() if layer_id in rows and layer is not None}
 
     @torch.no_grad()
     def routing_metrics(self) -> dict[str, torch.Tensor]:
-        """Device tensors of the last forward, detached: aux_loss (the pooled load-balancing loss of the sigmoid
-        scores, a diagnostic), expert_tokens [MoE layers, n_experts] and, with multi-token prediction, mtp_loss."""
+        """Device tensors of the last forward, detached: expert_tokens [the model's MoE layers, then its multi-token
+        prediction modules, n_experts] (zero rows for the layers of other pipeline stages and modules that did not
+        run), aux_loss (on the output part: the pooled load-balancing loss of
+        the sigmoid scores of the MoE layers held, a diagnostic) and, with multi-token prediction, mtp_loss."""
         if not self.routing:
             return {}
-        aux = load_balancing_loss([r[0] for r in self.routing], [r[1] for r in self.routing], self.routed_rows)
-        metrics = {"aux_loss": aux.detach(), "expert_tokens": torch.stack([r[0] for r in self.routing])}
+        held = [r[0] for r in self.routing]
+        if len(held) == len(self.moe_rows):  # every MoE layer (no pipeline split)
+            tokens = torch.stack(held)
+        else:
+            tokens = held[0].new_zeros(len(self.moe_rows), held[0].shape[-1])
+            rows = [self.moe_rows[layer_id] for layer_id, layer in self.layers.items()
+                    if layer_id in self.moe_rows and layer is not None]
+            for row, layer_tokens in zip(rows, held, strict=True):
+                tokens[row] = layer_tokens
+        if self.mtp_rows:
+            mtp = tokens.new_zeros(len(self.mtp_rows), tokens.shape[-1])
+            for row, stats in enumerate(self.mtp_routing):
+                mtp[row] = stats[0]
+            tokens = torch.cat([tokens, mtp])
+        metrics = {"expert_tokens": tokens}
+        if self.output is not None:
+            counts = held
+            if self.context is not None:  # f over the whole sequences (the cp ranks' mean of the loss: qwen3_moe's)
+                counts = [self.context.token_sum(c.float()) / self.context.size for c in held]
+            metrics["aux_loss"] = load_balancing_loss(counts, [r[1] for r in self.routing], self.routed_rows).detach()
         if self.mtp_losses:
             metrics["mtp_loss"] = self.mtp_loss().detach()
         return metrics

@@ -15,10 +15,12 @@ Tensor parallelism (parallel.tp_degree), with sequence parallelism as the decode
   dense feed_forward (the first_k_dense layers)            as the decoder's (w1/w3 column-wise, w2 row-wise)
   MoE feed_forward (router, experts, shared experts)       replicated: every rank routes and runs the whole
                                                            sequence (gathered), then keeps its own slice
-Refused in one line: context parallelism of MLA, tensor parallelism with the sequence-wise balance loss (and with
-expert parallelism: parallel/layout.py), balancing (score
-bias updates, the sequence-wise loss) under pipeline parallelism, and multi-token prediction without the loss in
-the forward (pipeline or tensor parallelism, training.loss_chunk_tokens = 0)."""
+Context parallelism (parallel.cp_degree, any parallel.cp_mode) as the decoder's: MLA's q, k (the shared RoPE key
+expanded per head) and zero-padded v go through the same context seam, RoPE at the chunks' true positions.
+Refused in one line: multi-token prediction under context parallelism, tensor parallelism with the sequence-wise
+balance loss (and with expert parallelism: parallel/layout.py), the sequence-wise balance loss under pipeline
+parallelism (the score bias moves there: each stage from its own layers' load), and multi-token prediction without
+the loss in the forward (pipeline or tensor parallelism, training.loss_chunk_tokens = 0)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import LayoutError
-from titan_npu.models.decoder.parallelize import _fresh_output
+from titan_npu.models.decoder.parallelize import _fresh_output, apply_context_parallel
 from titan_npu.models.deepseek_v3.args import DeepSeekArgs
 from titan_npu.models.moe.parallelize import apply_expert_parallel
 from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -40,17 +42,17 @@ from titan_npu.parallel.tp_grads import request_grads_in_param_layout
 def check_deepseek_layout(dims: ParallelDims, args: DeepSeekArgs, cfg: JobConfig) -> None:
     """The layouts above refused (LayoutError), beyond parallel/layout.py's: parallelize_deepseek's first step, and
     what the planner's search skips (ModelSpec.check_layout)."""
-    if dims.cp_enabled:
-        raise LayoutError(f"parallel.cp_degree={dims.cp}: CP of multi-head latent attention ({cfg.model.name}) is "
-                          f"not supported yet; set parallel.cp_degree = 1")
+    if dims.cp_enabled and args.mtp_depth:
+        raise LayoutError(f"parallel.cp_degree={dims.cp} with model.mtp_depth={args.mtp_depth}: multi-token prediction "
+                          f"shifts whole sequences, which context parallelism splits; set one of them to 0 / 1")
     if dims.tp_enabled and args.seq_aux_loss_coef > 0:
         raise LayoutError(f"parallel.tp_degree={dims.tp} with model.seq_aux_loss_coef={args.seq_aux_loss_coef}: the "
                           f"sequence-wise balance loss under tensor parallelism is not supported yet; set "
                           f"model.seq_aux_loss_coef = 0 (the score bias balances) or parallel.tp_degree = 1")
-    if dims.pp_enabled and (args.score_bias_rate > 0 or args.seq_aux_loss_coef > 0):
-        raise LayoutError(f"parallel.pp_degree={dims.pp} with model.score_bias_rate={args.score_bias_rate} / "
-                          f"model.seq_aux_loss_coef={args.seq_aux_loss_coef}: balancing across pipeline stages is not "
-                          f"supported yet; set both to 0 or parallel.pp_degree = 1")
+    if dims.pp_enabled and args.seq_aux_loss_coef > 0:
+        raise LayoutError(f"parallel.pp_degree={dims.pp} with model.seq_aux_loss_coef={args.seq_aux_loss_coef}: the "
+                          f"sequence-wise balance loss across pipeline stages is not supported yet; set "
+                          f"model.seq_aux_loss_coef = 0 (the score bias balances) or parallel.pp_degree = 1")
     if args.mtp_depth and (dims.pp_enabled or dims.tp_enabled or cfg.training.loss_chunk_tokens == 0):
         raise LayoutError(f"model.mtp_depth={args.mtp_depth} needs the loss inside the model's forward: set "
                           f"parallel.pp_degree = 1 (now {dims.pp}), parallel.tp_degree = 1 (now {dims.tp}) and "
@@ -67,6 +69,9 @@ def parallelize_deepseek(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -
     check_deepseek_layout(dims, model.args, cfg)
     if dims.tp_enabled:
         apply_tp(model, dims.tp_mesh, loss_parallel=cfg.parallel.loss_parallel)
+    if dims.cp_enabled:  # MLA attends across the cp ranks through the dense decoder's context seam
+        hybrid_groups = dims.hybrid_cp_groups() if cfg.parallel.cp_mode == "hybrid" else None
+        apply_context_parallel(model, dims.cp_mesh.get_group(), cfg.parallel.cp_mode, hybrid_groups)
     if dims.ep_enabled:
         apply_expert_parallel(model, dims.ep_mesh)
     # The rest as parallelize_decoder does it after its own TP plan.

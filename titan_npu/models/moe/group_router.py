@@ -12,6 +12,8 @@ transformers' DeepseekV3TopkRouter does.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,15 +67,21 @@ class GroupRouter(nn.Module):
         self.score_bias.zero_()
 
 
-def sequence_balance_loss(experts: torch.Tensor, scores: torch.Tensor, n_sequences: int) -> torch.Tensor:
+def sequence_balance_loss(experts: torch.Tensor, scores: torch.Tensor, n_sequences: int,
+                          context: Any = None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss of one MoE layer: sum_i f_i P_i per sequence, averaged over the
     sequences, f_i = n_experts / (top_k T) x the assignments to expert i among the sequence's T tokens, P_i the mean
     over those tokens of expert i's score normalised over the experts. experts [N, top_k], scores [N, n_experts]
-    (N = n_sequences x T tokens, in sequence order); gradients flow through the scores only."""
+    (N = n_sequences x T tokens, in sequence order); gradients flow through the scores only. Under context
+    parallelism (`context`: parallel/context_parallel.py's, whose ranks hold equal shares of each sequence) f counts
+    every cp rank's tokens and P this rank's: the cp ranks' mean of the loss is the whole sequences'."""
     n_experts = scores.shape[-1]
     scores = scores.view(n_sequences, -1, n_experts)
     mean_share = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)  # [sequences, n_experts]
     picks = experts.view(n_sequences, -1)
     counts = torch.zeros_like(mean_share).scatter_add_(1, picks, torch.ones_like(picks, dtype=mean_share.dtype))
-    fraction = counts * n_experts / picks.shape[1]  # picks.shape[1] = top_k x T
+    picked = picks.shape[1]  # top_k x T
+    if context is not None:
+        counts, picked = context.token_sum(counts), picked * context.size
+    fraction = counts * n_experts / picked
     return (fraction * mean_share).sum(dim=-1).mean()

@@ -43,5 +43,11 @@ class Router(nn.Module):
         return weights.to(logits.dtype), experts, probs
 
     def param_inits(self) -> dict[str, ParamInit]:
-        """The gate ~ N(0, 0.02)."""
+        """The gate ~ N(0, 0.02) (the score bias is a buffer: zero at init, see reset_score_bias)."""
         return {"gate.weight": trunc_normal(0.02)}
+
+    @torch.no_grad()
+    def reset_score_bias(self) -> None:
+        """Zero the score bias, if any (a model allocated after the meta device holds garbage there until this)."""
+        if self.score_bias is not None:
+            self.score_bias.zero_()
