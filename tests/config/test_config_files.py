@@ -152,7 +152,7 @@ def test_the_128k_config_is_llama_3_1_with_its_rope_scaling_on_the_planners_cont
     plan = make_plan(cfg, 1, 8, hardware("910B2"))
     assert plan.config_candidate is not None and plan.config_candidate.fits, plan.config_error
     assert plan.ranked[0].layout == plan.config_candidate.layout
-    assert (plan.ranked[0].layout.cp, plan.ranked[0].layout.cp_mode) == (2, "ulysses")
+    assert (plan.ranked[0].layout.cp, plan.ranked[0].layout.cp_mode) == (2, "ring")
     comparison = compare_with_plan(dry_run(cfg, 8, 5, forward=False), cfg)
     assert comparison["match"], comparison["problems"]
 

@@ -124,7 +124,7 @@ def test_qwen3_32b_at_32k_on_16_cards_plans_context_parallelism_and_dry_runs_to_
     cfg = load_config(CONFIGS / "qwen3_32b.toml", QWEN3_32B_32K)
     plan = make_plan(cfg, 2, 8, hardware("910B2"))
     first = plan.ranked[0].layout
-    assert (first.dp_shard, first.cp, first.cp_mode, first.ac) == (4, 4, "ulysses", "full")
+    assert (first.dp_shard, first.cp, first.cp_mode, first.ac) == (4, 4, "ring", "full")
     assert plan.global_batch == 16 and plan.ranked[0].fits
     chosen = config_for_layout(cfg, first)
     result = dry_run(chosen, 16, 13, forward=False)
@@ -136,7 +136,7 @@ def test_qwen3_32b_at_32k_on_16_cards_plans_context_parallelism_and_dry_runs_to_
 
 
 @pytest.mark.slow
-def test_llama3_8b_at_128k_runs_forward_and_backward_under_ulysses_in_the_dry_run():
+def test_llama3_8b_at_128k_runs_forward_and_backward_under_its_context_parallel_layout_in_the_dry_run():
     cfg = load_config(LLAMA_128K)
     result = dry_run(cfg, 8, 5)
     comparison = compare_with_plan(result, cfg)
