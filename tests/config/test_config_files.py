@@ -95,7 +95,7 @@ def test_moe_configs_hold_the_planners_first_layout_and_dry_run_to_its_bytes(nam
 
 
 # DeepSeek-V3 configs: (nodes, 910B per node) of the header, a rank whose dry run is checked, (ep, dp_replicate).
-DEEPSEEK_CLUSTERS = {"deepseek_v3_16b.toml": (1, 8, 7, (8, 1)), "deepseek_v3_671b.toml": (64, 8, 77, (8, 64))}
+DEEPSEEK_CLUSTERS = {"deepseek_v3_16b.toml": (1, 8, 7, (8, 1)), "deepseek_v3_671b.toml": (64, 8, 77, (128, 1))}
 
 
 @pytest.mark.parametrize("name", list(DEEPSEEK_CLUSTERS))
