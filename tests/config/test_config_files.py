@@ -34,6 +34,8 @@ EXPECTED = {
     "qwen3_30b_a3b.toml": ("qwen3_moe", "30B-A3B"),
     "qwen3_235b_a22b.toml": ("qwen3_moe", "235B-A22B"),
     "llama3_8b_128k.toml": ("llama3", "3.1-8B"),
+    "deepseek_v3_16b.toml": ("deepseek_v3", "16B"),
+    "deepseek_v3_671b.toml": ("deepseek_v3", "671B"),
 }
 # The cards a Qwen config's header names (nodes, 910B per node) and a rank whose dry run is checked.
 QWEN_CLUSTERS = {"qwen3_32b.toml": (2, 8, 6), "qwen3_8b.toml": (1, 8, 7), "qwen2_7b.toml": (1, 4, 3)}
@@ -92,6 +94,40 @@ def test_moe_configs_hold_the_planners_first_layout_and_dry_run_to_its_bytes(nam
     assert comparison["match"], comparison["problems"]
 
 
+# DeepSeek-V3 configs: (nodes, 910B per node) of the header, a rank whose dry run is checked, (ep, dp_replicate).
+DEEPSEEK_CLUSTERS = {"deepseek_v3_16b.toml": (1, 8, 7, (8, 1)), "deepseek_v3_671b.toml": (64, 8, 77, (128, 1))}
+
+
+@pytest.mark.parametrize("name", list(DEEPSEEK_CLUSTERS))
+def test_deepseek_configs_fit_and_dry_run_to_the_plans_bytes(name):
+    from titan_npu.planner.dry_run import dry_run
+    from titan_npu.planner.hardware import hardware
+    from titan_npu.planner.layout import job_from_config, layout_from_config
+    from titan_npu.planner.search import evaluate
+    from titan_npu.planner.verify import compare_with_plan
+
+    nodes, per_node, rank, (ep, replicas) = DEEPSEEK_CLUSTERS[name]
+    cfg = load_config(CONFIGS / name)
+    layout = layout_from_config(cfg, nodes * per_node)
+    assert (layout.ep, layout.dp_replicate) == (ep, replicas)
+    assert evaluate(job_from_config(cfg), layout, hardware("910B2"), per_node, 0.4).fits
+    comparison = compare_with_plan(dry_run(cfg, nodes * per_node, rank, forward=False), cfg)
+    assert comparison["match"], comparison["problems"]
+
+
+# The search over 8 ranks takes seconds, over 512 minutes: the 671B one runs with the slow tests.
+@pytest.mark.parametrize("name", [pytest.param("deepseek_v3_16b.toml"),
+                                  pytest.param("deepseek_v3_671b.toml", marks=pytest.mark.slow)])
+def test_deepseek_configs_hold_the_planners_first_layout(name):
+    from titan_npu.planner.hardware import hardware
+    from titan_npu.planner.search import make_plan
+
+    nodes, per_node, _, _ = DEEPSEEK_CLUSTERS[name]
+    plan = make_plan(load_config(CONFIGS / name), nodes, per_node, hardware("910B2"))
+    assert plan.config_candidate is not None and plan.config_candidate.fits, plan.config_error
+    assert plan.ranked[0].layout == plan.config_candidate.layout
+
+
 def test_the_235b_moe_config_is_on_the_smallest_cluster_that_fits_without_offload():
     from titan_npu.planner.hardware import hardware
     from titan_npu.planner.search import make_plan
@@ -116,7 +152,7 @@ def test_the_128k_config_is_llama_3_1_with_its_rope_scaling_on_the_planners_cont
     plan = make_plan(cfg, 1, 8, hardware("910B2"))
     assert plan.config_candidate is not None and plan.config_candidate.fits, plan.config_error
     assert plan.ranked[0].layout == plan.config_candidate.layout
-    assert (plan.ranked[0].layout.cp, plan.ranked[0].layout.cp_mode) == (2, "ulysses")
+    assert (plan.ranked[0].layout.cp, plan.ranked[0].layout.cp_mode) == (2, "ring")
     comparison = compare_with_plan(dry_run(cfg, 8, 5, forward=False), cfg)
     assert comparison["match"], comparison["problems"]
 

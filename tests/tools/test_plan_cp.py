@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from titan_npu.config.loader import load_config
+from titan_npu.errors import LayoutError
 from titan_npu.planner.activations import block_bytes, rank_activations
 from titan_npu.planner.dry_run import dry_run
 from titan_npu.planner.hardware import hardware
 from titan_npu.planner.layout import Layout, job_from_config, layout_from_config, rank_coordinates
-from titan_npu.planner.perf import context_exchange_seconds
+from titan_npu.planner.perf import context_exchange_seconds, estimate_step
 from titan_npu.planner.plan import format_plan
 from titan_npu.planner.search import config_for_layout, config_overrides, make_plan
 from titan_npu.planner.verify import compare_with_plan
@@ -37,13 +38,19 @@ def test_a_cp_rank_holds_its_share_of_every_blocks_activations():
         assert split.full == (whole.full + extra) // cp and split.block_input == whole.block_input // cp
 
 
-def test_the_ring_off_the_cpu_holds_its_plain_math_score_blocks_in_backward():
+def test_the_rings_fused_block_kernels_hold_no_score_blocks_and_the_plain_math_one_does():
     job = job_from_config(load_config(LLAMA_128K))
     ring, ulysses = Layout(dp_shard=4, cp=2, cp_mode="ring"), Layout(dp_shard=4, cp=2, cp_mode="ulysses")
-    assert rank_activations(job, ring, 0, "cpu") == rank_activations(job, ulysses, 0, "cpu")
     local = 131072 // 2
-    assert block_bytes(job, ring, 1, "npu").backward_transient == 32 * local * local * 4 * 3
-    assert rank_activations(job, ring, 0, "npu").extra > rank_activations(job, ulysses, 0, "npu").extra
+    for device in ("cpu", "npu", "cuda"):
+        # dq (fp32 4096), dk/dv held and received (fp32 2 x 2 x 1024), K/V held and received (bf16 2 x 2 x 1024),
+        # one block's gradients (bf16 4096 + 2 x 1024): under the SwiGLU's fp32 gradient (4 x 14336) per token.
+        assert 4 * 4096 + 16 * 1024 + 8 * 1024 + 2 * (4096 + 2048) < 4 * 14336
+        assert block_bytes(job, ring, 1, device).backward_transient == local * 4 * 14336
+        assert rank_activations(job, ring, 0, device) == rank_activations(job, ulysses, 0, device)
+    # A device without a fused kernel runs the plain-math block: 3 fp32 [S/cp]^2 blocks per head besides.
+    math = block_bytes(job, ring, 1, "xpu").backward_transient
+    assert math == local * (4 * 4096 + 16 * 1024 + 8 * 1024 + 2 * (4096 + 2048)) + 32 * local * local * 4 * 3
 
 
 def test_ring_and_ulysses_traffic_follow_their_formulas():
@@ -55,6 +62,46 @@ def test_ring_and_ulysses_traffic_follow_their_formulas():
     assert ring == pytest.approx(3 * 3 * tokens * 2 * 1024 * 2 * 32 / hw.intra_node_bw)
     ulysses = context_exchange_seconds(job, Layout(dp_shard=2, cp=4, cp_mode="ulysses"), hw, 8, tokens, 32)
     assert ulysses == pytest.approx(2 * tokens * (2 * 4096 + 2 * 1024) * 2 * 3 / 4 * 32 / hw.intra_node_bw)
+
+
+def test_hybrid_traffic_is_ulysses_inside_the_group_and_the_ring_between_groups_over_their_links():
+    job = job_from_config(load_config(LLAMA_128K))
+    hw = hardware("910B2")
+    tokens = 131072 // 8
+    hybrid = Layout(dp_shard=2, cp=8, cp_mode="hybrid", cp_ulysses=2)
+    # 2 nodes of 8: the Ulysses pairs stay inside a node, the ring of 4 groups spans the cp group's 8 ranks, which
+    # cross the node boundary (cp is inside dp_shard in the mesh: dp_shard 2 x cp 8 = 16 ranks).
+    ulysses = 2 * tokens * (2 * 4096 + 2 * 1024) * 2 * 1 / 2 * 32
+    ring = 3 * 3 * tokens * 2 * 1024 * 2 * 32
+    assert context_exchange_seconds(job, hybrid, hw, 8, tokens, 32) == pytest.approx(
+        ulysses / hw.intra_node_bw + ring / hw.intra_node_bw)
+    assert context_exchange_seconds(job, hybrid, hw, 4, tokens, 32) == pytest.approx(
+        ulysses / hw.intra_node_bw + ring / hw.inter_node_bw)
+    with pytest.raises(LayoutError, match="cp_ulysses_degree=3 must divide cp_degree=8"):
+        Layout(dp_shard=2, cp=8, cp_mode="hybrid", cp_ulysses=3)
+
+
+def test_hybrid_context_parallelism_is_searched_and_plan_equals_dry_run():
+    cfg = load_config(CONFIGS / "debug.toml", ["--training.seq_len", "64", "--model.n_layers", "2"])
+    plan = make_plan(cfg, 1, 8, hardware("910B2"), top=10**6)
+    hybrids = {(c.layout.cp, c.layout.cp_ulysses) for c in plan.ranked if c.layout.cp_mode == "hybrid"}
+    assert (4, 2) in hybrids and (8, 4) in hybrids
+    chosen = load_config(CONFIGS / "debug.toml", ["--training.seq_len", "64", "--model.n_layers", "2",
+                                                  *config_overrides(Layout(dp_shard=2, cp=4, cp_mode="hybrid",
+                                                                           cp_ulysses=2, batch_size=8)).split()])
+    assert layout_from_config(chosen, 8).cp_ulysses == 2
+    result = dry_run(chosen, 8, 5)
+    comparison = compare_with_plan(result, chosen)
+    assert result.forward_checked and comparison["match"], comparison["problems"]
+
+
+def test_fsdp_over_dp_shard_x_cp_pays_the_inter_node_link_when_its_ranks_span_nodes():
+    job = job_from_config(load_config(CONFIGS / "qwen3_32b.toml"))
+    hw = hardware("910B2")
+    # dp_shard 1 x cp 8, tp 2 ranks apart: FSDP's group spans 16 ranks, two nodes of 8 (one node of 16: HCCS).
+    layout = Layout(dp_shard=1, cp=8, cp_mode="hybrid", cp_ulysses=4, tp=2, batch_size=2, grad_accum=64)
+    assert estimate_step(job, layout, hw, 16).fsdp_exposed == 0
+    assert estimate_step(job, layout, hw, 8).fsdp_exposed > 0
 
 
 def test_fsdp_shards_over_dp_shard_times_cp_with_cp_innermost():
@@ -77,7 +124,7 @@ def test_qwen3_32b_at_32k_on_16_cards_plans_context_parallelism_and_dry_runs_to_
     cfg = load_config(CONFIGS / "qwen3_32b.toml", QWEN3_32B_32K)
     plan = make_plan(cfg, 2, 8, hardware("910B2"))
     first = plan.ranked[0].layout
-    assert (first.dp_shard, first.cp, first.cp_mode, first.ac) == (4, 4, "ulysses", "full")
+    assert (first.dp_shard, first.cp, first.cp_mode, first.ac) == (4, 4, "ring", "full")
     assert plan.global_batch == 16 and plan.ranked[0].fits
     chosen = config_for_layout(cfg, first)
     result = dry_run(chosen, 16, 13, forward=False)
@@ -89,7 +136,7 @@ def test_qwen3_32b_at_32k_on_16_cards_plans_context_parallelism_and_dry_runs_to_
 
 
 @pytest.mark.slow
-def test_llama3_8b_at_128k_runs_forward_and_backward_under_ulysses_in_the_dry_run():
+def test_llama3_8b_at_128k_runs_forward_and_backward_under_its_context_parallel_layout_in_the_dry_run():
     cfg = load_config(LLAMA_128K)
     result = dry_run(cfg, 8, 5)
     comparison = compare_with_plan(result, cfg)

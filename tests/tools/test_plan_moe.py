@@ -46,17 +46,47 @@ def test_ep_equal_to_dp_shard_leaves_the_experts_to_expert_parallelism_alone():
     assert result.forward_checked and result.parameters["layers.1.feed_forward.experts.w2"]["local_shape"][0] == 2
 
 
+# Layouts MoE layers now run with expert parallelism (docs/moe.md "Parallelise"): 4 ranks, a rank to check each.
+EP_LAYOUTS = {
+    "ep_x_tp": (["--parallel.dp_shard", "2", "--parallel.tp_degree", "2", "--parallel.ep_degree", "2"], 3),
+    "ep_x_pp_with_aux_loss": (["--parallel.dp_shard", "2", "--parallel.pp_degree", "2", "--parallel.ep_degree", "2",
+                               "--parallel.pp_microbatches", "2"], 1),
+    "ep_over_dp_shard_x_cp": (["--parallel.dp_shard", "2", "--parallel.cp_degree", "2", "--parallel.ep_degree", "4"],
+                              2),
+    "ep_with_hsdp": (["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", "--parallel.ep_degree", "2"], 3),
+}
+
+
+@pytest.mark.parametrize("name", list(EP_LAYOUTS))
+def test_expert_parallel_layouts_with_tp_pp_cp_and_hsdp_plan_equals_dry_run(name):
+    overrides, rank = EP_LAYOUTS[name]
+    cfg = load_config(MOE, TINY + overrides)
+    assert cfg.model.router_aux_loss_coef > 0
+    result = dry_run(cfg, 4, rank)
+    comparison = compare_with_plan(result, cfg)
+    assert comparison["match"], comparison["problems"]
+    assert result.forward_checked
+
+
 def test_balanced_routing_gives_every_expert_its_even_share():
     assert balanced_rows(16, 8) == [2] * 8
     assert balanced_rows(10, 4) == [3, 3, 2, 2]
 
 
-def test_plan_ranks_moe_layouts_with_expert_parallelism_and_no_tensor_parallelism(capsys):
-    code = main(["--config", str(MOE), "--nodes", "1", "--devices-per-node", "4", "--json", "--top", "200"])
+def test_plan_ranks_the_moe_layouts_parallel_layout_accepts_tp_pp_and_ep_with_them(capsys):
+    code = main(["--config", str(MOE), "--nodes", "1", "--devices-per-node", "4", "--json", "--top", "400"])
     report = json.loads(capsys.readouterr().out)
     layouts = [c["layout"] for c in report["ranked"]]
+    assert load_config(MOE).model.router_aux_loss_coef > 0  # pipelining with the aux loss is searched too
     assert {lay["ep"] for lay in layouts} == {1, 2, 4}
-    assert {lay["tp"] for lay in layouts} == {1}  # a MoE model takes no tensor parallelism yet
+    assert {lay["tp"] for lay in layouts} == {1, 2} and {lay["pp"] for lay in layouts} >= {1, 2}
+    assert any(lay["ep"] > 1 and lay["tp"] > 1 for lay in layouts)
+    assert any(lay["ep"] > 1 and lay["pp"] > 1 for lay in layouts)
+    assert any(lay["ep"] > 1 and lay["dp_replicate"] > 1 for lay in layouts)
+    # parallel/layout.py's rules: EP x TP and EP with HSDP only with ep = dp_shard (x cp).
+    for lay in layouts:
+        if lay["ep"] > 1 and (lay["tp"] > 1 or lay["dp_replicate"] > 1):
+            assert lay["ep"] == lay["dp_shard"] * lay["cp"], lay
     assert code == 0
 
 

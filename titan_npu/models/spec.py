@@ -72,6 +72,9 @@ class ModelSpec:
     published_sizes: Mapping[tuple[int, int], str] = field(default_factory=dict)
     # A flavor named by a version in model.name ("llama3.1_8b" -> "3.1-8B"): (version, size) -> flavor.
     versioned_flavor: Callable[[str | None, str | None], str | None] = lambda version, size: size
+    # The family's own layout refusals beyond parallel/layout.py's: (ParallelDims, args, JobConfig) -> None or
+    # LayoutError; parallelize calls it, and the planner's search through it skips what the model would refuse.
+    check_layout: Callable[[Any, Any, Any], None] = lambda dims, args, cfg: None
 
     def canonical_flavor(self, flavor: str) -> str:
         """The flavor's own spelling ('8b' -> '8B'), or a ConfigError naming the valid ones."""

@@ -12,9 +12,13 @@ from dataclasses import dataclass
 from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.stages import StagePart, rank_parts
 
-# fp32 [S/cp x S/cp] tensors per local head the ring's plain-math block kernel (ops/attention_blocks.py, off the
-# CPU) holds at once in its backward: the scores, their exponentials and the gradient.
+# fp32 [S/cp x S/cp] tensors per local head the ring's plain-math block kernel (ops/attention_blocks.py, on a
+# device without a fused one) holds at once in its backward: the scores, their exponentials and the gradient.
 RING_MATH_BLOCKS = 3
+# Devices whose ring blocks run a fused kernel returning its log-sum-exp (ops/attention_blocks.py block_kernels:
+# torch's cpu flash kernel, npu_fusion_attention, CUDA's flash / memory-efficient SDPA): no score block is
+# materialised.
+RING_FUSED_DEVICES = ("cpu", "npu", "cuda")
 
 # Bytes of the int64 index tensors a MoE layer keeps per routed copy: the sort order, its inverse and the source
 # token of each copy (layer.py), and under expert parallelism the exchange's regrouping order (dispatch.py).
@@ -44,21 +48,52 @@ def local_tokens(job: Job, layout: Layout, micro_batch: int) -> int:
 def moe_ffn_bytes(job: Job, layout: Layout) -> tuple[int, int, int]:
     """Per token, a MoE feed-forward's (saved bytes, bytes op-level checkpointing keeps, backward transient).
 
-    The router keeps its fp32 probabilities (4 E) and top-k indices and weights (16 k); each of the k routed copies
+    The router keeps its fp32 probabilities (4 E) and top-k indices and weights (16 k); DeepSeek-V3's
+    group-limited sigmoid router (group_router.py) keeps the same plus the fp32 copy of its input it scores in
+    (4 D, when the input is not fp32 already): its group choice only picks indices, whose graph is freed at once.
+    Each of the k routed copies
     keeps its sort indices, the grouped GEMM's input row (c D), gate, silu(gate), up and their product (4 c F_moe,
     as the dense SwiGLU) and its output row for the weighting (c D); a shared expert keeps a dense SwiGLU's
     4 c F_shared. Balanced routing: every rank runs k copies per token, under expert parallelism too (the
     exchange sends and receives as many rows; the received ones are what the grouped GEMM keeps).
     """
-    a, c = job.args, job.compute_bytes
-    k, d, f, e = a.top_k, a.dim, a.moe_ffn_dim, a.n_experts
+    m, c = job.args.moe_args(), job.compute_bytes
+    k, d, f, e, shared = m.top_k, m.dim, m.ffn_dim, m.n_experts, m.shared_ffn_dim
     index = MOE_INDEX_BYTES + (EP_INDEX_BYTES if layout.ep > 1 else 0)
-    saved = 4 * e + 16 * k + k * (index + 2 * c * d + 4 * c * f) + 4 * c * a.shared_ffn_dim
+    router = 4 * e + 16 * k + (4 * d if m.router == "sigmoid_group" and c < 4 else 0)
+    saved = router + k * (index + 2 * c * d + 4 * c * f) + 4 * c * shared
     # Op-level checkpointing keeps the matmul outputs (activation_checkpoint.py's list): the router's logits and the
     # shared expert's projections; the grouped GEMM is not on the list, so the experts are recomputed.
-    op_saves = c * e + c * (2 * a.shared_ffn_dim + d if a.shared_ffn_dim else 0)
-    transient = k * 4 * f + 4 * a.shared_ffn_dim
+    op_saves = c * e + c * (2 * shared + d if shared else 0)
+    transient = k * 4 * f + 4 * shared
     return saved, op_saves, transient
+
+
+def mla_bytes(job: Job, layout: Layout, device_type: str) -> tuple[int, int]:
+    """Per token, what DeepSeek-V3's multi-head latent attention keeps beyond the kernel's q, k, v and output
+    (those are H x (qk_nope + qk_rope) wide each, v padded to the query's head width): (saved, op-level saves).
+
+    The compressed query and key/value latents (q_lora_rank r_q, kv_lora_rank r_kv; replicated over tensor-parallel
+    ranks) each go through an RMSNorm, which keeps what the block norms keep (fp32 input, normalised value, rstd;
+    the cpu reference without TP its input in the projections' dtype and rstd), and the up-projection after it
+    keeps its input (c r); wo keeps the copy of attention's output cut back to v_head_dim (c H v). Op-level
+    checkpointing keeps the five projections' outputs instead: c (r_q + r_kv + qk_rope + H (qk_nope + v))
+    besides q and wo's (counted with the dense attention's). A plain query projection (q_lora_rank 0) has no
+    query latent.
+    """
+    a, c, tp = job.args, job.compute_bytes, layout.tp
+    latents = a.q_lora_rank + a.kv_lora_rank
+    width = c if device_type == "cpu" and tp == 1 else 8
+    norms = width * latents + 4 * (2 if a.q_lora_rank else 1)
+    heads = a.n_heads // tp
+    saved = norms + c * latents + c * heads * a.v_head_dim
+    op_saves = c * (latents + a.qk_rope_head_dim + heads * (a.qk_nope_head_dim + a.v_head_dim))
+    return saved, op_saves
+
+
+def is_mla(args: object) -> bool:
+    """Whether a model's attention is multi-head latent attention (DeepSeek-V3)."""
+    return hasattr(args, "kv_lora_rank")
 
 
 def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "cpu", moe: bool = False
@@ -76,13 +111,16 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     dtype: its input (c (q + kv)) and rstd (4 per head) with the cpu reference, else the fp32 input and
     normalised value (8 (q + kv)) and rstd; it runs on the heads a tensor-parallel rank holds, so sequence
     parallelism does not split it further. Qwen2's q/k/v biases keep nothing (an add's backward needs no input).
-    A MoE block (`moe`) keeps moe_ffn_bytes in place of the SwiGLU's 4 c F. Under context parallelism (tokens =
+    A MoE block (`moe`) keeps moe_ffn_bytes in place of the SwiGLU's 4 c F; multi-head latent attention
+    (DeepSeek-V3) keeps mla_bytes on top of the kernel's q, k, v and output. Under context parallelism (tokens =
     the rank's seq_len / cp of each sequence) attention keeps what flash attention keeps, whatever
     use_flash_attention says, and two things more per token: the output projection's own copy of attention's
     output (c q: the ring's and Ulysses' outputs come back in another layout, and the reshape before wo copies
     them) and the RoPE rows gathered for the rank's load-balanced positions (fp32 cos and sin, 4 head_dim), both
-    measured on CPU (benchmarks/cp_memory.py). The ring's block kernel off the CPU is plain math, whose fp32 score
-    blocks (RING_MATH_BLOCKS x [S/cp]^2 per local head) are alive during a block's backward.
+    measured on CPU (benchmarks/cp_memory.py). The ring's backward (ring_backward_bytes) holds its fp32 dq and
+    travelling dk/dv accumulators, the keys/values in flight and one block's gradients; a device without a fused
+    block kernel runs plain math, whose fp32 score blocks (RING_MATH_BLOCKS x [S/cp]^2 per local head) are alive
+    then too.
     """
     a, c, tp = job.args, job.compute_bytes, layout.tp
     tokens = local_tokens(job, layout, micro_batch)
@@ -105,6 +143,11 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     else:
         ffn, ffn_op_saves, ffn_transient = 4 * c * f, c * (2 * f + d), 4 * f
     per_token = norms + (5 if autocast else 2) * c * d + ffn
+    attn_op_saves = c * (q + 2 * kv + d + q)  # q, k, v, wo and attention's outputs
+    if is_mla(a):
+        mla, mla_op_saves = mla_bytes(job, layout, device_type)
+        per_token += mla
+        attn_op_saves = c * (q + d + q) + mla_op_saves
     if layout.cp > 1:
         full = tokens * (per_token + c * (2 * q + 2 * kv) + stats + c * q + 4 * (a.q_dim // a.n_heads))
     elif a.use_flash_attention:
@@ -114,14 +157,25 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
         full = tokens * (per_token + 4 * c * q) + probs + job.seq_len**2
     block_input = tokens * d * residual // sp
     # Op-level selective checkpointing keeps the outputs of every matmul (q, k, v, wo, w1, w3, w2) and of attention.
-    op_saves = block_input + tokens * (c * (q + 2 * kv + d + q) + ffn_op_saves + stats)
+    op_saves = block_input + tokens * (attn_op_saves + ffn_op_saves + stats)
     # Measured on CPU: about one fp32 F-wide gradient is alive beyond the saved tensors while a block's backward runs
     # (per routed copy in a MoE block).
     transient = tokens * ffn_transient
-    if layout.cp > 1 and layout.cp_mode == "ring" and device_type != "cpu":
-        local = job.seq_len // layout.cp
-        transient = max(transient, micro_batch * heads * local * local * 4 * RING_MATH_BLOCKS)
+    if layout.cp > 1 and layout.cp_mode in ("ring", "hybrid"):
+        ring = tokens * ring_backward_bytes(q, kv, c)
+        if device_type not in RING_FUSED_DEVICES:
+            local = job.seq_len // layout.cp
+            ring += micro_batch * heads * local * local * 4 * RING_MATH_BLOCKS
+        transient = max(transient, ring)
     return BlockBytes(full, block_input, op_saves, transient)
+
+
+def ring_backward_bytes(q: int, kv: int, c: int) -> int:
+    """Per local token, what the ring's backward (parallel/ring_attention.py) holds besides the saved tensors, with
+    q / kv the local query and key/value widths: dq's fp32 accumulator (4 q), the dk/dv accumulators held and
+    received (2 x 4 x 2 kv, fp32), the keys/values held and received (2 x c 2 kv) and one block's dq, dk, dv
+    (c (q + 2 kv)), the fused kernels' own workspace aside."""
+    return 4 * q + 16 * kv + 4 * c * kv + c * (q + 2 * kv)
 
 
 def checkpoint_kind(layer_id: int, layout: Layout) -> str:

@@ -22,6 +22,8 @@ def communicators(layout: Layout) -> int:
         n += 1
     if layout.cp > 1:
         n += 2  # dp_shard x cp (FSDP's group) and dp x cp (the token reductions), flattened
+    if layout.cp_ulysses > 1:
+        n += 2  # hybrid's Ulysses and ring groups
     if 1 < layout.ep < layout.dp_shard:
         n += 2  # the experts' own mesh: ep and efsdp groups
     return n
@@ -51,15 +53,24 @@ def expert_all_to_all_bytes(job: Job, layout: Layout, tokens: int, layers: int) 
 
 
 def context_exchange_bytes(job: Job, layout: Layout, tokens: int, layers: int) -> float:
-    """Bytes context parallelism sends from a rank for `tokens` local tokens through `layers` blocks.
+    """Bytes context parallelism sends from a rank for `tokens` local tokens through `layers` blocks (both parts of
+    hybrid's: context_exchange_parts)."""
+    return sum(context_exchange_parts(job, layout, tokens, layers))
+
+
+def context_exchange_parts(job: Job, layout: Layout, tokens: int, layers: int) -> tuple[float, float]:
+    """(Ulysses all-to-all bytes, ring bytes) a rank sends for `tokens` local tokens through `layers` blocks.
 
     Ring: the rank's K/V block travels cp - 1 hops in forward; backward sends K/V and their gradients around again
     (3 x in all). Ulysses: all-to-alls of q, k, v and the output in forward and of their gradients in backward,
-    (cp - 1) / cp of each leaving the rank."""
+    (cp - 1) / cp of each leaving the rank. Hybrid: Ulysses within the groups of u = cp_ulysses ranks ((u - 1) / u
+    leaves), then the ring over the cp / u groups, each rank's block u x its tokens with 1 / u of the heads: as many
+    K/V bytes as the plain ring's per hop."""
     if layout.cp == 1:
-        return 0.0
+        return 0.0, 0.0
     a, c, cp = job.args, job.compute_bytes, layout.cp
     q, kv = a.q_dim // layout.tp, a.kv_dim // layout.tp
-    if layout.cp_mode == "ring":
-        return 3 * (cp - 1) * tokens * 2 * kv * c * layers
-    return 2 * tokens * (2 * q + 2 * kv) * c * (cp - 1) / cp * layers
+    u = {"ring": 1, "ulysses": cp}.get(layout.cp_mode, layout.cp_ulysses)
+    ulysses = 2 * tokens * (2 * q + 2 * kv) * c * (u - 1) / u * layers
+    ring = 3 * (cp // u - 1) * tokens * 2 * kv * c * layers
+    return ulysses, ring

@@ -191,7 +191,8 @@ def balanced_routing() -> Iterator[None]:
 def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims) -> tuple[int, ...]:
     """One forward/backward of every part with fake tensors; returns the output shape of the last part run.
 
-    A pipeline stage without the embedding takes the hidden states its predecessor would send: the local
+    A pipeline stage without the embedding takes the hidden states its predecessor would send (a MoE model's routing
+    sums, which the trainer's stages carry on too, it runs without: its own layers' are what it holds): the local
     [micro-batch, seq / tp (sequence parallel), dim] slice, in the dtype the activations have. A context-parallel
     rank takes its seq / cp tokens of each sequence.
     """
@@ -222,6 +223,8 @@ def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims
             else:
                 x = torch.randn(batch, seq_local, args.dim, dtype=hidden_dtype, requires_grad=True)
             out = part(x)
+            # A MoE model's stage but the last also sends its routing sums on (hidden states, counts, prob sums).
+            out, *sent = out if isinstance(out, tuple) else (out,)
             shape = tuple(out.shape)
             if part.output is not None:
                 logits = out.full_tensor() if hasattr(out, "full_tensor") else out
@@ -230,7 +233,8 @@ def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims
             else:
                 # A stage that sends hidden states on: a stand-in loss reaches every parameter it holds.
                 local = out.to_local() if hasattr(out, "to_local") else out
-                local.float().sum().backward()
+                loss = local.float().sum() + sum(t.float().sum() for t in sent if t.requires_grad)
+                loss.backward()
     return shape
 
 

@@ -15,7 +15,7 @@ GiB = 1024**3
 MiB = 1024**2
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 AC_MODES = ("none", "selective", "full")
-CP_MODES = ("ring", "ulysses")
+CP_MODES = ("ring", "ulysses", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class Layout:
     pp: int = 1
     cp: int = 1  # context parallel: each sequence split over cp ranks (a factor of the world size)
     ep: int = 1  # expert parallel: the experts split over ep of the dp_shard ranks (not a factor of the world size)
-    cp_mode: str = "ring"  # ring | ulysses
+    cp_mode: str = "ring"  # ring | ulysses | hybrid
+    cp_ulysses: int = 1  # hybrid: the cp ranks of one Ulysses group (parallel.cp_ulysses_degree), the ring between
     fsdp: bool = True
     ac: str = "none"  # none | selective | full
     selective_every: int = 2
@@ -52,9 +53,16 @@ class Layout:
             raise LayoutError(f"activation_checkpoint.mode={self.ac!r} is unknown (choose {', '.join(AC_MODES)})")
         if self.cp_mode not in CP_MODES:
             raise LayoutError(f"parallel.cp_mode={self.cp_mode!r} is unknown (choose {', '.join(CP_MODES)})")
-        if self.dp_shard % self.ep:
-            raise LayoutError(f"parallel.ep_degree={self.ep} must divide dp_shard={self.dp_shard} (the ep ranks are "
-                              f"taken from the FSDP ranks); choose ep_degree from {arithmetic.divisors(self.dp_shard)}")
+        hybrid = self.cp_mode == "hybrid" and self.cp > 1
+        if hybrid and (self.cp % self.cp_ulysses or not 1 < self.cp_ulysses < self.cp):
+            raise LayoutError(f"parallel.cp_ulysses_degree={self.cp_ulysses} must divide cp_degree={self.cp} and lie "
+                              f"between 1 and it (hybrid: Ulysses within its groups, the ring between them)")
+        if not hybrid and self.cp_ulysses != 1:
+            raise LayoutError(f"layout cp_ulysses={self.cp_ulysses} needs cp_mode 'hybrid' with cp > 1")
+        if self.fsdp_shards % self.ep:
+            raise LayoutError(f"parallel.ep_degree={self.ep} must divide dp_shard x cp = {self.fsdp_shards} (the ep "
+                              f"ranks are taken from the FSDP ranks); choose ep_degree from "
+                              f"{arithmetic.divisors(self.fsdp_shards)}")
         if self.pp > 1 and self.local_batch % self.n_microbatches:
             raise LayoutError(
                 f"{self.local_batch} sequences per pipeline step (batch_size x gradient_accumulation_steps) do not "
@@ -81,8 +89,17 @@ class Layout:
 
     @property
     def efsdp(self) -> int:
-        """Ranks FSDP splits an expert-parallel rank's experts over: the dp_shard / ep ranks holding the same ones."""
-        return self.dp_shard // self.ep
+        """The dp_shard x cp / ep FSDP ranks that hold an expert-parallel rank's experts (the same ones)."""
+        return self.fsdp_shards // self.ep
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks FSDP splits an expert-parallel rank's experts over (parallel/dims.py's experts_fsdp_mesh): the efsdp
+        ranks, or under HSDP with ep = dp_shard x cp the dp_replicate ranks (the replicas of one ep group); 1 when
+        none do (the experts then stay whole on their ep rank)."""
+        if not self.fsdp:
+            return 1
+        return self.efsdp if self.efsdp > 1 else self.dp_replicate
 
     @property
     def fsdp_wrapped(self) -> bool:
@@ -134,7 +151,8 @@ class Layout:
         """One line: degrees, activation checkpointing and batch split."""
         parts = [f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}", f"tp={self.tp}", f"pp={self.pp}"]
         if self.cp > 1:
-            parts.append(f"cp={self.cp} ({self.cp_mode})")
+            hybrid = f" ulysses {self.cp_ulysses} x ring {self.cp // self.cp_ulysses}" if self.cp_ulysses > 1 else ""
+            parts.append(f"cp={self.cp} ({self.cp_mode}{hybrid})")
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
         if not self.fsdp:
@@ -193,6 +211,7 @@ def layout_from_config(cfg: JobConfig, world_size: int) -> Layout:
         cp=dims.cp,
         ep=dims.ep,
         cp_mode=p.cp_mode,
+        cp_ulysses=dims.cp_ulysses,
         fsdp=p.fsdp,
         ac=ac.mode,
         selective_every=ac.selective_every,

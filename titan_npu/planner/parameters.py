@@ -4,8 +4,9 @@ The planner walks the same parameter shapes and tensor-parallel placements (the 
 ModelSpec.parameter_kinds: biases, q/k norms and a tied output included), pipeline split and FSDP2 dim-0 chunking
 as the real parallelized model; the dry run (planner/verify.py) checks that they are equal, shard by shard.
 A MoE layer's stacked experts (dim 0 = the experts) are split differently under expert parallelism: over the ep
-ranks first (whole experts, parallel.ep_degree), then by FSDP over the dp_shard / ep ranks that hold the same
-experts; dense parameters are FSDP-sharded over dp_shard (x cp).
+ranks first (whole experts, parallel.ep_degree, taken from dp_shard x cp), then by FSDP over the ranks that hold
+the same experts (dp_shard x cp / ep of them, or the HSDP replicas when ep takes every FSDP rank); dense parameters
+are FSDP-sharded over dp_shard (x cp). Under tensor parallelism each expert is cut on its ffn dim first.
 """
 
 from __future__ import annotations
@@ -39,6 +40,22 @@ def block_kinds(args: Any) -> list[str]:
     return [k for k in parameter_kinds(args) if k not in FIRST_STAGE_KINDS + LAST_STAGE_KINDS]
 
 
+# A dense block's SwiGLU; a model with both kinds of layer (DeepSeek-V3's first_k_dense, Qwen3-MoE's mlp_only_layers)
+# holds these in its dense blocks and the MoE layer's router, experts and shared experts in the others.
+DENSE_FFN_KINDS = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
+
+
+def layer_kinds(args: Any, layer_id: int) -> list[str]:
+    """The kinds of parameter block `layer_id` holds, in the model's order: a MoE block's feed-forward kinds or a
+    dense block's, the rest alike."""
+    kinds = block_kinds(args)
+    is_moe = getattr(args, "is_moe_layer", None)
+    if is_moe is None:
+        return kinds
+    moe = is_moe(layer_id)
+    return [k for k in kinds if not k.startswith("feed_forward.") or (k in DENSE_FFN_KINDS) != moe]
+
+
 def is_expert_kind(kind: str) -> bool:
     """Whether a kind of parameter is a MoE layer's stacked experts (dim 0 = the experts)."""
     return kind.startswith("feed_forward.experts.")
@@ -54,9 +71,8 @@ def rank_parameter_names(args: Any, layout: Layout, pp_rank: int) -> list[str]:
     """Names of the parameters a pipeline rank holds (layer names stay global: 'layers.41.attention.wq.weight')."""
     names = []
     kinds = parameter_kinds(args)
-    block = block_kinds(args)
     for part in rank_parts(args, layout, pp_rank):
-        names += [f"layers.{i}.{kind}" for i in part.layers for kind in block]
+        names += [f"layers.{i}.{kind}" for i in part.layers for kind in layer_kinds(args, i)]
         names += part.root_kinds(kinds)
     return names
 
@@ -65,16 +81,18 @@ def rank_parameter_names(args: Any, layout: Layout, pp_rank: int) -> list[str]:
 def local_shape(shape: tuple[int, ...], tp_dim: int | None, layout: Layout, coords: dict[str, int],
                 expert: bool = False) -> tuple[int, ...]:
     """The shape of a parameter's local shard on a rank: tensor-parallel cut first (along tp_dim, None = none),
-    then FSDP's dim-0 chunk of it; stacked experts (`expert`) under expert parallelism: the ep rank's experts,
-    then FSDP's chunk of those over the dp_shard / ep ranks that hold them."""
+    then FSDP's dim-0 chunk of it; stacked experts (`expert`) under expert parallelism: the ep rank's experts (ep
+    consecutive ranks of dp_shard x cp), then FSDP's chunk of those over the ranks that hold the same ones
+    (Layout.expert_shards: the efsdp ranks, or the HSDP replicas when ep = dp_shard x cp)."""
     local = list(shape)
     if layout.tp > 1 and tp_dim is not None:
         local[tp_dim] = chunk_size(local[tp_dim], layout.tp, coords["tp"])
     if expert and layout.ep > 1:
-        efsdp_rank, ep_rank = expert_coordinates(coords["dp_shard"], layout.ep)
+        efsdp_rank, ep_rank = expert_coordinates(fsdp_index(layout, coords), layout.ep)
         local[0] = chunk_size(local[0], layout.ep, ep_rank)
-        if layout.fsdp and layout.efsdp > 1:
-            local[0] = chunk_size(local[0], layout.efsdp, efsdp_rank)
+        if layout.expert_shards > 1:
+            shard_rank = efsdp_rank if layout.efsdp > 1 else coords["dp_replicate"]
+            local[0] = chunk_size(local[0], layout.expert_shards, shard_rank)
     elif layout.shards_parameters:
         local[0] = chunk_size(local[0], layout.fsdp_shards, fsdp_index(layout, coords))
     return tuple(local)
@@ -111,11 +129,13 @@ def local_numel_split(args: Any, layout: Layout, rank: int) -> tuple[int, int]:
     groups under expert parallelism."""
     coords = rank_coordinates(layout, rank)
     per_kind = _local_numels(args, layout, coords)
-    dense = sum(per_kind[k] for k in block_kinds(args) if not is_expert_kind(k))
-    expert = sum(per_kind[k] for k in block_kinds(args) if is_expert_kind(k))
-    parts = rank_parts(args, layout, coords["pp"])
-    return (sum(len(p.layers) * dense + sum(per_kind[k] for k in p.root_kinds(per_kind)) for p in parts),
-            sum(len(p.layers) * expert for p in parts))
+    dense = expert = 0
+    for part in rank_parts(args, layout, coords["pp"]):
+        dense += sum(per_kind[k] for k in part.root_kinds(per_kind))
+        for i in part.layers:
+            dense += sum(per_kind[k] for k in layer_kinds(args, i) if not is_expert_kind(k))
+            expert += sum(per_kind[k] for k in layer_kinds(args, i) if is_expert_kind(k))
+    return dense, expert
 
 
 @dataclass(frozen=True)

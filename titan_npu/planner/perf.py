@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from titan_npu.metrics.throughput import flops_per_token
 from titan_npu.parallel.arithmetic import mesh_dims
-from titan_npu.planner.communication import context_exchange_bytes, expert_all_to_all_bytes
+from titan_npu.planner.communication import context_exchange_bytes, context_exchange_parts, expert_all_to_all_bytes
 from titan_npu.planner.hardware import Hardware
 from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.parameters import local_numel_split
@@ -68,8 +68,23 @@ def grouped_share(args: object) -> float:
     layers = getattr(args, "n_moe_layers", 0)
     if not layers:
         return 0.0
-    routed = layers * args.top_k * 3 * args.dim * args.moe_ffn_dim
+    m = args.moe_args()
+    routed = layers * m.top_k * 3 * m.dim * m.ffn_dim
     return routed / args.num_active_params(exclude_embedding=True)
+
+
+def training_flops_per_token(args: object, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x the active non-embedding parameters plus attention's score and value matmuls.
+
+    The decoders' attention is 12 L D S (metrics/throughput.py, what the trainer's MFU counts); DeepSeek-V3's
+    multi-head latent attention multiplies H heads of qk_nope + qk_rope by H of v_head_dim instead,
+    6 L' H S (qk + v), L' counting the multi-token prediction blocks too (their parameters are in the active ones).
+    """
+    active = getattr(args, "num_active_params", args.num_params)(exclude_embedding=True)
+    if not hasattr(args, "v_head_dim"):
+        return flops_per_token(active, args.n_layers, args.dim, seq_len)
+    layers = args.n_layers + args.mtp_depth
+    return 6.0 * active + 6.0 * layers * args.n_heads * seq_len * (args.head_dim + args.v_head_dim)
 
 
 def pipeline_bubble(layout: Layout) -> float:
@@ -121,17 +136,21 @@ def expert_exchange_seconds(job: Job, layout: Layout, hw: Hardware, devices_per_
 
 def context_exchange_seconds(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, tokens: int,
                              layers: int) -> float:
-    """Time of context parallelism's exchanges (communication.context_exchange_bytes) over the cp group's link."""
-    volume = context_exchange_bytes(job, layout, tokens, layers)
-    return volume / _bandwidth(hw, group_crosses_nodes(layout, "cp", devices_per_node)) if volume else 0.0
+    """Time of context parallelism's exchanges (communication.context_exchange_parts) over their groups' links:
+    the cp group's; under hybrid, the Ulysses group's (its cp_ulysses adjacent cp ranks) for the all-to-alls."""
+    if layout.cp == 1:
+        return 0.0
+    ulysses, ring = context_exchange_parts(job, layout, tokens, layers)
+    crosses = group_crosses_nodes(layout, "cp", devices_per_node)
+    inner = crosses if layout.cp_mode == "ulysses" else layout.cp_ulysses * layout.tp > devices_per_node
+    return ulysses / _bandwidth(hw, inner) + ring / _bandwidth(hw, crosses)
 
 
 def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, efficiency: float = 0.4
                   ) -> StepEstimate:
     """Step time of a layout: compute at `efficiency` x peak, plus exposed communication, pipeline bubble, offload."""
     a, c = job.args, job.compute_bytes
-    active = getattr(a, "num_active_params", a.num_params)
-    fpt = flops_per_token(active(exclude_embedding=True), a.n_layers, a.dim, job.seq_len)
+    fpt = training_flops_per_token(a, job.seq_len)
     tokens_per_rank = layout.local_batch * job.seq_len  # per data-parallel rank, per step
     tokens_per_step = tokens_per_rank * layout.dp
     recompute = recompute_factor(layout, grouped_share(a))
@@ -177,14 +196,18 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
     reductions = 1 if layout.pp > 1 else layout.passes
     if layout.shards_parameters:
         gathers = (2 if layout.reshard_after_forward else 1) * layout.passes
-        bw = _bandwidth(hw, group_crosses_nodes(layout, "dp_shard", devices_per_node))
+        # FSDP's group is dp_shard x cp flattened (cp innermost, tp ranks apart).
+        bw = _bandwidth(hw, layout.fsdp_shards * layout.tp > devices_per_node)
         # Under expert parallelism the experts are gathered and reduced only over the efsdp ranks that share them.
-        for numel, s in ((dense, layout.fsdp_shards), (expert, layout.efsdp if layout.ep > 1 else layout.fsdp_shards)):
+        # Under HSDP with ep = dp_shard x cp the experts are sharded over the replicas instead (no all-reduce).
+        hsdp_experts = layout.ep > 1 and layout.efsdp == 1 and layout.dp_replicate > 1
+        expert_group = layout.expert_shards if layout.ep > 1 else layout.fsdp_shards
+        for numel, s in ((dense, layout.fsdp_shards), (expert, expert_group)):
             fsdp_comm += numel * s * (gathers * c + reductions * 4) * (s - 1) / s / bw
         if layout.dp_replicate > 1:
             r = layout.dp_replicate
             bw = _bandwidth(hw, group_crosses_nodes(layout, "dp_replicate", devices_per_node))
-            fsdp_comm += local * 4 * 2 * (r - 1) / r / bw * reductions
+            fsdp_comm += (dense if hsdp_experts else local) * 4 * 2 * (r - 1) / r / bw * reductions
     elif layout.dp > 1:
         # Replicated data parallelism (fsdp = false, or HSDP with one shard): fp32 gradients all-reduced over dp.
         d = layout.dp

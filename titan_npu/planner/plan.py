@@ -66,7 +66,11 @@ def format_breakdown(c: Candidate) -> list[str]:
 
 
 def _cp_label(layout: Layout) -> str:
-    return f"{layout.cp}{'u' if layout.cp_mode == 'ulysses' else 'r'}" if layout.cp > 1 else "1"
+    if layout.cp == 1:
+        return "1"
+    if layout.cp_mode == "hybrid":
+        return f"{layout.cp_ulysses}ux{layout.cp // layout.cp_ulysses}r"
+    return f"{layout.cp}{'u' if layout.cp_mode == 'ulysses' else 'r'}"
 
 
 def context_parallel_advice(plan: Plan) -> str | None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import ConfigError, LayoutError
+from titan_npu.models.registry import spec_of
 from titan_npu.parallel.arithmetic import divisors
 from titan_npu.planner.hardware import Hardware
 from titan_npu.planner.layout import GiB, Job, Layout, job_from_config, layout_from_config
@@ -37,7 +38,7 @@ class Candidate:
         return {
             "layout": {
                 "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp,
-                "cp": lay.cp, "cp_mode": lay.cp_mode, "ep": lay.ep,
+                "cp": lay.cp, "cp_mode": lay.cp_mode, "cp_ulysses": lay.cp_ulysses, "ep": lay.ep,
                 "fsdp": lay.fsdp, "activation_checkpoint": lay.ac, "selective_every": lay.selective_every,
                 "selective_ops": lay.selective_ops, "batch_size": lay.batch_size, "grad_accum": lay.grad_accum,
                 "micro_batch": lay.micro_batch, "pp_microbatches": lay.n_microbatches if lay.pp > 1 else 0,
@@ -68,11 +69,13 @@ def evaluate(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, effi
 
 def config_for_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
     """A copy of the config that selects `layout` (what config_overrides says on the command line)."""
+    ulysses = layout.cp_ulysses if layout.cp_ulysses > 1 else cfg.parallel.cp_ulysses_degree
     return replace(
         cfg,
         parallel=replace(cfg.parallel, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
                          tp_degree=layout.tp, pp_degree=layout.pp, pp_microbatches=layout.pp_microbatches,
                          cp_degree=layout.cp, cp_mode=layout.cp_mode, ep_degree=layout.ep,
+                         cp_ulysses_degree=ulysses,
                          cpu_offload=layout.cpu_offload),
         activation_checkpoint=replace(cfg.activation_checkpoint, mode=layout.ac, selective_ops=layout.selective_ops,
                                       selective_every=layout.selective_every),
@@ -89,6 +92,8 @@ def config_overrides(layout: Layout) -> str:
              f"--activation_checkpoint.mode {layout.ac}"]
     if layout.cp > 1:
         parts.append(f"--parallel.cp_mode {layout.cp_mode}")
+        if layout.cp_ulysses > 1:
+            parts.append(f"--parallel.cp_ulysses_degree {layout.cp_ulysses}")
     parts.append(f"--activation_checkpoint.selective_ops {str(layout.selective_ops).lower()}")
     parts += [f"--training.batch_size {layout.batch_size}",
               f"--training.gradient_accumulation_steps {layout.grad_accum}"]
@@ -100,22 +105,15 @@ def config_overrides(layout: Layout) -> str:
 
 
 def check_layout(cfg: JobConfig, job: Job, world_size: int) -> None:
-    """The trainer's own layout checks (head, vocab, sequence and micro-batch splits) and a MoE model's
-    parallelize refusals (models/qwen3_moe/parallelize.py: no tensor parallelism; no pipeline with the
-    load-balancing loss); raises LayoutError."""
+    """The trainer's own layout checks (parallel/layout.py: head, vocab, sequence and micro-batch splits, and what
+    MoE layers accept under tensor, expert, pipeline and context parallelism) and the model family's own refusals
+    (ModelSpec.check_layout, what its parallelize refuses); raises LayoutError."""
     from titan_npu.parallel.dims import ParallelDims
     from titan_npu.parallel.layout import validate_layout
 
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     validate_layout(dims, job.args, cfg)
-    a = job.args
-    if getattr(a, "n_moe_layers", 0):
-        if dims.tp_enabled:
-            raise LayoutError(f"parallel.tp_degree={dims.tp}: tensor parallelism of a MoE model is not supported "
-                              "yet; set parallel.tp_degree = 1")
-        if dims.pp_enabled and a.router_aux_loss_coef > 0:
-            raise LayoutError(f"parallel.pp_degree={dims.pp} with model.router_aux_loss_coef="
-                              f"{a.router_aux_loss_coef} is not supported yet; set parallel.pp_degree = 1")
+    spec_of(job.args).check_layout(dims, job.args, cfg)
 
 
 def is_valid(cfg: JobConfig, job: Job, layout: Layout) -> bool:
@@ -141,7 +139,7 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
     acs = [("none", False), ("selective", False), ("selective", True), ("full", False)]
     n_experts = getattr(a, "n_experts", 0) if getattr(a, "n_moe_layers", 0) else 0
     out = []
-    for tp, cp, cp_mode in _model_parallel_degrees(job, world_size, devices_per_node):
+    for tp, cp, cp_mode, cp_ulysses in _model_parallel_degrees(job, world_size, devices_per_node):
         for pp in divisors(world_size // (tp * cp)):
             if pp > min(MAX_PP, a.n_layers):
                 continue
@@ -150,8 +148,9 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
                 continue
             local = global_batch // dp
             replicas = [1] + [r for r in divisors(dp) if r > 1 and (dp // r) * tp * cp <= devices_per_node]
+            # ep from the FSDP ranks (dp_shard x cp); parallel/layout.py refuses what the MoE layers cannot run.
             for dp_replicate, ep in [(r, e) for r in replicas
-                                     for e in divisors(dp // r) if e == 1 or (r == 1 and n_experts % e == 0)]:
+                                     for e in divisors(dp // r * cp) if e == 1 or n_experts % e == 0]:
                 dp_shard = dp // dp_replicate
                 for mb in MICRO_BATCHES:
                     if local % mb:
@@ -167,7 +166,8 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
                                 continue
                             try:
                                 layout = replace(base, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp,
-                                                 cp=cp, cp_mode=cp_mode, ep=ep, ac=ac, selective_ops=ops,
+                                                 cp=cp, cp_mode=cp_mode, cp_ulysses=cp_ulysses, ep=ep, ac=ac,
+                                                 selective_ops=ops,
                                                  cpu_offload=offload, **split)
                             except LayoutError:
                                 continue
@@ -176,17 +176,19 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
     return out
 
 
-def _model_parallel_degrees(job: Job, world_size: int, devices_per_node: int) -> list[tuple[int, int, str]]:
-    """(tp, cp, cp_mode) to try: tp inside a node splitting the heads; cp any divisor of the ranks left, ring or
-    (when the heads split cp ways) Ulysses."""
+def _model_parallel_degrees(job: Job, world_size: int, devices_per_node: int) -> list[tuple[int, int, str, int]]:
+    """(tp, cp, cp_mode, cp_ulysses) to try: tp inside a node splitting the heads; cp any divisor of the ranks left,
+    ring, Ulysses, or hybrid with each Ulysses group size between (the layout checks keep those the heads allow)."""
     a = job.args
     out = []
     for tp in divisors(devices_per_node):
         if tp > MAX_TP or a.n_heads % tp or a.n_kv_heads % tp:
             continue
         for cp in divisors(world_size // tp):
-            modes = ["ring"] if cp == 1 else ["ring", "ulysses"]
-            out += [(tp, cp, mode) for mode in modes]
+            out.append((tp, cp, "ring", 1))
+            if cp > 1:
+                out.append((tp, cp, "ulysses", 1))
+                out += [(tp, cp, "hybrid", u) for u in divisors(cp) if 1 < u < cp]
     return out
 
 
@@ -203,7 +205,7 @@ def rank_candidates(candidates: list[Candidate]) -> list[Candidate]:
     seen, ranked = set(), []
     for c in fitting:
         lay = c.layout
-        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.cp_mode, lay.ep, lay.ac,
+        key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.cp_mode, lay.cp_ulysses, lay.ep, lay.ac,
                lay.selective_ops, lay.cpu_offload)
         if key not in seen:
             seen.add(key)

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.parameters import (
-    block_kinds,
     is_expert_kind,
+    layer_kinds,
     numel,
     optimizer_state_multiplier,
     parameter_kinds,
+    tensor_parallel_dims,
 )
 from titan_npu.planner.stages import rank_parts
 
@@ -30,30 +31,36 @@ class TemporaryBytes:
         return self.backward + self.fsdp + self.autocast
 
 
-def unsharded_numel(kind: str, shape: tuple[int, ...], layout: Layout) -> int:
-    """Elements of a block parameter FSDP unshards on a rank: its tensor-parallel slice, or for stacked experts the
-    ep rank's experts (none under expert parallelism with ep = dp_shard: FSDP leaves those, already whole)."""
+def unsharded_numel(kind: str, shape: tuple[int, ...], tp_dim: int | None, layout: Layout) -> int:
+    """Elements of a block parameter FSDP unshards on a rank: its tensor-parallel slice (all of it when replicated
+    over tp, tp_dim None), or for stacked experts the ep rank's experts (none when no other rank holds the same
+    experts: FSDP leaves those, already whole)."""
+    whole = numel(shape) // (layout.tp if tp_dim is not None else 1)
     if not is_expert_kind(kind):
-        return numel(shape) // layout.tp
-    if layout.ep > 1 and layout.efsdp == 1:
+        return whole
+    if layout.ep > 1 and layout.expert_shards == 1:
         return 0
-    return numel(shape) // layout.ep
+    return whole // layout.ep
 
 
 def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int, device_type: str = "cpu",
                     local_param_bytes: int = 0) -> TemporaryBytes:
     """Temporary buffers of a pipeline rank; local_param_bytes sizes the optimizer step's intermediates."""
     kinds = parameter_kinds(job.args)
+    tp_dims = tensor_parallel_dims(job.args)
     tp, c = layout.tp, job.compute_bytes
     parts = rank_parts(job.args, layout, pp_rank)
-    n_blocks = sum(len(p.layers) for p in parts)
-    block = sum(unsharded_numel(k, kinds[k], layout) for k in block_kinds(job.args))
+    layers = [i for p in parts for i in p.layers]
+    n_blocks = len(layers)
+    # The rank's largest block (a MoE one where some are dense) sizes what FSDP holds unsharded at once.
+    sizes = [sum(unsharded_numel(k, kinds[k], tp_dims[k], layout) for k in layer_kinds(job.args, i)) for i in layers]
+    block = max(sizes, default=0)
     root = sum(numel(kinds[k]) for p in parts for k in p.root_kinds(kinds)) // tp
     fsdp = autocast = 0
     if layout.fsdp_wrapped and layout.pp > 1:
         # Under pipelining the schedule skips FSDP's resharding and gradient reduction until the last micro-batch:
         # every block of the rank stays unsharded (compute dtype) and accumulates an unsharded fp32 gradient.
-        fsdp = (n_blocks * block + root) * (c + 4)
+        fsdp = (sum(sizes) + root) * (c + 4)
     elif layout.fsdp_wrapped:
         # Unsharded copies in the compute dtype: the block being computed and the one prefetched (the last block
         # is never resharded after forward), and the root (embedding, norm, output); in backward, the block's
@@ -64,7 +71,8 @@ def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int,
             fsdp += max(0, n_blocks - 2) * block * c
     elif c < 4:
         # autocast caches one low-precision copy of every matmul weight for backward (not the embedding table).
-        autocast = n_blocks * sum(numel(kinds[k]) for k in block_kinds(job.args) if len(kinds[k]) == 2) // tp * c
+        autocast = sum(numel(kinds[k]) for i in layers for k in layer_kinds(job.args, i)
+                       if len(kinds[k]) == 2) // tp * c
         if any(p.last for p in parts) and not layout.loss_chunk:  # the chunked loss rounds it itself, briefly
             output = kinds.get("output.weight", kinds["tok_embeddings.weight"])  # tied: the embedding's matrix
             autocast += numel(output) // tp * c

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import LayoutError
 from titan_npu.models.decoder.parallelize import _fresh_output, apply_context_parallel
+from titan_npu.models.deepseek_v3.args import DeepSeekArgs
 from titan_npu.models.moe.parallelize import apply_expert_parallel
 from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_npu.parallel.compile import apply_compile
@@ -38,10 +39,9 @@ from titan_npu.parallel.fsdp import apply_data_parallel
 from titan_npu.parallel.tp_grads import request_grads_in_param_layout
 
 
-def parallelize_deepseek(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
-    """Tensor and expert parallelism, then activation checkpointing, compile and data parallelism as for the
-    dense decoder; the layouts above refused."""
-    args = model.args
+def check_deepseek_layout(dims: ParallelDims, args: DeepSeekArgs, cfg: JobConfig) -> None:
+    """The layouts above refused (LayoutError), beyond parallel/layout.py's: parallelize_deepseek's first step, and
+    what the planner's search skips (ModelSpec.check_layout)."""
     if dims.cp_enabled and args.mtp_depth:
         raise LayoutError(f"parallel.cp_degree={dims.cp} with model.mtp_depth={args.mtp_depth}: multi-token prediction "
                           f"shifts whole sequences, which context parallelism splits; set one of them to 0 / 1")
@@ -57,6 +57,16 @@ def parallelize_deepseek(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -
         raise LayoutError(f"model.mtp_depth={args.mtp_depth} needs the loss inside the model's forward: set "
                           f"parallel.pp_degree = 1 (now {dims.pp}), parallel.tp_degree = 1 (now {dims.tp}) and "
                           f"training.loss_chunk_tokens > 0 (now {cfg.training.loss_chunk_tokens})")
+    if dims.tp_enabled and dims.ep_enabled:
+        raise LayoutError(f"parallel.tp_degree={dims.tp} with parallel.ep_degree={dims.ep}: the MoE layers are "
+                          f"replicated over the tp ranks, which expert parallelism cannot split yet; set "
+                          f"parallel.ep_degree = 1 or parallel.tp_degree = 1")
+
+
+def parallelize_deepseek(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
+    """Tensor and expert parallelism, then activation checkpointing, compile and data parallelism as for the
+    dense decoder; the layouts above refused (check_deepseek_layout)."""
+    check_deepseek_layout(dims, model.args, cfg)
     if dims.tp_enabled:
         apply_tp(model, dims.tp_mesh, loss_parallel=cfg.parallel.loss_parallel)
     if dims.cp_enabled:  # MLA attends across the cp ranks through the dense decoder's context seam

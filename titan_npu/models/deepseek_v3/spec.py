@@ -8,7 +8,7 @@ from titan_npu.models.decoder.pipeline import build_stage, split_layers
 from titan_npu.models.deepseek_v3 import hf
 from titan_npu.models.deepseek_v3.args import FLAVORS, args_from_dict, build_args
 from titan_npu.models.deepseek_v3.model import DeepSeekTransformer
-from titan_npu.models.deepseek_v3.parallelize import parallelize_deepseek
+from titan_npu.models.deepseek_v3.parallelize import check_deepseek_layout, parallelize_deepseek
 from titan_npu.models.deepseek_v3.sharding import parameter_kinds
 from titan_npu.models.spec import HFAdapter, ModelSpec
 
@@ -28,4 +28,5 @@ DEEPSEEK_V3 = ModelSpec(
                  to_hf=hf.to_hf, from_hf=hf.from_hf, hf_name=hf.hf_name, from_hf_layout=hf.from_hf_layout,
                  stacked_names=hf.stacked_names),
     args_from_dict=args_from_dict,
+    check_layout=check_deepseek_layout,
 )
