@@ -176,16 +176,20 @@ def balanced_exchange(experts: nn.Module, routed: torch.Tensor, counts: torch.Te
 
 
 @contextlib.contextmanager
-def balanced_routing() -> Iterator[None]:
-    """MoE layers exchange their tokens with balanced routing's split sizes while the context is open."""
-    from titan_npu.models.moe import layer
+def balanced_routing(parts: list[nn.Module]) -> Iterator[None]:
+    """The MoE layers of `parts` exchange their tokens with balanced routing's split sizes while the context is
+    open (each layer's `exchange` seam; restored on exit)."""
+    from titan_npu.models.moe.layer import MoE
 
-    exchange = layer.run_experts_parallel
-    layer.run_experts_parallel = balanced_exchange
+    layers = [m for part in parts for m in part.modules() if isinstance(m, MoE)]
+    saved = [layer.exchange for layer in layers]
+    for layer in layers:
+        layer.exchange = balanced_exchange
     try:
         yield
     finally:
-        layer.run_experts_parallel = exchange
+        for layer, exchange in zip(layers, saved):
+            layer.exchange = exchange
 
 
 def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims) -> tuple[int, ...]:
@@ -211,7 +215,7 @@ def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims
     seq = t.seq_len // dims.cp
     seq_local = seq // dims.tp
     shape: tuple[int, ...] = ()
-    with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing():
+    with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing(parts):
         for part in parts:
             # Fake storage on the host: FSDP refuses to run with meta parameters, and fake tensors cost nothing.
             part.to_empty(device="cpu")

@@ -53,6 +53,9 @@ class MoE(nn.Module):
         self.ep_group: ProcessGroup | None = None
         # The tensor-parallel mesh the experts' ffn dim is split over (see the module docstring); None = whole.
         self.tp_mesh: DeviceMesh | None = None
+        # The dropless expert-parallel exchange (dispatch.py); the dry run installs one with balanced routing's split
+        # sizes, which fake tensors can carry (planner/dry_run.py).
+        self.exchange = run_experts_parallel
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
         tp_group = None
@@ -72,7 +75,7 @@ class MoE(nn.Module):
             routed, weights = all_reduce_grad(routed, tp_group), all_reduce_grad(weights, tp_group)
         if self.args.capacity_factor is None:
             if self.ep_group is not None:
-                out_sorted = run_experts_parallel(self.experts, routed, counts, self.ep_group)
+                out_sorted = self.exchange(self.experts, routed, counts, self.ep_group)
             else:
                 out_sorted = self.experts(routed, ends.to(torch.int32), max_group_rows=n_tokens)
             dropped = torch.zeros((), dtype=torch.int64, device=x.device)
