@@ -35,16 +35,11 @@ def _fresh_output(module: nn.Module, args: tuple, output):
     return output.clone()
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
-    """Shard the model over tp_mesh (see the module docstring); works on pipeline stages with missing parts."""
+def parallelize_root(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """The tensor-parallel plan of the decoder's root: the embedding's rows, the final norm sequence-parallel, the
+    output's columns (vocab-sharded logits under loss parallelism); then the tied output re-tied."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -59,6 +54,20 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
     root_plan = {name: style for name, style in root_plan.items() if getattr(model, name, None) is not None}
     parallelize_module(model, tp_mesh, root_plan)
     model.tie_weights()  # each style replaced its module's parameter with a DTensor of its own
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """Shard the model over tp_mesh (see the module docstring); works on pipeline stages with missing parts."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    parallelize_root(model, tp_mesh, loss_parallel)
 
     for block in model.layers.values():
         if block is None:

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import LayoutError
-from titan_npu.models.decoder.parallelize import _fresh_output, apply_context_parallel
+from titan_npu.models.decoder.parallelize import _fresh_output, apply_context_parallel, parallelize_root
 from titan_npu.models.deepseek_v3.args import DeepSeekArgs
 from titan_npu.models.moe.parallelize import apply_expert_parallel
 from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -138,14 +138,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
         parallelize_module,
     )
 
-    root_plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
-    }
-    parallelize_module(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k, None) is not None})
-    model.tie_weights()
+    parallelize_root(model, tp_mesh, loss_parallel)
     for block in model.layers.values():
         if block is None:
             continue
