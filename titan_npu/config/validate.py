@@ -270,10 +270,10 @@ def _check_document_mask(cfg: JobConfig) -> None:
                    "starts, which needs data.document_mask = true; set both or neither")
     if not d.document_mask:
         return
-    for key, value in (("parallel.tp_degree", p.tp_degree), ("parallel.pp_degree", p.pp_degree)):
-        if value > 1:
-            raise fail("data.document_mask", f"data.document_mask = true does not run with {key} = {value} yet; "
-                       f"set {key} = 1 or data.document_mask = false")
+    if p.pp_degree > 1:
+        raise fail("data.document_mask", f"data.document_mask = true does not run with parallel.pp_degree = "
+                   f"{p.pp_degree} yet (tensor and context parallelism take it); set parallel.pp_degree = 1 or "
+                   f"data.document_mask = false")
 
 
 def check_seq_len(seq_len: int, max_seq_len: int) -> None:

@@ -108,9 +108,6 @@ class Attention(nn.Module):
         # UlyssesContext): the true positions of the chunks of the sequence this rank holds, and attention across
         # the ranks that hold the rest. None: the whole sequence is here.
         self.context = None
-        # The documents of the batch being run (data.document_mask, ops/documents.py), set by Transformer.forward:
-        # attention stops at their boundaries, and RoPE takes their positions when they carry them. None: none.
-        self.documents = None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,8 +122,10 @@ class Attention(nn.Module):
         xq, xk = ops.apply_rotary_emb(xq, xk, cos, sin)
         return xq, xk, xv
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, S, dim]; cos/sin: RoPE tables from position 0 with at least S rows (the first S are used)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        """x [B, S, dim]; cos/sin: RoPE tables from position 0 with at least S rows (the first S are used);
+        documents (data.document_mask): attention stops at their boundaries, RoPE takes their positions if any."""
         bs, seqlen, _ = x.shape
         # Sliced here, by the sequence attention actually sees: under sequence parallelism the residual stream the
         # model holds has S / tp positions, and the tensor-parallel plan gathers all S only at attention's input.
@@ -135,7 +134,6 @@ class Attention(nn.Module):
                 f"sequence length {seqlen} exceeds model.max_seq_len={cos.shape[0]}; "
                 f"raise model.max_seq_len or lower training.seq_len"
             )
-        documents = self.documents
         if self.context is None:
             rows = slice(seqlen) if documents is None or documents.positions is None else documents.positions
             xq, xk, xv = self.qkv(x, cos[rows], sin[rows])
@@ -199,9 +197,11 @@ class TransformerBlock(nn.Module):
         # deeper layers add smaller updates, which keeps the residual's variance bounded at initialisation.
         self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, S, dim] (S / tp positions under sequence parallelism); cos/sin: the model's whole RoPE tables."""
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        """x [B, S, dim] (S / tp positions under sequence parallelism); cos/sin: the model's whole RoPE tables;
+        documents: the packed documents of the batch, for attention (data.document_mask)."""
+        h = x + self.attention(self.attention_norm(x), cos, sin, documents=documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def param_inits(self) -> dict[str, ParamInit]:
@@ -283,12 +283,13 @@ class Transformer(nn.Module):
             if hasattr(module, "reset_score_bias"):
                 module.reset_score_bias()
 
-    def run_layers(self, h: torch.Tensor) -> torch.Tensor:
-        """The blocks this model (or stage) holds, in order, on hidden states [B, S, dim]."""
+    def run_layers(self, h: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """The blocks this model (or stage) holds, in order, on hidden states [B, S, dim]; documents: the batch's
+        packed documents, handed to every block by argument (data.document_mask)."""
         # The whole tables: each attention takes the rows of the sequence it sees (and refuses one that is too long).
         for layer in self.layers.values():
             if layer is not None:
-                h = layer(h, self.freqs_cos, self.freqs_sin)
+                h = layer(h, self.freqs_cos, self.freqs_sin, documents=documents)
         return h
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
@@ -298,12 +299,11 @@ class Transformer(nn.Module):
         With labels [B, S] (and the output projection on this part): the mean cross entropy instead of the logits,
         projected loss_chunk_tokens tokens at a time (titan_npu/ops/cross_entropy.py), so the logits are never whole.
         documents: the batch's packed documents (data.document_mask); every attention stops at their boundaries.
+        They travel by argument down to each attention (an activation-checkpointed block recomputes with the ones
+        its forward had, whatever ran since).
         """
-        for module in self.modules():  # also inside activation-checkpoint and compile wrappers
-            if isinstance(module, Attention):
-                module.documents = documents
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        h = self.run_layers(h)
+        h = self.run_layers(h, documents)
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h

@@ -39,6 +39,7 @@ from titan_npu.models.moe.balance import load_balancing_loss
 from titan_npu.models.moe.group_router import sequence_balance_loss
 from titan_npu.models.moe.layer import MoE, RoutingStats
 from titan_npu.ops.cross_entropy import chunked_linear_cross_entropy
+from titan_npu.ops.documents import Documents
 
 # The low-rank paths' norms have a fixed eps, whatever model.norm_eps (as the published model has them).
 LORA_NORM_EPS = 1e-6
@@ -115,15 +116,21 @@ class MLA(nn.Module):
         # decoder's Attention): this rank holds the load-balanced chunks of each sequence. None: every position.
         self.context = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, S, dim]; cos/sin: the RoPE tables from position 0 with at least S rows."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        """x [B, S, dim]; cos/sin: the RoPE tables from position 0 with at least S rows; documents
+        (data.document_mask): attention stops at their boundaries, RoPE takes their positions if any."""
         bs, seqlen, _ = x.shape
         whole = seqlen if self.context is None else seqlen * self.context.size
         if whole > cos.shape[0]:
             raise ConfigError(f"sequence length {whole} exceeds model.max_seq_len={cos.shape[0]}; "
                               f"raise model.max_seq_len or lower training.seq_len")
-        # The RoPE (YaRN) rows of the positions held: the first S, or the chunks' true positions under CP.
-        rows = slice(seqlen) if self.context is None else self.context.positions(seqlen, x.device)
+        # The RoPE (YaRN) rows of the positions held: the first S (or the positions inside the documents), or the
+        # chunks' true positions (inside their documents) under CP.
+        if self.context is not None:
+            rows = self.context.positions(seqlen, x.device, documents)
+        else:
+            rows = slice(seqlen) if documents is None or documents.positions is None else documents.positions
         q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
         q_nope, q_rope = q.view(bs, seqlen, -1, self.head_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -142,9 +149,11 @@ class MLA(nn.Module):
         pad = self.head_dim - self.v_dim
         v = F.pad(v, (0, pad)) if pad > 0 else v
         if self.context is None:
-            out = ops.attention(q, k, v, causal=True, use_flash=self.use_flash)
-        else:  # across the cp ranks, through the seam the dense decoder's attention uses
+            out = ops.attention(q, k, v, causal=True, use_flash=self.use_flash, documents=documents)
+        elif documents is None:  # across the cp ranks, through the seam the dense decoder's attention uses
             out = self.context.attention(q, k, v)
+        else:
+            out = self.context.attention(q, k, v, documents)
         if pad > 0:
             out = out[..., :self.v_dim]
         return self.wo(out.reshape(bs, seqlen, -1))
@@ -169,9 +178,9 @@ class DeepSeekBlock(TransformerBlock):
         self.is_moe = moe
         self.seq_aux = moe and args.seq_aux_loss_coef > 0
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, RoutingStats, torch.Tensor | None]:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+        h = x + self.attention(self.attention_norm(x), cos, sin, documents=documents)
         if not self.is_moe:
             return h + self.feed_forward(self.ffn_norm(h))
         normed = self.ffn_norm(h)
@@ -233,13 +242,13 @@ class DeepSeekTransformer(Transformer):
         """The RoPE (or YaRN) tables of the rotated query/key parts."""
         return yarn_rope(self.args, device)
 
-    def run_layers(self, h: torch.Tensor) -> torch.Tensor:
+    def run_layers(self, h: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """The blocks in order, keeping each MoE block's routing statistics of this forward."""
         routing, balance = [], []
         for layer_id, layer in self.layers.items():
             if layer is None or int(layer_id) >= self.args.n_layers:  # multi-token prediction runs in forward
                 continue
-            out = layer(h, self.freqs_cos, self.freqs_sin)
+            out = layer(h, self.freqs_cos, self.freqs_sin, documents=documents)
             if isinstance(out, tuple):
                 h, stats, seq_loss = out
                 routing.append(stats)
@@ -254,12 +263,13 @@ class DeepSeekTransformer(Transformer):
         return h
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                loss_chunk_tokens: int = 0) -> torch.Tensor:
+                loss_chunk_tokens: int = 0, documents: Documents | None = None) -> torch.Tensor:
         """The decoder's forward; with labels and multi-token prediction modules, each module's cross entropy is
-        kept for auxiliary_loss (module k sees the first S - k positions, its targets labels shifted by k)."""
+        kept for auxiliary_loss (module k sees the first S - k positions, its targets labels shifted by k).
+        documents: the batch's packed documents (data.document_mask; refused with multi-token prediction)."""
         self.mtp_losses, self.mtp_routing = [], []
         if not self.args.mtp_depth or labels is None:
-            return super().forward(tokens, labels, loss_chunk_tokens)
+            return super().forward(tokens, labels, loss_chunk_tokens, documents)
         h = self.run_layers(self.tok_embeddings(tokens))
         loss = chunked_linear_cross_entropy(self.norm(h), self.output.weight, labels, loss_chunk_tokens)
         seqlen = tokens.shape[1]

@@ -19,8 +19,9 @@ Context parallelism (parallel.cp_degree, any parallel.cp_mode) as the decoder's:
 expanded per head) and zero-padded v go through the same context seam, RoPE at the chunks' true positions.
 Refused in one line: multi-token prediction under context parallelism, tensor parallelism with the sequence-wise
 balance loss (and with expert parallelism: parallel/layout.py), the sequence-wise balance loss under pipeline
-parallelism (the score bias moves there: each stage from its own layers' load), and multi-token prediction without
-the loss in the forward (pipeline or tensor parallelism, training.loss_chunk_tokens = 0)."""
+parallelism (the score bias moves there: each stage from its own layers' load), multi-token prediction without
+the loss in the forward (pipeline or tensor parallelism, training.loss_chunk_tokens = 0) and multi-token prediction
+with document masking (data.document_mask)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ def check_deepseek_layout(dims: ParallelDims, args: DeepSeekArgs, cfg: JobConfig
     if dims.cp_enabled and args.mtp_depth:
         raise LayoutError(f"parallel.cp_degree={dims.cp} with model.mtp_depth={args.mtp_depth}: multi-token prediction "
                           f"shifts whole sequences, which context parallelism splits; set one of them to 0 / 1")
+    if args.mtp_depth and cfg.data.document_mask:
+        raise LayoutError(f"model.mtp_depth={args.mtp_depth} with data.document_mask = true: the multi-token "
+                          f"prediction modules do not take the document mask yet; set model.mtp_depth = 0 or "
+                          f"data.document_mask = false")
     if dims.tp_enabled and args.seq_aux_loss_coef > 0:
         raise LayoutError(f"parallel.tp_degree={dims.tp} with model.seq_aux_loss_coef={args.seq_aux_loss_coef}: the "
                           f"sequence-wise balance loss under tensor parallelism is not supported yet; set "

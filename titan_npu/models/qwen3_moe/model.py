@@ -24,9 +24,9 @@ class MoEBlock(TransformerBlock):
     def __init__(self, layer_id: int, args: MoEDecoderArgs) -> None:
         super().__init__(layer_id, args, feed_forward=MoE(args.moe_args()))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
                 ) -> tuple[torch.Tensor, RoutingStats]:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+        h = x + self.attention(self.attention_norm(x), cos, sin, documents=documents)
         out, routing = self.feed_forward(self.ffn_norm(h))
         return h + out, routing
 
@@ -74,13 +74,13 @@ class MoETransformer(Transformer):
         counts, prob_sums = self.routing_sums()
         return out, counts, prob_sums
 
-    def run_layers(self, h: torch.Tensor) -> torch.Tensor:
+    def run_layers(self, h: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """The blocks in order, keeping each MoE block's routing statistics of this forward."""
         routing, rows = [], []
         for name, layer in self.layers.items():
             if layer is None:
                 continue
-            out = layer(h, self.freqs_cos, self.freqs_sin)
+            out = layer(h, self.freqs_cos, self.freqs_sin, documents=documents)
             if isinstance(out, tuple):
                 h, stats = out
                 routing.append(stats)

@@ -1,0 +1,109 @@
+"""Document masking (data.document_mask, data.reset_position_ids) under tensor parallelism with sequence
+parallelism: each tp rank attends over its heads on the whole gathered sequence, within each query's document.
+Every family -- Llama 3, Qwen3 (q/k norms, tied), Qwen3-MoE (MoE tensor parallelism), DeepSeek-V3 (MLA) -- at tp 2
+gives one process's masked logits, and a token's output does not change when another document of its window
+changes; tp 2 runs (and fsdp 2 x tp 2 on 4 ranks) give one process's per-step losses (fp32, 1e-5 relative)."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_npu.ops.documents import Documents
+
+from .harness import losses, run_pool, tiny_run, write_tokens
+from .test_document_mask import BOUNDS, SEQ, STARTS, _tokens, _with_first_document_changed
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).parents[2]
+SMALL = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+         "--model.vocab_size=512", "--model.max_seq_len=64"]
+# Each family with what sets its attention or feed-forward apart under tensor parallelism: (config file, overrides).
+FAMILIES = {
+    "llama3": (None, ["--model.name=llama3", *SMALL]),
+    "qwen3": (None, ["--model.name=qwen3", "--model.flavor=debug", *SMALL, "--model.head_dim=32"]),
+    "qwen3_moe": (None, ["--model.name=qwen3_moe", "--model.flavor=debug", *SMALL, "--model.head_dim=32"]),
+    "deepseek_v3": (ROOT / "configs" / "debug_deepseek.toml", ["--model.dim=64", "--model.n_layers=2",
+                                                               "--model.max_seq_len=64"]),
+}
+STEPS = 3
+RTOL = 1e-5
+MASKED = ["--data.document_mask=true", "--data.reset_position_ids=true", f"--training.max_steps={STEPS}"]
+
+
+def _check_tensor_parallel(workdir: Path, family: str) -> None:
+    """At tp = world size: the masked logits equal one process's, and stay put where the other documents change;
+    a file in workdir says the rank got through."""
+    import torch.distributed as dist
+
+    from titan_npu.config.loader import load_config
+    from titan_npu.models.registry import build_model, build_model_args, spec_of
+    from titan_npu.parallel.dims import ParallelDims
+    from titan_npu.parallel.parallelize import materialize
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    config, overrides = FAMILIES[family]
+    cfg = load_config(config, [*overrides, "--training.dtype=fp32", "--parallel.dp_shard=1",
+                               f"--parallel.tp_degree={dist.get_world_size()}", "--parallel.loss_parallel=false",
+                               "--data.document_mask=true", "--data.reset_position_ids=true"])
+    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
+    dims.build_mesh("cpu")
+    args = build_model_args(cfg.model)
+    with torch.device("meta"):
+        model = build_model(args)
+    model = spec_of(args).parallelize(model, dims, cfg)
+    materialize(model, torch.device("cpu"), cfg)
+    reference = build_model(args)
+    reference.init_weights(seed=cfg.training.seed)
+    documents = Documents.from_starts(STARTS, SEQ, reset_positions=True)
+    tokens, changed = _tokens(0), _with_first_document_changed(_tokens(0))
+    with torch.no_grad():
+        want = reference(tokens, documents=documents)
+        got = model(tokens, documents=documents)
+        got_changed = model(changed, documents=documents)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{family} tp: {m}")
+    later = torch.stack([torch.arange(SEQ) >= bounds[1] for bounds in BOUNDS])
+    torch.testing.assert_close(got_changed[later], got[later], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got_changed[~later], got[~later], atol=1e-3)
+    (workdir / f"checked_{family}_rank{dist.get_rank()}").touch()
+
+
+def _family_run(workdir: Path, name: str, family: str, batch_size: int = 4) -> list[str]:
+    """The harness's tiny run with `family`'s model and document masking."""
+    return tiny_run(workdir, name, batch_size) + MASKED + FAMILIES[family][1]
+
+
+TP_RUNS = {"llama3_tp2": "llama3", "qwen3_moe_tp2": "qwen3_moe"}
+
+
+@pytest.fixture(scope="module")
+def masked_tp_runs(tmp_path_factory) -> Path:
+    """The model-level checks of every family and tp 2 training runs in one 2-rank pool, fsdp 2 x tp 2 in a 4-rank
+    one, and the one-process runs they are compared with."""
+    workdir = tmp_path_factory.mktemp("document_mask_tp")
+    write_tokens(workdir / "tokens.jsonl")
+    tp2 = ["--parallel.tp_degree=2", "--parallel.dp_shard=1"]
+    run_pool(2, [*[partial(_check_tensor_parallel, workdir, family) for family in FAMILIES],
+                 *[_family_run(workdir, name, family) + tp2 for name, family in TP_RUNS.items()]])
+    run_pool(4, [_family_run(workdir, "llama3_fsdp2_tp2", "llama3", batch_size=2)
+                 + ["--parallel.tp_degree=2", "--parallel.dp_shard=2"]])
+    run_pool(1, [_family_run(workdir, f"{family}_one_process", family) for family in set(TP_RUNS.values())])
+    return workdir
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tensor_parallel_attention_stops_at_documents_like_one_process(masked_tp_runs, family):
+    # _check_tensor_parallel compared each rank's logits (an assertion there fails the pool and this fixture).
+    assert all((masked_tp_runs / f"checked_{family}_rank{rank}").exists() for rank in range(2))
+
+
+@pytest.mark.parametrize("name", [*TP_RUNS, "llama3_fsdp2_tp2"])
+def test_masked_tensor_parallel_losses_match_one_process(masked_tp_runs, name):
+    want = losses(masked_tp_runs, f"{TP_RUNS.get(name, 'llama3')}_one_process")
+    assert len(want) == STEPS
+    assert losses(masked_tp_runs, name) == pytest.approx(want, rel=RTOL)
