@@ -2,7 +2,8 @@
 parallelism: each tp rank attends over its heads on the whole gathered sequence, within each query's document.
 Every family -- Llama 3, Qwen3 (q/k norms, tied), Qwen3-MoE (MoE tensor parallelism), DeepSeek-V3 (MLA) -- at tp 2
 gives one process's masked logits, and a token's output does not change when another document of its window
-changes; tp 2 runs (and fsdp 2 x tp 2 on 4 ranks) give one process's per-step losses (fp32, 1e-5 relative)."""
+changes; tp 2 runs (and fsdp 2 x tp 2, ring cp 2 x tp 2 on 4 ranks) give one process's per-step losses (fp32,
+1e-5 relative); the dry run takes document masking at tp 2."""
 
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ from titan_npu.ops.documents import Documents
 
 from .harness import losses, run_pool, tiny_run, write_tokens
 from .test_document_mask import BOUNDS, SEQ, STARTS, _tokens, _with_first_document_changed
-
-pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).parents[2]
 SMALL = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
@@ -83,27 +82,41 @@ TP_RUNS = {"llama3_tp2": "llama3", "qwen3_moe_tp2": "qwen3_moe"}
 
 @pytest.fixture(scope="module")
 def masked_tp_runs(tmp_path_factory) -> Path:
-    """The model-level checks of every family and tp 2 training runs in one 2-rank pool, fsdp 2 x tp 2 in a 4-rank
-    one, and the one-process runs they are compared with."""
+    """The model-level checks of every family and tp 2 training runs in one 2-rank pool, fsdp 2 x tp 2 and cp 2 x tp 2
+    in a 4-rank one, and the one-process runs they are compared with."""
     workdir = tmp_path_factory.mktemp("document_mask_tp")
     write_tokens(workdir / "tokens.jsonl")
     tp2 = ["--parallel.tp_degree=2", "--parallel.dp_shard=1"]
     run_pool(2, [*[partial(_check_tensor_parallel, workdir, family) for family in FAMILIES],
                  *[_family_run(workdir, name, family) + tp2 for name, family in TP_RUNS.items()]])
     run_pool(4, [_family_run(workdir, "llama3_fsdp2_tp2", "llama3", batch_size=2)
-                 + ["--parallel.tp_degree=2", "--parallel.dp_shard=2"]])
-    run_pool(1, [_family_run(workdir, f"{family}_one_process", family) for family in set(TP_RUNS.values())])
+                 + ["--parallel.tp_degree=2", "--parallel.dp_shard=2"],
+                 _family_run(workdir, "llama3_cp2_tp2", "llama3")
+                 + ["--parallel.tp_degree=2", "--parallel.cp_degree=2"]])
+    run_pool(1, [_family_run(workdir, f"{family}_one_process", family) for family in TP_RUNS.values()])
     return workdir
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_tensor_parallel_attention_stops_at_documents_like_one_process(masked_tp_runs, family):
     # _check_tensor_parallel compared each rank's logits (an assertion there fails the pool and this fixture).
     assert all((masked_tp_runs / f"checked_{family}_rank{rank}").exists() for rank in range(2))
 
 
-@pytest.mark.parametrize("name", [*TP_RUNS, "llama3_fsdp2_tp2"])
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [*TP_RUNS, "llama3_fsdp2_tp2", "llama3_cp2_tp2"])
 def test_masked_tensor_parallel_losses_match_one_process(masked_tp_runs, name):
     want = losses(masked_tp_runs, f"{TP_RUNS.get(name, 'llama3')}_one_process")
     assert len(want) == STEPS
     assert losses(masked_tp_runs, name) == pytest.approx(want, rel=RTOL)
+
+
+def test_the_dry_run_takes_document_masking_under_tensor_parallelism(capsys):
+    from titan_npu.train import main
+
+    code = main(["--config", str(ROOT / "configs" / "debug.toml"), "--dry-run", "--world-size", "2", "--rank", "1",
+                 "--training.seq_len", "64", "--training.batch_size", "4", "--parallel.tp_degree", "2",
+                 "--data.document_mask", "true", "--data.reset_position_ids", "true"])
+    out = capsys.readouterr().out
+    assert code == 0 and "every local shard matches the plan" in out
