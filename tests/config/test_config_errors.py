@@ -269,16 +269,13 @@ def test_validate_checks_a_config_built_in_code():
 @pytest.mark.parametrize(("overrides", "expected"), [
     (["--data.reset_position_ids=true"], "data.reset_position_ids = true restarts positions at document starts, "
                                          "which needs data.document_mask = true; set both or neither"),
-    (["--data.document_mask=true", "--parallel.pp_degree=2"],
-     "data.document_mask = true does not run with parallel.pp_degree = 2 yet (tensor and context parallelism take "
-     "it); set parallel.pp_degree = 1 or data.document_mask = false"),
 ])
 def test_document_masking_settings_that_cannot_run_are_refused_in_one_line(overrides, expected):
     assert expected in load_error(None, overrides)
 
 
 @pytest.mark.parametrize("layout", [["--parallel.cp_degree=2"], ["--parallel.tp_degree=2"],
-                                    ["--parallel.tp_degree=2", "--parallel.cp_degree=2"]])
-def test_document_masking_with_context_or_tensor_parallelism_is_accepted(layout):
+                                    ["--parallel.tp_degree=2", "--parallel.cp_degree=2"], ["--parallel.pp_degree=2"]])
+def test_document_masking_with_context_tensor_or_pipeline_parallelism_is_accepted(layout):
     cfg = load_config(None, ["--data.document_mask=true", "--data.reset_position_ids=true", *layout])
     assert cfg.data.document_mask and cfg.data.reset_position_ids

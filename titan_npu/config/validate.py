@@ -264,16 +264,10 @@ def _check_rest(cfg: JobConfig) -> None:
 
 
 def _check_document_mask(cfg: JobConfig) -> None:
-    d, p = cfg.data, cfg.parallel
+    d = cfg.data
     if d.reset_position_ids and not d.document_mask:
         raise fail("data.reset_position_ids", "data.reset_position_ids = true restarts positions at document "
                    "starts, which needs data.document_mask = true; set both or neither")
-    if not d.document_mask:
-        return
-    if p.pp_degree > 1:
-        raise fail("data.document_mask", f"data.document_mask = true does not run with parallel.pp_degree = "
-                   f"{p.pp_degree} yet (tensor and context parallelism take it); set parallel.pp_degree = 1 or "
-                   f"data.document_mask = false")
 
 
 def check_seq_len(seq_len: int, max_seq_len: int) -> None:

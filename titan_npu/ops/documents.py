@@ -46,6 +46,30 @@ class Documents:
         pos_t = torch.from_numpy(np.stack(positions)) if reset_positions else None
         return cls(ids_t, cu_seqlens, pos_t)
 
+    @classmethod
+    def cat(cls, parts: Sequence[Documents]) -> Documents:
+        """The documents of several batches' rows, one batch after another (the host ends offset by the positions
+        of the rows before)."""
+        cu_seqlens, offset = [], 0
+        for part in parts:
+            cu_seqlens.extend(offset + end for end in part.cu_seqlens)
+            offset += part.ids.numel()
+        positions = None if parts[0].positions is None else torch.cat([part.positions for part in parts])
+        return cls(torch.cat([part.ids for part in parts]), cu_seqlens, positions)
+
+    def split(self, n: int) -> list[Documents]:
+        """The documents of n microbatches, the rows cut as torch.tensor_split cuts the batch (a pipeline's
+        microbatches), each microbatch's host ends counted from its own first position."""
+        seq_len = self.ids.shape[1]
+        parts, start = [], 0
+        for ids in torch.tensor_split(self.ids, n):
+            stop = start + ids.shape[0]
+            lo, hi = start * seq_len, stop * seq_len
+            positions = None if self.positions is None else self.positions[start:stop]
+            parts.append(Documents(ids, [end - lo for end in self.cu_seqlens if lo < end <= hi], positions))
+            start = stop
+        return parts
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Documents:
         """The same documents with the tensors on `device` (the host ints stay on the host)."""
         positions = None if self.positions is None else self.positions.to(device, non_blocking=non_blocking)

@@ -4,6 +4,11 @@ Each pp rank runs one stage (GPipe, 1F1B) or several looped ones (Interleaved1F1
 r, r + pp, r + 2 pp, ...). A step's local batch (batch_size x gradient_accumulation_steps sequences) is split
 into pp_microbatches microbatches; the schedule averages the gradients over them, so a step is the same
 optimisation step as without pipelining.
+
+Per-microbatch side data (a batch's packed documents, data.document_mask) is split by the caller, one value per
+microbatch, and every stage's forward of microbatch i gets value i by keyword argument: nothing is left on a module
+between calls, so no schedule (interleaved, with activation checkpointing recomputing in backward) can hand one
+microbatch another's.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from torch import nn
 
 from titan_npu.config.schema import JobConfig
+from titan_npu.ops.documents import Documents
 from titan_npu.parallel.arithmetic import stage_ids_for_rank
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.layout import pp_microbatches, pp_stages_per_rank
@@ -44,15 +50,38 @@ class Pipeline:
         self.has_first = any(stage.is_first for stage in stages)
         self.has_last = any(stage.is_last for stage in stages)
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-        """Forward and backward of one local batch; the mean loss on the rank holding the last stage, else None."""
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, documents: list[Documents] | None = None
+             ) -> torch.Tensor | None:
+        """Forward and backward of one local batch; the mean loss on the rank holding the last stage, else None.
+        documents: each microbatch's (Documents.split), handed to every stage's forward of that microbatch."""
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         target = labels if self.has_last else None
         args = (inputs,) if self.has_first else ()
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        kwargs = {} if documents is None else {_PER_MICROBATCH: [{"documents": d} for d in documents]}
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         if not self.has_last:
             return None
         return torch.stack([plain_tensor(loss.detach()) for loss in losses]).mean()
+
+
+_PER_MICROBATCH = "per_microbatch_kwargs"
+
+
+def _per_microbatch_kwargs(schedule_class: type) -> type:
+    """schedule_class whose step also takes per_microbatch_kwargs, a list of keyword arguments per microbatch
+    (already split: torch splits tensors by rows but hands every microbatch the same other objects)."""
+
+    class Schedule(schedule_class):
+        def _split_inputs(self, args: tuple, kwargs: dict | None = None) -> tuple[list, list]:
+            kwargs = dict(kwargs or {})
+            own = kwargs.pop(_PER_MICROBATCH, None)
+            args_split, kwargs_split = super()._split_inputs(args, kwargs)
+            if own is not None:
+                kwargs_split = [{**shared, **mine} for shared, mine in zip(kwargs_split, own, strict=True)]
+            return args_split, kwargs_split
+
+    Schedule.__name__ = Schedule.__qualname__ = schedule_class.__name__
+    return Schedule
 
 
 def build_pipeline(
@@ -72,9 +101,10 @@ def build_pipeline(
     n_mb = pp_microbatches(cfg, dims)
     name = cfg.parallel.pp_schedule
     if name == "Interleaved1F1B":
-        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=True)
+        schedule = _per_microbatch_kwargs(ScheduleInterleaved1F1B)(stages, n_microbatches=n_mb, loss_fn=loss_fn,
+                                                                   scale_grads=True)
     else:
-        cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[name]
+        cls = _per_microbatch_kwargs({"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[name])
         schedule = cls(stages[0], n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=True)
     return Pipeline(stages, schedule, n_mb)
 

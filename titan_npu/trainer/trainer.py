@@ -259,11 +259,16 @@ class Trainer:
         batches = [next(data_iter) for _ in range(self.cfg.training.gradient_accumulation_steps)]
         inputs = torch.cat([b[0] for b in batches]).to(self.device.torch_device, non_blocking=True)
         labels = torch.cat([b[1] for b in batches]).to(self.device.torch_device, non_blocking=True)
+        documents = None
+        if len(batches[0]) > 2:  # data.document_mask: each microbatch's documents, split on the host up front
+            whole = Documents.cat([b[2] for b in batches])
+            documents = [d.to(self.device.torch_device, non_blocking=True)
+                         for d in whole.split(self.pipeline.n_microbatches)]
         if self.cp_batch is not None:  # the local chunks; the loss function weights each microbatch's loss
             inputs, labels, _ = self.cp_batch.split(inputs, labels)
         data_time = time.perf_counter() - t0
         with self.autocast(), self.loss_context():
-            loss = self.pipeline.step(inputs, labels)
+            loss = self.pipeline.step(inputs, labels, documents)
         return (loss if loss is not None else torch.zeros((), device=self.device.torch_device)), data_time
 
     def train_step(self, data_iter) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -1,9 +1,14 @@
-"""Document masking (data.document_mask, data.reset_position_ids) under tensor parallelism with sequence
-parallelism: each tp rank attends over its heads on the whole gathered sequence, within each query's document.
-Every family -- Llama 3, Qwen3 (q/k norms, tied), Qwen3-MoE (MoE tensor parallelism), DeepSeek-V3 (MLA) -- at tp 2
-gives one process's masked logits, and a token's output does not change when another document of its window
-changes; tp 2 runs (and fsdp 2 x tp 2, ring cp 2 x tp 2 on 4 ranks) give one process's per-step losses (fp32,
-1e-5 relative); the dry run takes document masking at tp 2."""
+"""Document masking (data.document_mask, data.reset_position_ids) under tensor and pipeline parallelism.
+
+TP (with sequence parallelism): each tp rank attends over its heads on the whole gathered sequence, within each
+query's document. Every family -- Llama 3, Qwen3 (q/k norms, tied), Qwen3-MoE (MoE tensor parallelism), DeepSeek-V3
+(MLA) -- at tp 2 gives one process's masked logits, and a token's output does not change when another document of
+its window changes; the dry run takes document masking at tp 2.
+PP: the trainer splits the batch's documents per microbatch (Documents.split, host ends included) and every stage's
+forward of microbatch i gets microbatch i's by argument.
+Training runs -- tp 2, pp 2 (1F1B; Interleaved1F1B with full activation checkpointing, which recomputes each
+microbatch's blocks in its backward), and on 4 ranks fsdp 2 x tp 2 and ring cp 2 x tp 2 -- give one process's
+per-step losses (fp32, 1e-5 relative)."""
 
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ SMALL = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n
          "--model.vocab_size=512", "--model.max_seq_len=64"]
 # Each family with what sets its attention or feed-forward apart under tensor parallelism: (config file, overrides).
 FAMILIES = {
-    "llama3": (None, ["--model.name=llama3", *SMALL]),
+    "llama3": (None, ["--model.name=llama3", *SMALL, "--model.n_layers=4"]),  # a layer per interleaved stage
     "qwen3": (None, ["--model.name=qwen3", "--model.flavor=debug", *SMALL, "--model.head_dim=32"]),
     "qwen3_moe": (None, ["--model.name=qwen3_moe", "--model.flavor=debug", *SMALL, "--model.head_dim=32"]),
     "deepseek_v3": (ROOT / "configs" / "debug_deepseek.toml", ["--model.dim=64", "--model.n_layers=2",
@@ -77,23 +82,33 @@ def _family_run(workdir: Path, name: str, family: str, batch_size: int = 4) -> l
     return tiny_run(workdir, name, batch_size) + MASKED + FAMILIES[family][1]
 
 
-TP_RUNS = {"llama3_tp2": "llama3", "qwen3_moe_tp2": "qwen3_moe"}
+TP2, PP2 = ["--parallel.tp_degree=2", "--parallel.dp_shard=1"], ["--parallel.pp_degree=2", "--parallel.dp_shard=1"]
+# name: (family, layout) of the 2-rank runs.
+RUNS = {
+    "llama3_tp2": ("llama3", TP2),
+    "qwen3_moe_tp2": ("qwen3_moe", TP2),
+    "llama3_pp2_1f1b": ("llama3", [*PP2, "--parallel.pp_schedule=1F1B"]),
+    "llama3_pp2_interleaved_ac": ("llama3", [*PP2, "--parallel.pp_schedule=Interleaved1F1B",
+                                             "--activation_checkpoint.mode=full"]),
+}
+WIDE_RUNS = {  # 4 ranks, Llama 3
+    "llama3_fsdp2_tp2": (2, ["--parallel.tp_degree=2", "--parallel.dp_shard=2"]),
+    "llama3_cp2_tp2": (4, ["--parallel.tp_degree=2", "--parallel.cp_degree=2"]),
+}
 
 
 @pytest.fixture(scope="module")
 def masked_tp_runs(tmp_path_factory) -> Path:
-    """The model-level checks of every family and tp 2 training runs in one 2-rank pool, fsdp 2 x tp 2 and cp 2 x tp 2
-    in a 4-rank one, and the one-process runs they are compared with."""
-    workdir = tmp_path_factory.mktemp("document_mask_tp")
+    """The model-level checks of every family and the tp 2 and pp 2 training runs in one 2-rank pool, fsdp 2 x tp 2
+    and cp 2 x tp 2 in a 4-rank one, and the one-process runs they are compared with."""
+    workdir = tmp_path_factory.mktemp("document_mask_tp_pp")
     write_tokens(workdir / "tokens.jsonl")
-    tp2 = ["--parallel.tp_degree=2", "--parallel.dp_shard=1"]
     run_pool(2, [*[partial(_check_tensor_parallel, workdir, family) for family in FAMILIES],
-                 *[_family_run(workdir, name, family) + tp2 for name, family in TP_RUNS.items()]])
-    run_pool(4, [_family_run(workdir, "llama3_fsdp2_tp2", "llama3", batch_size=2)
-                 + ["--parallel.tp_degree=2", "--parallel.dp_shard=2"],
-                 _family_run(workdir, "llama3_cp2_tp2", "llama3")
-                 + ["--parallel.tp_degree=2", "--parallel.cp_degree=2"]])
-    run_pool(1, [_family_run(workdir, f"{family}_one_process", family) for family in TP_RUNS.values()])
+                 *[_family_run(workdir, name, family) + layout for name, (family, layout) in RUNS.items()]])
+    run_pool(4, [_family_run(workdir, name, "llama3", batch_size) + layout
+                 for name, (batch_size, layout) in WIDE_RUNS.items()])
+    families = dict.fromkeys(family for family, _ in RUNS.values())
+    run_pool(1, [_family_run(workdir, f"{family}_one_process", family) for family in families])
     return workdir
 
 
@@ -105,9 +120,9 @@ def test_tensor_parallel_attention_stops_at_documents_like_one_process(masked_tp
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", [*TP_RUNS, "llama3_fsdp2_tp2", "llama3_cp2_tp2"])
-def test_masked_tensor_parallel_losses_match_one_process(masked_tp_runs, name):
-    want = losses(masked_tp_runs, f"{TP_RUNS.get(name, 'llama3')}_one_process")
+@pytest.mark.parametrize("name", [*RUNS, *WIDE_RUNS])
+def test_masked_tensor_and_pipeline_parallel_losses_match_one_process(masked_tp_runs, name):
+    want = losses(masked_tp_runs, f"{RUNS.get(name, ('llama3',))[0]}_one_process")
     assert len(want) == STEPS
     assert losses(masked_tp_runs, name) == pytest.approx(want, rel=RTOL)
 
@@ -120,3 +135,17 @@ def test_the_dry_run_takes_document_masking_under_tensor_parallelism(capsys):
                  "--data.document_mask", "true", "--data.reset_position_ids", "true"])
     out = capsys.readouterr().out
     assert code == 0 and "every local shard matches the plan" in out
+
+
+def test_the_microbatches_documents_are_those_of_their_rows():
+    # Two batches of two rows, concatenated and cut into 4 microbatches of one row (and 2 of two rows): each is what
+    # the loader builds for its rows alone, host ends counted from its own first position.
+    rows = [STARTS[0], STARTS[1], [5, 6], []]
+    batches = [Documents.from_starts(rows[:2], SEQ, True), Documents.from_starts(rows[2:], SEQ, True)]
+    whole = Documents.cat(batches)
+    for n in (4, 2):
+        size = len(rows) // n
+        for i, part in enumerate(whole.split(n)):
+            alone = Documents.from_starts(rows[i * size:(i + 1) * size], SEQ, True)
+            assert part.cu_seqlens == alone.cu_seqlens
+            assert torch.equal(part.ids, alone.ids) and torch.equal(part.positions, alone.positions)
