@@ -7,8 +7,8 @@ its window changes; the dry run takes document masking at tp 2.
 PP: the trainer splits the batch's documents per microbatch (Documents.split, host ends included) and every stage's
 forward of microbatch i gets microbatch i's by argument.
 Training runs -- tp 2, pp 2 (1F1B; Interleaved1F1B with full activation checkpointing, which recomputes each
-microbatch's blocks in its backward), and on 4 ranks fsdp 2 x tp 2 and ring cp 2 x tp 2 -- give one process's
-per-step losses (fp32, 1e-5 relative)."""
+microbatch's blocks in its backward; Qwen3-MoE's, whose stages also pass on routing sums), and on 4 ranks
+fsdp 2 x tp 2, ring cp 2 x tp 2 and ring cp 2 x pp 2 -- give one process's per-step losses (fp32, 1e-5 relative)."""
 
 from __future__ import annotations
 
@@ -90,17 +90,19 @@ RUNS = {
     "llama3_pp2_1f1b": ("llama3", [*PP2, "--parallel.pp_schedule=1F1B"]),
     "llama3_pp2_interleaved_ac": ("llama3", [*PP2, "--parallel.pp_schedule=Interleaved1F1B",
                                              "--activation_checkpoint.mode=full"]),
+    "qwen3_moe_pp2": ("qwen3_moe", [*PP2, "--parallel.pp_schedule=1F1B"]),  # routing sums between the stages too
 }
 WIDE_RUNS = {  # 4 ranks, Llama 3
     "llama3_fsdp2_tp2": (2, ["--parallel.tp_degree=2", "--parallel.dp_shard=2"]),
     "llama3_cp2_tp2": (4, ["--parallel.tp_degree=2", "--parallel.cp_degree=2"]),
+    "llama3_cp2_pp2": (4, ["--parallel.pp_degree=2", "--parallel.cp_degree=2"]),
 }
 
 
 @pytest.fixture(scope="module")
 def masked_tp_runs(tmp_path_factory) -> Path:
-    """The model-level checks of every family and the tp 2 and pp 2 training runs in one 2-rank pool, fsdp 2 x tp 2
-    and cp 2 x tp 2 in a 4-rank one, and the one-process runs they are compared with."""
+    """The model-level checks of every family and the tp 2 and pp 2 training runs in one 2-rank pool, the 4-rank
+    layouts in another, and the one-process runs they are compared with."""
     workdir = tmp_path_factory.mktemp("document_mask_tp_pp")
     write_tokens(workdir / "tokens.jsonl")
     run_pool(2, [*[partial(_check_tensor_parallel, workdir, family) for family in FAMILIES],
