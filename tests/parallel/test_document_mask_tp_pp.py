@@ -3,7 +3,7 @@
 TP (with sequence parallelism): each tp rank attends over its heads on the whole gathered sequence, within each
 query's document. Every family -- Llama 3, Qwen3 (q/k norms, tied), Qwen3-MoE (MoE tensor parallelism), DeepSeek-V3
 (MLA) -- at tp 2 gives one process's masked logits, and a token's output does not change when another document of
-its window changes; the dry run takes document masking at tp 2.
+its window changes; the dry run takes document masking at tp 2 and at pp 2.
 PP: the trainer splits the batch's documents per microbatch (Documents.split, host ends included) and every stage's
 forward of microbatch i gets microbatch i's by argument.
 Training runs -- tp 2, pp 2 (1F1B; Interleaved1F1B with full activation checkpointing, which recomputes each
@@ -129,11 +129,12 @@ def test_masked_tensor_and_pipeline_parallel_losses_match_one_process(masked_tp_
     assert losses(masked_tp_runs, name) == pytest.approx(want, rel=RTOL)
 
 
-def test_the_dry_run_takes_document_masking_under_tensor_parallelism(capsys):
+@pytest.mark.parametrize("layout", ["tp_degree", "pp_degree"])
+def test_the_dry_run_takes_document_masking_under_tensor_or_pipeline_parallelism(capsys, layout):
     from titan_npu.train import main
 
     code = main(["--config", str(ROOT / "configs" / "debug.toml"), "--dry-run", "--world-size", "2", "--rank", "1",
-                 "--training.seq_len", "64", "--training.batch_size", "4", "--parallel.tp_degree", "2",
+                 "--training.seq_len", "64", "--training.batch_size", "4", f"--parallel.{layout}", "2",
                  "--data.document_mask", "true", "--data.reset_position_ids", "true"])
     out = capsys.readouterr().out
     assert code == 0 and "every local shard matches the plan" in out
