@@ -152,3 +152,17 @@ def test_the_microbatches_documents_are_those_of_their_rows():
             alone = Documents.from_starts(rows[i * size:(i + 1) * size], SEQ, True)
             assert part.cu_seqlens == alone.cu_seqlens
             assert torch.equal(part.ids, alone.ids) and torch.equal(part.positions, alone.positions)
+
+
+def test_deepseek_multi_token_prediction_with_document_masking_is_refused_in_one_line():
+    from titan_npu.config.loader import load_config
+    from titan_npu.errors import LayoutError
+    from titan_npu.models.deepseek_v3.parallelize import check_deepseek_layout
+    from titan_npu.models.registry import build_model_args
+    from titan_npu.parallel import ParallelDims
+
+    config, overrides = FAMILIES["deepseek_v3"]
+    cfg = load_config(config, [*overrides, "--model.mtp_depth=1", "--data.document_mask=true"])
+    with pytest.raises(LayoutError, match="model.mtp_depth=1 with data.document_mask = true") as error:
+        check_deepseek_layout(ParallelDims.from_config(cfg.parallel, 1), build_model_args(cfg.model), cfg)
+    assert "\n" not in str(error.value) and "set model.mtp_depth = 0 or data.document_mask = false" in str(error.value)
