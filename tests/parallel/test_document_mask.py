@@ -11,7 +11,8 @@ included) and every stage's forward of microbatch i gets microbatch i's by argum
 Training runs give one process's per-step losses (fp32, 1e-5 relative): cp 2 (ring, Ulysses; the validation loss
 too), tp 2 (Llama 3, Qwen3-MoE), pp 2 (1F1B: Llama 3, Qwen3-MoE, whose stages also pass on routing sums;
 Interleaved1F1B with full activation checkpointing, which recomputes each microbatch's blocks in its backward after
-later microbatches' forwards) and, with -m slow (4 ranks), fsdp 2 x tp 2, ring cp 2 x tp 2 and ring cp 2 x pp 2.
+later microbatches' forwards) and, with -m slow (4 ranks), fsdp 2 x tp 2, ring cp 2 x tp 2, ring cp 2 x pp 2 and
+tp 2 x pp 2.
 The dry run takes document masking at tp 2 and pp 2."""
 
 from __future__ import annotations
@@ -231,6 +232,7 @@ WIDE_RUNS = {  # 4 ranks, Llama 3: name: (batch size per data-parallel rank, lay
     "llama3_fsdp2_tp2": (2, ["--parallel.tp_degree=2", "--parallel.dp_shard=2"]),
     "llama3_cp2_tp2": (4, ["--parallel.tp_degree=2", "--parallel.cp_degree=2"]),
     "llama3_cp2_pp2": (4, ["--parallel.pp_degree=2", "--parallel.cp_degree=2"]),
+    "llama3_tp2_pp2": (4, ["--parallel.tp_degree=2", "--parallel.pp_degree=2"]),
 }
 
 
