@@ -3,8 +3,8 @@ window, in one process and under context, tensor and pipeline parallelism.
 
 A token's output does not change when the other documents of its window change, in one process, under context
 parallelism (ring and Ulysses, cp 2) and under tensor parallelism (tp 2, sequence parallel: each tp rank's heads over
-the whole gathered window) for every family -- Llama 3, Qwen3 (q/k norms, tied), Qwen3-MoE (MoE tensor
-parallelism), DeepSeek-V3 (MLA) -- whose masked logits also equal one process's; the masked model equals the same
+the whole gathered window) for every family -- Llama 3, Qwen3 (q/k norms, tied), Qwen2 (biases), Qwen3-MoE (MoE
+tensor parallelism), DeepSeek-V3 (MLA) -- whose masked logits also equal one process's; the masked model equals the same
 documents run one by one; ring attention with documents on the NPU block kernels (fake torch_npu) equals masked
 SDPA. Under pipeline parallelism the trainer splits the batch's documents per microbatch (Documents.split, host ends
 included) and every stage's forward of microbatch i gets microbatch i's by argument.
@@ -162,6 +162,7 @@ SMALL = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n
 FAMILIES = {
     "llama3": (None, ["--model.name=llama3", *SMALL]),
     "qwen3": (None, ["--model.name=qwen3", "--model.flavor=debug", *SMALL, "--model.head_dim=32"]),
+    "qwen2": (None, ["--model.name=qwen2", "--model.flavor=debug", *SMALL]),  # q/k/v biases cut with their columns
     # Without the load-balancing loss, which a pipeline pools per microbatch (one process: over the whole batch).
     "qwen3_moe": (None, ["--model.name=qwen3_moe", "--model.flavor=debug", *SMALL, "--model.head_dim=32",
                          "--model.router_aux_loss_coef=0"]),
