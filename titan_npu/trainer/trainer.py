@@ -253,8 +253,8 @@ class Trainer:
         return plain_tensor(loss.detach())
 
     def pipeline_forward_backward(self, data_iter) -> tuple[torch.Tensor, float]:
-        """One pipeline step: the accumulation steps' batches become microbatches; (loss or 0 off the last stage,
-        data seconds)."""
+        """One pipeline step: the accumulation steps' batches (and their documents, with data.document_mask) become
+        microbatches; (loss or 0 off the last stage, data seconds)."""
         t0 = time.perf_counter()
         batches = [next(data_iter) for _ in range(self.cfg.training.gradient_accumulation_steps)]
         inputs = torch.cat([b[0] for b in batches]).to(self.device.torch_device, non_blocking=True)
