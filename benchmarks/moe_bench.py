@@ -6,7 +6,8 @@
 (a) model: configs/debug_moe.toml's model (8 experts of 128, top-2) against a dense Qwen3 of the same shapes whose
     MLP has the width of the active experts (ffn_dim = top_k x moe_ffn_dim = 256): the same matmul FLOPs per token
     but for the router. A step is the plain loop of benchmarks/bare_loop.py (forward, fp32 cross entropy plus the
-    MoE model's auxiliary loss, backward, clipping, AdamW) on fixed random batches; tokens/s per step.
+    MoE model's auxiliary loss, backward, clipping, fused AdamW: the trainer's choice on a CPU) on fixed random
+    batches; tokens/s per step.
 (b) layer: one MoE layer (debug_moe's shape) forward + backward over --tokens tokens with its experts run three ways:
     the grouped GEMM the layer uses (ops.grouped_mm: torch._grouped_mm on the CPU), a Python loop over the experts
     (a matmul per expert, the group sizes read to the host), and the padded batched fallback (one bmm over the
@@ -77,7 +78,8 @@ def build_step(overrides: list[str], device: torch.device) -> tuple[RoutedLoop, 
     t = cfg.training
     shape = Shape(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
                   vocab_size=args.vocab_size, ffn_dim=args.ffn_dim, seq_len=t.seq_len, batch_size=t.batch_size)
-    loop = RoutedLoop(model, shape, "fp32", device, implementation="foreach")
+    # optimizer.implementation = "auto" is fused AdamW on a CPU (trainer/optimizer.py): time the step the trainer runs.
+    loop = RoutedLoop(model, shape, "fp32", device, implementation="fused")
     return loop, args.num_params(), args.num_active_params()
 
 

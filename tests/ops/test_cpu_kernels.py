@@ -148,3 +148,21 @@ def test_widened_kernels_are_well_formed_custom_ops_for_torch_compile(layout):
     torch.library.opcheck(cpu._widened_attention, (*qkv, True))
     x, w = torch.randn(3, 4, 8).bfloat16().requires_grad_(), torch.randn(5, 8).bfloat16().requires_grad_()
     torch.library.opcheck(cpu._widened_linear, (x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_router_softmax_gives_the_reference_probabilities_choices_and_gradients(dtype):
+    g = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(257, 8, generator=g)).to(dtype)
+    cotangent = torch.randn(257, 8, generator=g)
+    results = []
+    for kernel in (cpu.moe_topk_softmax, reference.moe_topk_softmax):
+        x = logits.clone().requires_grad_()
+        probs, experts = kernel(x, 2)
+        (probs * cotangent).sum().backward()
+        results.append((probs, experts, x.grad))
+    (probs, experts, grad), (want_probs, want_experts, want_grad) = results
+    assert probs.dtype == torch.float32 and probs.shape == (257, 8)
+    torch.testing.assert_close(probs, want_probs, rtol=1e-6, atol=1e-7)  # fp32 sums in another order: an ulp
+    assert torch.equal(experts, want_experts)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6)

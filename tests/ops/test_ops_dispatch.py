@@ -24,9 +24,9 @@ def _doubling_swiglu(gate, up):
     return 2 * reference.swiglu(gate, up)
 
 
-def test_cpu_uses_its_backend_for_linear_and_attention_and_the_reference_for_the_rest():
-    assert ops.current_kernels("cpu") == {op: "cpu" if op in ("linear", "attention") else "reference"
-                                          for op in ops.OP_NAMES}
+def test_cpu_uses_its_backend_for_linear_attention_and_the_router_and_the_reference_for_the_rest():
+    on_cpu = ("linear", "attention", "moe_topk_softmax")
+    assert ops.current_kernels("cpu") == {op: "cpu" if op in on_cpu else "reference" for op in ops.OP_NAMES}
 
 
 def test_a_device_without_a_registered_backend_falls_back_to_the_reference():

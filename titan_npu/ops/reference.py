@@ -221,14 +221,35 @@ def moe_permute(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, t
     return x.index_select(0, order // experts.shape[-1]), order
 
 
+class _WeightedCombine(torch.autograd.Function):
+    """moe_unpermute's arithmetic with a backward that keeps two [T * k, D] temporaries where autograd's keeps four:
+    the output's gradient gathered once to the copies, its dot product with each copy (the weights' gradient, no
+    [T * k, D] product kept for a reduction), and the same gather scaled in place (the copies' gradient)."""
+
+    @staticmethod
+    def forward(ctx, routed: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        token = order // weights.shape[-1]
+        copy_weights = weights.reshape(-1).index_select(0, order)
+        ctx.save_for_backward(routed, order, token, copy_weights)
+        ctx.weights_shape = weights.shape
+        out = routed.new_zeros(weights.shape[0], routed.shape[-1])
+        return out.index_add_(0, token, routed * copy_weights.unsqueeze(-1))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
+        routed, order, token, copy_weights = ctx.saved_tensors
+        grad_copies = grad.index_select(0, token)
+        grad_copy_weights = torch.linalg.vecdot(grad_copies, routed)
+        grad_weights = torch.empty_like(grad_copy_weights).index_copy_(0, order, grad_copy_weights)
+        return grad_copies.mul_(copy_weights.unsqueeze(-1)), None, grad_weights.view(ctx.weights_shape)
+
+
 def moe_unpermute(routed: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """moe_permute's inverse with each token's copies weighted and summed: out[t] = sum_j weights[t, j] *
     routed[i] for the i with order[i] = t * k + j; routed [T * k, D], weights [T, k] -> [T, D] in routed's dtype.
 
     Each sorted copy is weighted and added into its token's row (index_add_): no inverse permutation, no [T, k, D]
-    gather and product, and a backward of one gather instead of a zero-filled index_put_(accumulate=True). A
-    token's copies are added in expert order, which for top_k <= 2 gives the sum over j bit for bit.
+    gather and product. A token's copies are added in expert order, which for top_k <= 2 gives the sum over j bit
+    for bit. The backward (_WeightedCombine) gathers the output's gradient to the copies once.
     """
-    copy_weights = weights.reshape(-1).index_select(0, order).to(routed.dtype)
-    out = routed.new_zeros(weights.shape[0], routed.shape[-1])
-    return out.index_add_(0, order // weights.shape[-1], routed * copy_weights.unsqueeze(-1))
+    return _WeightedCombine.apply(routed, order, weights.to(routed.dtype))
