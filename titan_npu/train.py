@@ -29,9 +29,15 @@ def setup_logging(rank: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """train.py's options; the config keys (--section.key value and the short flags) are parsed by the loader."""
+    from titan_npu.config.aliases import TOP_LEVEL_ALIASES
+
+    short = [(f"--{alias}", f"--{section}.{key}") for alias, (section, key) in TOP_LEVEL_ALIASES.items()]
     p = argparse.ArgumentParser(
         prog="train.py",
-        description="Train a Llama model. Any config key can be overridden as --section.key value.",
+        description="Train a Llama, Qwen or DeepSeek model. Any config key can be overridden as --section.key value; "
+        f"{', '.join(a for a, _ in short[:-1])} and {short[-1][0]} are short for "
+        f"{', '.join(k for _, k in short[:-1])} and {short[-1][1]}.",
         epilog="example: torchrun --nproc_per_node 4 train.py --config configs/llama_7b.toml --data_dir /data/tokens",
     )
     p.add_argument("--config", "--config_file", dest="config", help="TOML or YAML config file (default: all defaults)")
