@@ -305,3 +305,13 @@ def test_training_a_run_that_already_reached_max_steps_says_there_is_nothing_to_
     assert ("nothing to train: the run resumed at step 2 and training.max_steps is 1; raise --training.max_steps to "
             "continue it, or give another --checkpoint_dir to start a new run") in out, out
     assert snapshot(run_copy) == before
+
+
+def test_import_help_names_every_model_type_the_registry_converts():
+    from titan_npu.checkpoint.cli import _import_parser
+    from titan_npu.models.registry import SPECS
+
+    text = " ".join(_import_parser().format_help().split())
+    for spec in SPECS.values():
+        for model_type in spec.hf.model_types:
+            assert re.search(rf"\b{model_type}\b", text), (model_type, text)
