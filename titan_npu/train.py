@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a Llama, Qwen or DeepSeek model. Any config key can be overridden as --section.key value; "
         f"{', '.join(a for a, _ in short[:-1])} and {short[-1][0]} are short for "
         f"{', '.join(k for _, k in short[:-1])} and {short[-1][1]}.",
-        epilog="example: torchrun --nproc_per_node 4 train.py --config configs/llama_7b.toml --data_dir /data/tokens",
+        epilog="example: torchrun --nproc_per_node 4 train.py --config configs/llama_7b.toml --data_dir /data/tokens "
+        "--data.tokenizer /models/llama2/tokenizer.model",
     )
     p.add_argument("--config", "--config_file", dest="config", help="TOML or YAML config file (default: all defaults)")
     p.add_argument("--print_config", "--print-config", action="store_true", help="print the resolved config and exit")
