@@ -64,13 +64,11 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
     setup_logging(_rank())
     try:
         cfg = load_config(args.config, overrides)
-        if not args.print_config:
-            check_launch_env()
-        if not args.print_config and not args.dry_run:
-            check_before_process_group(cfg)
     except TitanError as e:
         e.same_on_every_rank = True  # found before any process group: every rank sees it, rank 0 says it
         raise
+    if not args.print_config:
+        preflight(cfg, before_process_group=not args.dry_run)
     if args.print_config:
         import json
 
@@ -97,6 +95,20 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
 def _rank() -> int:
     rank = os.environ.get("RANK", "0")
     return int(rank) if rank.isdigit() else 0
+
+
+def preflight(cfg: JobConfig, before_process_group: bool = True) -> None:
+    """The launch environment and (unless before_process_group is False: the dry run) the checks that need no
+    process group; a refusal is marked as every rank's (each finds it before any process group: rank 0 says it)."""
+    from titan_npu.errors import TitanError
+
+    try:
+        check_launch_env()
+        if before_process_group:
+            check_before_process_group(cfg)
+    except TitanError as e:
+        e.same_on_every_rank = True
+        raise
 
 
 def check_launch_env() -> None:
