@@ -29,10 +29,17 @@ def setup_logging(rank: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """train.py's options; the config keys (--section.key value and the short flags) are parsed by the loader."""
+    from titan_npu.config.aliases import TOP_LEVEL_ALIASES
+
+    short = [(f"--{alias}", f"--{section}.{key}") for alias, (section, key) in TOP_LEVEL_ALIASES.items()]
     p = argparse.ArgumentParser(
         prog="train.py",
-        description="Train a Llama model. Any config key can be overridden as --section.key value.",
-        epilog="example: torchrun --nproc_per_node 4 train.py --config configs/llama_7b.toml --data_dir /data/tokens",
+        description="Train a Llama, Qwen or DeepSeek model. Any config key can be overridden as --section.key value; "
+        f"{', '.join(a for a, _ in short[:-1])} and {short[-1][0]} are short for "
+        f"{', '.join(k for _, k in short[:-1])} and {short[-1][1]}.",
+        epilog="example: torchrun --nproc_per_node 4 train.py --config configs/llama_7b.toml --data_dir /data/tokens "
+        "--data.tokenizer /models/llama2/tokenizer.model",
     )
     p.add_argument("--config", "--config_file", dest="config", help="TOML or YAML config file (default: all defaults)")
     p.add_argument("--print_config", "--print-config", action="store_true", help="print the resolved config and exit")
@@ -57,13 +64,11 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
     setup_logging(_rank())
     try:
         cfg = load_config(args.config, overrides)
-        if not args.print_config:
-            check_launch_env()
-        if not args.print_config and not args.dry_run:
-            check_before_process_group(cfg)
     except TitanError as e:
         e.same_on_every_rank = True  # found before any process group: every rank sees it, rank 0 says it
         raise
+    if not args.print_config:
+        preflight(cfg, before_process_group=not args.dry_run)
     if args.print_config:
         import json
 
@@ -90,6 +95,20 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
 def _rank() -> int:
     rank = os.environ.get("RANK", "0")
     return int(rank) if rank.isdigit() else 0
+
+
+def preflight(cfg: JobConfig, before_process_group: bool = True) -> None:
+    """The launch environment and (unless before_process_group is False: the dry run) the checks that need no
+    process group; a refusal is marked as every rank's (each finds it before any process group: rank 0 says it)."""
+    from titan_npu.errors import TitanError
+
+    try:
+        check_launch_env()
+        if before_process_group:
+            check_before_process_group(cfg)
+    except TitanError as e:
+        e.same_on_every_rank = True
+        raise
 
 
 def check_launch_env() -> None:

@@ -10,7 +10,7 @@ import stat
 
 import pytest
 import torch
-from tiny_run import snapshot, train_tiny
+from tiny_run import snapshot, tiny_args, train_tiny
 
 from titan_npu.checkpoint.cli import parse_size
 from titan_npu.cli import main
@@ -294,3 +294,24 @@ def test_a_damaged_checkpoint_with_nothing_intact_before_it_says_so(run_copy, tm
     code, err = _run(capsys, "export", "--checkpoint", str(run_copy / "step-1"), "--output", str(tmp_path / "o.pt"))
     assert code == 2 and err.endswith(f"no earlier intact checkpoint is in {run_copy}; start again or restore the "
                                       "files"), err
+
+
+def test_training_a_run_that_already_reached_max_steps_says_there_is_nothing_to_train(run_copy, tmp_path, capsys):
+    """The README's second CPU command run after its first: a silent exit would look like a broken install."""
+    before = snapshot(run_copy)
+    assert main(["train", *tiny_args(tmp_path, training__max_steps=1)]) == 0
+    out = capsys.readouterr().out
+    assert "[Step" not in out
+    assert ("nothing to train: the run resumed at step 2 and training.max_steps is 1; raise --training.max_steps to "
+            "continue it, or give another --checkpoint_dir to start a new run") in out, out
+    assert snapshot(run_copy) == before
+
+
+def test_import_help_names_every_model_type_the_registry_converts():
+    from titan_npu.checkpoint.cli import _import_parser
+    from titan_npu.models.registry import SPECS
+
+    text = " ".join(_import_parser().format_help().split())
+    for spec in SPECS.values():
+        for model_type in spec.hf.model_types:
+            assert re.search(rf"\b{model_type}\b", text), (model_type, text)

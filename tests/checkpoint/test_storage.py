@@ -107,6 +107,12 @@ def test_a_directory_that_is_not_a_checkpoint_says_so(tmp_path):
     fake_checkpoint(tmp_path / "run", 3)
     with pytest.raises(CheckpointError, match=r"is not a checkpoint; it holds checkpoints: pass one of them"):
         storage.check_checkpoint_dir(tmp_path / "run")
+    fake_checkpoint(tmp_path / "runs" / "b", 5)
+    fake_checkpoint(tmp_path / "runs" / "a", 2)
+    (tmp_path / "runs" / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"runs is not a checkpoint; its folders a, b hold checkpoints \(each the "
+                                              r"checkpoint.dir of a run\): pass one of them, e.g. .*runs/a/step-2$"):
+        storage.check_checkpoint_dir(tmp_path / "runs")
     (tmp_path / "model.pt").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"is a file, not a checkpoint directory.*initial_load"):
         storage.check_checkpoint_dir(tmp_path / "model.pt")

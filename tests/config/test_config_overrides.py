@@ -20,6 +20,18 @@ def test_directory_flags_map_to_their_sections():
     assert (cfg.data.path, cfg.checkpoint.dir, cfg.metrics.log_dir) == ("/x", "/c", "/l")
 
 
+def test_train_help_names_every_short_flag_and_the_key_it_sets():
+    """The README launches with --data_dir / --checkpoint_dir / --log_dir: `train.py --help` must say they exist."""
+    import re
+
+    from titan_npu.config.aliases import TOP_LEVEL_ALIASES
+    from titan_npu.train import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    for alias, (section, key) in TOP_LEVEL_ALIASES.items():
+        assert re.search(rf"--{alias}\b", text) and f"--{section}.{key}" in text, (alias, text)
+
+
 def test_dashed_flag_names_are_accepted():
     cfg = load_config(None, ["--checkpoint-dir", "/c", "--lr-scheduler.warmup-steps", "7"])
     assert (cfg.checkpoint.dir, cfg.lr_scheduler.warmup_steps) == ("/c", 7)

@@ -228,7 +228,8 @@ def test_shards_of_another_tokenizer_are_refused(shards, small_cfg, tmp_path):
     from titan_npu.data.train_tokenizer import train_bpe
 
     train_bpe([str(builtin_corpus_path())], 300, tmp_path / "bpe")
-    with pytest.raises(DataError, match="was tokenised with a different tokenizer .* use the same tokenizer"):
+    with pytest.raises(DataError, match=r"was tokenised with a different tokenizer .* use the same tokenizer "
+                                        r"\(prepare-data was given byte: --data.tokenizer byte\) or re-run"):
         build_dataloader(small_cfg(str(shards)), build_tokenizer(str(tmp_path / "bpe")), 0, 1)
 
 

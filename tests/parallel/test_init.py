@@ -214,3 +214,17 @@ def test_init_weights_refuses_to_write_over_an_existing_output(tmp_path, capsys)
     (tmp_path / "seed").mkdir()
     assert main(["init-weights", "--output", str(tmp_path / "seed")]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_init_weights_in_one_process_prints_no_torch_warning(tmp_path):
+    """Its output is one line: DCP's 'assuming the intent is to save in a single process' is the intent here."""
+    import warnings
+
+    from tiny_run import TINY_RUN
+
+    from titan_npu.cli import main
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["init-weights", *TINY_RUN, "--output", str(tmp_path / "seed")]) == 0
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []

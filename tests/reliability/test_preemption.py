@@ -13,6 +13,8 @@ import sys
 import textwrap
 import threading
 
+import pytest
+
 from titan_npu.reliability.preemption import PreemptionHandler
 
 from .conftest import REPO, clean_env, run_train, tiny_args
@@ -205,3 +207,30 @@ def test_a_signal_to_the_whole_process_group_with_loader_workers_saves_and_exits
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
     assert "preempted by SIGTERM on rank 0" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("enable, advice", [
+    (True, "run the same command to resume"),
+    (False, "the same command starts the run over from step 1 (checkpoint.enable = true keeps the progress)"),
+])
+def test_the_preemption_message_says_what_running_the_command_again_does(tmp_path, caplog, enable, advice):
+    """Without checkpoints the same command cannot resume: the line must not promise it."""
+    import logging
+
+    from titan_npu.config.loader import load_config
+    from titan_npu.reliability.run import Reliability
+
+    cfg = load_config(None, tiny_args(tmp_path, checkpoint__enable=enable, reliability__watchdog=False))
+    reliability = Reliability(cfg, rank=0, world_size=1, device_type="cpu")
+    reliability.preempted = (int(signal.SIGTERM), 0)
+    saved = []
+    checkpointer = type("Checkpointer", (), {"save": lambda self, step, sync: saved.append(step)})()
+    logger = logging.getLogger("titan_npu")
+    logger.addHandler(caplog.handler)
+    try:
+        reliability.stop(checkpointer, 3)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert saved == [3]
+    (line,) = {r.getMessage() for r in caplog.records if r.getMessage().startswith("preempted by")}
+    assert line.startswith("preempted by SIGTERM on rank 0 after step 3: the run is ") and line.endswith(advice), line

@@ -107,6 +107,24 @@ def test_bench_refuses_zero_measured_steps():
         main([*TINY, "--steps", "0"])
 
 
+@pytest.mark.parametrize("override, error", [
+    (["--data.tokenizer", "/models/nope/tokenizer.model"], "tokenizer '/models/nope/tokenizer.model' not found"),
+    (["--training.seq_len", "64"], "training.seq_len=64 exceeds model.max_seq_len=32"),
+])
+def test_bench_refuses_what_train_refuses_before_any_process_group_forms(monkeypatch, override, error):
+    """As `train.py`: under torchrun a refusal found before the process group is said once, not by every rank."""
+    import titan_npu.trainer.trainer as trainer_module
+    from titan_npu.errors import TitanError
+
+    def no_process_group(*args, **kwargs):
+        raise AssertionError("bench formed a process group before refusing the config")
+
+    monkeypatch.setattr(trainer_module, "init_process_group", no_process_group)
+    with pytest.raises(TitanError, match=error) as caught:
+        main([*TINY, *override])
+    assert caught.value.same_on_every_rank
+
+
 def test_pure_bf16_holds_weights_and_optimizer_state_in_bf16_and_rope_tables_in_fp32(tmp_path):
     from titan_npu.config.loader import load_config
     from titan_npu.trainer import Trainer

@@ -39,6 +39,8 @@ LAYOUTS = {
     "replicated data parallel (fsdp off)": (2, 1, ["--parallel.fsdp", "false"]),
     "Qwen3 (q/k norms, head_dim apart from dim / n_heads, tied) TP 2 x FSDP 2": (
         4, 3, ["--model.name", "qwen3", "--model.flavor", "debug", "--parallel.tp_degree", "2"]),
+    "Qwen3 (tied) in one process: the output stays the embedding's parameter": (
+        1, 0, ["--model.name", "qwen3", "--model.flavor", "debug"]),
     "FSDP 3 x CP 2 ring (FSDP over dp_shard x cp flattened, uneven shards)": (6, 5, ["--parallel.cp_degree", "2"]),
     "CP 4 Ulysses, full checkpointing": (
         4, 2, ["--parallel.cp_degree", "4", "--parallel.cp_mode", "ulysses", "--activation_checkpoint.mode", "full"]),

@@ -27,7 +27,7 @@ def _export_parser() -> argparse.ArgumentParser:
         prog="titan-npu export",
         description="Write a training checkpoint's model weights as one full .pt state dict or a Hugging Face "
                     "directory (safetensors + config.json), from one process.",
-        epilog="example: titan-npu export --checkpoint checkpoints/step-5000 --format hf --dtype bf16 "
+        epilog="example: titan-npu export --checkpoint checkpoints/llama3_8b/step-5000 --format hf --dtype bf16 "
                "--output exports/llama-5000",
     )
     p.add_argument("--checkpoint", required=True, help="a step-N directory, or checkpoint.dir (latest, or --step)")
@@ -63,10 +63,14 @@ def export_main(argv: list[str]) -> int:
 
 
 def _import_parser() -> argparse.ArgumentParser:
+    """`titan-npu import`'s options; the model types it names are the registry's."""
+    from titan_npu.models.registry import SPECS
+
+    model_types = ", ".join(dict.fromkeys(t for spec in SPECS.values() if spec.hf for t in spec.hf.model_types))
     p = argparse.ArgumentParser(
         prog="titan-npu import",
-        description="Convert Hugging Face weights (Llama, Qwen2 / Qwen2.5, Qwen3: the family is config.json's "
-                    "model_type), Meta consolidated.*.pth or a step-N checkpoint into one full .pt state dict under "
+        description=f"Convert Hugging Face weights (config.json's model_type: {model_types}), Meta "
+                    "consolidated.*.pth or a step-N checkpoint into one full .pt state dict under "
                     "this project's names (for checkpoint.initial_load, which also takes the Hugging Face directory "
                     "itself).",
         epilog="example: titan-npu import --input Meta-Llama-3-8B-hf --output llama3_8b.pt --dtype bf16",

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch.distributed as dist
@@ -63,7 +64,11 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | Path, overwrite: bool =
             save_config(cfg, tmp / storage.CONFIG_FILE)
         if world_size > 1:
             dist.barrier()
-        dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=world_size == 1)
+        with warnings.catch_warnings():
+            # one process saves without a process group on purpose: DCP's warning that it assumes so is noise
+            warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or "
+                                    r"uninitialized", category=UserWarning)
+            dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=world_size == 1)
         if rank == 0:
             info = {
                 "step": 0,

@@ -117,8 +117,18 @@ def check_checkpoint_dir(path: str | Path) -> None:
         )
     if not is_complete(path):
         inside = list_checkpoints(path)
-        hint = (f"it holds checkpoints: pass one of them, e.g. {inside[-1].path}" if inside
-                else "expected a step-N directory holding .metadata and checkpoint.json")
+        # The parent of several runs' checkpoint.dir (the shipped configs' checkpoints/<name>): name those runs.
+        runs = [] if inside else [(d, refs[-1]) for d in sorted(p for p in path.iterdir() if p.is_dir())
+                                  if (refs := list_checkpoints(d))]
+        if inside:
+            hint = f"it holds checkpoints: pass one of them, e.g. {inside[-1].path}"
+        elif runs:
+            names = ", ".join(d.name for d, _ in runs)
+            hint = (f"its folder {names} holds checkpoints (the checkpoint.dir of a run)" if len(runs) == 1 else
+                    f"its folders {names} hold checkpoints (each the checkpoint.dir of a run)")
+            hint += f": pass one of them, e.g. {runs[0][1].path}"
+        else:
+            hint = "expected a step-N directory holding .metadata and checkpoint.json"
         raise CheckpointError(f"{path} is not a checkpoint; {hint}")
 
 

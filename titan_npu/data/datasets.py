@@ -38,6 +38,7 @@ class TokenDataset:
     max_token_id: int
     max_token_where: str = ""  # the file (and line) holding max_token_id, for messages
     tokenizer_fingerprint: str | None = None
+    tokenizer_spec: str | None = None  # the --tokenizer prepare-data was given, for messages
 
     @property
     def num_docs(self) -> int:
@@ -80,6 +81,7 @@ class ShardDataset(TokenDataset):
         self.dtype = np.dtype(index["dtype"])
         self.max_token_id = int(index["max_token_id"])
         self.tokenizer_fingerprint = index["tokenizer"]["fingerprint"]
+        self.tokenizer_spec = index["tokenizer"].get("spec")
         self.shard_files = [s["file"] for s in index["shards"]]
         if index["shards"]:
             top = max(index["shards"], key=lambda s: s["max_token_id"])
@@ -125,11 +127,12 @@ class ShardDataset(TokenDataset):
 class TokensJsonlDataset(TokenDataset):
     """The guide's {"tokens": [...], "length": n} per line, read by byte offset; EOS appended where missing."""
 
-    def __init__(self, path: Path, eos_id: int | None, fingerprint: str | None = None):
+    def __init__(self, path: Path, eos_id: int | None, fingerprint: str | None = None, spec: str | None = None):
         self.path = path
         self.description = str(path)
         self.eos_id = eos_id
         self.tokenizer_fingerprint = fingerprint
+        self.tokenizer_spec = spec
         (self.offsets, raw_lengths, last, self.max_token_id, max_line), self._unsaved_index = _jsonl_index(path)
         self.max_token_where = f"{path}:{max_line}"
         self.append_eos = (last != eos_id) if eos_id is not None else np.zeros(len(last), dtype=bool)
@@ -282,7 +285,7 @@ def open_dataset(path: str, tokenizer: Tokenizer | None, text_field: str = "text
             index = read_index(p)
             if index["kind"] == "jsonl":
                 return TokensJsonlDataset(p / TOKENS_JSONL, index["tokenizer"]["eos_id"],
-                                          index["tokenizer"]["fingerprint"])
+                                          index["tokenizer"]["fingerprint"], index["tokenizer"].get("spec"))
             return ShardDataset(p, index)
         if (p / PROGRESS_FILE).is_file():
             raise DataError(f"{path} is an unfinished prepare-data output; re-run the same prepare-data to finish it")
@@ -298,9 +301,11 @@ def open_dataset(path: str, tokenizer: Tokenizer | None, text_field: str = "text
 def verify_dataset(ds: TokenDataset, tokenizer: Tokenizer | None, model_vocab_size: int | None) -> None:
     """DataError when the data was made by another tokenizer or holds ids the model has no embedding for."""
     if tokenizer is not None and ds.tokenizer_fingerprint and ds.tokenizer_fingerprint != tokenizer.fingerprint():
+        given = f" (prepare-data was given {ds.tokenizer_spec}: --data.tokenizer {ds.tokenizer_spec})" \
+            if ds.tokenizer_spec else ""
         raise DataError(
             f"{ds.description} was tokenised with a different tokenizer (fingerprint {ds.tokenizer_fingerprint}) than "
-            f"data.tokenizer {tokenizer.name} ({tokenizer.fingerprint()}); use the same tokenizer or re-run "
+            f"data.tokenizer {tokenizer.name} ({tokenizer.fingerprint()}); use the same tokenizer{given} or re-run "
             "prepare-data"
         )
     if model_vocab_size is not None and ds.max_token_id >= model_vocab_size:

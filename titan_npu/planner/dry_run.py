@@ -219,6 +219,8 @@ def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims
         for part in parts:
             # Fake storage on the host: FSDP refuses to run with meta parameters, and fake tensors cost nothing.
             part.to_empty(device="cpu")
+            # to_empty gives each module a parameter of its own: re-tie a tied output, as init_weights does.
+            part.tie_weights()
             # As materialize does: pure tensor parallelism's gradient layout hooks go on the real parameters.
             install_requested_grad_hooks(part)
         for part in parts:

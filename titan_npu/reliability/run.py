@@ -224,12 +224,18 @@ class Reliability:
         if halt:
             raise TrainingHalted(
                 f"{halt}; the weights of step {self.guard.last_applied_step} (the last update applied) are {where}; "
-                "lower optimizer.lr or look at the data of these steps, then run the same command to resume"
+                f"lower optimizer.lr or look at the data of these steps, then {self._again()}"
             )
         if self.rank == 0 and self.preempted is not None and step < self.cfg.training.max_steps:
             signum, rank = self.preempted
-            log.warning("preempted by %s on rank %d after step %d: the run is %s; run the same command to resume",
-                        signal.Signals(signum).name, rank, step, where)
+            log.warning("preempted by %s on rank %d after step %d: the run is %s; %s",
+                        signal.Signals(signum).name, rank, step, where, self._again())
+
+    def _again(self) -> str:
+        """What running the same command again does: resume, or (no checkpoints) start over."""
+        if self.cfg.checkpoint.enable:
+            return "run the same command to resume"
+        return "the same command starts the run over from step 1 (checkpoint.enable = true keeps the progress)"
 
     def _where(self, step: int) -> str:
         c = self.cfg.checkpoint

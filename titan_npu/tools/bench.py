@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry of `titan-npu bench`."""
     from titan_npu.config.loader import load_config
-    from titan_npu.train import setup_logging
+    from titan_npu.train import preflight, setup_logging
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args, overrides = build_parser().parse_known_args(argv)
@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(handler, logging.StreamHandler):
                 handler.setStream(sys.stderr)
     cfg = load_config(args.config, overrides)
+    preflight(cfg)  # as train does: a refusal before any process group forms, said once
     explicit_log_dir = any("log_dir" in token for token in overrides)
     with tempfile.TemporaryDirectory(prefix="titan-bench-") as tmp:
         prepare_config(cfg, args.steps, args.warmup, cfg.metrics.log_dir if explicit_log_dir else tmp)

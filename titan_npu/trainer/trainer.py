@@ -323,6 +323,10 @@ class Trainer:
         """Run until training.max_steps; returns the last logged metrics."""
         cfg = self.cfg
         max_steps, interval = cfg.training.max_steps, cfg.metrics.log_interval
+        if self.step >= max_steps and self.rank == 0:
+            log.warning("nothing to train: the run resumed at step %d and training.max_steps is %d; raise "
+                        "--training.max_steps to continue it, or give another --checkpoint_dir to start a new run",
+                        self.step, max_steps)
         data_iter = iter(self.dataloader)
         last: dict[str, Any] = {}
         synchronize(self.device)
