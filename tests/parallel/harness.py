@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -167,3 +168,17 @@ def _worker(rank: int, world: int, port: int, runs: list[Job]) -> None:
 def run_pool(world: int, runs: list[Job]) -> None:
     """Run the jobs one after another in `world` spawned processes; raises if any rank fails."""
     mp.spawn(_worker, args=(world, free_port(), runs), nprocs=world, join=True)
+
+
+def run_pools(pools: dict[int, list[Job]]) -> None:
+    """Run each world size's jobs in one pool, smallest world first; a world without jobs launches nothing."""
+    for world, runs in sorted(pools.items()):
+        if runs:
+            run_pool(world, runs)
+
+
+def selected_ids(request: pytest.FixtureRequest, test: str) -> list[str]:
+    """The parameter ids of test function `test` that this session runs (after -m and -k), for a fixture that pools
+    exactly the runs those tests read; "" for an unparametrized test."""
+    return [item.callspec.id if hasattr(item, "callspec") else "" for item in request.session.items
+            if getattr(item, "originalname", None) == test]
