@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from .harness import BATCH, Case, reference_name, run_pool, tiny_run, write_seed_checkpoint, write_tokens
+from .harness import (
+    BATCH,
+    Case,
+    reference_name,
+    run_here,
+    run_pool,
+    tiny_run,
+    write_seed_checkpoint,
+    write_tokens,
+)
 
 # The single-process reference batches: batch_size x dp sequences per step is exactly what dp ranks read together
 # (the loader gives rank r the r-th batch_size slice of each global batch).
@@ -103,11 +112,11 @@ def seed_checkpoint_run(workdir: Path, model: str = "llama3") -> list[str]:
 
 @pytest.fixture(scope="session")
 def parallel_workspace(tmp_path_factory) -> Path:
-    """A token file, a seed checkpoint (`titan-npu init-weights`) and the single-process reference runs (one
-    process, run one after another)."""
+    """A token file, a seed checkpoint (`titan-npu init-weights`) and the single-process reference runs (in this
+    process, one after another)."""
     workdir = tmp_path_factory.mktemp("parallel")
     write_tokens(workdir / "tokens.jsonl")
-    run_pool(1, [*[partial(write_seed_checkpoint, workdir, model, reference_name(model, "seed_ckpt"))
+    run_here([*[partial(write_seed_checkpoint, workdir, model, reference_name(model, "seed_ckpt"))
                    for model in SEED_CHECKPOINTS],
                  *[tiny_run(workdir, name, batch, model) for name, (batch, model) in REFERENCES.items()]])
     return workdir

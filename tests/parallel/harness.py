@@ -170,6 +170,22 @@ def run_pool(world: int, runs: list[Job]) -> None:
     mp.spawn(_worker, args=(world, free_port(), runs), nprocs=world, join=True)
 
 
+def run_here(runs: list[Job]) -> None:
+    """Run the jobs one after another in this process as one CPU rank (one intra-op thread, as a pool's ranks): a
+    one-process pool without the launch."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                monkeypatch.delenv(name, raising=False)
+            monkeypatch.setenv("TITAN_DEVICE", "cpu")
+            for job in runs:
+                job() if callable(job) else _train(job)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_pools(pools: dict[int, list[Job]]) -> None:
     """Run each world size's jobs in one pool, smallest world first; a world without jobs launches nothing."""
     for world, runs in sorted(pools.items()):
