@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from titan_npu.config.schema import JobConfig
+from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.process_group import free_port
 
 STEPS = 10
@@ -198,3 +200,68 @@ def selected_ids(request: pytest.FixtureRequest, test: str) -> list[str]:
     exactly the runs those tests read; "" for an unparametrized test."""
     return [item.callspec.id if hasattr(item, "callspec") else "" for item in request.session.items
             if getattr(item, "originalname", None) == test]
+
+
+def tensor_parallel_pair(cfg: JobConfig) -> tuple[torch.nn.Module, torch.nn.Module, ParallelDims]:
+    """The model of `cfg` parallelized over this process group's ranks (tensor parallelism alone: asserts that tp is
+    the whole world) and one process's model from the same seed; and the ParallelDims."""
+    import torch.distributed as dist
+
+    from titan_npu.models.registry import build_model, build_model_args, spec_of
+    from titan_npu.parallel.parallelize import materialize
+
+    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
+    assert dims.tp == dist.get_world_size() and not dims.dp_enabled, dims.describe()
+    dims.build_mesh("cpu")
+    args = build_model_args(cfg.model)
+    with torch.device("meta"):
+        model = build_model(args)
+    model = spec_of(model.args).parallelize(model, dims, cfg)
+    materialize(model, torch.device("cpu"), cfg)
+    reference = build_model(args)
+    reference.init_weights(seed=cfg.training.seed)
+    return model, reference, dims
+
+
+def gradient_problems(where: str, model: torch.nn.Module, reference: torch.nn.Module, rtol: float,
+                      atol: float) -> list[str]:
+    """Each parameter of the parallelized `model` whose gradient is missing, placed or sharded unlike the parameter,
+    or unlike one process's (`reference`'s, same names) beyond rtol/atol."""
+    want = dict(reference.named_parameters())
+    problems = []
+    for name, p in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        if p.grad is None:
+            problems.append(f"{where} {name}: no gradient")
+            continue
+        if tuple(p.grad.placements) != tuple(p.placements):
+            problems.append(f"{where} {name}: gradient placements {p.grad.placements} != parameter {p.placements}")
+        if p.grad.to_local().shape != p.to_local().shape:
+            problems.append(f"{where} {name}: local gradient {list(p.grad.to_local().shape)} != shard "
+                            f"{list(p.to_local().shape)}")
+        full = p.grad.full_tensor()
+        if not torch.allclose(full, want[name].grad, rtol=rtol, atol=atol):
+            err = (full - want[name].grad).abs().max().item()
+            problems.append(f"{where} {name}: gradient differs from one process by up to {err:.3g}")
+    return problems
+
+
+def _write_report(check: Callable[[str], list[str]], cases: list[str], workdir: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    report = {case: check(case) for case in cases}
+    (Path(workdir) / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+
+
+def rank_reports(world: int, check: Callable[[str], list[str]], cases: list[str],
+                 workdir: Path) -> dict[str, list[str]]:
+    """check(case) (picklable: a module-level function) for every case on each of `world` gloo ranks, one pool;
+    case -> the problems any rank found, each prefixed with its rank."""
+    run_pool(world, [partial(_write_report, check, list(cases), str(workdir))])
+    report: dict[str, list[str]] = {case: [] for case in cases}
+    for rank in range(world):
+        for case, problems in json.loads((workdir / f"rank{rank}.json").read_text()).items():
+            report[case] += [f"rank {rank}: {p}" for p in problems]
+    return report
