@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,6 +19,41 @@ def randomise(model: torch.nn.Module, seed: int, scale: float = 0.08, norm_scale
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             p.copy_(1 + norm_scale * noise if "norm" in name else scale * noise)
+
+
+def use_reference_kernels() -> Iterator[None]:
+    """The reference kernels (the plain torch ops transformers runs) while a test runs: a module installs it with
+    `_reference_kernels = pytest.fixture(autouse=True)(use_reference_kernels)`."""
+    from titan_npu import ops
+
+    ops.set_kernels("reference")
+    yield
+    ops.set_kernels("auto")
+
+
+def hf_model(family: str, args: Any) -> torch.nn.Module:
+    """transformers' model of the family's HF config for `args` (eager attention), in eval mode."""
+    import transformers
+
+    from titan_npu.models.registry import get_spec
+
+    config = transformers.AutoConfig.for_model(**get_spec(family).hf.config(args), attn_implementation="eager")
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def import_hf_model(family: str, hf: torch.nn.Module, args: Any, **from_hf: Any) -> torch.nn.Module:
+    """Our model of `args` holding the transformers model's weights, through the family's adapter (`from_hf` its
+    keyword arguments)."""
+    from titan_npu.models.registry import build_model, get_spec
+
+    ours = build_model(args)
+    ours.load_state_dict(get_spec(family).hf.from_hf(hf.state_dict(), args, **from_hf), strict=True)
+    return ours
+
+
+def random_tokens(vocab_size: int, seq_len: int, seed: int, batch: int = 2) -> torch.Tensor:
+    """`batch` sequences of `seq_len` random token ids from `seed`."""
+    return torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
 
 
 def logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
