@@ -8,6 +8,7 @@ configs; a CP run saved and resumed continues bit for bit, and a checkpoint resu
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -187,7 +188,7 @@ def cp_runs(request, parallel_workspace: Path) -> Path:
     return work
 
 
-def _default(names, slow: tuple[str, ...]) -> list:
+def _default(names: Iterable[str], slow: tuple[str, ...]) -> list:
     """`names` as parameters, those in `slow` marked slow."""
     return [pytest.param(name, marks=pytest.mark.slow) if name in slow else name for name in names]
 
