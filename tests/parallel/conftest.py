@@ -14,6 +14,8 @@ from .harness import (
     reference_name,
     run_here,
     run_pool,
+    run_pools,
+    selected_ids,
     tiny_run,
     write_seed_checkpoint,
     write_tokens,
@@ -74,6 +76,9 @@ FOUR_RANKS += ([qwen3(case) for case in LLAMA_FOUR_RANKS if case.name in QWEN3_L
                + [qwen2(case) for case in LLAMA_FOUR_RANKS if case.name in QWEN2_LAYOUTS])
 
 CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
+# With -m slow: Qwen2 under FSDP alone and TP alone; qwen2_fsdp2_tp2 (its biases FSDP-sharded after their TP cut)
+# stays in the default run, with test_tp_gradients.py's qwen2_tp2 (the biases' TP gradients).
+SLOW_CASES = ("qwen2_fsdp", "qwen2_tp")
 
 # (model, reference batch) of the single-process runs that tests compare with besides CASES' own: the seed
 # checkpoints' (ref_b4), the 2-node run's and the 3-D layouts' (ref_b8).
@@ -123,11 +128,16 @@ def parallel_workspace(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def layout_runs(parallel_workspace: Path) -> Path:
-    """Every layout of CASES trained for 10 steps (and the resume runs, and a run from the seed checkpoint): one
-    2-rank pool and one 4-rank pool."""
-    two = [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides for case in TWO_RANKS]
+def layout_runs(request, parallel_workspace: Path) -> Path:
+    """Every selected layout of CASES trained for 10 steps (and the resume runs, and a run from the seed
+    checkpoint): one 2-rank pool and one 4-rank pool."""
+    selected = {name for test in ("test_layout_losses_match_single_process",
+                                  "test_layout_starts_from_the_single_process_weights")
+                for name in selected_ids(request, test)}
+    two = [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides for case in TWO_RANKS
+           if case.name in selected]
     run_pool(2, two + resume_runs(parallel_workspace)
              + [seed_checkpoint_run(parallel_workspace, model) for model in SEED_CHECKPOINTS])
-    run_pool(4, [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides for case in FOUR_RANKS])
+    run_pools({4: [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides for case in FOUR_RANKS
+                   if case.name in selected]})
     return parallel_workspace

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -193,6 +193,12 @@ def run_pools(pools: dict[int, list[Job]]) -> None:
     for world, runs in sorted(pools.items()):
         if runs:
             run_pool(world, runs)
+
+
+def marked_slow(names: Iterable[str], slow: Iterable[str]) -> list:
+    """`names` as test parameters, those in `slow` marked slow."""
+    slow = set(slow)
+    return [pytest.param(name, marks=pytest.mark.slow) if name in slow else name for name in names]
 
 
 def selected_ids(request: pytest.FixtureRequest, test: str) -> list[str]:

@@ -8,7 +8,6 @@ configs; a CP run saved and resumed continues bit for bit, and a checkpoint resu
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from .harness import (
     initial_weights,
     losses,
     losses_by_step,
+    marked_slow,
     run_here,
     run_pool,
     selected_ids,
@@ -188,12 +188,7 @@ def cp_runs(request, parallel_workspace: Path) -> Path:
     return work
 
 
-def _default(names: Iterable[str], slow: tuple[str, ...]) -> list:
-    """`names` as parameters, those in `slow` marked slow."""
-    return [pytest.param(name, marks=pytest.mark.slow) if name in slow else name for name in names]
-
-
-@pytest.mark.parametrize("name", _default(CASES, SLOW_CASES))
+@pytest.mark.parametrize("name", marked_slow(CASES, SLOW_CASES))
 def test_context_parallel_losses_match_single_process(cp_runs, name):
     case = CASES[name]
     got, want = losses(cp_runs, name), losses(cp_runs, case.reference_run)
@@ -203,7 +198,7 @@ def test_context_parallel_losses_match_single_process(cp_runs, name):
     assert norms == pytest.approx(want_norms, rel=GRAD_NORM_RTOL), f"{name} grad_norm:\n{norms}\n{want_norms}"
 
 
-@pytest.mark.parametrize("name", _default(CASES, SLOW_CASES))
+@pytest.mark.parametrize("name", marked_slow(CASES, SLOW_CASES))
 def test_context_parallel_starts_from_the_single_process_weights(cp_runs, name):
     (want,) = initial_weights(cp_runs, CASES[name].reference_run)
     held = [set(got) for got in initial_weights(cp_runs, name)]
@@ -230,7 +225,7 @@ def test_a_checkpoint_resumes_exactly_under_another_cp_degree(cp_runs, resumed):
     assert got == pytest.approx({step: straight[step] for step in got}, rel=RTOL)
 
 
-@pytest.mark.parametrize("name", _default(COMMAND_RUNS, SLOW_COMMANDS))
+@pytest.mark.parametrize("name", marked_slow(COMMAND_RUNS, SLOW_COMMANDS))
 def test_the_documented_command_gives_the_losses_of_one_process(cp_runs, name):
     # MoE: the load-balancing loss pools the expert counts over the cp ranks, so it is the whole sequences' too.
     config, _, extra, reference = COMMAND_RUNS[name]
