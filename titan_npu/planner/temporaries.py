@@ -55,8 +55,8 @@ def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int,
     # The rank's largest block (a MoE one where some are dense) sizes what FSDP holds unsharded at once.
     per_layer = layers_kinds(job.args, layers)
     # Blocks of the same kinds unshard the same elements: sized once each.
-    block_sizes = {tuple(ks): sum(unsharded_numel(k, kinds[k], tp_dims[k], layout) for k in ks)
-                   for ks in map(tuple, per_layer.values())}
+    block_sizes = {ks: sum(unsharded_numel(k, kinds[k], tp_dims[k], layout) for k in ks)
+                   for ks in dict.fromkeys(map(tuple, per_layer.values()))}
     sizes = [block_sizes[tuple(per_layer[i])] for i in layers]
     block = max(sizes, default=0)
     root = sum(numel(kinds[k]) for p in parts for k in p.root_kinds(kinds)) // tp
