@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,6 +20,41 @@ def randomise(model: torch.nn.Module, seed: int, scale: float = 0.08, norm_scale
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             p.copy_(1 + norm_scale * noise if "norm" in name else scale * noise)
+
+
+def use_reference_kernels() -> Iterator[None]:
+    """The reference kernels (the plain torch ops transformers runs) while a test runs: a module installs it with
+    `_reference_kernels = pytest.fixture(autouse=True)(use_reference_kernels)`."""
+    from titan_npu import ops
+
+    ops.set_kernels("reference")
+    yield
+    ops.set_kernels("auto")
+
+
+def hf_model(family: str, args: Any) -> torch.nn.Module:
+    """transformers' model of the family's HF config for `args` (eager attention), in eval mode."""
+    import transformers
+
+    from titan_npu.models.registry import get_spec
+
+    config = transformers.AutoConfig.for_model(**get_spec(family).hf.config(args), attn_implementation="eager")
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def import_hf_model(family: str, hf: torch.nn.Module, args: Any, **from_hf: Any) -> torch.nn.Module:
+    """Our model of `args` holding the transformers model's weights, through the family's adapter (`from_hf` its
+    keyword arguments)."""
+    from titan_npu.models.registry import build_model, get_spec
+
+    ours = build_model(args)
+    ours.load_state_dict(get_spec(family).hf.from_hf(hf.state_dict(), args, **from_hf), strict=True)
+    return ours
+
+
+def random_tokens(vocab_size: int, seq_len: int, seed: int, batch: int = 2) -> torch.Tensor:
+    """`batch` sequences of `seq_len` random token ids from `seed`."""
+    return torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
 
 
 def logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -70,3 +107,47 @@ def run_python(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
     """`python *argv` with this checkout's package first on the path, as a user runs it from a clone."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def train_from_the_import(printed: str, tmp_path: Path, steps: int) -> tuple[str, list[dict]]:
+    """The [model] lines `titan-npu import` printed, as a user pastes them, in tmp_path/run.toml with a run that
+    starts from the HF directory tmp_path/hf itself (checkpoints in tmp_path/ckpt); train.py's tiny run of `steps`
+    steps on it: its output and its training records."""
+    model_lines = printed[printed.index("[model]"):printed.index("[checkpoint]")]
+    (tmp_path / "run.toml").write_text(model_lines + f'\n[checkpoint]\ninitial_load = "{tmp_path / "hf"}"\n'
+                                       f'dir = "{tmp_path / "ckpt"}"\n\n[metrics]\nlog_dir = "{tmp_path / "logs"}"\n')
+    trained = run_python(str(ROOT / "train.py"), "--config", str(tmp_path / "run.toml"), *TINY_TRAIN_ARGS,
+                         "--training.max_steps", str(steps), cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    records = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return trained.stderr + trained.stdout, [r for r in records if "loss" in r]
+
+
+def first_batch(tmp_path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first (inputs, labels) the trainer's loader yields for tmp_path/run.toml with the tiny run's settings."""
+    from titan_npu.config.loader import load_config
+    from titan_npu.data import build_dataloader, build_tokenizer
+
+    cfg = load_config(tmp_path / "run.toml", TINY_TRAIN_ARGS)
+    return next(iter(build_dataloader(cfg, build_tokenizer(cfg.data.tokenizer), 0, 1)))
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """The mean cross entropy of (batch, seq, vocab) logits against (batch, seq) labels, in fp32."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).item()
+
+
+def export_and_compare(tmp_path: Path, ours: torch.nn.Module) -> torch.nn.Module:
+    """`titan-npu export --format hf` of tmp_path/ckpt's latest checkpoint to tmp_path/out, loaded by transformers:
+    it must give `ours` (the model holding that checkpoint) logits within 1e-5; the loaded model."""
+    import transformers
+
+    from titan_npu.cli import main
+
+    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--format", "hf", "--dtype", "fp32",
+                 "--output", str(tmp_path / "out")]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens = torch.arange(64).remainder(ours.args.vocab_size).reshape(2, 32)
+    with torch.no_grad():
+        assert (back(tokens).logits - ours(tokens)).abs().max().item() < 1e-5
+    return back

@@ -5,12 +5,11 @@ types: `titan-npu import` prints the [model] lines, `train.py` starts from the d
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import ROOT, TINY_TRAIN_ARGS, run_python
+from hf_reference import cross_entropy, export_and_compare, first_batch, train_from_the_import
 
 from titan_npu.checkpoint.formats import read_weights
 from titan_npu.cli import main
@@ -51,37 +50,14 @@ def test_import_train_from_the_hf_directory_and_export_back(tmp_path, capsys):
                  "n_groups = 4", "topk_groups = 2", "route_scale = 2.5", "first_k_dense = 1", "yarn_factor = 4.0",
                  "yarn_mscale_all_dim = 0.8"):
         assert line in lines
-    model_lines = lines[lines.index("[model]"):lines.index("[checkpoint]")]
-    (tmp_path / "run.toml").write_text(model_lines + f'\n[checkpoint]\ninitial_load = "{tmp_path / "hf"}"\n'
-                                       f'dir = "{tmp_path / "ckpt"}"\n\n[metrics]\nlog_dir = "{tmp_path / "logs"}"\n')
-    trained = run_python(str(ROOT / "train.py"), "--config", str(tmp_path / "run.toml"), *TINY_TRAIN_ARGS,
-                         "--training.max_steps", "3", cwd=tmp_path)
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    assert "shard-wise" in trained.stderr + trained.stdout
-    records = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    first = next(r for r in records if "loss" in r)
-    ce = _hf_loss_on_first_batch(hf, tmp_path)
-    assert abs(first["loss"] - ce) <= 1e-5 * ce  # the imported model (score bias included) is transformers'
+    output, records = train_from_the_import(lines, tmp_path, steps=3)
+    assert "shard-wise" in output
+    inputs, labels = first_batch(tmp_path)
+    with torch.no_grad():
+        ce = cross_entropy(hf(inputs).logits, labels)
+    assert abs(records[0]["loss"] - ce) <= 1e-5 * ce  # the imported model (score bias included) is transformers'
 
-    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--format", "hf", "--dtype", "fp32",
-                 "--output", str(tmp_path / "out")]) == 0
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert back.config.model_type == "deepseek_v3" and back.config.n_routed_experts == ARGS.n_experts
     ours = build_model(ARGS)
     ours.load_state_dict(read_weights(tmp_path / "ckpt" / "step-3").state_dict, strict=True)
-    tokens = torch.arange(64).remainder(ARGS.vocab_size).reshape(2, 32)
-    with torch.no_grad():
-        assert (back(tokens).logits - ours(tokens)).abs().max().item() < 1e-5
-
-
-def _hf_loss_on_first_batch(hf: torch.nn.Module, tmp_path: Path) -> float:
-    """transformers' cross entropy on the first batch the trainer's loader yields for this config."""
-    from titan_npu.config.loader import load_config
-    from titan_npu.data import build_dataloader, build_tokenizer
-
-    cfg = load_config(tmp_path / "run.toml", TINY_TRAIN_ARGS)
-    loader = build_dataloader(cfg, build_tokenizer(cfg.data.tokenizer), 0, 1)
-    inputs, labels = next(iter(loader))
-    with torch.no_grad():
-        out = hf(inputs)
-    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten()).item()
+    back = export_and_compare(tmp_path, ours)
+    assert back.config.model_type == "deepseek_v3" and back.config.n_routed_experts == ARGS.n_experts

@@ -6,9 +6,17 @@ import json
 
 import pytest
 import torch
-from hf_reference import adamw_steps, logits, memorisable_batches, randomise
+from hf_reference import (
+    adamw_steps,
+    hf_model,
+    import_hf_model,
+    logits,
+    memorisable_batches,
+    random_tokens,
+    randomise,
+    use_reference_kernels,
+)
 
-from titan_npu import ops
 from titan_npu.checkpoint.formats import read_weights
 from titan_npu.config.schema import ModelConfig
 from titan_npu.errors import CheckpointError
@@ -36,16 +44,7 @@ SHAPES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _reference_kernels():
-    ops.set_kernels("reference")
-    yield
-    ops.set_kernels("auto")
-
-
-def _hf_model(args: DeepSeekArgs) -> torch.nn.Module:
-    config = transformers.AutoConfig.for_model(**get_spec("deepseek_v3").hf.config(args), attn_implementation="eager")
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+_reference_kernels = pytest.fixture(autouse=True)(use_reference_kernels)
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:
@@ -62,22 +61,12 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
-def _import(hf_model, args) -> torch.nn.Module:
-    ours = build_model(args)
-    ours.load_state_dict(get_spec("deepseek_v3").hf.from_hf(hf_model.state_dict(), args), strict=True)
-    return ours
-
-
-def _tokens(args, seed, batch=2):
-    return torch.randint(0, args.vocab_size, (batch, SEQ_LEN), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_the_model_counts_its_parameters_and_builds_the_layers_transformers_does(shape):
     args = SHAPES[shape]
     ours = build_model(args)
     assert sum(p.numel() for p in ours.parameters()) == args.num_params()
-    hf = _hf_model(args)
+    hf = hf_model("deepseek_v3", args)
     assert sum(p.numel() for p in hf.parameters()) == args.num_params()
     moe = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
     assert moe == [i for i in range(args.n_layers) if args.is_moe_layer(i)] == [1, 2]
@@ -86,10 +75,10 @@ def test_the_model_counts_its_parameters_and_builds_the_layers_transformers_does
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_hf_weights_imported_give_hf_logits(shape):
     args = SHAPES[shape]
-    hf = _hf_model(args)
+    hf = hf_model("deepseek_v3", args)
     _randomise(hf, seed=0)
-    ours = _import(hf, args)
-    tokens = _tokens(args, 1)
+    ours = import_hf_model("deepseek_v3", hf, args)
+    tokens = random_tokens(args.vocab_size, SEQ_LEN, 1)
     assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() < TOL
 
 
@@ -102,9 +91,9 @@ def _ce(model, tokens, labels):
 @pytest.mark.parametrize("shape", ["q-lora-yarn", pytest.param("plain-q", marks=pytest.mark.slow)])
 def test_twenty_steps_from_imported_weights_track_a_transformers_training_loop(shape):
     args = SHAPES[shape]
-    hf = _hf_model(args).train()
+    hf = hf_model("deepseek_v3", args).train()
     _randomise(hf, seed=7)
-    ours = _import(hf, args).train()
+    ours = import_hf_model("deepseek_v3", hf, args).train()
     batches = memorisable_batches(args.vocab_size, SEQ_LEN, 20, batch=2)
     ours_losses = adamw_steps(ours, batches, _ce)
     hf_losses = adamw_steps(hf, batches, _ce)
@@ -123,7 +112,7 @@ def _save(state: dict, config: dict, path):
 
 def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_auto_model(tmp_path):
     args = SHAPES["q-lora-yarn"]
-    hf = _hf_model(args)
+    hf = hf_model("deepseek_v3", args)
     _randomise(hf, seed=9)
     hf.save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -132,7 +121,7 @@ def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_au
     assert weights.format == "hf" and weights.args == args
     ours = build_model(weights.args)
     ours.load_state_dict(weights.state_dict, strict=True)
-    tokens = _tokens(args, 10)
+    tokens = random_tokens(args.vocab_size, SEQ_LEN, 10)
     assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() < TOL
     spec = get_spec("deepseek_v3")
     exported = spec.hf.to_hf(ours.state_dict(), weights.args)
@@ -158,9 +147,10 @@ def _fp8_blocks(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, t
 
 def test_an_fp8_checkpoint_with_block_scales_imports_dequantised(tmp_path):
     args = DeepSeekArgs(**{**_BASE, "dim": 160, "n_layers": 2}, q_lora_rank=0)  # 160: a partial 128-block
-    hf = _hf_model(args)
+    hf = hf_model("deepseek_v3", args)
     _randomise(hf, seed=3)
-    state = {k: v for k, v in get_spec("deepseek_v3").hf.to_hf(_import(hf, args).state_dict(), args).items()}
+    ours = import_hf_model("deepseek_v3", hf, args)
+    state = {k: v for k, v in get_spec("deepseek_v3").hf.to_hf(ours.state_dict(), args).items()}
     quantised, expected = {}, {}
     for key, tensor in state.items():
         if key.endswith("proj.weight") and tensor.dim() == 2:

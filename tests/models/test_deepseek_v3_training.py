@@ -65,11 +65,15 @@ def test_debug_deepseek_trains_from_the_command_line_and_resumes_bit_for_bit(tmp
         assert torch.equal(back[key], tensor), key
 
 
-@pytest.fixture
-def _single_process(monkeypatch):
+def _as_one_cpu_process(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TITAN_DEVICE", "cpu")
+
+
+@pytest.fixture
+def _single_process(monkeypatch):
+    _as_one_cpu_process(monkeypatch)
 
 
 def _train(tmp_path: Path, *extra: str, steps: int = 12) -> list[dict]:
@@ -309,23 +313,6 @@ def test_the_hf_multi_token_prediction_layer_is_kept_with_mtp_depth_and_set_asid
     assert f"layers [{layer}] of the checkpoint (multi-token prediction) set aside" in caplog.text
 
 
-def _torchrun(tmp_path: Path, *extra: str, nproc: int = 2) -> list[dict]:
-    """debug_deepseek shrunk as _train does, 3 steps on `nproc` CPU processes (gloo); the training records."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))
-           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    env.update(TITAN_DEVICE="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py",
-           "--config", str(CONFIG), *SHORT, "--training.max_steps", "3", "--metrics.log_dir", str(tmp_path / "logs"),
-           "--checkpoint.enable", "false", *extra]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return _records(tmp_path / "logs")
-
-
 # Expert parallelism with balancing on (the bias moves from the load summed over the ranks, the sequence-wise loss
 # is per sequence) and multi-token prediction: every term is the same whichever rank holds a sequence or an expert.
 # Pipeline parallelism: 2 stages of layers [0, 1] (the dense layer first) and [2, 3], the score bias moving (each
@@ -336,35 +323,71 @@ def _torchrun(tmp_path: Path, *extra: str, nproc: int = 2) -> list[dict]:
 # On 4 ranks: EP 2 within FSDP 4 (the experts' FSDP over 2), EP 2 on each of 2 pipeline stages, FSDP 2 x TP 2.
 BALANCING = ["--model.score_bias_rate", "0.01"]
 SEQ_AUX = [*BALANCING, "--model.seq_aux_loss_coef", "0.1"]  # weighty enough that counts not pooled over cp would show
+# id -> (model overrides, layout overrides, ranks).
+LAYOUTS = {
+    "ep-balancing-mtp": ([*BALANCING, "--model.seq_aux_loss_coef", "0.001", "--model.mtp_depth", "1"],
+                         ["--parallel.ep_degree", "2", "--training.batch_size", "2"], 2),
+    "pp-balancing": (BALANCING, ["--parallel.pp_degree", "2", "--training.batch_size", "4"], 2),
+    "tp-balancing": (BALANCING, ["--parallel.tp_degree", "2", "--training.batch_size", "4"], 2),
+    "cp-ring": (SEQ_AUX, ["--parallel.cp_degree", "2", "--training.batch_size", "4"], 2),
+    "cp-ulysses": (SEQ_AUX, ["--parallel.cp_degree", "2", "--parallel.cp_mode", "ulysses", "--training.batch_size",
+                             "4"], 2),
+    "ep2-fsdp4": ([*BALANCING, "--model.seq_aux_loss_coef", "0.001"],
+                  ["--parallel.ep_degree", "2", "--parallel.dp_shard", "4", "--training.batch_size", "1"], 4),
+    "pp2-ep2": (BALANCING, ["--parallel.pp_degree", "2", "--parallel.ep_degree", "2", "--parallel.dp_shard", "2",
+                            "--training.batch_size", "2", "--parallel.pp_microbatches", "2"], 4),
+    "fsdp2-tp2": (BALANCING, ["--parallel.dp_shard", "2", "--parallel.tp_degree", "2", "--training.batch_size", "2"],
+                  4),
+    "cp2-tp2": (BALANCING, ["--parallel.cp_degree", "2", "--parallel.tp_degree", "2", "--training.batch_size", "4"],
+                4),
+    "cp2-ep2": (SEQ_AUX, ["--parallel.cp_degree", "2", "--parallel.ep_degree", "2", "--training.batch_size", "4"],
+                2),  # the experts split over the two cp ranks
+}
+# The 4-rank EP x FSDP, FSDP x TP and CP x TP runs and CP x EP are slow: the 2-rank EP, TP and CP runs stay in the
+# default run; EP x PP stays too (the bias from a stage's load summed over its dp ranks).
+SLOW_LAYOUTS = ("ep2-fsdp4", "fsdp2-tp2", "cp2-tp2", "cp2-ep2")
+LAYOUT_TEST = "test_expert_pipeline_tensor_and_context_parallel_layouts_give_the_single_process_losses"
 
 
-@pytest.mark.parametrize("model, layout, nproc", [
-    ([*BALANCING, "--model.seq_aux_loss_coef", "0.001", "--model.mtp_depth", "1"],
-     ["--parallel.ep_degree", "2", "--training.batch_size", "2"], 2),
-    (BALANCING, ["--parallel.pp_degree", "2", "--training.batch_size", "4"], 2),
-    (BALANCING, ["--parallel.tp_degree", "2", "--training.batch_size", "4"], 2),
-    (SEQ_AUX, ["--parallel.cp_degree", "2", "--training.batch_size", "4"], 2),
-    (SEQ_AUX, ["--parallel.cp_degree", "2", "--parallel.cp_mode", "ulysses", "--training.batch_size", "4"], 2),
-    # The 4-rank EP x FSDP, FSDP x TP and CP x TP runs (~15 s each on 2 cores) and CP x EP are slow: the 2-rank EP,
-    # TP and CP runs above stay in the default run; EP x PP stays too (the bias from a stage's load summed over its dp
-    # ranks).
-    pytest.param([*BALANCING, "--model.seq_aux_loss_coef", "0.001"],
-                 ["--parallel.ep_degree", "2", "--parallel.dp_shard", "4", "--training.batch_size", "1"], 4,
-                 marks=pytest.mark.slow),
-    (BALANCING, ["--parallel.pp_degree", "2", "--parallel.ep_degree", "2", "--parallel.dp_shard", "2",
-                 "--training.batch_size", "2", "--parallel.pp_microbatches", "2"], 4),
-    pytest.param(BALANCING, ["--parallel.dp_shard", "2", "--parallel.tp_degree", "2", "--training.batch_size", "2"],
-                 4, marks=pytest.mark.slow),
-    pytest.param(BALANCING, ["--parallel.cp_degree", "2", "--parallel.tp_degree", "2", "--training.batch_size", "4"],
-                 4, marks=pytest.mark.slow),
-    pytest.param(SEQ_AUX, ["--parallel.cp_degree", "2", "--parallel.ep_degree", "2", "--training.batch_size", "4"],
-                 2, marks=pytest.mark.slow),  # the experts split over the two cp ranks
-], ids=["ep-balancing-mtp", "pp-balancing", "tp-balancing", "cp-ring", "cp-ulysses", "ep2-fsdp4", "pp2-ep2",
-        "fsdp2-tp2", "cp2-tp2", "cp2-ep2"])
-def test_expert_pipeline_tensor_and_context_parallel_layouts_give_the_single_process_losses(
-        tmp_path, one_thread, _single_process, model, layout, nproc):
-    single = _train(tmp_path / "one", *model, steps=3)
-    split = _torchrun(tmp_path / "split", *model, *layout, nproc=nproc)
+def _one_process_run(model: list[str]) -> str:
+    """The name of one process's run of the model overrides `model`: 'one_score_bias_rate_0.01' for BALANCING."""
+    return "_".join(["one", *(arg.removeprefix("--model.") for arg in model)])
+
+
+@pytest.fixture(scope="module")
+def layout_runs(request, tmp_path_factory) -> Path:
+    """The selected layouts' 3-step runs, in one 2-rank and one 4-rank pool of processes (a launch each instead of
+    one per layout), logging to <dir>/<id>; and one process's run of each of their models (_one_process_run)."""
+    from parallel.harness import config_run, run_pools, selected_ids
+
+    work = tmp_path_factory.mktemp("deepseek_layouts")
+    names = selected_ids(request, LAYOUT_TEST)
+    pools: dict[int, list] = {}
+    for name in names:
+        model, layout, ranks = LAYOUTS[name]
+        pools.setdefault(ranks, []).append(config_run(CONFIG, [
+            *SHORT, "--training.max_steps", "3", "--metrics.log_dir", str(work / name), "--checkpoint.enable", "false",
+            *model, *layout]))
+    models = {_one_process_run(LAYOUTS[name][0]): LAYOUTS[name][0] for name in names}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            _as_one_cpu_process(monkeypatch)
+            for run, model in models.items():
+                _train(work / run, *model, steps=3)
+    finally:
+        torch.set_num_threads(threads)
+    run_pools(pools)
+    return work
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name
+                                  for name in LAYOUTS])
+def test_expert_pipeline_tensor_and_context_parallel_layouts_give_the_single_process_losses(layout_runs, name):
+    model, layout, _ = LAYOUTS[name]
+    single, split = _records(layout_runs / _one_process_run(model) / "logs"), _records(layout_runs / name)
+    assert len(split) == 3
     assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in single], rel=1e-5)
     if "--model.mtp_depth" in model:
         assert [r["mtp_loss"] for r in split] == pytest.approx([r["mtp_loss"] for r in single], rel=1e-5)

@@ -6,9 +6,17 @@ import json
 
 import pytest
 import torch
-from hf_reference import adamw_steps, logits, memorisable_batches, randomise
+from hf_reference import (
+    adamw_steps,
+    hf_model,
+    import_hf_model,
+    logits,
+    memorisable_batches,
+    random_tokens,
+    randomise,
+    use_reference_kernels,
+)
 
-from titan_npu import ops
 from titan_npu.checkpoint.formats import read_weights
 from titan_npu.models.qwen3_moe.args import MoEDecoderArgs
 from titan_npu.models.registry import build_model, get_spec, spec_for_hf_config
@@ -31,16 +39,7 @@ SHAPES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _reference_kernels():
-    ops.set_kernels("reference")
-    yield
-    ops.set_kernels("auto")
-
-
-def _hf_model(args: MoEDecoderArgs) -> torch.nn.Module:
-    config = transformers.AutoConfig.for_model(**get_spec("qwen3_moe").hf.config(args), attn_implementation="eager")
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+_reference_kernels = pytest.fixture(autouse=True)(use_reference_kernels)
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:
@@ -52,21 +51,11 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
                 p.mul_(0.3 / 0.08)
 
 
-def _import(hf_model, args) -> torch.nn.Module:
-    ours = build_model(args)
-    ours.load_state_dict(get_spec("qwen3_moe").hf.from_hf(hf_model.state_dict(), args), strict=True)
-    return ours
-
-
-def _tokens(args, seed, batch=2):
-    return torch.randint(0, args.vocab_size, (batch, SEQ_LEN), generator=torch.Generator().manual_seed(seed))
-
-
 def test_the_model_counts_its_parameters_and_builds_the_layers_transformers_does():
     args = SHAPES["mixed-unnormalised"]
     ours = build_model(args)
     assert sum(p.numel() for p in ours.parameters()) == args.num_params()
-    hf = _hf_model(args)
+    hf = hf_model("qwen3_moe", args)
     assert sum(p.numel() for p in hf.parameters()) == args.num_params()
     moe = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
     assert moe == [i for i in range(args.n_layers) if args.is_moe_layer(i)] == [1]
@@ -75,10 +64,10 @@ def test_the_model_counts_its_parameters_and_builds_the_layers_transformers_does
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_hf_weights_imported_give_hf_logits(shape):
     args = SHAPES[shape]
-    hf = _hf_model(args)
+    hf = hf_model("qwen3_moe", args)
     _randomise(hf, seed=0)
-    ours = _import(hf, args)
-    tokens = _tokens(args, 1)
+    ours = import_hf_model("qwen3_moe", hf, args)
+    tokens = random_tokens(args.vocab_size, SEQ_LEN, 1)
     with torch.no_grad():
         assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() < TOL
 
@@ -86,10 +75,10 @@ def test_hf_weights_imported_give_hf_logits(shape):
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_the_first_step_loss_with_the_aux_term_equals_transformers(shape):
     args = SHAPES[shape]
-    hf = _hf_model(args)
+    hf = hf_model("qwen3_moe", args)
     _randomise(hf, seed=11)
-    ours = _import(hf, args)
-    tokens = _tokens(args, 12)
+    ours = import_hf_model("qwen3_moe", hf, args)
+    tokens = random_tokens(args.vocab_size, SEQ_LEN, 12)
     with torch.no_grad():
         out = hf(tokens, labels=tokens, output_router_logits=True)  # shifts the labels itself
         logits = ours(tokens)
@@ -117,9 +106,9 @@ def _hf_loss(model, tokens, labels):
                                    pytest.param("mixed-unnormalised", marks=pytest.mark.slow)])
 def test_twenty_steps_from_imported_weights_track_a_transformers_training_loop(shape):
     args = SHAPES[shape]
-    hf = _hf_model(args).train()
+    hf = hf_model("qwen3_moe", args).train()
     _randomise(hf, seed=7)
-    ours = _import(hf, args).train()
+    ours = import_hf_model("qwen3_moe", hf, args).train()
     batches = memorisable_batches(args.vocab_size, SEQ_LEN, 20)
     ours_losses = adamw_steps(ours, batches, _ours_loss)
     hf_losses = adamw_steps(hf, batches, _hf_loss)
@@ -130,7 +119,7 @@ def test_twenty_steps_from_imported_weights_track_a_transformers_training_loop(s
 
 def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_auto_model(tmp_path):
     args = SHAPES["mixed-unnormalised"]
-    hf = _hf_model(args)
+    hf = hf_model("qwen3_moe", args)
     _randomise(hf, seed=9)
     hf.save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -139,7 +128,7 @@ def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_au
     assert weights.format == "hf" and weights.args == args
     ours = build_model(weights.args)
     ours.load_state_dict(weights.state_dict, strict=True)
-    tokens = _tokens(args, 10)
+    tokens = random_tokens(args.vocab_size, SEQ_LEN, 10)
     with torch.no_grad():
         assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() < TOL
     spec = get_spec("qwen3_moe")

@@ -5,12 +5,11 @@ with the same logits."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import ROOT, TINY_TRAIN_ARGS, run_python
+from hf_reference import cross_entropy, export_and_compare, first_batch, train_from_the_import
 
 from titan_npu.checkpoint.formats import read_weights
 from titan_npu.cli import main
@@ -54,41 +53,18 @@ def test_import_train_from_the_hf_directory_and_export_back(family, tmp_path, ca
     assert f"tie_embeddings = {str(args.tie_embeddings).lower()}" in lines
 
     # The printed [model] lines, as the user pastes them, plus a run that starts from the HF directory itself.
-    model_lines = lines[lines.index("[model]"):lines.index("[checkpoint]")]
-    (tmp_path / "run.toml").write_text(model_lines + f'\n[checkpoint]\ninitial_load = "{tmp_path / "hf"}"\n'
-                                       f'dir = "{tmp_path / "ckpt"}"\n\n[metrics]\nlog_dir = "{tmp_path / "logs"}"\n')
-    trained = run_python(str(ROOT / "train.py"), "--config", str(tmp_path / "run.toml"), *TINY_TRAIN_ARGS,
-                   "--training.max_steps", "4", cwd=tmp_path)
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    assert "initial_load: this rank read" in trained.stderr + trained.stdout  # the slice-wise HF read
-    records = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    losses = [r["loss"] for r in records if "loss" in r]
+    output, records = train_from_the_import(lines, tmp_path, steps=4)
+    assert "initial_load: this rank read" in output  # the slice-wise HF read
     # The step-1 loss is the imported model's: far below a fresh model's ln(512) = 6.24 would be no proof, so
     # compare with transformers on the run's own first batch instead: the same tokens the loader gives first.
-    first_batch_loss = _hf_loss_on_first_batch(hf, tmp_path)
-    assert abs(losses[0] - first_batch_loss) <= 1e-4 * first_batch_loss
+    inputs, labels = first_batch(tmp_path)
+    with torch.no_grad():
+        first_batch_loss = cross_entropy(hf(inputs).logits, labels)
+    assert abs(records[0]["loss"] - first_batch_loss) <= 1e-4 * first_batch_loss
 
-    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--format", "hf", "--dtype", "fp32",
-                 "--output", str(tmp_path / "out")]) == 0
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert back.config.model_type == family
-    assert back.config.tie_word_embeddings == args.tie_embeddings
     ours = build_model(args)
     ours.load_state_dict(read_weights(tmp_path / "ckpt" / "step-4").state_dict, strict=True)
     ours.tie_weights()
-    tokens = torch.arange(64).remainder(args.vocab_size).reshape(2, 32)
-    with torch.no_grad():
-        assert (back(tokens).logits - ours(tokens)).abs().max().item() < 1e-5
-
-
-def _hf_loss_on_first_batch(hf: torch.nn.Module, tmp_path: Path) -> float:
-    """transformers' loss on the first batch the trainer's loader yields for this config."""
-    from titan_npu.config.loader import load_config
-    from titan_npu.data import build_dataloader, build_tokenizer
-
-    cfg = load_config(tmp_path / "run.toml", TINY_TRAIN_ARGS)
-    loader = build_dataloader(cfg, build_tokenizer(cfg.data.tokenizer), 0, 1)
-    inputs, labels = next(iter(loader))
-    with torch.no_grad():
-        logits = hf(inputs).logits
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).item()
+    back = export_and_compare(tmp_path, ours)
+    assert back.config.model_type == family
+    assert back.config.tie_word_embeddings == args.tie_embeddings

@@ -5,9 +5,17 @@ import json
 
 import pytest
 import torch
-from hf_reference import adamw_steps, logits, memorisable_batches, randomise
+from hf_reference import (
+    adamw_steps,
+    hf_model,
+    import_hf_model,
+    logits,
+    memorisable_batches,
+    random_tokens,
+    randomise,
+    use_reference_kernels,
+)
 
-from titan_npu import ops
 from titan_npu.checkpoint.formats import read_weights
 from titan_npu.models.decoder.args import DecoderArgs
 from titan_npu.models.registry import build_model, get_spec, spec_for_hf_config
@@ -32,37 +40,16 @@ SHAPES = {
 SEQ_LEN = 48
 
 
-@pytest.fixture(autouse=True)
-def _reference_kernels():
-    ops.set_kernels("reference")
-    yield
-    ops.set_kernels("auto")
-
-
-def _hf_model(args: DecoderArgs) -> torch.nn.Module:
-    config = transformers.AutoConfig.for_model(**get_spec(args.family).hf.config(args), attn_implementation="eager")
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-
-def _import(hf_model, args) -> torch.nn.Module:
-    adapter = get_spec(args.family).hf
-    ours = build_model(args)
-    state = adapter.from_hf(hf_model.state_dict(), args, tie_word_embeddings=args.tie_embeddings)
-    ours.load_state_dict(state, strict=True)
-    return ours
-
-
-def _tokens(args, seed, batch=2):
-    return torch.randint(0, args.vocab_size, (batch, SEQ_LEN), generator=torch.Generator().manual_seed(seed))
+_reference_kernels = pytest.fixture(autouse=True)(use_reference_kernels)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_hf_weights_imported_give_hf_logits(shape):
     args = SHAPES[shape]
-    hf = _hf_model(args)
+    hf = hf_model(args.family, args)
     randomise(hf, seed=0)
-    ours = _import(hf, args)
-    tokens = _tokens(args, 1)
+    ours = import_hf_model(args.family, hf, args, tie_word_embeddings=args.tie_embeddings)
+    tokens = random_tokens(args.vocab_size, SEQ_LEN, 1)
     assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() < TOL
 
 
@@ -73,11 +60,11 @@ def test_our_weights_exported_give_our_logits_in_hf(shape):
     ours = build_model(args)
     ours.init_weights(seed=2)
     randomise(ours, seed=3)
-    hf = _hf_model(args)
+    hf = hf_model(args.family, args)
     missing, unexpected = hf.load_state_dict(get_spec(args.family).hf.to_hf(ours.state_dict(), args), strict=False)
     assert not unexpected and missing == (["lm_head.weight"] if args.tie_embeddings else [])
     hf.tie_weights()
-    tokens = _tokens(args, 4)
+    tokens = random_tokens(args.vocab_size, SEQ_LEN, 4)
     assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() < TOL
 
 
@@ -93,14 +80,14 @@ def test_a_tied_model_holds_one_matrix_for_embedding_and_output():
 
 def test_the_parity_check_would_catch_unpermuted_q_k_norms():
     args = SHAPES["qwen3-untied"]
-    hf = _hf_model(args)
+    hf = hf_model(args.family, args)
     randomise(hf, seed=5)
-    ours = _import(hf, args)
+    ours = import_hf_model(args.family, hf, args, tie_word_embeddings=args.tie_embeddings)
     with torch.no_grad():
         for layer in ours.layers.values():  # the HF channel order, as a mapping without the permutation would give
             i = int(layer.layer_id)
             layer.attention.q_norm.weight.copy_(hf.model.layers[i].self_attn.q_norm.weight)
-    tokens = _tokens(args, 6)
+    tokens = random_tokens(args.vocab_size, SEQ_LEN, 6)
     assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() > 100 * TOL
 
 
@@ -113,9 +100,9 @@ def _cross_entropy(model, tokens, labels):
 @pytest.mark.parametrize("shape", ["qwen3-tied", "qwen2-untied"])
 def test_thirty_steps_from_imported_weights_match_a_transformers_training_loop(shape):
     args = SHAPES[shape]
-    hf = _hf_model(args).train()
+    hf = hf_model(args.family, args).train()
     randomise(hf, seed=7)
-    ours = _import(hf, args).train()
+    ours = import_hf_model(args.family, hf, args, tie_word_embeddings=args.tie_embeddings).train()
     batches = memorisable_batches(args.vocab_size, SEQ_LEN, 30)
     ours_losses = adamw_steps(ours, batches, _cross_entropy)
     hf_losses = adamw_steps(hf, batches, _cross_entropy)
@@ -127,7 +114,7 @@ def test_thirty_steps_from_imported_weights_match_a_transformers_training_loop(s
 @pytest.mark.parametrize("shape", ["qwen3-tied", "qwen2-untied"])
 def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_auto_model(shape, tmp_path):
     args = SHAPES[shape]
-    hf = _hf_model(args)
+    hf = hf_model(args.family, args)
     randomise(hf, seed=9)
     hf.save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -138,7 +125,7 @@ def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_au
     ours = build_model(weights.args)
     ours.load_state_dict(weights.state_dict, strict=True)
     ours.tie_weights()
-    tokens = _tokens(args, 10)
+    tokens = random_tokens(args.vocab_size, SEQ_LEN, 10)
     assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() < TOL
     # Back to a Hugging Face directory, loaded by the Auto class with the original model_type and fields.
     spec = get_spec(args.family)

@@ -8,7 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from .harness import BATCH, Case, reference_name, run_pool, tiny_run, write_seed_checkpoint, write_tokens
+from .harness import (
+    BATCH,
+    Case,
+    reference_name,
+    run_here,
+    run_pool,
+    run_pools,
+    selected_ids,
+    tiny_run,
+    write_seed_checkpoint,
+    write_tokens,
+)
 
 # The single-process reference batches: batch_size x dp sequences per step is exactly what dp ranks read together
 # (the loader gives rank r the r-th batch_size slice of each global batch).
@@ -65,6 +76,9 @@ FOUR_RANKS += ([qwen3(case) for case in LLAMA_FOUR_RANKS if case.name in QWEN3_L
                + [qwen2(case) for case in LLAMA_FOUR_RANKS if case.name in QWEN2_LAYOUTS])
 
 CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
+# With -m slow: Qwen2 under FSDP alone and TP alone; qwen2_fsdp2_tp2 (its biases FSDP-sharded after their TP cut)
+# stays in the default run, with test_tp_gradients.py's qwen2_tp2 (the biases' TP gradients).
+SLOW_CASES = ("qwen2_fsdp", "qwen2_tp")
 
 # (model, reference batch) of the single-process runs that tests compare with besides CASES' own: the seed
 # checkpoints' (ref_b4), the 2-node run's and the 3-D layouts' (ref_b8).
@@ -103,22 +117,27 @@ def seed_checkpoint_run(workdir: Path, model: str = "llama3") -> list[str]:
 
 @pytest.fixture(scope="session")
 def parallel_workspace(tmp_path_factory) -> Path:
-    """A token file, a seed checkpoint (`titan-npu init-weights`) and the single-process reference runs (one
-    process, run one after another)."""
+    """A token file, a seed checkpoint (`titan-npu init-weights`) and the single-process reference runs (in this
+    process, one after another)."""
     workdir = tmp_path_factory.mktemp("parallel")
     write_tokens(workdir / "tokens.jsonl")
-    run_pool(1, [*[partial(write_seed_checkpoint, workdir, model, reference_name(model, "seed_ckpt"))
+    run_here([*[partial(write_seed_checkpoint, workdir, model, reference_name(model, "seed_ckpt"))
                    for model in SEED_CHECKPOINTS],
                  *[tiny_run(workdir, name, batch, model) for name, (batch, model) in REFERENCES.items()]])
     return workdir
 
 
 @pytest.fixture(scope="session")
-def layout_runs(parallel_workspace: Path) -> Path:
-    """Every layout of CASES trained for 10 steps (and the resume runs, and a run from the seed checkpoint): one
-    2-rank pool and one 4-rank pool."""
-    two = [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides for case in TWO_RANKS]
+def layout_runs(request, parallel_workspace: Path) -> Path:
+    """Every selected layout of CASES trained for 10 steps (and the resume runs, and a run from the seed
+    checkpoint): one 2-rank pool and one 4-rank pool."""
+    selected = {name for test in ("test_layout_losses_match_single_process",
+                                  "test_layout_starts_from_the_single_process_weights")
+                for name in selected_ids(request, test)}
+    two = [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides for case in TWO_RANKS
+           if case.name in selected]
     run_pool(2, two + resume_runs(parallel_workspace)
              + [seed_checkpoint_run(parallel_workspace, model) for model in SEED_CHECKPOINTS])
-    run_pool(4, [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides for case in FOUR_RANKS])
+    run_pools({4: [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides for case in FOUR_RANKS
+                   if case.name in selected]})
     return parallel_workspace

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.multiprocessing as mp
 
+from titan_npu.config.schema import JobConfig
+from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.process_group import free_port
 
 STEPS = 10
@@ -167,3 +170,104 @@ def _worker(rank: int, world: int, port: int, runs: list[Job]) -> None:
 def run_pool(world: int, runs: list[Job]) -> None:
     """Run the jobs one after another in `world` spawned processes; raises if any rank fails."""
     mp.spawn(_worker, args=(world, free_port(), runs), nprocs=world, join=True)
+
+
+def run_here(runs: list[Job]) -> None:
+    """Run the jobs one after another in this process as one CPU rank (one intra-op thread, as a pool's ranks): a
+    one-process pool without the launch."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                monkeypatch.delenv(name, raising=False)
+            monkeypatch.setenv("TITAN_DEVICE", "cpu")
+            for job in runs:
+                job() if callable(job) else _train(job)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_pools(pools: dict[int, list[Job]]) -> None:
+    """Run each world size's jobs in one pool, smallest world first; a world without jobs launches nothing."""
+    for world, runs in sorted(pools.items()):
+        if runs:
+            run_pool(world, runs)
+
+
+def marked_slow(names: Iterable[str], slow: Iterable[str]) -> list:
+    """`names` as test parameters, those in `slow` marked slow."""
+    slow = set(slow)
+    return [pytest.param(name, marks=pytest.mark.slow) if name in slow else name for name in names]
+
+
+def selected_ids(request: pytest.FixtureRequest, test: str) -> list[str]:
+    """The parameter ids of test function `test` that this session runs (after -m and -k), for a fixture that pools
+    exactly the runs those tests read; "" for an unparametrized test."""
+    return [item.callspec.id if hasattr(item, "callspec") else "" for item in request.session.items
+            if getattr(item, "originalname", None) == test]
+
+
+def tensor_parallel_pair(cfg: JobConfig) -> tuple[torch.nn.Module, torch.nn.Module, ParallelDims]:
+    """The model of `cfg` parallelized over this process group's ranks (tensor parallelism alone: asserts that tp is
+    the whole world) and one process's model from the same seed; and the ParallelDims."""
+    import torch.distributed as dist
+
+    from titan_npu.models.registry import build_model, build_model_args, spec_of
+    from titan_npu.parallel.parallelize import materialize
+
+    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
+    assert dims.tp == dist.get_world_size() and not dims.dp_enabled, dims.describe()
+    dims.build_mesh("cpu")
+    args = build_model_args(cfg.model)
+    with torch.device("meta"):
+        model = build_model(args)
+    model = spec_of(model.args).parallelize(model, dims, cfg)
+    materialize(model, torch.device("cpu"), cfg)
+    reference = build_model(args)
+    reference.init_weights(seed=cfg.training.seed)
+    return model, reference, dims
+
+
+def gradient_problems(where: str, model: torch.nn.Module, reference: torch.nn.Module, rtol: float,
+                      atol: float) -> list[str]:
+    """Each parameter of the parallelized `model` whose gradient is missing, placed or sharded unlike the parameter,
+    or unlike one process's (`reference`'s, same names) beyond rtol/atol."""
+    want = dict(reference.named_parameters())
+    problems = []
+    for name, p in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        if p.grad is None:
+            problems.append(f"{where} {name}: no gradient")
+            continue
+        if tuple(p.grad.placements) != tuple(p.placements):
+            problems.append(f"{where} {name}: gradient placements {p.grad.placements} != parameter {p.placements}")
+        if p.grad.to_local().shape != p.to_local().shape:
+            problems.append(f"{where} {name}: local gradient {list(p.grad.to_local().shape)} != shard "
+                            f"{list(p.to_local().shape)}")
+        full = p.grad.full_tensor()
+        if not torch.allclose(full, want[name].grad, rtol=rtol, atol=atol):
+            err = (full - want[name].grad).abs().max().item()
+            problems.append(f"{where} {name}: gradient differs from one process by up to {err:.3g}")
+    return problems
+
+
+def _write_report(check: Callable[[str], list[str]], cases: list[str], workdir: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    report = {case: check(case) for case in cases}
+    (Path(workdir) / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+
+
+def rank_reports(world: int, check: Callable[[str], list[str]], cases: list[str],
+                 workdir: Path) -> dict[str, list[str]]:
+    """check(case) (picklable: a module-level function) for every case on each of `world` gloo ranks, one pool;
+    case -> the problems any rank found, each prefixed with its rank."""
+    run_pool(world, [partial(_write_report, check, list(cases), str(workdir))])
+    report: dict[str, list[str]] = {case: [] for case in cases}
+    for rank in range(world):
+        for case, problems in json.loads((workdir / f"rank{rank}.json").read_text()).items():
+            report[case] += [f"rank {rank}: {p}" for p in problems]
+    return report

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .conftest import CASES, SEED_CHECKPOINTS
-from .harness import STEPS, initial_weights, losses, losses_by_step, reference_name
+from .conftest import CASES, SEED_CHECKPOINTS, SLOW_CASES
+from .harness import STEPS, initial_weights, losses, losses_by_step, marked_slow, reference_name
 
 pytestmark = pytest.mark.distributed
 
@@ -19,7 +19,7 @@ RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", marked_slow(CASES, SLOW_CASES))
 def test_layout_losses_match_single_process(layout_runs, name):
     case = CASES[name]
     got, want = losses(layout_runs, name), losses(layout_runs, case.reference_run)
@@ -29,7 +29,7 @@ def test_layout_losses_match_single_process(layout_runs, name):
     assert norms == pytest.approx(want_norms, rel=GRAD_NORM_RTOL), f"{name} grad_norm:\n{norms}\n{want_norms}"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", marked_slow(CASES, SLOW_CASES))
 def test_layout_starts_from_the_single_process_weights(layout_runs, name):
     (want,) = initial_weights(layout_runs, CASES[name].reference_run)
     per_rank = initial_weights(layout_runs, name)

@@ -13,7 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from .harness import STEPS, Case, config_run, initial_weights, losses, losses_by_step, run_pool, tiny_run
+from .harness import (
+    STEPS,
+    Case,
+    config_run,
+    initial_weights,
+    losses,
+    losses_by_step,
+    marked_slow,
+    run_here,
+    run_pool,
+    selected_ids,
+    tiny_run,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -65,6 +77,10 @@ FOUR_RANKS = [
          "ref_b4", "qwen3_untied"),
 ]
 CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
+# With -m slow: Qwen3's Ulysses cp 2 x interleaved pp 2 composes what cp2_pp2 (cp under a pipeline),
+# qwen3_ulysses_cp2 (Qwen3's q/k norms through Ulysses) and test_loss_parity.py's pp_interleaved_1f1b and
+# qwen3_pp_1f1b (the interleaved schedule, Qwen3's untied output across stages) each show in the default run.
+SLOW_CASES = ("qwen3_ulysses_cp2_pp2_interleaved",)
 
 RESUME_BASE = ["--parallel.cp_degree=2", "--lr_scheduler.decay_type=constant"]
 
@@ -86,6 +102,10 @@ COMMAND_RUNS = {f"{config}_seq2048_{mode}": (config, 2, ["--parallel.cp_mode", m
 COMMAND_RUNS["debug_moe_seq2048_ep2"] = ("debug_moe", 2, ["--parallel.ep_degree=2"], "debug_moe_seq2048_one")
 COMMAND_RUNS["debug_moe_seq2048_fsdp2_ep2"] = ("debug_moe", 4, ["--parallel.ep_degree=2", *NO_AUX],
                                                "debug_moe_seq2048_b4_no_aux")
+# With -m slow: ep 2 of dp_shard 2 x cp 2 composes debug_moe_seq2048_ep2 (ep over the cp ranks, in the default run)
+# and the expert FSDP over the other ranks that tests/trainer/test_moe_training.py's ep-x-hsdp and resume to ep 2 x
+# FSDP 2 show in the default run.
+SLOW_COMMANDS = ("debug_moe_seq2048_fsdp2_ep2",)
 
 
 def command_run(workdir: Path, config: str, name: str, *extra: str):
@@ -93,17 +113,22 @@ def command_run(workdir: Path, config: str, name: str, *extra: str):
     return config_run(CONFIGS / f"{config}.toml", [*COMMAND, *SHRUNK, f"--metrics.log_dir={workdir / name}", *extra])
 
 
-def command_runs(workdir: Path, ranks: int) -> list:
-    """The command under cp 2 on `ranks` ranks, each config and mode."""
+def command_runs(workdir: Path, ranks: int, names: list[str]) -> list:
+    """The command under cp 2 on `ranks` ranks, each config and mode of `names`."""
     return [command_run(workdir, config, name, "--parallel.cp_degree", "2", *extra)
-            for name, (config, world, extra, _) in COMMAND_RUNS.items() if world == ranks]
+            for name, (config, world, extra, _) in COMMAND_RUNS.items() if world == ranks and name in names]
 
 
-def command_references(workdir: Path) -> list:
-    """The one-process runs the command runs must match: each config at the same global batch."""
-    return [command_run(workdir, "debug", "debug_seq2048_one"),
-            command_run(workdir, "debug_moe", "debug_moe_seq2048_one"),
-            command_run(workdir, "debug_moe", "debug_moe_seq2048_b4_no_aux", "--training.batch_size=4", *NO_AUX)]
+# The one-process runs the command runs must match: each config at the same global batch.
+COMMAND_REFERENCES = {"debug_seq2048_one": ("debug", []), "debug_moe_seq2048_one": ("debug_moe", []),
+                      "debug_moe_seq2048_b4_no_aux": ("debug_moe", ["--training.batch_size=4", *NO_AUX])}
+
+
+def command_references(workdir: Path, names: list[str]) -> list:
+    """The one-process runs the command runs `names` compare with."""
+    wanted = {COMMAND_RUNS[name][3] for name in names}
+    return [command_run(workdir, config, name, *extra) for name, (config, extra) in COMMAND_REFERENCES.items()
+            if name in wanted]
 
 
 def _checkpointing(workdir: Path, name: str) -> list[str]:
@@ -144,20 +169,26 @@ def resumed_in_one_process(workdir: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cp_runs(parallel_workspace: Path) -> Path:
-    """Every case trained for 10 steps, and the resume runs: a 1-rank pool (a checkpoint for cp 2 to resume), a
-    2-rank, a 4-rank and another 1-rank pool, each run after the ones whose checkpoints it resumes."""
-    run_pool(1, [one_process_first_half(parallel_workspace)])
-    run_pool(2, [tiny_run(parallel_workspace, c.name, model=c.model) + c.overrides for c in TWO_RANKS]
-             + resume_runs(parallel_workspace) + command_runs(parallel_workspace, 2))
-    run_pool(4, [tiny_run(parallel_workspace, c.name, model=c.model) + c.overrides for c in FOUR_RANKS]
-             + [resumed_at_cp4(parallel_workspace)] + command_runs(parallel_workspace, 4))
-    run_pool(1, [resumed_in_one_process(parallel_workspace), tiny_run(parallel_workspace, "ref_b4_validation")
-                 + VALIDATION] + command_references(parallel_workspace))
-    return parallel_workspace
+def cp_runs(request, parallel_workspace: Path) -> Path:
+    """The selected cases trained for 10 steps, the documented command's selected runs, and the resume runs: one
+    process's (a checkpoint for cp 2 to resume, in this process), a 2-rank and a 4-rank pool, then one process's
+    again, each run after the ones whose checkpoints it resumes."""
+    cases = {name for test in ("test_context_parallel_losses_match_single_process",
+                               "test_context_parallel_starts_from_the_single_process_weights")
+             for name in selected_ids(request, test)}
+    commands = selected_ids(request, "test_the_documented_command_gives_the_losses_of_one_process")
+    work = parallel_workspace
+    run_here([one_process_first_half(work)])
+    run_pool(2, [tiny_run(work, c.name, model=c.model) + c.overrides for c in TWO_RANKS if c.name in cases]
+             + resume_runs(work) + command_runs(work, 2, commands))
+    run_pool(4, [tiny_run(work, c.name, model=c.model) + c.overrides for c in FOUR_RANKS if c.name in cases]
+             + [resumed_at_cp4(work)] + command_runs(work, 4, commands))
+    run_here([resumed_in_one_process(work), tiny_run(work, "ref_b4_validation") + VALIDATION]
+             + command_references(work, commands))
+    return work
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", marked_slow(CASES, SLOW_CASES))
 def test_context_parallel_losses_match_single_process(cp_runs, name):
     case = CASES[name]
     got, want = losses(cp_runs, name), losses(cp_runs, case.reference_run)
@@ -167,7 +198,7 @@ def test_context_parallel_losses_match_single_process(cp_runs, name):
     assert norms == pytest.approx(want_norms, rel=GRAD_NORM_RTOL), f"{name} grad_norm:\n{norms}\n{want_norms}"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", marked_slow(CASES, SLOW_CASES))
 def test_context_parallel_starts_from_the_single_process_weights(cp_runs, name):
     (want,) = initial_weights(cp_runs, CASES[name].reference_run)
     held = [set(got) for got in initial_weights(cp_runs, name)]
@@ -194,7 +225,7 @@ def test_a_checkpoint_resumes_exactly_under_another_cp_degree(cp_runs, resumed):
     assert got == pytest.approx({step: straight[step] for step in got}, rel=RTOL)
 
 
-@pytest.mark.parametrize("name", list(COMMAND_RUNS))
+@pytest.mark.parametrize("name", marked_slow(COMMAND_RUNS, SLOW_COMMANDS))
 def test_the_documented_command_gives_the_losses_of_one_process(cp_runs, name):
     # MoE: the load-balancing loss pools the expert counts over the cp ranks, so it is the whole sequences' too.
     config, _, extra, reference = COMMAND_RUNS[name]

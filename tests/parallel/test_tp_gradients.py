@@ -4,15 +4,10 @@ models start from the weights of the same seed, with no checkpoint between them.
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from .harness import free_port, model_overrides
+from .harness import gradient_problems, model_overrides, rank_reports, tensor_parallel_pair
 
 pytestmark = pytest.mark.distributed
 
@@ -40,81 +35,31 @@ def _overrides(model: str, extra: list[str]) -> list[str]:
                                      *extra]
 
 
-def _check_case(name: str, model_name: str, extra: list[str]) -> list[str]:
+def _check_case(name: str) -> list[str]:
     """Two backward passes (gradient accumulation) under this case's layout; the problems found, if any."""
-    import torch.distributed as dist
-
     from titan_npu.config.loader import load_config
-    from titan_npu.models.registry import build_model, build_model_args, spec_of
-    from titan_npu.parallel.dims import ParallelDims
-    from titan_npu.parallel.parallelize import materialize
     from titan_npu.parallel.reduce import loss_parallel_context
     from titan_npu.trainer.loss import cross_entropy_loss
 
+    model_name, extra = CASES[name]
     cfg = load_config(None, _overrides(model_name, extra))
-    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
-    assert dims.tp == WORLD and not dims.dp_enabled, dims.describe()
-    dims.build_mesh("cpu")
-    args = build_model_args(cfg.model)
-    with torch.device("meta"):
-        model = build_model(args)
-    model = spec_of(model.args).parallelize(model, dims, cfg)
-    materialize(model, torch.device("cpu"), cfg)
-
-    reference = build_model(args)
-    reference.init_weights(seed=cfg.training.seed)
-
+    model, reference, dims = tensor_parallel_pair(cfg)
     generator = torch.Generator().manual_seed(11)
     problems = []
     for micro in range(2):
-        tokens = torch.randint(0, args.vocab_size, (2, 33), generator=generator)
+        tokens = torch.randint(0, reference.args.vocab_size, (2, 33), generator=generator)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         with loss_parallel_context(dims, cfg.parallel.loss_parallel):
             cross_entropy_loss(model(inputs), labels).backward()
         cross_entropy_loss(reference(inputs), labels).backward()
-        want = dict(reference.named_parameters())
-        for param_name, p in model.named_parameters():
-            param_name = param_name.replace("_checkpoint_wrapped_module.", "")
-            where = f"{name} backward {micro + 1} {param_name}"
-            if p.grad is None:
-                problems.append(f"{where}: no gradient")
-                continue
-            if tuple(p.grad.placements) != tuple(p.placements):
-                problems.append(f"{where}: gradient placements {p.grad.placements} != parameter {p.placements}")
-            if p.grad.to_local().shape != p.to_local().shape:
-                problems.append(f"{where}: local gradient {list(p.grad.to_local().shape)} != shard "
-                                f"{list(p.to_local().shape)}")
-            full = p.grad.full_tensor()
-            if not torch.allclose(full, want[param_name].grad, rtol=RTOL, atol=ATOL):
-                err = (full - want[param_name].grad).abs().max().item()
-                problems.append(f"{where}: gradient differs from one process by up to {err:.3g}")
+        problems += gradient_problems(f"{name} backward {micro + 1}", model, reference, RTOL, ATOL)
     return problems
-
-
-def _worker(rank: int, port: int, workdir: str) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), TITAN_DEVICE="cpu")
-    torch.set_num_threads(1)  # both ranks share two cores
-    dist.init_process_group("gloo")
-    try:
-        report = {name: _check_case(name, model, extra) for name, (model, extra) in CASES.items()}
-        (Path(workdir) / f"rank{rank}.json").write_text(json.dumps(report))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def tp_gradient_report(tmp_path_factory) -> dict[str, list[str]]:
     """Every case run on both ranks (one pool); case name -> the problems any rank found."""
-    workdir = tmp_path_factory.mktemp("tp_gradients")
-    mp.spawn(_worker, args=(free_port(), str(workdir)), nprocs=WORLD, join=True)
-    report: dict[str, list[str]] = {name: [] for name in CASES}
-    for rank in range(WORLD):
-        for name, problems in json.loads((workdir / f"rank{rank}.json").read_text()).items():
-            report[name] += [f"rank {rank}: {p}" for p in problems]
-    return report
+    return rank_reports(WORLD, _check_case, list(CASES), tmp_path_factory.mktemp("tp_gradients"))
 
 
 @pytest.mark.parametrize("name", list(CASES))

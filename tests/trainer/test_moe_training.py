@@ -66,71 +66,36 @@ def test_a_capacity_factor_logs_the_dropped_tokens(tmp_path, one_thread):
     assert all(r["dropped_tokens"] >= 4 * 256 for r in records)
 
 
-def _torchrun(tmp_path: Path, *extra: str, nproc: int = 2) -> list[float]:
-    """debug_moe shrunk as _run does, on `nproc` CPU processes (gloo); the logged losses."""
-    import os
-    import subprocess
-    import sys
+def _layout_run(workdir: Path, name: str, *extra: str) -> list[str]:
+    """The overrides of layout run `name`: debug_moe shrunk as _run does, 3 deterministic steps logged to
+    workdir/name/logs (checkpoints in workdir/name/ckpt unless `extra` says otherwise)."""
+    return ["--training.seq_len", "64", "--training.max_steps", "3", "--lr_scheduler.warmup_steps", "2",
+            "--metrics.log_dir", str(workdir / name / "logs"), "--metrics.log_interval", "1",
+            "--metrics.tensorboard", "false", "--metrics.report", "false", "--metrics.progress", "lines",
+            "--checkpoint.dir", str(workdir / name / "ckpt"), "--checkpoint.enable", "false",
+            "--training.deterministic", "true", *extra]
 
-    root = CONFIG.parents[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))
-           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    env.update(TITAN_DEVICE="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(root))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py",
-           "--config", str(CONFIG), "--training.seq_len", "64", "--training.max_steps", "3",
-           "--lr_scheduler.warmup_steps", "2", "--metrics.log_dir", str(tmp_path / "logs"),
-           "--metrics.log_interval", "1", "--metrics.tensorboard", "false", "--metrics.report", "false",
-           "--metrics.progress", "lines", "--checkpoint.dir", str(tmp_path / "ckpt"), "--checkpoint.enable", "false",
-           "--training.deterministic", "true", *extra]
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
+def _records(log_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (log_dir / "logs" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+NO_AUX = ["--model.router_aux_loss_coef", "0"]
+AUX_ON = ["--model.router_aux_loss_coef", "1.0", "--training.deterministic", "true"]
+ONE_SEQUENCE_A_FORWARD = ["--training.batch_size", "1", "--training.gradient_accumulation_steps", "4"]
 
 # The aux loss is pooled over each rank's micro-batch (as transformers pools one forward's tokens), so a layout
 # that splits the batch optimises a slightly different sum: the layouts agree exactly with it off. Expert
 # parallelism moves tokens between ranks but routes each on the rank that holds it: the same per-rank pooling.
 # ep 2 x HSDP 2 x 2: each replica's 2 ranks split the experts, the 2 replicas of an expert shard it with FSDP (ep 2
 # x FSDP 2 on 4 ranks, the experts sharded over the ep groups, is the resume test's last layout).
-@pytest.mark.parametrize("nproc, layout", [(2, ["--parallel.dp_shard", "2", "--training.batch_size", "2"]),
-                                           (2, ["--parallel.ep_degree", "2", "--training.batch_size", "2"]),
-                                           (4, ["--parallel.ep_degree", "2", "--parallel.dp_replicate", "2",
-                                                "--parallel.dp_shard", "2", "--training.batch_size", "1"])],
-                         ids=["fsdp", "ep", "ep-x-hsdp"])
-def test_fsdp_pipeline_and_expert_parallel_runs_give_the_single_process_losses(tmp_path, one_thread, nproc,
-                                                                                  layout):
-    single = [r["loss"] for r in _run(tmp_path / "one", 3, "--model.router_aux_loss_coef", "0",
-                                      "--training.deterministic", "true")]
-    split = _torchrun(tmp_path / "split", "--model.router_aux_loss_coef", "0", *layout, nproc=nproc)
-    assert split == pytest.approx(single, rel=1e-5)
-
-
-AUX_ON = ["--model.router_aux_loss_coef", "1.0", "--training.deterministic", "true"]
-ONE_SEQUENCE_A_FORWARD = ["--training.batch_size", "1", "--training.gradient_accumulation_steps", "4"]
-
-
-@pytest.fixture(scope="module")
-def aux_on_single_process(tmp_path_factory) -> list[dict]:
-    """One process's records with the aux loss on (coef 1.0), 4 accumulation steps of one sequence each."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with pytest.MonkeyPatch.context() as monkeypatch:
-            _as_one_cpu_process(monkeypatch)
-            return _run(tmp_path_factory.mktemp("aux_on_single"), 3, *AUX_ON, *ONE_SEQUENCE_A_FORWARD)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_the_aux_loss_parity_reference_optimises_the_aux_loss(tmp_path, one_thread, aux_on_single_process):
-    # Without the aux term the second step's loss differs: the layouts below agree on a sum that includes it.
-    off = _run(tmp_path, 2, "--model.router_aux_loss_coef", "0", "--training.deterministic", "true",
-               *ONE_SEQUENCE_A_FORWARD)
-    assert off[1]["loss"] != pytest.approx(aux_on_single_process[1]["loss"], rel=1e-4)
-
+# id -> (ranks, layout).
+AUX_OFF_LAYOUTS = {
+    "fsdp": (2, ["--parallel.dp_shard", "2", "--training.batch_size", "2"]),
+    "ep": (2, ["--parallel.ep_degree", "2", "--training.batch_size", "2"]),
+    "ep-x-hsdp": (4, ["--parallel.ep_degree", "2", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",
+                      "--training.batch_size", "1"]),
+}
 
 # Each forward pools the aux loss over its own tokens: one sequence per micro-batch everywhere (one process: 4
 # accumulation steps of 1; the pipelines: micro-batches of 1), so every layout optimises the same sum. Expert
@@ -141,59 +106,107 @@ def test_the_aux_loss_parity_reference_optimises_the_aux_loss(tmp_path, one_thre
 # holds half of the ffn dim of half of the experts and exchanges tokens with the ranks of its tp coordinate (FSDP
 # shards the dense part over dp x tp); fsdp 2 x tp 2: FSDP shards the experts' tp shards too.
 # ep alone and pp alone run with -m slow: ep 2 x pp 2 and ep 2 x tp 2 cover both in the default suite.
-@pytest.mark.parametrize("nproc, layout", [
-    pytest.param(2, ["--parallel.ep_degree", "2", "--training.batch_size", "1",
-                     "--training.gradient_accumulation_steps", "2"], marks=pytest.mark.slow),
-    pytest.param(2, ["--parallel.pp_degree", "2", "--training.batch_size", "4"], marks=pytest.mark.slow),
-    (4, ["--parallel.pp_degree", "2", "--parallel.ep_degree", "2", "--parallel.pp_microbatches", "2",
-         "--training.batch_size", "2"]),
-    (4, ["--parallel.tp_degree", "2", "--parallel.ep_degree", "2", "--training.batch_size", "1",
-         "--training.gradient_accumulation_steps", "2"]),
-    pytest.param(4, ["--parallel.tp_degree", "2", "--training.batch_size", "1",
-                     "--training.gradient_accumulation_steps", "2"], marks=pytest.mark.slow),
-], ids=["ep", "pp", "ep-x-pp", "ep-x-tp", "fsdp-x-tp"])
-def test_with_the_aux_loss_on_pp_tp_and_ep_layouts_give_the_single_process_losses_and_routing(
-        tmp_path, one_thread, aux_on_single_process, nproc, layout):
-    single = aux_on_single_process
-    split = _torchrun(tmp_path, *AUX_ON, *layout, nproc=nproc)
-    records = [r for r in map(json.loads, (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines())
-               if "loss" in r]
-    assert split == pytest.approx([r["loss"] for r in single], rel=1e-5)
+AUX_ON_LAYOUTS = {
+    "ep": (2, ["--parallel.ep_degree", "2", "--training.batch_size", "1", "--training.gradient_accumulation_steps",
+               "2"]),
+    "pp": (2, ["--parallel.pp_degree", "2", "--training.batch_size", "4"]),
+    "ep-x-pp": (4, ["--parallel.pp_degree", "2", "--parallel.ep_degree", "2", "--parallel.pp_microbatches", "2",
+                    "--training.batch_size", "2"]),
+    "ep-x-tp": (4, ["--parallel.tp_degree", "2", "--parallel.ep_degree", "2", "--training.batch_size", "1",
+                    "--training.gradient_accumulation_steps", "2"]),
+    "fsdp-x-tp": (4, ["--parallel.tp_degree", "2", "--training.batch_size", "1",
+                      "--training.gradient_accumulation_steps", "2"]),
+}
+AUX_ON_SLOW = ("ep", "pp", "fsdp-x-tp")
+
+# The experts are saved under their global names and shapes (DTensors sharded on the expert dim), so any layout
+# loads them: step 3 of a one-process run resumed at ep 2 on 2 ranks, and step 3 of a 2-rank ep 2 run resumed in one
+# process and at ep 2 x FSDP 2 on 4 ranks, go on as the uninterrupted run does (the same global batch).
+EP = ["--parallel.ep_degree", "2"]
+
+
+def _saving(ckpt: Path) -> list[str]:
+    """6 steps without the aux loss, saved at steps 3 and 6 in `ckpt` (resumed from the latest there)."""
+    return [*NO_AUX, "--training.deterministic", "true", "--training.max_steps", "6", "--checkpoint.enable", "true",
+            "--checkpoint.save_interval", "3", "--checkpoint.keep_last_n", "5", "--checkpoint.dir", str(ckpt)]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(request, tmp_path_factory) -> Path:
+    """Every selected layout of the tests below and the resume runs: one process's runs in this one, the others in
+    a 2-rank and a 4-rank pool of processes (a launch each instead of one per run), each run after the
+    checkpoints it resumes."""
+    import shutil
+
+    import torch
+    from parallel.harness import config_run, run_pools, selected_ids
+
+    work = tmp_path_factory.mktemp("moe_layouts")
+    pools: dict[int, list] = {2: [], 4: []}
+    for name in selected_ids(request, "test_fsdp_pipeline_and_expert_parallel_runs_give_the_single_process_losses"):
+        ranks, layout = AUX_OFF_LAYOUTS[name]
+        pools[ranks].append(config_run(CONFIG, _layout_run(work, f"aux_off_{name}", *NO_AUX, *layout)))
+    for name in selected_ids(request, "test_with_the_aux_loss_on_pp_tp_and_ep_layouts_give_the_single_process_losses"
+                                   "_and_routing"):
+        ranks, layout = AUX_ON_LAYOUTS[name]
+        pools[ranks].append(config_run(CONFIG, _layout_run(work, f"aux_on_{name}", *AUX_ON, *layout)))
+    resume = bool(selected_ids(request, "test_a_run_resumes_under_another_expert_parallel_degree_with_the_uninterrupted"
+                                     "_losses"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            _as_one_cpu_process(monkeypatch)
+            _run(work / "aux_off_one", 3, *NO_AUX, "--training.deterministic", "true")
+            _run(work / "aux_on_one", 3, *AUX_ON, *ONE_SEQUENCE_A_FORWARD)
+            if resume:
+                _run(work / "whole", 6, *_saving(work / "one_ckpt"))
+                shutil.rmtree(work / "one_ckpt" / "step-6")  # resumed from step 3
+                pools[2] += [config_run(CONFIG, _layout_run(work, "ep", *_saving(work / "ep_ckpt"), *EP,
+                                                            "--training.batch_size", "2")),
+                             config_run(CONFIG, _layout_run(work, "to_ep", *_saving(work / "one_ckpt"), *EP,
+                                                            "--training.batch_size", "2"))]
+            run_pools({2: pools.pop(2)})
+            if resume:
+                shutil.rmtree(work / "ep_ckpt" / "step-6")
+                shutil.copytree(work / "ep_ckpt", work / "ep_ckpt_copy")
+                pools[4].append(config_run(CONFIG, _layout_run(work, "to_ep_fsdp", *_saving(work / "ep_ckpt_copy"),
+                                                               *EP, "--training.batch_size", "1")))
+                _run(work / "to_one", 6, *_saving(work / "ep_ckpt"))
+            run_pools(pools)
+    finally:
+        torch.set_num_threads(threads)
+    return work
+
+
+@pytest.mark.parametrize("name", list(AUX_OFF_LAYOUTS))
+def test_fsdp_pipeline_and_expert_parallel_runs_give_the_single_process_losses(layout_runs, name):
+    single = [r["loss"] for r in _records(layout_runs / "aux_off_one")]
+    split = [r["loss"] for r in _records(layout_runs / f"aux_off_{name}")]
+    assert len(split) == 3 and split == pytest.approx(single, rel=1e-5)
+
+
+def test_the_aux_loss_parity_reference_optimises_the_aux_loss(tmp_path, one_thread, layout_runs):
+    # Without the aux term the second step's loss differs: the layouts below agree on a sum that includes it.
+    off = _run(tmp_path, 2, *NO_AUX, "--training.deterministic", "true", *ONE_SEQUENCE_A_FORWARD)
+    assert off[1]["loss"] != pytest.approx(_records(layout_runs / "aux_on_one")[1]["loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in AUX_ON_SLOW else name
+                                  for name in AUX_ON_LAYOUTS])
+def test_with_the_aux_loss_on_pp_tp_and_ep_layouts_give_the_single_process_losses_and_routing(layout_runs, name):
+    single, records = _records(layout_runs / "aux_on_one"), _records(layout_runs / f"aux_on_{name}")
+    assert len(records) == 3
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in single], rel=1e-5)
     assert [r["aux_loss"] for r in records] == pytest.approx([r["aux_loss"] for r in single], rel=1e-5)
     assert [r["expert_load_per_layer"] for r in records] == [r["expert_load_per_layer"] for r in single]
 
 
-def _records(log_dir: Path) -> list[dict]:
-    return [r for r in map(json.loads, (log_dir / "logs" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-
-
-def test_a_run_resumes_under_another_expert_parallel_degree_with_the_uninterrupted_losses(tmp_path, one_thread):
-    import shutil
-
-    # The experts are saved under their global names and shapes (DTensors sharded on the expert dim), so any layout
-    # loads them: step 3 of a one-process run resumed at ep 2 on 2 ranks, and step 3 of a 2-rank ep 2 run resumed
-    # in one process and at ep 2 x FSDP 2 on 4 ranks, go on as the uninterrupted run does (the same global batch).
-    def saving(ckpt: Path) -> list[str]:
-        return ["--model.router_aux_loss_coef", "0", "--training.deterministic", "true", "--training.max_steps", "6",
-                "--checkpoint.enable", "true", "--checkpoint.save_interval", "3", "--checkpoint.keep_last_n", "5",
-                "--checkpoint.dir", str(ckpt)]
-
-    ep = ["--parallel.ep_degree", "2"]
-    whole = [r["loss"] for r in _run(tmp_path / "whole", 6, *saving(tmp_path / "one_ckpt"))]
-    _torchrun(tmp_path / "ep", *saving(tmp_path / "ep_ckpt"), *ep, "--training.batch_size", "2")
-    for ckpt in ("one_ckpt", "ep_ckpt"):
-        shutil.rmtree(tmp_path / ckpt / "step-6")  # resume from step 3
-    shutil.copytree(tmp_path / "ep_ckpt", tmp_path / "ep_ckpt_copy")
-    resumed = {
-        "ep 2 -> one process": _run(tmp_path / "to_one", 6, *saving(tmp_path / "ep_ckpt")),
-        "one process -> ep 2": (_torchrun(tmp_path / "to_ep", *saving(tmp_path / "one_ckpt"), *ep,
-                                          "--training.batch_size", "2"), _records(tmp_path / "to_ep")),
-        "ep 2 -> ep 2 x FSDP 2": (_torchrun(tmp_path / "to_ep_fsdp", *saving(tmp_path / "ep_ckpt_copy"), *ep,
-                                            "--training.batch_size", "1", nproc=4),
-                                  _records(tmp_path / "to_ep_fsdp")),
-    }
-    for how, run in resumed.items():
-        records = run if isinstance(run, list) else run[1]
+def test_a_run_resumes_under_another_expert_parallel_degree_with_the_uninterrupted_losses(layout_runs):
+    whole = [r["loss"] for r in _records(layout_runs / "whole")]
+    resumed = {"ep 2 -> one process": "to_one", "one process -> ep 2": "to_ep", "ep 2 -> ep 2 x FSDP 2": "to_ep_fsdp"}
+    for how, name in resumed.items():
+        records = _records(layout_runs / name)
         assert [r["step"] for r in records] == [4, 5, 6], how
         assert [r["loss"] for r in records] == pytest.approx(whole[3:], rel=1e-5), how
 

@@ -11,6 +11,7 @@ are FSDP-sharded over dp_shard (x cp). Under tensor parallelism each expert is c
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +49,19 @@ DENSE_FFN_KINDS = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_for
 def layer_kinds(args: Any, layer_id: int) -> list[str]:
     """The kinds of parameter block `layer_id` holds, in the model's order: a MoE block's feed-forward kinds or a
     dense block's, the rest alike."""
+    return layers_kinds(args, [layer_id])[layer_id]
+
+
+def layers_kinds(args: Any, layer_ids: Iterable[int]) -> dict[int, list[str]]:
+    """layer_kinds of each of `layer_ids`, the family's table built once (a search sizes thousands of layouts of
+    up to a hundred blocks each)."""
     kinds = block_kinds(args)
     is_moe = getattr(args, "is_moe_layer", None)
     if is_moe is None:
-        return kinds
-    moe = is_moe(layer_id)
-    return [k for k in kinds if not k.startswith("feed_forward.") or (k in DENSE_FFN_KINDS) != moe]
+        return {i: kinds for i in layer_ids}
+    by_kind = {moe: [k for k in kinds if not k.startswith("feed_forward.") or (k in DENSE_FFN_KINDS) != moe]
+               for moe in (False, True)}
+    return {i: by_kind[bool(is_moe(i))] for i in layer_ids}
 
 
 def is_expert_kind(kind: str) -> bool:
@@ -72,7 +80,8 @@ def rank_parameter_names(args: Any, layout: Layout, pp_rank: int) -> list[str]:
     names = []
     kinds = parameter_kinds(args)
     for part in rank_parts(args, layout, pp_rank):
-        names += [f"layers.{i}.{kind}" for i in part.layers for kind in layer_kinds(args, i)]
+        per_layer = layers_kinds(args, part.layers)
+        names += [f"layers.{i}.{kind}" for i in part.layers for kind in per_layer[i]]
         names += part.root_kinds(kinds)
     return names
 
@@ -130,11 +139,14 @@ def local_numel_split(args: Any, layout: Layout, rank: int) -> tuple[int, int]:
     coords = rank_coordinates(layout, rank)
     per_kind = _local_numels(args, layout, coords)
     dense = expert = 0
+    blocks: dict[tuple[str, ...], tuple[int, int]] = {}  # a block's kinds -> its (dense, expert) elements
     for part in rank_parts(args, layout, coords["pp"]):
         dense += sum(per_kind[k] for k in part.root_kinds(per_kind))
-        for i in part.layers:
-            dense += sum(per_kind[k] for k in layer_kinds(args, i) if not is_expert_kind(k))
-            expert += sum(per_kind[k] for k in layer_kinds(args, i) if is_expert_kind(k))
+        for kinds in map(tuple, layers_kinds(args, part.layers).values()):
+            if kinds not in blocks:
+                blocks[kinds] = (sum(per_kind[k] for k in kinds if not is_expert_kind(k)),
+                                 sum(per_kind[k] for k in kinds if is_expert_kind(k)))
+            dense, expert = dense + blocks[kinds][0], expert + blocks[kinds][1]
     return dense, expert
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.parameters import (
     is_expert_kind,
-    layer_kinds,
+    layers_kinds,
     numel,
     optimizer_state_multiplier,
     parameter_kinds,
@@ -53,7 +53,11 @@ def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int,
     layers = [i for p in parts for i in p.layers]
     n_blocks = len(layers)
     # The rank's largest block (a MoE one where some are dense) sizes what FSDP holds unsharded at once.
-    sizes = [sum(unsharded_numel(k, kinds[k], tp_dims[k], layout) for k in layer_kinds(job.args, i)) for i in layers]
+    per_layer = layers_kinds(job.args, layers)
+    # Blocks of the same kinds unshard the same elements: sized once each.
+    block_sizes = {ks: sum(unsharded_numel(k, kinds[k], tp_dims[k], layout) for k in ks)
+                   for ks in dict.fromkeys(map(tuple, per_layer.values()))}
+    sizes = [block_sizes[tuple(per_layer[i])] for i in layers]
     block = max(sizes, default=0)
     root = sum(numel(kinds[k]) for p in parts for k in p.root_kinds(kinds)) // tp
     fsdp = autocast = 0
@@ -71,7 +75,7 @@ def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int,
             fsdp += max(0, n_blocks - 2) * block * c
     elif c < 4:
         # autocast caches one low-precision copy of every matmul weight for backward (not the embedding table).
-        autocast = sum(numel(kinds[k]) for i in layers for k in layer_kinds(job.args, i)
+        autocast = sum(numel(kinds[k]) for i in layers for k in per_layer[i]
                        if len(kinds[k]) == 2) // tp * c
         if any(p.last for p in parts) and not layout.loss_chunk:  # the chunked loss rounds it itself, briefly
             output = kinds.get("output.weight", kinds["tok_embeddings.weight"])  # tied: the embedding's matrix
