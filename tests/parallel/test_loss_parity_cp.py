@@ -80,7 +80,13 @@ CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # With -m slow: Qwen3's Ulysses cp 2 x interleaved pp 2 composes what cp2_pp2 (cp under a pipeline),
 # qwen3_ulysses_cp2 (Qwen3's q/k norms through Ulysses) and test_loss_parity.py's pp_interleaved_1f1b and
 # qwen3_pp_1f1b (the interleaved schedule, Qwen3's untied output across stages) each show in the default run.
-SLOW_CASES = ("qwen3_ulysses_cp2_pp2_interleaved",)
+# Likewise each of these composes what two default cases show: op-level selective checkpointing under cp
+# (cp2_ac_full: recomputation under cp; test_loss_parity.py's fsdp_ac_selective_ops: the op-level policy), Ulysses
+# compiled (cp2_compile: the cp seam compiled; ulysses_cp2: Ulysses eager), Qwen2 under cp (qwen3_cp2: a Qwen family
+# through the ring; test_loss_parity.py's qwen2_fsdp2_tp2: Qwen2's biases) and Qwen3 at fsdp 2 x cp 2 (fsdp2_cp2
+# and qwen3_cp2).
+SLOW_CASES = ("qwen3_ulysses_cp2_pp2_interleaved", "cp2_ac_selective_ops", "ulysses_cp2_compile", "qwen2_cp2",
+              "qwen3_fsdp2_cp2")
 
 RESUME_BASE = ["--parallel.cp_degree=2", "--lr_scheduler.decay_type=constant"]
 
