@@ -17,6 +17,8 @@ checkpoint reader use; the dry run (planner/dry_run.py) checks the planner's sha
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
@@ -113,11 +115,12 @@ def apply_context_parallel(model: nn.Module, cp_group: ProcessGroup, mode: str,
         model.context = context
 
 
-def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
-    """Apply TP, context parallelism, activation checkpointing, compile and data parallelism, in that order, to a
-    model (or stage)."""
+def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig,
+                        tp_plan: Callable[[nn.Module, DeviceMesh, bool], None] = apply_tp) -> nn.Module:
+    """Apply TP (tp_plan: this decoder's, or a family's own), context parallelism, activation checkpointing,
+    compile and data parallelism, in that order, to a model (or stage)."""
     if dims.tp_enabled:
-        apply_tp(model, dims.tp_mesh, loss_parallel=cfg.parallel.loss_parallel)
+        tp_plan(model, dims.tp_mesh, cfg.parallel.loss_parallel)
     if dims.cp_enabled:
         hybrid_groups = dims.hybrid_cp_groups() if cfg.parallel.cp_mode == "hybrid" else None
         apply_context_parallel(model, dims.cp_mesh.get_group(), cfg.parallel.cp_mode, hybrid_groups)

@@ -30,14 +30,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import LayoutError
-from titan_npu.models.decoder.parallelize import _fresh_output, apply_context_parallel, parallelize_root
+from titan_npu.models.decoder.parallelize import parallelize_decoder, parallelize_root
 from titan_npu.models.deepseek_v3.args import DeepSeekArgs
 from titan_npu.models.moe.parallelize import apply_expert_parallel
-from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing
-from titan_npu.parallel.compile import apply_compile
 from titan_npu.parallel.dims import ParallelDims
-from titan_npu.parallel.fsdp import apply_data_parallel
-from titan_npu.parallel.tp_grads import request_grads_in_param_layout
 
 
 def check_deepseek_layout(dims: ParallelDims, args: DeepSeekArgs, cfg: JobConfig) -> None:
@@ -69,28 +65,13 @@ def check_deepseek_layout(dims: ParallelDims, args: DeepSeekArgs, cfg: JobConfig
 
 
 def parallelize_deepseek(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
-    """Tensor and expert parallelism, then activation checkpointing, compile and data parallelism as for the
-    dense decoder; the layouts above refused (check_deepseek_layout)."""
+    """Expert parallelism, then the dense decoder's steps with this family's TP plan (context parallelism through
+    the decoder's seam, activation checkpointing, compile, data parallelism); the layouts above refused
+    (check_deepseek_layout)."""
     check_deepseek_layout(dims, model.args, cfg)
-    if dims.tp_enabled:
-        apply_tp(model, dims.tp_mesh, loss_parallel=cfg.parallel.loss_parallel)
-    if dims.cp_enabled:  # MLA attends across the cp ranks through the dense decoder's context seam
-        hybrid_groups = dims.hybrid_cp_groups() if cfg.parallel.cp_mode == "hybrid" else None
-        apply_context_parallel(model, dims.cp_mesh.get_group(), cfg.parallel.cp_mode, hybrid_groups)
-    if dims.ep_enabled:
+    if dims.ep_enabled:  # never with TP (refused above), so before or after the TP plan is the same
         apply_expert_parallel(model, dims.ep_mesh)
-    # The rest as parallelize_decoder does it after its own TP plan.
-    if cfg.activation_checkpoint.mode != "none":
-        apply_activation_checkpointing(model, cfg.activation_checkpoint)
-    if cfg.compile.enable:
-        if dims.tp_enabled and model.tok_embeddings is not None:
-            model.tok_embeddings.register_forward_hook(_fresh_output)
-        apply_compile(model, cfg.compile, inside_checkpoint=dims.tp_enabled)
-    if dims.dp_enabled:
-        apply_data_parallel(model, dims, cfg)
-    elif dims.tp_enabled:
-        request_grads_in_param_layout(model)
-    return model
+    return parallelize_decoder(model, dims, cfg, tp_plan=apply_tp)
 
 
 def _gather_sequence(mesh: DeviceMesh):
