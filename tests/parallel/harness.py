@@ -208,16 +208,15 @@ def selected_ids(request: pytest.FixtureRequest, test: str) -> list[str]:
             if getattr(item, "originalname", None) == test]
 
 
-def tensor_parallel_pair(cfg: JobConfig) -> tuple[torch.nn.Module, torch.nn.Module, ParallelDims]:
-    """The model of `cfg` parallelized over this process group's ranks (tensor parallelism alone: asserts that tp is
-    the whole world) and one process's model from the same seed; and the ParallelDims."""
+def parallel_pair(cfg: JobConfig) -> tuple[torch.nn.Module, torch.nn.Module, ParallelDims]:
+    """The model of `cfg` parallelized over this process group's ranks and one process's model from the same seed;
+    and the ParallelDims."""
     import torch.distributed as dist
 
     from titan_npu.models.registry import build_model, build_model_args, spec_of
     from titan_npu.parallel.parallelize import materialize
 
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
-    assert dims.tp == dist.get_world_size() and not dims.dp_enabled, dims.describe()
     dims.build_mesh("cpu")
     args = build_model_args(cfg.model)
     with torch.device("meta"):
@@ -226,6 +225,13 @@ def tensor_parallel_pair(cfg: JobConfig) -> tuple[torch.nn.Module, torch.nn.Modu
     materialize(model, torch.device("cpu"), cfg)
     reference = build_model(args)
     reference.init_weights(seed=cfg.training.seed)
+    return model, reference, dims
+
+
+def tensor_parallel_pair(cfg: JobConfig) -> tuple[torch.nn.Module, torch.nn.Module, ParallelDims]:
+    """parallel_pair for tensor parallelism alone (asserts that tp is the whole world)."""
+    model, reference, dims = parallel_pair(cfg)
+    assert dims.tp == dims.world_size and not dims.dp_enabled, dims.describe()
     return model, reference, dims
 
 

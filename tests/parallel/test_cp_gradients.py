@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .harness import run_pool
+from .harness import parallel_pair, run_pool
 
 pytestmark = pytest.mark.distributed
 
@@ -47,31 +47,19 @@ def _auxiliary(model: torch.nn.Module) -> torch.Tensor | float:
 
 def _check_family(name: str, overrides: list[str]) -> list[str]:
     """Two backward passes under cp 2 and on one process; the gradients that differ, if any."""
-    import torch.distributed as dist
 
     from titan_npu.config.loader import load_config
-    from titan_npu.models.registry import build_model, build_model_args, spec_of
     from titan_npu.parallel.context_parallel import ContextParallelBatch
-    from titan_npu.parallel.dims import ParallelDims
-    from titan_npu.parallel.parallelize import materialize
     from titan_npu.parallel.reduce import loss_parallel_context
     from titan_npu.trainer.loss import cross_entropy_loss
 
     cfg = load_config(None, [*overrides, "--training.dtype=fp32", f"--parallel.cp_degree={CP}"])
-    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
-    dims.build_mesh("cpu")
-    args = build_model_args(cfg.model)
-    with torch.device("meta"):
-        model = build_model(args)
-    model = spec_of(args).parallelize(model, dims, cfg)
-    materialize(model, torch.device("cpu"), cfg)
-    reference = build_model(args)
-    reference.init_weights(seed=cfg.training.seed)
+    model, reference, dims = parallel_pair(cfg)
 
     batch = ContextParallelBatch(*dims.cp_coordinates())
     generator = torch.Generator().manual_seed(11)
     for _ in range(2):
-        tokens = torch.randint(0, args.vocab_size, (2, 33), generator=generator)
+        tokens = torch.randint(0, reference.args.vocab_size, (2, 33), generator=generator)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         local_inputs, local_labels, weight = batch.split(inputs, labels)
         with loss_parallel_context(dims, cfg.parallel.loss_parallel):  # vocab-sharded logits under TP

@@ -29,7 +29,7 @@ from titan_npu.models.llama import LlamaArgs, Transformer
 from titan_npu.ops.documents import Documents
 from titan_npu.parallel.context_parallel import shard_sequence
 
-from .harness import losses, run_pool, tiny_run, write_tokens
+from .harness import losses, run_pool, tensor_parallel_pair, tiny_run, write_tokens
 
 ROOT = Path(__file__).parents[2]
 SEQ = 32
@@ -177,9 +177,6 @@ def _check_tensor_parallel(workdir: Path, family: str) -> None:
     import torch.distributed as dist
 
     from titan_npu.config.loader import load_config
-    from titan_npu.models.registry import build_model, build_model_args, spec_of
-    from titan_npu.parallel.dims import ParallelDims
-    from titan_npu.parallel.parallelize import materialize
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -187,15 +184,7 @@ def _check_tensor_parallel(workdir: Path, family: str) -> None:
     cfg = load_config(config, [*overrides, "--training.dtype=fp32", "--parallel.dp_shard=1",
                                f"--parallel.tp_degree={dist.get_world_size()}", "--parallel.loss_parallel=false",
                                "--data.document_mask=true", "--data.reset_position_ids=true"])
-    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
-    dims.build_mesh("cpu")
-    args = build_model_args(cfg.model)
-    with torch.device("meta"):
-        model = build_model(args)
-    model = spec_of(args).parallelize(model, dims, cfg)
-    materialize(model, torch.device("cpu"), cfg)
-    reference = build_model(args)
-    reference.init_weights(seed=cfg.training.seed)
+    model, reference, _ = tensor_parallel_pair(cfg)
     documents = Documents.from_starts(STARTS, SEQ, reset_positions=True)
     tokens, changed = _tokens(0), _with_first_document_changed(_tokens(0))
     with torch.no_grad():
