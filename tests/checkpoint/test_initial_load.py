@@ -100,5 +100,26 @@ def test_mismatch_causes(found, cause):
     assert cause in problem
 
 
+# A model of one layer with multi-token-prediction layers (layers.1 on, model.mtp_depth): a difference there alone
+# names mtp_depth, never n_layers; one in a main layer does not.
+@pytest.mark.parametrize("depth, found, cause", [
+    (1, {"layers.0.w": (1,)}, "holds 0 whole multi-token-prediction layer(s) (layers.1 on), the model 1 "
+                              "(model.mtp_depth): set model.mtp_depth=0"),
+    (2, {"layers.0.w": (1,), "layers.1.w": (1,), "layers.1.e": (1,), "layers.2.w": (1,)},
+     "holds 1 whole multi-token-prediction layer(s) (layers.1 on), the model 2 (model.mtp_depth): set "
+     "model.mtp_depth=1"),
+    (0, {"layers.0.w": (1,), "layers.1.w": (1,), "layers.1.e": (1,)},
+     "holds 1 multi-token-prediction layer(s) (layers.1 on), the model 0 (model.mtp_depth): set model.mtp_depth=1"),
+    (1, {"layers.1.w": (1,), "layers.1.e": (1,)}, "the checkpoint was written for another model layout"),
+], ids=["absent", "partial-second", "extra", "main-layer-missing"])
+def test_mismatch_of_multi_token_prediction_layers_names_mtp_depth(depth, found, cause):
+    class Args:
+        n_layers, mtp_depth = 1, depth
+
+    expected = {"layers.0.w": (1,), **{f"layers.{1 + k}.{name}": (1,) for k in range(depth) for name in "we"}}
+    problem = describe_mismatch(expected, found, Args())
+    assert cause in problem and "n_layers" not in problem
+
+
 def test_a_fitting_state_dict_has_no_mismatch():
     assert describe_mismatch({"a": (2, 3)}, {"a": torch.zeros(2, 3)}) is None

@@ -109,12 +109,14 @@ def run_python(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def train_from_the_import(printed: str, tmp_path: Path, steps: int) -> tuple[str, list[dict]]:
+def train_from_the_import(printed: str, tmp_path: Path, steps: int, initial_load: Path | None = None
+                          ) -> tuple[str, list[dict]]:
     """The [model] lines `titan-npu import` printed, as a user pastes them, in tmp_path/run.toml with a run that
-    starts from the HF directory tmp_path/hf itself (checkpoints in tmp_path/ckpt); train.py's tiny run of `steps`
-    steps on it: its output and its training records."""
+    starts from `initial_load` (default: the HF directory tmp_path/hf itself; checkpoints in tmp_path/ckpt);
+    train.py's tiny run of `steps` steps on it: its output and its training records."""
     model_lines = printed[printed.index("[model]"):printed.index("[checkpoint]")]
-    (tmp_path / "run.toml").write_text(model_lines + f'\n[checkpoint]\ninitial_load = "{tmp_path / "hf"}"\n'
+    initial_load = initial_load or tmp_path / "hf"
+    (tmp_path / "run.toml").write_text(model_lines + f'\n[checkpoint]\ninitial_load = "{initial_load}"\n'
                                        f'dir = "{tmp_path / "ckpt"}"\n\n[metrics]\nlog_dir = "{tmp_path / "logs"}"\n')
     trained = run_python(str(ROOT / "train.py"), "--config", str(tmp_path / "run.toml"), *TINY_TRAIN_ARGS,
                          "--training.max_steps", str(steps), cwd=tmp_path)

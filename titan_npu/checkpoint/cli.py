@@ -138,6 +138,8 @@ def import_main(argv: list[str]) -> int:
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in weights.state_dict.values()})
     print(f"imported {weights.format} weights from {args.input}: {len(weights.state_dict)} tensors, "
           f"{n_params / 1e6:.1f}M parameters ({', '.join(dtypes)}) -> {output}")
+    if weights.note:
+        print(weights.note)
     if weights.args is not None:
         print("train from it with these lines in the config:\n" + model_section(weights.args) +
               f'\n\n[checkpoint]\ninitial_load = "{output}"')

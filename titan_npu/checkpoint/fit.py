@@ -23,9 +23,34 @@ def _layer_count(keys: Sequence[str]) -> int:
     return max(layers) + 1 if layers else 0
 
 
+def _layer(key: str) -> int | None:
+    match = _LAYER.match(key)
+    return int(match.group(1)) if match else None
+
+
+def _mtp_cause(missing: Sequence[str], unexpected: Sequence[str], expected_keys: Sequence[str],
+               found_keys: Sequence[str], args: Any) -> str | None:
+    """When every key out of place is a multi-token-prediction layer's (layers.{n_layers + k}, a model with
+    `mtp_depth`): how many the checkpoint holds whole and the mtp_depth that loads them; None otherwise."""
+    depth = getattr(args, "mtp_depth", None)
+    if depth is None or any((_layer(k) or 0) < args.n_layers for k in (*missing, *unexpected)):
+        return None
+    found = set(found_keys)
+    if missing:
+        held = 0
+        while held < depth and all(k in found for k in expected_keys if _layer(k) == args.n_layers + held):
+            held += 1
+        whole = "whole "
+    else:
+        held, whole = _layer_count(found_keys) - args.n_layers, ""
+    return (f"the checkpoint holds {held} {whole}multi-token-prediction layer(s) (layers.{args.n_layers} on), the "
+            f"model {depth} (model.mtp_depth): set model.mtp_depth={held}")
+
+
 def likely_cause(missing: Sequence[str], unexpected: Sequence[str], shape_diffs: Sequence[str],
-                 expected_keys: Sequence[str], found_keys: Sequence[str]) -> str:
-    """The most probable reason a checkpoint's keys do not match the model's, with what to do about it."""
+                 expected_keys: Sequence[str], found_keys: Sequence[str], args: Any = None) -> str:
+    """The most probable reason a checkpoint's keys do not match the model's (of `args`, when given), with what to do
+    about it."""
     if any(k.startswith("model.") or k.startswith("lm_head.") for k in unexpected):
         return ("the weights use Hugging Face names: point checkpoint.initial_load at the Hugging Face directory "
                 "or convert with `titan-npu import`")
@@ -35,6 +60,9 @@ def likely_cause(missing: Sequence[str], unexpected: Sequence[str], shape_diffs:
         return "this is a sharded (DCP) checkpoint: pass its directory, or `titan-npu export --format pt` it first"
     if shape_diffs:
         return "the checkpoint is for another model size: set [model] to the shapes it was trained with"
+    mtp = _mtp_cause(missing, unexpected, expected_keys, found_keys, args)
+    if mtp:
+        return mtp
     found_layers, model_layers = _layer_count(found_keys), _layer_count(expected_keys)
     if found_layers != model_layers and found_layers and model_layers:
         return f"the checkpoint has {found_layers} layers, the model {model_layers}: set model.n_layers to match"
@@ -44,10 +72,10 @@ def likely_cause(missing: Sequence[str], unexpected: Sequence[str], shape_diffs:
     return "the checkpoint was written for another model layout or version"
 
 
-def describe_mismatch(expected: Mapping[str, Any], found: Mapping[str, Any]) -> str | None:
+def describe_mismatch(expected: Mapping[str, Any], found: Mapping[str, Any], args: Any = None) -> str | None:
     """One line naming missing / unexpected keys (first few and counts), shape mismatches and the likely cause.
 
-    Values are tensors or shapes; None means the two fit.
+    Values are tensors or shapes; `args` (the model's, optional) sharpens the cause. None means the two fit.
     """
     missing = [k for k in expected if k not in found]
     unexpected = [k for k in found if k not in expected]
@@ -62,5 +90,5 @@ def describe_mismatch(expected: Mapping[str, Any], found: Mapping[str, Any]) -> 
         parts.append(f"{len(unexpected)} unexpected key(s) (e.g. {', '.join(unexpected[:_SHOWN])})")
     if shapes:
         parts.append(f"{len(shapes)} shape mismatch(es) (e.g. {'; '.join(shapes[:2])})")
-    cause = likely_cause(missing, unexpected, shapes, list(expected), list(found))
+    cause = likely_cause(missing, unexpected, shapes, list(expected), list(found), args)
     return "; ".join(parts) + f" -- likely {cause}"

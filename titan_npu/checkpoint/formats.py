@@ -2,7 +2,9 @@
 
 read_weights(path) returns our state dict (Meta names, e.g. layers.0.attention.wq.weight) and, when the source
 says, the model's args (its family's, through models/registry.py: a Hugging Face config.json's model_type, a step-N
-checkpoint's info). Files are read as tensors only: safetensors, or torch.load(weights_only=True).
+checkpoint's info). A Hugging Face directory's args are those of the model its weights fill: where config.json asks
+for layers the weights lack (DeepSeek-V3's multi-token prediction), the args leave them out and `note` says so.
+Files are read as tensors only: safetensors, or torch.load(weights_only=True).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Weights:
     args: Any | None  # the model's args (models/spec.py), when the source states them
     format: str  # hf | meta | pt | dcp
     source: Path
+    note: str | None = None  # what the source's config asks for that its weights lack (one line), if anything
 
 
 def detect_format(path: str | Path) -> str:
@@ -69,11 +72,14 @@ def read_weights(path: str | Path, dtype: torch.dtype | None = None) -> Weights:
     """Read full weights from any supported format into our names; dtype casts floating tensors (None keeps)."""
     path = Path(path)
     kind = detect_format(path)
-    reader = {"hf": _read_hf, "meta": _read_meta, "pt": _read_pt, "dcp": _read_dcp}[kind]
-    state_dict, args = reader(path)
+    note = None
+    if kind == "hf":
+        state_dict, args, note = _read_hf(path)
+    else:
+        state_dict, args = {"meta": _read_meta, "pt": _read_pt, "dcp": _read_dcp}[kind](path)
     if dtype is not None:
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-    return Weights(state_dict, args, kind, path)
+    return Weights(state_dict, args, kind, path, note)
 
 
 # ---------------------------------------------------------------- Hugging Face
@@ -132,10 +138,16 @@ def hf_model(path: Path) -> tuple[Any, Any, bool]:
     return spec, spec.hf.args_from_config(config), bool(config.get("tie_word_embeddings", False))
 
 
-def _read_hf(path: Path) -> tuple[dict[str, torch.Tensor], Any]:
+def hf_state_dict(hf: dict[str, torch.Tensor], spec: Any, args: Any, tied: bool
+                  ) -> tuple[dict[str, torch.Tensor], Any, str | None]:
+    """Hugging Face tensors (or meta tensors of their shapes) -> ours, the args of the model they fill, and the line
+    on what config.json asks for that they lack (None if nothing)."""
+    return spec.hf.held_model(spec.hf.from_hf(hf, args, tie_word_embeddings=tied), args)
+
+
+def _read_hf(path: Path) -> tuple[dict[str, torch.Tensor], Any, str | None]:
     spec, args, tied = hf_model(path)
-    hf = read_hf_tensors(path)
-    return spec.hf.from_hf(hf, args, tie_word_embeddings=tied), args
+    return hf_state_dict(read_hf_tensors(path), spec, args, tied)
 
 
 # ---------------------------------------------------------------- Meta

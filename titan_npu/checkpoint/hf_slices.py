@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from titan_npu.checkpoint.formats import hf_files
+from titan_npu.checkpoint.formats import hf_files, hf_state_dict
 from titan_npu.errors import CheckpointError
 from titan_npu.models.init import canonical_name, local_indices
 
@@ -54,10 +54,12 @@ def safetensors_tensors(path: Path) -> dict[str, HFTensor] | None:
     return tensors
 
 
-def meta_state_dict(tensors: dict[str, HFTensor], spec: Any, args: Any, tied: bool) -> dict[str, torch.Tensor]:
-    """Our names and shapes of the directory's tensors, as meta tensors: the family's from_hf, reading nothing."""
+def meta_state_dict(tensors: dict[str, HFTensor], spec: Any, args: Any, tied: bool
+                    ) -> tuple[dict[str, torch.Tensor], Any, str | None]:
+    """Our names and shapes of the directory's tensors, as meta tensors (the family's from_hf, reading nothing),
+    the args of the model they fill and the line on what config.json asks for that they lack (formats.py)."""
     meta = {key: torch.empty(t.shape, device="meta") for key, t in tensors.items()}
-    return spec.hf.from_hf(meta, args, tie_word_embeddings=tied)
+    return hf_state_dict(meta, spec, args, tied)
 
 
 def read_block(handle: Any, key: str, index: tuple[slice, ...]) -> torch.Tensor:

@@ -88,6 +88,8 @@ def load_initial_weights(
             _load_hf_shard_wise(parts, Path(path), tensors, model_args)
             return
     weights = read_weights(path)
+    if weights.note:
+        log.info("initial_load: %s", weights.note)
     _check_fit(weights, parts, model_args)
     for part in parts:
         own = part.state_dict()
@@ -102,7 +104,7 @@ def _check_fit(weights: Weights, parts: list[nn.Module], model_args: Any) -> Non
     check_args_match(weights, model_args)
     expected = full_model_shapes(model_args) if model_args is not None else {
         k: v.shape for part in parts for k, v in part.state_dict().items()}
-    problem = describe_mismatch(expected, weights.state_dict)
+    problem = describe_mismatch(expected, weights.state_dict, model_args)
     if problem:
         raise CheckpointError(f"checkpoint.initial_load={weights.source} does not fit the model: {problem}")
 
@@ -110,7 +112,10 @@ def _check_fit(weights: Weights, parts: list[nn.Module], model_args: Any) -> Non
 def _load_hf_shard_wise(parts: list[nn.Module], path: Path, tensors: dict, model_args: Any) -> None:
     """Fill each rank's shards from a safetensors Hugging Face directory, reading only them; logs the volume."""
     spec, args, tied = hf_model(path)
-    _check_fit(Weights(meta_state_dict(tensors, spec, args, tied), args, "hf", path), parts, model_args)
+    found, args, note = meta_state_dict(tensors, spec, args, tied)
+    if note:
+        log.info("initial_load: %s", note)
+    _check_fit(Weights(found, args, "hf", path, note), parts, model_args)
     mine = load_hf_slices(parts, tensors, spec, args, tied)
     full = sum(file.stat().st_size for file in {t.file for t in tensors.values()})
     log.info("initial_load: this rank read %d of the %d bytes of %s", mine, full, path)

@@ -44,6 +44,9 @@ class HFAdapter:
     # A tensor of ours that stacks several HF tensors along dim 0 (MoE experts) -> their HF names in order; None for
     # one HF holds whole (hf_name then names it).
     stacked_names: Callable[[str, Any], list[str] | None] = lambda name, args: None
+    # (the state dict from_hf gave, config.json's args) -> the weights and args of the model they fill, and one line
+    # on what config.json asks for that they lack (None when nothing): DeepSeek-V3's multi-token-prediction layers.
+    held_model: Callable[[StateDict, Any], tuple[StateDict, Any, str | None]] = lambda sd, args: (sd, args, None)
 
 
 @dataclass(frozen=True)

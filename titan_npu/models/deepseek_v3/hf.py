@@ -13,12 +13,15 @@ stacked here for the grouped GEMM and one tensor per expert in Hugging Face file
   layers.N.feed_forward.shared_experts.w1/w2/w3  <-> model.layers.N.mlp.shared_experts.gate/down/up_proj
 A transformers 5 in-memory state dict (experts fused: mlp.experts.gate_up_proj [E, 2 ffn, dim], gate first) is
 read as well. The multi-token-prediction layers (model.layers.{num_hidden_layers + k}.*) load as our layers of the
-same index when mtp_depth > k and are set aside with a one-line note otherwise. Its fp8 weights
-(quantization_config fp8, 128 x 128 blocks, a `weight_scale_inv` per weight) are dequantised to fp32 on import.
+same index when mtp_depth > k and are set aside with a one-line note otherwise; held_model cuts mtp_depth to the
+layers a checkpoint holds whole (transformers' save_pretrained writes none though its config asks for one). Its fp8
+weights (quantization_config fp8, 128 x 128 blocks, a `weight_scale_inv` per weight) are dequantised to fp32 on
+import.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from typing import Any
@@ -28,6 +31,7 @@ import torch
 from titan_npu.errors import CheckpointError
 from titan_npu.models.decoder.args import matching_flavor
 from titan_npu.models.deepseek_v3.args import DEEPSEEK_OVERRIDABLE, FLAVORS, YARN_FIELDS, DeepSeekArgs
+from titan_npu.models.deepseek_v3.model import MTPBlock
 
 StateDict = dict[str, torch.Tensor]
 logger = logging.getLogger(__name__)
@@ -180,6 +184,35 @@ def from_hf(hf_state_dict: StateDict, args: DeepSeekArgs, *, tie_word_embeddings
         embedding = ours["tok_embeddings.weight"]
         ours["output.weight"] = embedding if args.tie_embeddings else embedding.clone()
     return ours
+
+
+def held_model(state_dict: StateDict, args: DeepSeekArgs) -> tuple[StateDict, DeepSeekArgs, str | None]:
+    """The weights from_hf gave and the args of the model they fill: mtp_depth cut to the leading
+    multi-token-prediction layers held whole (an absent or partial one and those after it set aside), with one line
+    saying so; None for the line when the weights hold every layer config.json asks for."""
+    held = 0
+    while held < args.mtp_depth and all(k in state_dict for k in _mtp_layer_keys(args, args.n_layers + held)):
+        held += 1
+    if held == args.mtp_depth:
+        return state_dict, args, None
+    first = args.n_layers + held
+    present = sum(1 for k in state_dict if k.startswith(f"layers.{first}."))
+    what = f"partial ({present} of {len(_mtp_layer_keys(args, first))} tensors)" if present else "absent"
+    layers = {k: int(match.group(1)) if (match := _OUR_LAYER.fullmatch(k)) else -1 for k in state_dict}
+    set_aside = sorted({layer for layer in layers.values() if layer >= first})
+    fitted = dataclasses.replace(args, mtp_depth=held)
+    fitted.flavor = _matching_flavor(fitted)
+    note = (f"config.json asks for {args.mtp_depth} multi-token-prediction layer(s) (num_nextn_predict_layers) but "
+            f"layer {first} is {what} in the weights: model.mtp_depth = {held}"
+            + (f", layer(s) {', '.join(map(str, set_aside))} set aside" if set_aside else ""))
+    return {k: v for k, v in state_dict.items() if layers[k] < first}, fitted, note
+
+
+def _mtp_layer_keys(args: DeepSeekArgs, layer: int) -> list[str]:
+    """Our names of multi-token-prediction layer `layer`'s tensors (its embedding and head are the model's)."""
+    with torch.device("meta"):
+        block = MTPBlock(layer, args)
+    return [f"layers.{layer}.{k}" for k in block.state_dict()]
 
 
 def args_from_hf_config(config: dict[str, Any]) -> DeepSeekArgs:

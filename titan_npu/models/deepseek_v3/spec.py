@@ -26,7 +26,7 @@ DEEPSEEK_V3 = ModelSpec(
     parameter_kinds=parameter_kinds,
     hf=HFAdapter(model_types=("deepseek_v3",), args_from_config=hf.args_from_hf_config, config=hf.hf_config,
                  to_hf=hf.to_hf, from_hf=hf.from_hf, hf_name=hf.hf_name, from_hf_layout=hf.from_hf_layout,
-                 stacked_names=hf.stacked_names),
+                 stacked_names=hf.stacked_names, held_model=hf.held_model),
     args_from_dict=args_from_dict,
     check_layout=check_deepseek_layout,
 )
