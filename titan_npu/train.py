@@ -104,10 +104,12 @@ def set_launch_env(cfg: JobConfig) -> dict[str, str]:
     bound (setup_device).
     """
     from titan_npu.device.env import apply_communication_env, npu_expected
+    from titan_npu.device.npu import check_installed_versions
     from titan_npu.reliability.watchdog import enable_flight_recorder
 
     if not npu_expected(cfg.parallel.backend):
         return {}
+    check_installed_versions()  # a mismatched pair would fail inside `import torch`, which imports torch_npu
     t = cfg.training
     env = apply_communication_env("npu", cfg.comm, t.deterministic, t.npu_task_queue)
     if cfg.reliability.watchdog:

@@ -4,6 +4,8 @@ one the wheel documents for training. (A whole `python train.py` run observing t
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ from titan_npu.device.env import communication_env
 from titan_npu.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
+FAKE_DIR = Path(__file__).resolve().parent / "fake_torch_npu"
 
 
 def test_torch_imports_torch_npu_through_the_wheels_torch_backends_entry_point(each_torch_npu_wheel):
@@ -63,3 +66,21 @@ def test_a_task_queue_level_torch_npu_refuses_is_refused():
     # set_task_queue_enable raises unless the mode is 0, 1 or 2 (torch_npu/npu/utils.py)
     with pytest.raises(ConfigError, match=r"training.npu_task_queue = 3 is not a torch_npu task-queue level"):
         load_config(None, ["--training.npu_task_queue", "3"], model=False)
+
+
+def test_a_torch_npu_built_for_another_torch_is_refused_before_torch_would_import_it(torch_npu_wheel, tmp_path):
+    # `import torch` imports an installed torch_npu, and a mismatched one fails inside torch's import with an error
+    # that does not say why: train.py checks the pair from the package metadata first.
+    dist_info = torch_npu_wheel.PINNED.write_dist_info(tmp_path / "site")
+    text = (dist_info / "METADATA").read_text()
+    (dist_info / "METADATA").write_text(re.sub(r"^Version: .*$", "Version: 2.12.0", text, count=1, flags=re.M))
+    report = tmp_path / "torch_npu_report.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TITAN_", "FAKE_"))}
+    env.update(PYTHONPATH=os.pathsep.join([str(FAKE_DIR), str(tmp_path / "site"), env.get("PYTHONPATH", "")]),
+               TITAN_DEVICE="npu", FAKE_TORCH_NPU_REPORT=str(report))
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "debug.toml")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert re.search(r"^DeviceError: torch_npu 2.12.0 is built for torch 2.12.0 but torch \S+ is installed",
+                     out.stderr, flags=re.M), out.stderr
+    assert not report.exists()  # the (fake) torch_npu was never imported
