@@ -212,11 +212,17 @@ class Wheel:
     def write_dist_info(self, site: Path) -> Path:
         """Install the wheel's dist-info (METADATA, entry_points.txt) into directory `site`: with `site` and the fake
         on the path, the fake is the installed torch_npu of this version, which `import torch` imports through the
-        wheel's torch.backends entry point."""
+        wheel's torch.backends entry point. FAKE_TORCH_NPU_VERSION, which the fake reports as its __version__, is
+        the installed version too."""
         target = Path(site) / f"torch_npu-{self.version}.dist-info"
         target.mkdir(parents=True, exist_ok=True)
         for name in DIST_INFO_FILES:
             (target / name).write_text(self.read(f"dist-info/{name}"))
+        version = os.environ.get("FAKE_TORCH_NPU_VERSION")
+        if version:
+            metadata_file = target / "METADATA"
+            metadata_file.write_text(re.sub(r"^Version: .*$", f"Version: {version}", metadata_file.read_text(),
+                                            count=1, flags=re.MULTILINE))
         return target
 
     def library_strings(self) -> str:
