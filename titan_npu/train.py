@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
     args, overrides = build_parser().parse_known_args(argv)
     setup_logging(_rank())
     try:
+        if not (args.print_config or args.dry_run):
+            set_launch_env(load_config(args.config, overrides, model=False))  # reads no [model]: imports no torch
         cfg = load_config(args.config, overrides)
     except TitanError as e:
         e.same_on_every_rank = True  # found before any process group: every rank sees it, rank 0 says it
@@ -90,6 +92,30 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
     finally:
         trainer.close()
     return 0
+
+
+def set_launch_env(cfg: JobConfig) -> dict[str, str]:
+    """Before torch is imported: on an NPU run, the variables torch_npu reads at import and at device start
+    (device/env.py) and the flight recorder's (reliability/watchdog.py), from the config; returns what was set.
+
+    torch_npu registers a torch.backends entry point, so `import torch` imports it, and it reads
+    TORCH_HCCL_TRACE_BUFFER_SIZE and TASK_QUEUE_ENABLE right then (its _init/core/optional_features.py): nothing may
+    import torch before this runs. The environment's own values win; the Trainer sets the rest before the device is
+    bound (setup_device).
+    """
+    from titan_npu.device.env import apply_communication_env, npu_expected
+    from titan_npu.device.npu import check_installed_versions
+    from titan_npu.reliability.watchdog import enable_flight_recorder
+
+    if not npu_expected(cfg.parallel.backend):
+        return {}
+    check_installed_versions()  # a mismatched pair would fail inside `import torch`, which imports torch_npu
+    t = cfg.training
+    env = apply_communication_env("npu", cfg.comm, t.deterministic, t.npu_task_queue)
+    if cfg.reliability.watchdog:
+        env.update((name, os.environ[name]) for name in enable_flight_recorder(cfg.reliability.flight_recorder_size,
+                                                                               "npu"))
+    return env
 
 
 def _rank() -> int:

@@ -1,5 +1,6 @@
 """The fake torch_npu (tests/npu/fake_torch_npu) made importable for one test and removed after it, and the files
-of the pinned torch_npu wheel that ground it (npu_wheel.py)."""
+of the published torch_npu wheels that ground it (npu_wheel.py): the pinned one the fake runs on, and each one the
+contract tests hold the fake and the project to."""
 
 from __future__ import annotations
 
@@ -25,10 +26,19 @@ def _npu_wheel():
 
 @pytest.fixture(scope="session")
 def torch_npu_wheel():
-    """The pinned torch_npu wheel's files (downloaded from the package index on first use, then cached)."""
+    """npu_wheel, its functions reading the pinned wheel (the one the fake runs on; downloaded from the package
+    index on first use, then cached)."""
     module = _npu_wheel()
     module.wheel_dir()
     return module
+
+
+@pytest.fixture(scope="session", params=_npu_wheel().TORCH_NPU_VERSIONS)
+def each_torch_npu_wheel(request):
+    """Each published torch_npu wheel the project supports (npu_wheel.Wheel), downloaded once and cached."""
+    wheel = _npu_wheel().WHEELS[request.param]
+    wheel.dir()
+    return wheel
 
 
 def _forget_torch_npu() -> None:

@@ -1,5 +1,6 @@
-"""The fake torch_npu is held to the pinned torch_npu wheel: its ops carry the wheel's schemas and meta rules, its
-modules define only names the wheel defines, and the project calls only names the wheel defines."""
+"""The fake torch_npu is held to every published torch_npu wheel the project supports (2.13.0 and 2.14.0): its ops
+carry each wheel's schemas and meta rules, its modules define only names each wheel defines, and the project calls
+only names each wheel defines."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ def _normalised(schema: str) -> str:
     return str(torch._C.parse_schema(schema))
 
 
-def test_every_op_of_the_fake_has_the_pinned_wheels_schema(fake_torch_npu, torch_npu_wheel):
+def test_every_op_of_the_fake_has_each_wheels_schema(fake_torch_npu, each_torch_npu_wheel):
     for name in (*fake_torch_npu.KERNELS, *fake_torch_npu.SCHEMA_ONLY):
         got = str(getattr(torch.ops.npu, name).default._schema).replace("npu::", "", 1)
-        assert got == _normalised(torch_npu_wheel.op_schema(name)), name
+        assert got == _normalised(each_torch_npu_wheel.op_schema(name)), name
 
 
 def test_the_loaded_schemas_cover_the_attention_moe_and_context_parallel_ops(fake_torch_npu):
@@ -49,22 +50,23 @@ def test_an_op_without_a_cpu_kernel_is_defined_but_not_callable(fake_torch_npu):
         fake_torch_npu.npu_moe_init_routing_v2(torch.randn(4, 8), torch.zeros(4, 1, dtype=torch.int32))
 
 
-def test_a_result_that_differs_from_the_wheels_meta_function_is_refused(torch_npu_wheel):
+def test_a_result_that_differs_from_the_wheels_meta_function_is_refused(each_torch_npu_wheel):
     x = torch.randn(2, 3, 8)
-    torch_npu_wheel.check_against_meta("npu_swiglu", (x,), {"dim": -1}, x[..., :4])
+    each_torch_npu_wheel.check_against_meta("npu_swiglu", (x,), {"dim": -1}, x[..., :4])
     with pytest.raises(RuntimeError, match="meta function gives"):
-        torch_npu_wheel.check_against_meta("npu_swiglu", (x,), {"dim": -1}, x)  # not halved along dim
+        each_torch_npu_wheel.check_against_meta("npu_swiglu", (x,), {"dim": -1}, x)  # not halved along dim
     with pytest.raises(RuntimeError, match="1 outputs"):
-        torch_npu_wheel.check_against_meta("npu_rms_norm", (x, torch.ones(8)), {"epsilon": 1e-6}, x)
+        each_torch_npu_wheel.check_against_meta("npu_rms_norm", (x, torch.ones(8)), {"epsilon": 1e-6}, x)
 
 
-def test_the_fakes_public_names_are_names_the_wheel_defines(fake_torch_npu, torch_npu_wheel):
+def test_the_fakes_public_names_are_names_each_wheel_defines(fake_torch_npu, each_torch_npu_wheel):
     for module, wheel_module in ((fake_torch_npu.npu, "torch_npu.npu"), (fake_torch_npu.profiler, "torch_npu.profiler"),
                                  (fake_torch_npu.optim, "torch_npu.optim")):
         defined = {n for n, v in vars(module).items() if not n.startswith("_")
                    and (inspect.isfunction(v) or inspect.isclass(v)) and v.__module__ == module.__name__}
-        missing = sorted(defined - torch_npu_wheel.module_names(wheel_module))
-        assert not missing, f"{wheel_module}: the fake defines {missing}, the pinned wheel does not"
+        missing = sorted(defined - each_torch_npu_wheel.module_names(wheel_module))
+        version = each_torch_npu_wheel.version
+        assert not missing, f"{wheel_module}: the fake defines {missing}, torch_npu {version} does not"
 
 
 # torch_npu.<name>, torch.npu.<name>, `from torch_npu[.sub] import name` in the project's sources.
@@ -92,19 +94,20 @@ def project_torch_npu_names() -> set[tuple[str, str]]:
     return found
 
 
-def test_the_project_calls_only_torch_npu_names_the_pinned_wheel_defines(torch_npu_wheel):
+def test_the_project_calls_only_torch_npu_names_each_wheel_defines(each_torch_npu_wheel):
+    wheel = each_torch_npu_wheel
     names = project_torch_npu_names()
     assert ("torch_npu", "npu_fusion_attention") in names  # the scan sees the kernels' calls
     unknown = []
     for module, name in sorted(names):
         if module == "torch_npu":
             # _C is the compiled extension (its names are not in the wheel's Python files)
-            known = name in torch_npu_wheel.op_names() or name in ("npu", "profiler", "optim", "_C", "__version__")
+            known = name in wheel.op_names() or name in ("npu", "profiler", "optim", "_C", "__version__")
         else:
-            known = name in torch_npu_wheel.module_names(module)
+            known = name in wheel.module_names(module)
         if not known:
             unknown.append(f"{module}.{name}")
-    assert not unknown, f"the project calls {unknown}, which torch_npu {torch_npu_wheel.TORCH_NPU_VERSION} lacks"
+    assert not unknown, f"the project calls {unknown}, which torch_npu {wheel.version} lacks"
 
 
 def test_the_npu_kernels_call_through_the_wheels_schemas(fake_torch_npu):
@@ -128,9 +131,10 @@ PROFILER_API = [
 
 
 @pytest.mark.parametrize("name,relative,real", PROFILER_API, ids=[p[0] for p in PROFILER_API])
-def test_the_fake_profiler_accepts_only_what_the_wheels_accepts(fake_torch_npu, torch_npu_wheel, name, relative, real):
+def test_the_fake_profiler_accepts_only_what_each_wheels_accepts(fake_torch_npu, each_torch_npu_wheel, name, relative,
+                                                                 real):
     fake = getattr(fake_torch_npu.profiler, name)
-    real_params = dict(torch_npu_wheel.parameters(relative, real))
+    real_params = dict(each_torch_npu_wheel.parameters(relative, real))
     target = fake.__init__ if inspect.isclass(fake) else fake
     for p in inspect.signature(target).parameters.values():
         if p.name == "self" or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
@@ -141,6 +145,6 @@ def test_the_fake_profiler_accepts_only_what_the_wheels_accepts(fake_torch_npu, 
 
 
 @pytest.mark.parametrize("name", ["ProfilerLevel", "AiCMetrics", "ExportType"])
-def test_the_fake_profiler_constants_are_the_wheels(fake_torch_npu, torch_npu_wheel, name):
+def test_the_fake_profiler_constants_are_each_wheels(fake_torch_npu, each_torch_npu_wheel, name):
     fake = {n for n in vars(getattr(fake_torch_npu.profiler, name)) if not n.startswith("_")}
-    assert fake <= torch_npu_wheel.class_attributes("torch_npu/profiler/experimental_config.py", name)
+    assert fake <= each_torch_npu_wheel.class_attributes("torch_npu/profiler/experimental_config.py", name)

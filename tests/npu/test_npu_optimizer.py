@@ -61,8 +61,8 @@ def test_the_wheels_npu_fused_adamw_refuses_what_the_trainer_needs(fake_torch_np
         fake_torch_npu.optim.NpuFusedAdamW(bf16.parameters(), lr=1e-3).zero_grad()
 
 
-def test_torch_fused_adamw_calls_the_kernel_schema_torch_npu_registers(torch_npu_wheel):
-    wheel = torch._C.parse_schema("aten::" + torch_npu_wheel.aten_schema("_fused_adamw_"))
+def test_torch_fused_adamw_calls_the_kernel_schema_torch_npu_registers(each_torch_npu_wheel):
+    wheel = torch._C.parse_schema("aten::" + each_torch_npu_wheel.aten_schema("_fused_adamw_"))
     assert str(torch.ops.aten._fused_adamw_.default._schema) == str(wheel)
 
 

@@ -1,6 +1,9 @@
 """A whole training run on the (fake) NPU: `python train.py` with TITAN_DEVICE=npu selects hccl, applies the HCCL
-environment, binds LOCAL_RANK's card, routes every op to the torch_npu kernels and trains exactly like the CPU
-run of the same config.
+environment before torch imports torch_npu, binds LOCAL_RANK's card, routes every op to the torch_npu kernels and
+trains exactly like the CPU run of the same config.
+
+The fake is installed there with the pinned wheel's dist-info, so `import torch` imports it through the wheel's
+torch.backends entry point, as it imports the real package.
 
 The fake's "npu" tensors live in CPU memory (FAKE_NPU_TENSORS=1). Registering that device renames torch's
 PrivateUse1 backend, which no process can undo, so the runs are subprocesses.
@@ -57,14 +60,16 @@ def losses(log_dir: Path) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def npu_and_cpu_runs(tmp_path_factory):
+def npu_and_cpu_runs(tmp_path_factory, torch_npu_wheel):
     """The same tiny run on the fake NPU (card 1 of two visible ones) and on the CPU."""
     if importlib.util.find_spec("torch_npu") is not None:
         pytest.skip("a real torch_npu is installed; the fake would shadow it")
     root = tmp_path_factory.mktemp("npu_training")
     report = root / "torch_npu_report.json"
+    site = root / "site"
+    torch_npu_wheel.PINNED.write_dist_info(site)  # the fake installed: torch imports it by its entry point
     npu = start_training(root / "npu", {
-        "PYTHONPATH": os.pathsep.join([str(FAKE_DIR), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(FAKE_DIR), str(site), os.environ.get("PYTHONPATH", "")]),
         "FAKE_NPU_TENSORS": "1", "FAKE_TORCH_NPU_REPORT": str(report), "TITAN_DEVICE": "npu",
         "ASCEND_RT_VISIBLE_DEVICES": "4,6", "LOCAL_RANK": "1", "HCCL_EXEC_TIMEOUT": "77",
     }, "--comm.init_timeout_s", "600", "--comm.hccl_buffsize_mb", "200", "--comm.socket_ifname", "eth0",
@@ -100,9 +105,22 @@ def test_the_npu_run_sets_the_hccl_environment_unless_the_user_did(npu_and_cpu_r
     assert env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
 
 
+def test_torch_imports_torch_npu_by_its_entry_point_after_train_py_set_what_torch_npu_reads_at_import(
+        npu_and_cpu_runs):
+    events = npu_and_cpu_runs[2]["events"]
+    # "autoload": torch called the wheel's torch.backends entry point, i.e. `import torch` imported the package
+    assert [what for what, _ in events] == ["import", "autoload", "set_device"]
+    import_env = events[0][1]
+    # read at import (torch_npu/_init/core/optional_features.py): the flight recorder's buffer, from
+    # reliability.flight_recorder_size, and the task-queue level, from training.npu_task_queue
+    assert import_env.get("TORCH_HCCL_TRACE_BUFFER_SIZE") == "2000"
+    assert import_env.get("TASK_QUEUE_ENABLE") == "1"
+    # the config was read before torch: --comm.init_timeout_s 600 of the command line is already in place
+    assert import_env.get("HCCL_CONNECT_TIMEOUT") == "600" and import_env.get("HCCL_BUFFSIZE") == "200"
+
+
 def test_the_allocator_variable_is_in_place_before_torch_npu_is_imported_and_the_card_bound(npu_and_cpu_runs):
     events = npu_and_cpu_runs[2]["events"]
-    assert [what for what, _ in events] == ["import", "set_device"]
     assert all(env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True" for _, env in events)
 
 
@@ -110,7 +128,7 @@ def test_the_standard_ascend_launch_environment_is_in_place_before_torch_npu_sta
     import_env = npu_and_cpu_runs[2]["events"][0][1]
     assert {k: import_env.get(k) for k in ("TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF", "TORCH_HCCL_ENABLE_MONITORING",
                                            "TORCH_HCCL_DUMP_ON_TIMEOUT")} == {
-        "TASK_QUEUE_ENABLE": "2", "CPU_AFFINITY_CONF": "1", "TORCH_HCCL_ENABLE_MONITORING": "1",
+        "TASK_QUEUE_ENABLE": "1", "CPU_AFFINITY_CONF": "1", "TORCH_HCCL_ENABLE_MONITORING": "1",
         "TORCH_HCCL_DUMP_ON_TIMEOUT": "1"}
 
 

@@ -15,6 +15,7 @@ from titan_npu.reliability.watchdog import (
     MIN_STEP_SAMPLES,
     Watchdog,
     enable_flight_recorder,
+    flight_recorder_env,
     step_limit,
 )
 
@@ -81,12 +82,18 @@ def test_non_step_phases_do_not_count_as_step_times():
 
 
 def test_flight_recorder_variables_are_set_for_the_backend_unless_already_set(monkeypatch):
-    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_HCCL_TRACE_BUFFER_SIZE"):
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_HCCL_TRACE_BUFFER_SIZE", "TORCH_HCCL_DUMP_ON_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "50")
-    assert enable_flight_recorder(2000, "npu") == ["TORCH_HCCL_TRACE_BUFFER_SIZE"]
+    assert enable_flight_recorder(2000, "npu") == ["TORCH_HCCL_TRACE_BUFFER_SIZE", "TORCH_HCCL_DUMP_ON_TIMEOUT"]
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "50" and os.environ["TORCH_HCCL_TRACE_BUFFER_SIZE"] == "2000"
     assert enable_flight_recorder(0, "cuda") == []
+
+
+def test_hccls_dump_on_timeout_is_asked_only_with_a_trace_buffer():
+    # ProcessGroupHCCL.hpp:75-78: TORCH_HCCL_DUMP_ON_TIMEOUT goes with TORCH_HCCL_TRACE_BUFFER_SIZE > 0
+    assert flight_recorder_env(0, "npu") == {}
+    assert flight_recorder_env(100, "npu")["TORCH_HCCL_DUMP_ON_TIMEOUT"] == "1"
 
 
 _HANG = textwrap.dedent("""

@@ -124,6 +124,17 @@ def test_interface_specs_follow_nccl_syntax():
     assert _interface_matches("bond", names) == []
 
 
+def test_an_hccl_exec_timeout_not_below_the_collective_timeout_and_the_inference_task_queue_are_named(monkeypatch):
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "1800")
+    monkeypatch.setenv("TASK_QUEUE_ENABLE", "2")
+    report = doctor.Report()
+    doctor.check_environment(report, "npu")
+    warned = [m for lvl, m in _levels(report, "communication environment") if lvl == "warn"]
+    assert any(m.startswith("HCCL_EXEC_TIMEOUT=1800 is 1800 s, not below comm.timeout_s=1800") and "plog" in m
+               for m in warned)
+    assert any(m.startswith("TASK_QUEUE_ENABLE=2 is torch_npu's pure-inference level") for m in warned)
+
+
 def test_environment_settings_that_bite_are_named(monkeypatch):
     monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "60")
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "nosuchif")

@@ -13,7 +13,6 @@ from typing import Any
 
 from titan_npu.config.coerce import coerce, field_types, section_types, show
 from titan_npu.errors import ConfigError
-from titan_npu.models.registry import parse_model_name, published_flavor
 
 # [distributed] in the TOML guide is our [parallel].
 SECTION_ALIASES: dict[str, str] = {"distributed": "parallel"}
@@ -109,6 +108,8 @@ def canonicalize(
 def _resolve_model_name(model: dict[str, Any], spelled: dict[tuple[str, str], str]) -> None:
     """A sized name sets the family and, unless flavor is given, the flavor; plain 'llama' is Llama 2
     (models/registry.py knows every family's spellings)."""
+    from titan_npu.models.registry import parse_model_name  # imports torch: only when a [model] is read
+
     name = model.get("name")
     if not isinstance(name, str):
         return
@@ -126,6 +127,8 @@ def _resolve_model_name(model: dict[str, Any], spelled: dict[tuple[str, str], st
 
 
 def _published_size(family: str, dim: Any, n_layers: Any) -> str | None:
+    from titan_npu.models.registry import published_flavor
+
     try:
         shape = (coerce(dim, int, "model.dim"), coerce(n_layers, int, "model.n_layers"))
     except ConfigError:

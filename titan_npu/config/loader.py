@@ -32,8 +32,13 @@ SUFFIXES = (".toml", ".yaml", ".yml")
 CLI = "command line"
 
 
-def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> JobConfig:
-    """Defaults, then the file at `path` (None: none), then `overrides` (--section.key value ...); validated."""
+def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = (), model: bool = True) -> JobConfig:
+    """Defaults, then the file at `path` (None: none), then `overrides` (--section.key value ...); validated.
+
+    model=False reads every section but [model], which stays at its defaults, unread and unchecked: that much is
+    read without importing torch (the model registry, which resolves [model], imports it), for the launcher to set
+    the variables torch_npu reads at import before torch imports it (titan_npu/train.py).
+    """
     if isinstance(overrides, str):
         raise TypeError("overrides is a sequence of command-line tokens, e.g. ['--model.dim', '64'], not one string")
     sources: list[tuple[str, Mapping[str, Any]]] = []
@@ -43,7 +48,9 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = 
         lines[str(path)] = Path(path).read_text(encoding="utf-8").splitlines()
     if overrides:
         sources.append((CLI, parse_overrides(overrides)))
-    return _build(sources, lines)
+    if not model:
+        sources = [(source, {k: v for k, v in raw.items() if k != "model"}) for source, raw in sources]
+    return _build(sources, lines, model)
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "config") -> JobConfig:
@@ -193,8 +200,8 @@ def _set_path(raw: dict[str, Any], name: str, value: Any, token: str) -> None:
     table[parts[-1]] = value
 
 
-def _build(sources: Sequence[tuple[str, Mapping[str, Any]]], lines: Mapping[str, list[str]] | None = None
-           ) -> JobConfig:
+def _build(sources: Sequence[tuple[str, Mapping[str, Any]]], lines: Mapping[str, list[str]] | None = None,
+           model: bool = True) -> JobConfig:
     """Canonicalise and type every value of each source (a file's value is checked even when the command line
     overrides it), let later sources win key by key, validate. `lines`: a file source's text, to name lines."""
     lines = lines or {}
@@ -220,7 +227,7 @@ def _build(sources: Sequence[tuple[str, Mapping[str, Any]]], lines: Mapping[str,
     cfg = JobConfig(**sections)
 
     try:
-        return validate(cfg)
+        return validate(cfg, model)
     except ConfigError as e:
         key = getattr(e, "key", None)
         if key is None or tuple(key.split(".", 1)) not in origin:

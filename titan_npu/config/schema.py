@@ -80,6 +80,9 @@ class TrainingConfig:
     loss_chunk_tokens: int = 2048
     tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores (10-bit mantissa products); off when deterministic
     memory_fraction: float = 0.0  # cap of this process's share of device memory, (0, 1]; 0 = no cap
+    # NPU: torch_npu's task-queue level, TASK_QUEUE_ENABLE: 0 = off, 1 = training (torch_npu's default), 2 = pure
+    # inference only (torch_npu/npu/utils.py, set_task_queue_enable)
+    npu_task_queue: int = 1
     # bf16/fp16: fp32 parameters and optimizer state, compute cast to dtype (true); false = "pure": parameters,
     # gradients and optimizer state held in dtype itself (bf16 only)
     mixed_precision: bool = True

@@ -12,7 +12,6 @@ from titan_npu.config.aliases import normalize_flavor
 from titan_npu.config.coerce import coerce, field_types, section_types, show
 from titan_npu.config.schema import JobConfig, ModelConfig
 from titan_npu.errors import ConfigError
-from titan_npu.models.registry import family_names, parse_model_name
 
 DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32", "float32": "fp32"}
 DECAY_TYPES = ("cosine", "linear", "constant", "wsd")
@@ -40,10 +39,12 @@ def fail(key: str, message: str) -> ConfigError:
     return error
 
 
-def validate(cfg: JobConfig) -> JobConfig:
-    """Check every section of `cfg` in place (types coerced, names normalised); return it or raise ConfigError."""
+def validate(cfg: JobConfig, model: bool = True) -> JobConfig:
+    """Check every section of `cfg` in place (types coerced, names normalised); return it or raise ConfigError.
+    model=False leaves [model] unchecked (the model registry it needs imports torch)."""
     _coerce_types(cfg)
-    _check_model(cfg.model)
+    if model:
+        _check_model(cfg.model)
     _check_training(cfg)
     _check_optimizer(cfg)
     _check_lr_scheduler(cfg)
@@ -79,6 +80,8 @@ def _at_least(key: str, value: float, low: float, why: str) -> None:
 
 
 def _check_model(m: ModelConfig) -> None:
+    from titan_npu.models.registry import family_names, parse_model_name
+
     family, size = parse_model_name(m.name)
     if family is None:
         raise fail(
@@ -136,6 +139,9 @@ def _check_training(cfg: JobConfig) -> None:
     t.dtype = dtype
     _at_least("training.max_norm", t.max_norm, 0, "the gradient-norm clipping threshold")
     _at_least("training.loss_chunk_tokens", t.loss_chunk_tokens, 0, "0 computes the whole logits at once")
+    if t.npu_task_queue not in (0, 1, 2):
+        raise fail("training.npu_task_queue", f"training.npu_task_queue = {show(t.npu_task_queue)} is not a torch_npu "
+                   "task-queue level (use 0 = off, 1 = training, 2 = pure inference)")
     if not 0 <= t.memory_fraction <= 1:
         raise fail(
             "training.memory_fraction",

@@ -1,18 +1,35 @@
 """The device layer: detection, backend, memory, peak FLOPs and vendor environment, all decided at run time."""
 
-from titan_npu.device.detect import (
-    BACKENDS,
-    DeviceInfo,
-    detect_device_type,
-    device_module,
-    import_torch_npu,
-    setup_device,
-    synchronize,
-)
-from titan_npu.device.env import apply_communication_env, communication_env
-from titan_npu.device.flops import lookup_peak_flops, measure_matmul_flops, peak_flops
-from titan_npu.device.memory import MemoryStats, empty_cache, memory_stats, reset_peak_memory
-from titan_npu.device.npu import set_memory_fraction
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from titan_npu.device.detect import (
+        BACKENDS,
+        DeviceInfo,
+        detect_device_type,
+        device_module,
+        import_torch_npu,
+        setup_device,
+        synchronize,
+    )
+    from titan_npu.device.env import apply_communication_env, communication_env
+    from titan_npu.device.flops import lookup_peak_flops, measure_matmul_flops, peak_flops
+    from titan_npu.device.memory import MemoryStats, empty_cache, memory_stats, reset_peak_memory
+    from titan_npu.device.npu import set_memory_fraction
+
+# Loaded on first use: the launcher sets the variables torch_npu reads at import (device/env.py) before torch is
+# imported, and torch imports torch_npu through its torch.backends entry point.
+_EXPORTS = {
+    **dict.fromkeys(("BACKENDS", "DeviceInfo", "detect_device_type", "device_module", "import_torch_npu",
+                     "setup_device", "synchronize"), "titan_npu.device.detect"),
+    **dict.fromkeys(("apply_communication_env", "communication_env"), "titan_npu.device.env"),
+    **dict.fromkeys(("lookup_peak_flops", "measure_matmul_flops", "peak_flops"), "titan_npu.device.flops"),
+    **dict.fromkeys(("MemoryStats", "empty_cache", "memory_stats", "reset_peak_memory"), "titan_npu.device.memory"),
+    "set_memory_fraction": "titan_npu.device.npu",
+}
 
 __all__ = [
     "BACKENDS",
@@ -33,3 +50,9 @@ __all__ = [
     "setup_device",
     "synchronize",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'titan_npu.device' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import warnings
 from dataclasses import dataclass
@@ -99,10 +98,12 @@ def detect_device_type(backend: str = "auto") -> str:
 
 def planned_device_type(backend: str = "auto") -> str:
     """The device type detection will most likely pick, found without importing torch_npu or touching a device."""
+    from titan_npu.device.env import npu_expected
+
     forced = os.environ.get("TITAN_DEVICE", "").strip().lower()
     if forced in DEVICE_TYPES:
         return forced
-    if backend == "hccl" or importlib.util.find_spec("torch_npu") is not None:
+    if npu_expected(backend):
         return "npu"
     if torch.version.cuda or torch.version.hip:
         return "cuda"
@@ -143,20 +144,27 @@ class DeviceInfo:
             return self.type
 
 
-def setup_device(backend: str = "auto", comm: CommConfig | None = None, deterministic: bool = False) -> DeviceInfo:
+def setup_device(backend: str = "auto", comm: CommConfig | None = None, deterministic: bool = False,
+                 task_queue: int = 1) -> DeviceInfo:
     """Detect the device, bind this process to LOCAL_RANK's device and pick the process-group backend.
 
-    With `comm`, the run's runtime, allocator and collective variables (device/env.py) are set first: torch_npu
-    reads them at import, and each caching allocator reads its configuration once, when the device is bound.
+    With `comm`, the run's runtime, allocator and collective variables (device/env.py) not yet in the environment
+    are set first: each caching allocator reads its configuration once, when the device is bound, and the
+    communicators read theirs when they start. Those torch_npu reads at import must already be in place: torch
+    imports torch_npu (its torch.backends entry point), and the launcher sets them before it imports torch.
     """
-    from titan_npu.device.env import apply_communication_env
+    from titan_npu.device.env import apply_communication_env, exec_timeout_problem
 
     planned = planned_device_type(backend)
     if comm is not None:
-        apply_communication_env(planned, comm, deterministic)  # before torch_npu is imported
+        apply_communication_env(planned, comm, deterministic, task_queue)
     device_type = detect_device_type(backend)
     if comm is not None and device_type != planned:
-        apply_communication_env(device_type, comm, deterministic)  # still before set_device
+        apply_communication_env(device_type, comm, deterministic, task_queue)  # still before set_device
+    if comm is not None and device_type == "npu":
+        problem = exec_timeout_problem(comm.timeout_s)
+        if problem:
+            warnings.warn(problem, RuntimeWarning, stacklevel=2)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     index = 0
     mod = device_module(device_type)

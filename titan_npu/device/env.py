@@ -1,8 +1,16 @@
-"""Vendor environment variables derived from the [comm] section (the user's environment always wins), and what a
-failed process-group start most likely means."""
+"""Vendor environment variables derived from the config (the user's environment always wins), and what a failed
+process-group start most likely means.
+
+torch_npu registers a `torch.backends` entry point (its wheel's entry_points.txt), so `import torch` imports it, and
+it reads some of these at import (TORCH_HCCL_TRACE_BUFFER_SIZE, TASK_QUEUE_ENABLE: its
+_init/core/optional_features.py): they must be in the environment before torch is imported. The launcher
+(titan_npu/train.py) sets them from the config, which it reads without importing torch, then imports torch.
+This module imports neither torch nor torch_npu.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from titan_npu.config.schema import CommConfig
@@ -11,17 +19,53 @@ from titan_npu.errors import ConfigError, DeviceError
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 # The caching allocator of each device reads its variable once, when the device is first used.
 ALLOCATOR_VARS = {"npu": "PYTORCH_NPU_ALLOC_CONF", "cuda": "PYTORCH_CUDA_ALLOC_CONF"}
-# The standard Ascend launch environment (MindSpeed-LLM's and torchtitan-npu's scripts export it), read by torch_npu
-# at import and device start: level-2 task-queue pipelining, each rank's host threads bound to the cores near its
-# card; and ProcessGroupHCCL's monitor (aborts a rank whose watchdog hangs) with the flight-recorder dump on a
-# collective timeout (the recorder's buffer size comes with the watchdog settings, reliability/watchdog.py).
-NPU_LAUNCH = {"TASK_QUEUE_ENABLE": "2", "CPU_AFFINITY_CONF": "1", "TORCH_HCCL_ENABLE_MONITORING": "1",
-              "TORCH_HCCL_DUMP_ON_TIMEOUT": "1"}
+# The Ascend launch environment read by torch_npu at device start: each rank's host threads bound to the cores near
+# its card, and ProcessGroupHCCL's monitor, which aborts a rank whose watchdog hangs (ProcessGroupHCCL.hpp:80-85).
+# The flight recorder's buffer and its dump on a timeout come with the watchdog settings (reliability/watchdog.py);
+# TASK_QUEUE_ENABLE comes from training.npu_task_queue.
+NPU_LAUNCH = {"CPU_AFFINITY_CONF": "1", "TORCH_HCCL_ENABLE_MONITORING": "1"}
 # Deterministic mode on npu: HCCL's fixed reduction order and no K-axis shift in matmuls (what torchtitan-npu sets);
 # both are read when the runtime and the communicators start.
 NPU_DETERMINISTIC = {"HCCL_DETERMINISTIC": "true", "CLOSE_MATMUL_K_SHIFT": "1"}
 # HCCL refuses an HCCL_CONNECT_TIMEOUT outside this range (seconds).
 HCCL_CONNECT_TIMEOUT_RANGE = (120, 7200)
+
+
+def npu_expected(backend: str = "auto") -> bool:
+    """Whether the run will most likely use the NPU, found without importing torch: TITAN_DEVICE=npu, the hccl
+    backend, or (without TITAN_DEVICE) an installed torch_npu."""
+    forced = os.environ.get("TITAN_DEVICE", "").strip().lower()
+    if forced:
+        return forced == "npu"
+    return backend == "hccl" or importlib.util.find_spec("torch_npu") is not None
+
+
+def hccl_exec_timeout(timeout_s: int) -> int:
+    """HCCL_EXEC_TIMEOUT (seconds) for a collective timeout of `timeout_s`: a tenth (at least 1 s) below it.
+
+    torch_npu's ProcessGroupHCCL watchdog aborts a collective after the group's timeout, comm.timeout_s, and warns
+    when that is <= HCCL_EXEC_TIMEOUT or HCCL_EXEC_TIMEOUT is 0 (never): "The plog may not be recorded"
+    (libtorch_npu.so). HCCL's own timeout must fire first, so that its plog records which task hung.
+    """
+    if timeout_s < 2:
+        raise ConfigError(f"comm.timeout_s={timeout_s} leaves no room for HCCL_EXEC_TIMEOUT below it (HCCL must time "
+                          "out before the process group's watchdog, or its plog may not be recorded); use 2 or more")
+    return timeout_s - max(1, timeout_s // 10)
+
+
+def exec_timeout_problem(timeout_s: int) -> str | None:
+    """Why the environment's HCCL_EXEC_TIMEOUT keeps HCCL's plog from being recorded at a collective timeout of
+    `timeout_s`, or None when it does not (or is not a number: HCCL then uses its default)."""
+    value = os.environ.get("HCCL_EXEC_TIMEOUT", "").strip()
+    if not value.isdigit():
+        return None
+    seconds = int(value)
+    if seconds != 0 and seconds < timeout_s:
+        return None
+    what = "0 (never)" if seconds == 0 else f"{seconds} s, not below comm.timeout_s={timeout_s}"
+    return (f"HCCL_EXEC_TIMEOUT={value} is {what}: torch_npu's watchdog aborts a hung collective after "
+            f"comm.timeout_s and warns that HCCL's plog may then not be recorded; unset HCCL_EXEC_TIMEOUT (the run "
+            f"sets {hccl_exec_timeout(timeout_s) if timeout_s >= 2 else 1} s) or export a value below comm.timeout_s")
 
 
 def allocator_env(device_type: str) -> dict[str, str]:
@@ -40,9 +84,14 @@ def allocator_env(device_type: str) -> dict[str, str]:
     return {var: EXPANDABLE_SEGMENTS}
 
 
-def communication_env(device_type: str, comm: CommConfig, deterministic: bool = False) -> dict[str, str]:
+def communication_env(device_type: str, comm: CommConfig, deterministic: bool = False,
+                      task_queue: int = 1) -> dict[str, str]:
     """The variables this run sets for the device runtime, its allocator and its collective library (only those
-    the environment does not set); they must be in place before the device runtime starts."""
+    the environment does not set); they must be in place before torch (and with it torch_npu) is imported.
+
+    `task_queue`: torch_npu's TASK_QUEUE_ENABLE level (training.npu_task_queue; 1 is the training setting, 2 is for
+    pure inference: torch_npu/npu/utils.py, set_task_queue_enable).
+    """
     wanted: dict[str, str] = dict(allocator_env(device_type))
     if device_type == "npu":
         low, high = HCCL_CONNECT_TIMEOUT_RANGE
@@ -52,13 +101,14 @@ def communication_env(device_type: str, comm: CommConfig, deterministic: bool = 
                 f"HCCL_CONNECT_TIMEOUT ({low}..{high} s); choose a value in it"
             )
         wanted["HCCL_CONNECT_TIMEOUT"] = str(comm.init_timeout_s)
-        wanted["HCCL_EXEC_TIMEOUT"] = str(comm.timeout_s)
+        wanted["HCCL_EXEC_TIMEOUT"] = str(hccl_exec_timeout(comm.timeout_s))
         if comm.hccl_buffsize_mb > 0:
             wanted["HCCL_BUFFSIZE"] = str(comm.hccl_buffsize_mb)
         if comm.hccl_if_base_port > 0:
             wanted["HCCL_IF_BASE_PORT"] = str(comm.hccl_if_base_port)
         if comm.socket_ifname:
             wanted["HCCL_SOCKET_IFNAME"] = comm.socket_ifname
+        wanted["TASK_QUEUE_ENABLE"] = str(task_queue)
         wanted.update(NPU_LAUNCH)
         if deterministic:
             wanted.update(NPU_DETERMINISTIC)
@@ -71,9 +121,10 @@ def communication_env(device_type: str, comm: CommConfig, deterministic: bool = 
     return {k: v for k, v in wanted.items() if k not in os.environ}
 
 
-def apply_communication_env(device_type: str, comm: CommConfig, deterministic: bool = False) -> dict[str, str]:
+def apply_communication_env(device_type: str, comm: CommConfig, deterministic: bool = False,
+                            task_queue: int = 1) -> dict[str, str]:
     """Set the variables of communication_env in os.environ and return what was set."""
-    env = communication_env(device_type, comm, deterministic)
+    env = communication_env(device_type, comm, deterministic, task_queue)
     os.environ.update(env)
     return env
 

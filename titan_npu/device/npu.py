@@ -1,8 +1,10 @@
 """Ascend specifics of the device layer: torch/torch_npu version match, 910B SKU detection, memory fraction.
 
 torch_npu is versioned after the torch it was built for: torch_npu X.Y.Z, X.Y.Z.postN or X.Y.ZrcN needs torch
-X.Y.Z exactly (any local suffix such as +cpu aside). A mismatched pair fails at import with errors that do not
-say so, hence the check before the import.
+X.Y.Z exactly (any local suffix such as +cpu aside; the wheel's `Requires-Dist: torch==X.Y.Z.*`). A mismatched pair
+fails at import with errors that do not say so, and `import torch` imports torch_npu (its torch.backends entry
+point), hence the check before torch is imported (titan_npu/train.py): this module imports torch only when a
+function needs a device.
 """
 
 from __future__ import annotations
@@ -11,17 +13,17 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from importlib import metadata
-
-import torch
 
 from titan_npu.errors import ConfigError, DeviceError
 
 # The oldest torch the code runs on: FSDP2's replicate (torch.distributed._composable.replicate_with_fsdp, with
 # mesh=) as parallel/fsdp.py calls it arrived in torch 2.10. pyproject.toml states the same floor.
 MIN_TORCH = "2.10"
-# The torch / torch_npu pair the NPU path is tested against (the pinned wheel of tests/npu).
-TESTED_TORCH_NPU = "2.13.0"
+# The torch / torch_npu pairs the NPU path is tested against: the published torch-npu wheels tests/npu reads (each
+# pins its torch, `Requires-Dist: torch==X.Y.Z.*`); pyproject.toml's npu extras install them.
+TESTED_TORCH_NPU = ("2.13.0", "2.14.0")
 _RELEASE = re.compile(r"^\s*(\d+)\.(\d+)\.(\d+)")
 # A device row of `npu-smi info`: "| 0     910B3               | OK            | ...".
 _NPU_SMI_ROW = re.compile(r"^\|\s*(\d+)\s+((?:Ascend)?9\d\d\w*)\s+\|", re.IGNORECASE)
@@ -58,13 +60,25 @@ def installed_torch_npu_version() -> str | None:
     return None
 
 
+def installed_torch_version() -> str:
+    """torch's version: the imported module's, else its package metadata (without importing torch)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "__version__", None):
+        return str(torch.__version__)
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
 def check_installed_versions(torch_npu_module=None) -> None:
-    """Check torch against the installed torch_npu (metadata first; the imported module's __version__ otherwise)."""
+    """Check torch against the installed torch_npu (metadata first; the imported module's __version__ otherwise);
+    needs no import of either, so the launcher runs it before `import torch` imports torch_npu."""
     version = installed_torch_npu_version()
     if version is None and torch_npu_module is not None:
         version = getattr(torch_npu_module, "__version__", None)
     if version:
-        check_torch_npu_version(torch.__version__, str(version))
+        check_torch_npu_version(installed_torch_version(), str(version))
 
 
 def parse_npu_smi(text: str) -> dict[int, str]:
@@ -103,6 +117,8 @@ def npu_device_name(index: int) -> str:
 
     The SKU (910B1..910B4) decides the peak FLOP/s that MFU is measured against.
     """
+    import torch
+
     name = ""
     try:
         name = str(torch.npu.get_device_name(index))
@@ -123,6 +139,8 @@ def set_memory_fraction(device_type: str, index: int, fraction: float) -> bool:
         raise ConfigError(
             f"training.memory_fraction={fraction} is out of range; use a fraction in (0, 1], or 0 for no cap"
         )
+    import torch
+
     mod = getattr(torch, device_type, None) if device_type != "cpu" else None
     if mod is None or not hasattr(mod, "set_per_process_memory_fraction"):
         return False  # cpu memory is not capped per process

@@ -28,26 +28,38 @@ STDERR_FD = 2
 MIN_STEP_SAMPLES = 10  # step times known before watchdog_step_factor applies
 STEP_FACTOR_FLOOR_S = 60.0  # a factor-based limit never goes below this (or the base limit, if lower)
 
-# Flight-recorder buffer sizes by the variable each backend reads at process-group creation.
+# Flight-recorder buffer sizes by the variable each backend reads at process-group creation. torch_npu also reads
+# TORCH_HCCL_TRACE_BUFFER_SIZE at import (_init/core/optional_features.py, to preload torch._inductor for the dump's
+# symbols), so on npu it is set before torch is imported (titan_npu/train.py).
 _RECORDER_ENV = {
     "cpu": ("TORCH_FR_BUFFER_SIZE",),
     "cuda": ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
     "npu": ("TORCH_FR_BUFFER_SIZE", "TORCH_HCCL_TRACE_BUFFER_SIZE"),
 }
+# ProcessGroupHCCL dumps the recorder on a watchdog timeout with TORCH_HCCL_DUMP_ON_TIMEOUT=1, which "must be set
+# together with TORCH_HCCL_ENABLE_MONITORING=1 and TORCH_HCCL_TRACE_BUFFER_SIZE > 0" (ProcessGroupHCCL.hpp:75-78):
+# it comes with the buffer, and the monitor with the NPU launch environment (device/env.py).
+_DUMP_ENV = {"npu": {"TORCH_HCCL_DUMP_ON_TIMEOUT": "1"}}
+
+
+def flight_recorder_env(entries: int, device_type: str) -> dict[str, str]:
+    """The variables that keep the last `entries` collectives of the backend for the hang dump ({} for 0)."""
+    if entries <= 0:
+        return {}
+    env = dict.fromkeys(_RECORDER_ENV.get(device_type, ("TORCH_FR_BUFFER_SIZE",)), str(entries))
+    env.update(_DUMP_ENV.get(device_type, {}))
+    return env
 
 
 def enable_flight_recorder(entries: int, device_type: str) -> list[str]:
-    """Ask the collective backends to keep the last `entries` collectives (before the process group exists).
+    """Ask the collective backends to keep the last `entries` collectives (before the process group exists; on
+    npu before torch is imported).
 
     Values already in the environment win; returns the variables set here.
     """
-    if entries <= 0:
-        return []
-    names = _RECORDER_ENV.get(device_type, ("TORCH_FR_BUFFER_SIZE",))
-    set_here = [name for name in names if name not in os.environ]
-    for name in set_here:
-        os.environ[name] = str(entries)
-    return set_here
+    set_here = {k: v for k, v in flight_recorder_env(entries, device_type).items() if k not in os.environ}
+    os.environ.update(set_here)
+    return list(set_here)
 
 
 def flight_recorder_json(device_type: str) -> bytes | None:

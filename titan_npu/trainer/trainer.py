@@ -81,9 +81,11 @@ class Trainer:
         self.cfg = cfg
         t = cfg.training
 
-        # Device and process group: the runtime, allocator and collective variables are set first, then torch_npu
-        # is imported (if present) and the device decided and bound; determinism before any communicator exists.
-        self.device = setup_device(cfg.parallel.backend, cfg.comm, deterministic=t.deterministic)
+        # Device and process group: the runtime, allocator and collective variables the launcher has not set are set
+        # first (those torch_npu reads at import the launcher set before importing torch), then the device is
+        # decided and bound; determinism before any communicator exists.
+        self.device = setup_device(cfg.parallel.backend, cfg.comm, deterministic=t.deterministic,
+                                   task_queue=t.npu_task_queue)
         set_memory_fraction(self.device.type, self.device.index, t.memory_fraction)
         prepare_reliability(cfg, self.device.type)  # before the process group: it reads the flight recorder's size
         set_determinism(t.seed, t.deterministic)

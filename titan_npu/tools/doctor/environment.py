@@ -11,7 +11,7 @@ from titan_npu.tools.doctor.report import Report
 ENV_MEANING: dict[str, str] = {
     "HCCL_CONNECT_TIMEOUT": "seconds HCCL waits for every rank to connect at init (default 120)",
     "HCCL_EXEC_TIMEOUT": "seconds HCCL's device-side tasks may wait for peers (default 1836); the collective "
-                         "timeout itself is the process group's, comm.timeout_s",
+                         "timeout itself is the process group's, comm.timeout_s, which must stay above it",
     "HCCL_BUFFSIZE": "MB of device memory per communicator buffer (default 200; two per communicator)",
     "HCCL_IF_IP": "host IP HCCL uses for its out-of-band connection at init",
     "HCCL_SOCKET_IFNAME": "network interface(s) for HCCL's host-side sockets",
@@ -28,7 +28,7 @@ ENV_MEANING: dict[str, str] = {
     "TORCH_HCCL_ASYNC_ERROR_HANDLING": "1 = abort the process group on a collective error",
     "TORCH_HCCL_ENABLE_MONITORING": "1 = a monitor thread aborts the rank when the HCCL watchdog hangs",
     "TORCH_HCCL_DUMP_ON_TIMEOUT": "1 = dump the HCCL flight recorder when a collective times out",
-    "TASK_QUEUE_ENABLE": "torch_npu task-queue level (2 = pipelined operator launch, the standard setting)",
+    "TASK_QUEUE_ENABLE": "torch_npu task-queue level (1 = training, torch_npu's default; 2 = pure inference only)",
     "CPU_AFFINITY_CONF": "1 = bind each rank's host threads to the cores near its card",
     "STREAMS_PER_DEVICE": "size of torch_npu's stream pool per card",
     "NCCL_DEBUG": "NCCL logging level (INFO shows the transports chosen)",
@@ -99,6 +99,17 @@ def check_environment(report: Report, device_type: str | None, cfg=None) -> dict
     if exec_timeout and exec_timeout.isdigit() and 0 < int(exec_timeout) < 600:
         report.add("warn", s, f"HCCL_EXEC_TIMEOUT={exec_timeout}s: ranks waiting on a slow checkpoint save or data "
                               "read hit it (the 'timeout at step N' crash); 1800 leaves room")
+    if device_type == "npu":
+        from titan_npu.config.schema import CommConfig
+        from titan_npu.device.env import exec_timeout_problem
+
+        problem = exec_timeout_problem((cfg.comm if cfg is not None else CommConfig()).timeout_s)
+        if problem:
+            report.add("warn", s, problem)
+        if os.environ.get("TASK_QUEUE_ENABLE", "").strip() == "2":
+            report.add("warn", s, "TASK_QUEUE_ENABLE=2 is torch_npu's pure-inference level (torch_npu.npu."
+                                  "set_task_queue_enable); unset it for training (the run sets training.npu_task_queue,"
+                                  " 1)")
     if env.get("NCCL_IB_DISABLE") == "1" and nodes > 1:
         report.add("warn", s, "NCCL_IB_DISABLE=1 on a multi-node job: inter-node traffic falls back to TCP sockets")
     names = [n for _, n in socket.if_nameindex()]

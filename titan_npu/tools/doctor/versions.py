@@ -15,8 +15,12 @@ from titan_npu.tools.doctor.installed import (
 from titan_npu.tools.doctor.report import Report
 
 # torch_npu release -> the CANN release it was built for (Ascend's compatibility table, main releases; the rows the
-# torch_npu wheel ships in its README are checked against this table by tests/npu/test_npu_versions.py).
+# torch_npu wheels ship in their README are checked against this table by tests/npu/test_npu_versions.py).
+# 2.13.0 and 2.14.0 are in no table they ship: both are built from one source tree (2.13.0's README: "supported on
+# this branch: 2.13.0, 2.14.0, 2.15.0"), and 2.14.0's README installs CANN 9.1.0, the stricter of the two READMEs
+# (2.13.0's table ends at CANN 8.5.0), which docs/npu.md explains.
 TORCH_NPU_CANN: dict[str, str] = {
+    "2.14.0": "9.1.0", "2.13.0": "9.1.0",
     "2.12.0": "9.1.0", "2.11.0": "9.1.0", "2.10.0.post4": "9.1.0", "2.9.0.post6": "9.1.0", "2.7.1.post8": "9.1.0",
     "2.10.0": "9.0.0", "2.9.0.post2": "9.0.0", "2.8.0.post4": "9.0.0", "2.7.1.post4": "9.0.0",
     "2.9.0": "8.5.0", "2.8.0.post2": "8.5.0", "2.7.1.post2": "8.5.0", "2.6.0.post5": "8.5.0",

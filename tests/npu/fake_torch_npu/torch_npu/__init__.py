@@ -6,7 +6,9 @@ card, and every result is checked against the wheel's meta function (arity, shap
 follow the API reference -- input layouts, mask convention (True = masked out), sparse modes, scale, dtype rules,
 shape limits -- in plain torch, so autograd gives the backward, and reject what the real kernel rejects.
 
-Importing it does what the real package does to torch: it attaches the `torch.npu` device namespace. Which
+Importing it does what the real package does to torch: it attaches the `torch.npu` device namespace. Installed with
+the wheel's dist-info (npu_wheel.Wheel.write_dist_info), `import torch` imports it through the wheel's
+torch.backends entry point, as it imports the real package. Which
 kernels ran is counted in `calls` so tests can prove that the NPU path was taken. Two switches serve tests that
 run a whole program in a subprocess: FAKE_NPU_TENSORS=1 makes "npu" a real torch device (tensors backed by CPU
 memory, see _device.py) and FAKE_TORCH_NPU_REPORT=<file> writes the calls, the environment seen at import, at
@@ -43,6 +45,14 @@ def _record_event(what: str) -> None:
 
 
 _record_event("import")
+
+
+def _autoload() -> None:
+    """The wheel's torch.backends entry point (its entry_points.txt: `torch_npu = torch_npu:_autoload`), which
+    `import torch` calls once it has imported this package (torch_npu/__init__.py:67-71: "an entrypoint called by
+    PyTorch when running 'import torch'"). Recorded, so that a test sees torch import the package."""
+    _record_event("autoload")
+
 
 from torch_npu import npu, optim, profiler  # noqa: E402, F401  (submodules, as in the real package)
 

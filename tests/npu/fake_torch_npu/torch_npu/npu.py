@@ -33,6 +33,8 @@ def is_available() -> bool:
 
 
 def device_count() -> int:
+    # The cards of ASCEND_RT_VISIBLE_DEVICES, a comma list of ids (torch_npu/npu/__init__.py:418-443,
+    # _parse_visible_devices; unset = every card); ids the machine lacks are not counted.
     visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
     if visible is None:
         return _machine_count()
@@ -51,7 +53,7 @@ def _check_index(device) -> int:
 def set_device(device) -> None:
     import torch_npu
 
-    torch_npu._record_event("set_device")  # the caching allocator reads its configuration here
+    torch_npu._record_event("set_device")  # the caching allocator reads its configuration when the device starts
     index = _check_index(device)
     state["current_device"] = index
     state["set_device_calls"].append(index)
