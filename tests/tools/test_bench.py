@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_npu.commands.bench import main
 from titan_npu.errors import ConfigError
-from titan_npu.tools.bench import StepTimer, main, step_time_stats, summarize
+from titan_npu.tools.bench import StepTimer, step_time_stats, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",

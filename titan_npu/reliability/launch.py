@@ -1,0 +1,60 @@
+"""What every rank checks before a process group forms: the launcher's environment and the layout, shapes and
+tokenizer the config asks for, so that a refusal costs no rendezvous, no device mesh and no collective timeout."""
+
+from __future__ import annotations
+
+import os
+
+from titan_npu.config.schema import JobConfig
+from titan_npu.errors import TitanError
+
+
+def check_launch(cfg: JobConfig, before_process_group: bool = True) -> None:
+    """The launch environment and (unless before_process_group is False: the dry run) the checks that need no
+    process group; a refusal is marked as every rank's (each finds it before any process group: rank 0 says it)."""
+    try:
+        check_launch_env()
+        if before_process_group:
+            check_before_process_group(cfg)
+    except TitanError as e:
+        e.same_on_every_rank = True
+        raise
+
+
+def check_launch_env() -> None:
+    """DeviceError naming the variable when the launcher's environment cannot describe a rank of a job:
+    WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE not whole numbers (or WORLD_SIZE < 1), a rank outside the world,
+    MASTER_PORT not a port."""
+    from titan_npu.errors import DeviceError
+
+    env = os.environ
+    fix = "launch with torchrun (it sets them), or unset them for one process"
+    counts = {}
+    for name, least in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)):
+        if name in env:
+            value = env[name].strip()
+            if not value.isdigit() or int(value) < least:
+                raise DeviceError(f"{name}={env[name]!r} is not a whole number >= {least}; {fix}")
+            counts[name] = int(value)
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if rank in counts and size in counts and counts[rank] >= counts[size]:
+            raise DeviceError(f"{rank}={counts[rank]} is not below {size}={counts[size]}; {fix}")
+    port = env.get("MASTER_PORT")
+    if port is not None and (not port.strip().isdigit() or not 1 <= int(port) <= 65535):
+        raise DeviceError(f"MASTER_PORT={port!r} is not a port (1-65535); choose a free port, e.g. 29500")
+
+
+def check_before_process_group(cfg: JobConfig) -> None:
+    """The checks that need no process group, made by every rank before one forms (so a refusal costs no
+    rendezvous, no device mesh and no collective timeout): the layout against WORLD_SIZE, the model's shapes,
+    seq_len against them, and the tokenizer against the vocabulary. Call it after check_launch_env."""
+    from titan_npu.config.validate import check_seq_len
+    from titan_npu.data.tokenizer import build_tokenizer, check_vocab
+    from titan_npu.models.registry import build_model_args
+    from titan_npu.parallel.dims import ParallelDims
+    from titan_npu.parallel.layout import validate_layout
+
+    model_args = build_model_args(cfg.model)
+    validate_layout(ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1"))), model_args, cfg)
+    check_seq_len(cfg.training.seq_len, model_args.max_seq_len)
+    check_vocab(build_tokenizer(cfg.data.tokenizer), model_args.vocab_size)
