@@ -104,7 +104,7 @@ def test_bench_prints_a_readable_report():
 
 
 def test_bench_refuses_zero_measured_steps():
-    with pytest.raises(ConfigError, match="--steps 0 must be >= 1"):
+    with pytest.raises(ConfigError, match=r"^--steps = 0 must be >= 1 \(measured steps\)$"):
         main([*TINY, "--steps", "0"])
 
 

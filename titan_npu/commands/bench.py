@@ -3,18 +3,17 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import sys
 import tempfile
 
-from titan_npu.errors import ConfigError
+from titan_npu.commands.parsing import CommandParser, parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    p = CommandParser(
         prog="titan-npu bench",
         description="Train a fixed number of steps through the real trainer and report tokens/s, MFU, step "
         "times and peak memory. Any config key can be overridden as --section.key value.",
@@ -35,11 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from titan_npu.tools.bench import format_result, prepare_config, run_bench
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args, overrides = build_parser().parse_known_args(argv)
-    if args.steps < 1:
-        raise ConfigError(f"bench: --steps {args.steps} must be >= 1")
-    if args.warmup < 0:
-        raise ConfigError(f"bench: --warmup {args.warmup} must be >= 0 (3 is typical)")
+    args, overrides = parse("bench", build_parser(), argv, known=True)
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(rank)
     if args.json:

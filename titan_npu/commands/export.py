@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import re
 
+from titan_npu.commands.parsing import CommandParser, parse
 from titan_npu.errors import CheckpointError
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?", re.IGNORECASE)
@@ -19,8 +19,8 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    p = CommandParser(
         prog="titan-npu export",
         description="Write a training checkpoint's model weights as one full .pt state dict or a Hugging Face "
                     "directory (safetensors + config.json), from one process.",
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """Entry of `titan-npu export`."""
-    args = build_parser().parse_args(argv)
+    args, _ = parse("export", build_parser(), argv)
     from titan_npu.checkpoint import storage
     from titan_npu.checkpoint.export import DTYPES, export_checkpoint, resolve_source
 

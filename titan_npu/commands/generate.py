@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from titan_npu.commands.parsing import CommandParser, parse
 from titan_npu.errors import CheckpointError, ConfigError
 from titan_npu.tools.generate import banned_token_mask, find_config, generate, load_model, resolve_checkpoint
 
@@ -19,8 +19,8 @@ def _dtype(name: str, device_type: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="titan-npu generate", description="Sample text from a trained checkpoint.")
+def build_parser() -> CommandParser:
+    p = CommandParser(prog="titan-npu generate", description="Sample text from a trained checkpoint.")
     p.add_argument("--checkpoint", required=True, help="a full .pt state dict (titan-npu export) or a DCP step dir")
     p.add_argument("--config", help="the run's config (default: config.toml beside the checkpoint or its log dir)")
     p.add_argument("--prompt", default="", help="text to continue (default: start from BOS)")
@@ -43,13 +43,7 @@ def main(argv: list[str]) -> int:
     from titan_npu.data import build_tokenizer
     from titan_npu.device import setup_device
 
-    args = build_parser().parse_args(argv)
-    for name, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--num-samples", args.num_samples, 1),
-                             ("--top-k", args.top_k, 0)):
-        if value < low:
-            raise ConfigError(f"{name}={value} must be >= {low}")
-    if not 0 < args.top_p <= 1:
-        raise ConfigError(f"--top-p={args.top_p} must be in (0, 1]")
+    args, _ = parse("generate", build_parser(), argv)
     from titan_npu.checkpoint.formats import read_weights
     from titan_npu.models.registry import build_model_args
 

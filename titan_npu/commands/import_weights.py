@@ -3,20 +3,20 @@ names."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 from titan_npu.atomic import atomic_path
+from titan_npu.commands.parsing import CommandParser, parse
 from titan_npu.errors import CheckpointError
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> CommandParser:
     """`titan-npu import`'s options; the model types it names are the registry's."""
     from titan_npu.models.registry import SPECS
 
     model_types = ", ".join(dict.fromkeys(t for spec in SPECS.values() if spec.hf for t in spec.hf.model_types))
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="titan-npu import",
         description=f"Convert Hugging Face weights (config.json's model_type: {model_types}), Meta "
                     "consolidated.*.pth or a step-N checkpoint into one full .pt state dict under "
@@ -67,7 +67,7 @@ def _own_storage(t):
 
 def main(argv: list[str]) -> int:
     """Entry of `titan-npu import`."""
-    args = build_parser().parse_args(argv)
+    args, _ = parse("import", build_parser(), argv)
     import torch
 
     from titan_npu.checkpoint.export import DTYPES, refuse_overlap

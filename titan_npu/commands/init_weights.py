@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
+from titan_npu.commands.parsing import CommandParser, parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    p = CommandParser(
         prog="titan-npu init-weights",
         description="Write the initial weights a config gives (its [model] and training.seed) as a checkpoint "
                     "directory that any parallel layout starts from with checkpoint.initial_load. Any config key "
@@ -27,8 +27,10 @@ def main(argv: list[str]) -> int:
     from titan_npu.checkpoint.seed import create_seed_checkpoint
     from titan_npu.config.loader import load_config
     from titan_npu.metrics.console import setup_logging
+    from titan_npu.reliability.launch import check_launch_env
 
-    args, overrides = build_parser().parse_known_args(argv)
+    args, overrides = parse("init-weights", build_parser(), argv, known=True)
+    check_launch_env()
     setup_logging(int(os.environ.get("RANK", "0")))
     cfg = load_config(args.config, overrides)
     n_params = create_seed_checkpoint(cfg, args.output, overwrite=args.overwrite)

@@ -10,18 +10,18 @@ candidate keeps, how it is ranked and printed) is planner/.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from titan_npu.errors import ConfigError, LayoutError
+from titan_npu.commands.parsing import CommandParser, parse
+from titan_npu.errors import LayoutError
 from titan_npu.planner.hardware import DEVICES, hardware
 from titan_npu.planner.plan import format_plan
 from titan_npu.planner.search import make_plan
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    p = CommandParser(
         prog="titan-npu plan",
         description="Per-rank memory of a config's layout, whether it fits, and the fastest layouts that do. "
                     "Config keys can be overridden as --section.key value.",
@@ -47,9 +47,7 @@ def main(argv: list[str]) -> int:
     """Entry of `titan-npu plan`."""
     from titan_npu.config.loader import load_config
 
-    args, overrides = build_parser().parse_known_args(argv)
-    if not 0 < args.efficiency <= 1:
-        raise ConfigError(f"--efficiency {args.efficiency} must be in (0, 1]; 0.3-0.5 is typical")
+    args, overrides = parse("plan", build_parser(), argv, known=True)
     cfg = load_config(args.config, overrides)
     hw = hardware(args.device, args.device_memory, args.intra_node_bw, args.inter_node_bw)
     plan = make_plan(cfg, args.nodes, args.devices_per_node, hw, args.efficiency, args.top)

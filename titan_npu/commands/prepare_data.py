@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from titan_npu.commands.parsing import CommandParser, parse
 from titan_npu.data.progress import Progress
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    p = CommandParser(
         prog="titan-npu prepare-data",
         description="Tokenise .txt/.jsonl/.json/.parquet files (optionally .gz/.zst; files, folders or globs) into "
         "binary token shards plus index.json, or into the guide's tokens JSONL. Re-running is a no-op when nothing "
@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
     """Entry of `titan-npu prepare-data`."""
     from titan_npu.data.prepare import prepare
 
-    args = build_parser().parse_args(argv)
+    args, _ = parse("prepare-data", build_parser(), argv)
     if args.max_seq_len and args.fmt != "jsonl":
         build_parser().error("--max-seq-len truncates documents of --format jsonl only; windows of bin shards are "
                                 "set by training.seq_len")

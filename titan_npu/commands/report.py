@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
+from titan_npu.commands.parsing import CommandParser, parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="titan-npu report", description="Plot and summarise a run from its log dir.")
+def build_parser() -> CommandParser:
+    p = CommandParser(prog="titan-npu report", description="Plot and summarise a run from its log dir.")
     p.add_argument("log_dir", help="the run's metrics.log_dir (holds metrics.jsonl and config.toml)")
     p.add_argument("--out", help="where to write report.png and report.md (default: LOG_DIR)")
     p.add_argument("--no-plots", action="store_true", help="write report.md only (no matplotlib needed)")
@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
     """Entry of `titan-npu report`."""
     from titan_npu.metrics.report import write_report
 
-    args = build_parser().parse_args(argv)
+    args, _ = parse("report", build_parser(), argv)
     for path in write_report(args.log_dir, args.out, plots=not args.no_plots):
         print(path)
     return 0

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from titan_npu.commands.parsing import CommandParser, parse
+
 if TYPE_CHECKING:
     from titan_npu.trainer import Trainer
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> CommandParser:
     """train.py's options; the config keys (--section.key value and the short flags) are parsed by the loader."""
     from titan_npu.config.aliases import TOP_LEVEL_ALIASES
 
     short = [(f"--{alias}", f"--{section}.{key}") for alias, (section, key) in TOP_LEVEL_ALIASES.items()]
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="train.py",
         description="Train a Llama, Qwen or DeepSeek model. Any config key can be overridden as --section.key value; "
         f"{', '.join(a for a, _ in short[:-1])} and {short[-1][0]} are short for "
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
     from titan_npu.reliability.launch import check_launch
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args, overrides = build_parser().parse_known_args(argv)
+    args, overrides = parse("train", build_parser(), argv, known=True)
     setup_logging(_rank())
     try:
         cfg = load_config(args.config, overrides)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
+from titan_npu.commands.parsing import CommandParser, parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="titan-npu train-tokenizer",
+def build_parser() -> CommandParser:
+    p = CommandParser(prog="titan-npu train-tokenizer",
                                 description="Learn a byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json "
                                 "with BOS/EOS/PAD) from .txt/.jsonl/.json/.parquet files, folders or globs.")
     p.add_argument("inputs", nargs="+", help="input files, folders or globs")
@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     """Entry of `titan-npu train-tokenizer`."""
     from titan_npu.data.train_tokenizer import train_bpe
 
-    args = build_parser().parse_args(argv)
+    args, _ = parse("train-tokenizer", build_parser(), argv)
     path = train_bpe(args.inputs, args.vocab_size, args.output, text_field=args.text_field, doc_sep=args.doc_sep,
                      skip_bad_records=args.skip_bad_records)
     from titan_npu.data.tokenizer import build_tokenizer

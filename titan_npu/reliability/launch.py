@@ -4,6 +4,7 @@ tokenizer the config asks for, so that a refusal costs no rendezvous, no device 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import TitanError
@@ -24,7 +25,7 @@ def check_launch(cfg: JobConfig, before_process_group: bool = True) -> None:
 def check_launch_env() -> None:
     """DeviceError naming the variable when the launcher's environment cannot describe a rank of a job:
     WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE not whole numbers (or WORLD_SIZE < 1), a rank outside the world,
-    MASTER_PORT not a port."""
+    MASTER_PORT not a port, or a variable missing that the others imply (LAUNCH_VARS)."""
     from titan_npu.errors import DeviceError
 
     env = os.environ
@@ -42,6 +43,32 @@ def check_launch_env() -> None:
     port = env.get("MASTER_PORT")
     if port is not None and (not port.strip().isdigit() or not 1 <= int(port) <= 65535):
         raise DeviceError(f"MASTER_PORT={port!r} is not a port (1-65535); choose a free port, e.g. 29500")
+    missing = missing_launch_var(env)
+    if missing is not None:
+        given, absent = missing
+        raise DeviceError(f"{given}={env[given]} but {absent} is not set; {fix}")
+
+
+# What torchrun sets for every worker: a rank of a job needs its rank, the job's size and its place on the node; a
+# job of more than one process also needs the address of its rendezvous.
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT")
+
+
+def missing_launch_var(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """(a variable that is set, one it implies that is not) of a partial launch environment; None when the
+    environment is whole or holds none of them. A lone WORLD_SIZE=1 is one process and needs nothing more."""
+    present = [name for name in (*RANK_VARS, *RENDEZVOUS_VARS) if name in env]
+    if not present or present == ["WORLD_SIZE"] and env["WORLD_SIZE"].strip() == "1":
+        return None
+    for name in RANK_VARS:
+        if name not in env:
+            return present[0], name
+    if env["WORLD_SIZE"].strip() != "1":
+        for name in RENDEZVOUS_VARS:
+            if name not in env:
+                return "WORLD_SIZE", name
+    return None
 
 
 def check_before_process_group(cfg: JobConfig) -> None:
