@@ -29,8 +29,9 @@ def build_parser() -> CommandParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry of `titan-npu bench`."""
     from titan_npu.config.loader import load_config
+    from titan_npu.errors import TitanError
     from titan_npu.metrics.console import setup_logging
-    from titan_npu.reliability.launch import check_launch
+    from titan_npu.reliability.launch import check_before_process_group, check_launch_env
     from titan_npu.tools.bench import format_result, prepare_config, run_bench
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -41,8 +42,13 @@ def main(argv: list[str] | None = None) -> int:
         for handler in logging.getLogger("titan_npu").handlers:
             if isinstance(handler, logging.StreamHandler):
                 handler.setStream(sys.stderr)
-    cfg = load_config(args.config, overrides)
-    check_launch(cfg)  # as train does: a refusal before any process group forms, said once
+    try:  # as train does: a refusal before any process group forms, said once
+        check_launch_env()
+        cfg = load_config(args.config, overrides)
+        check_before_process_group(cfg)
+    except TitanError as e:
+        e.same_on_every_rank = True
+        raise
     explicit_log_dir = any("log_dir" in token for token in overrides)
     with tempfile.TemporaryDirectory(prefix="titan-bench-") as tmp:
         prepare_config(cfg, args.steps, args.warmup, cfg.metrics.log_dir if explicit_log_dir else tmp)

@@ -5,15 +5,18 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from titan_npu.commands.parsing import CommandParser, parse
 from titan_npu.errors import CheckpointError, ConfigError
-from titan_npu.tools.generate import banned_token_mask, find_config, generate, load_model, resolve_checkpoint
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _dtype(name: str, device_type: str) -> torch.dtype:
+    import torch
+
     if name == "auto":
         return torch.float32 if device_type == "cpu" else torch.bfloat16
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
@@ -39,13 +42,13 @@ def build_parser() -> CommandParser:
 
 def main(argv: list[str]) -> int:
     """`titan-npu generate --checkpoint DIR --prompt "..." --max-new-tokens N --temperature T --top-k K`."""
+    args, _ = parse("generate", build_parser(), argv)  # before torch is imported: a refusal is instant
+    from titan_npu.checkpoint.formats import read_weights
     from titan_npu.config.loader import load_config
     from titan_npu.data import build_tokenizer
     from titan_npu.device import setup_device
-
-    args, _ = parse("generate", build_parser(), argv)
-    from titan_npu.checkpoint.formats import read_weights
     from titan_npu.models.registry import build_model_args
+    from titan_npu.tools.generate import banned_token_mask, find_config, generate, load_model, resolve_checkpoint
 
     ckpt = Path(args.checkpoint)
     if not ckpt.exists():

@@ -44,18 +44,20 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
     from titan_npu.config.loader import config_to_dict, load_config
     from titan_npu.errors import TitanError
     from titan_npu.metrics.console import setup_logging
-    from titan_npu.reliability.launch import check_launch
+    from titan_npu.reliability.launch import check_before_process_group, check_launch_env
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args, overrides = parse("train", build_parser(), argv, known=True)
     setup_logging(_rank())
     try:
+        if not args.print_config:
+            check_launch_env()
         cfg = load_config(args.config, overrides)
+        if not args.print_config and not args.dry_run:
+            check_before_process_group(cfg)
     except TitanError as e:
         e.same_on_every_rank = True  # found before any process group: every rank sees it, rank 0 says it
         raise
-    if not args.print_config:
-        check_launch(cfg, before_process_group=not args.dry_run)
     if args.print_config:
         import json
 

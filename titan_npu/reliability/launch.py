@@ -1,5 +1,7 @@
-"""What every rank checks before a process group forms: the launcher's environment and the layout, shapes and
-tokenizer the config asks for, so that a refusal costs no rendezvous, no device mesh and no collective timeout."""
+"""What every rank checks before a process group forms: the launcher's environment (before the config is read)
+and the layout, shapes and tokenizer the config asks for, so that a refusal costs no rendezvous, no device mesh and
+no collective timeout. Every rank finds such a refusal alike: the commands mark it `same_on_every_rank`, and rank 0
+says it."""
 
 from __future__ import annotations
 
@@ -7,19 +9,6 @@ import os
 from collections.abc import Mapping
 
 from titan_npu.config.schema import JobConfig
-from titan_npu.errors import TitanError
-
-
-def check_launch(cfg: JobConfig, before_process_group: bool = True) -> None:
-    """The launch environment and (unless before_process_group is False: the dry run) the checks that need no
-    process group; a refusal is marked as every rank's (each finds it before any process group: rank 0 says it)."""
-    try:
-        check_launch_env()
-        if before_process_group:
-            check_before_process_group(cfg)
-    except TitanError as e:
-        e.same_on_every_rank = True
-        raise
 
 
 def check_launch_env() -> None:
