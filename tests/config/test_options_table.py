@@ -117,6 +117,7 @@ def test_every_numeric_row_has_a_range_or_says_why_not():
     (Range(0, 1, high_open=True), float, "in [0, 1)", [-5e-324, 1.0]),
     (Range(low=1, also=((-1, "all remaining ranks"),)), int, "-1 (all remaining ranks) or >= 1", [0]),
     (Range(low=2, also=((0, "off"),)), float, "0 (off) or >= 2", [1.9999999999999998]),
+    (Range(1, 65535, also=((0, "keep"),)), int, "0 (keep) or in [1, 65535]", [-1, 65536]),
 ])
 def test_a_range_says_itself_as_a_person_writes_it_and_knows_its_neighbours(rng, kind, text, outside):
     assert str(rng) == text

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from titan_npu.config.coerce import show
 from titan_npu.config.options import COMMAND_OPTIONS
 from titan_npu.errors import ConfigError
 
@@ -45,4 +44,4 @@ def check_options(command: str, parser: argparse.ArgumentParser, args: argparse.
         name = option_name(action)
         value = getattr(args, action.dest)
         for item in value if isinstance(value, list) else [value]:
-            rows[name].check(name, item, show(item))
+            rows[name].check(name, item)

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from titan_npu.config.coerce import show
 from titan_npu.errors import ConfigError
 
 
@@ -55,22 +56,20 @@ class Range:
         return " or ".join([*extra, text])
 
     def just_outside(self, kind: type) -> list[float]:
-        """The values next to each finite end that the range refuses (ints step by 1, floats by one ulp)."""
-        def below(x: float) -> float:
-            return x - 1 if kind is int else math.nextafter(x, -math.inf)
-
-        def above(x: float) -> float:
-            return x + 1 if kind is int else math.nextafter(x, math.inf)
+        """The nearest refused value past each finite end (ints step by 1, floats by one ulp), stepping over an
+        extra value that lies next to an end (dp_shard's -1 below 1)."""
+        def step(x: float, direction: float) -> float:
+            return x + direction if kind is int else math.nextafter(x, direction * math.inf)
 
         out = []
-        if self.low is not None:
-            out.append(self.low if self.low_open else below(self.low))
-        if self.high is not None:
-            out.append(self.high if self.high_open else above(self.high))
-        out = [kind(v) if kind is int else v for v in out]
-        refused = [v for v in out if not self.allows(v)]
-        # an extra value next to an end (dp_shard's -1 below 1): step past it
-        return refused or [below(v) for v in out if not self.allows(below(v))]
+        for end, is_open, direction in ((self.low, self.low_open, -1), (self.high, self.high_open, 1)):
+            if end is None:
+                continue
+            value = kind(end) if is_open else step(kind(end), direction)
+            while self.allows(value):
+                value = step(value, direction)
+            out.append(value)
+        return out
 
 
 def at_least(low: float, *also: tuple[float, str]) -> Range:
@@ -101,11 +100,12 @@ class Knob:
     nonempty: bool = False  # a string that must hold something
     what: str = "value"  # choices: what the value is ("decay type") in the refusal
 
-    def check(self, name: str, value: Any, shown: str) -> Any:
+    def check(self, name: str, value: Any) -> Any:
         """`value` (choices: in their canonical spelling), or a ConfigError naming `name`, the value and what is
-        allowed; `shown` is the value as the message prints it."""
+        allowed."""
         if value is None:
             return value  # optional, not given
+        shown = show(value)
         hint = f" ({self.why})" if self.why else ""
         if self.choices:
             for choice in self.choices:

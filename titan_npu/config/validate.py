@@ -49,7 +49,7 @@ def _check_table(cfg: JobConfig) -> None:
         section, key = name.split(".", 1)
         obj = getattr(cfg, section)
         value = getattr(obj, key)
-        setattr(obj, key, knob.check(name, value, show(value)))
+        setattr(obj, key, knob.check(name, value))
 
 
 def _check_model(m: ModelConfig) -> None:

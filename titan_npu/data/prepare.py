@@ -240,7 +240,7 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
         raise DataError(f"--format {fmt} is unknown; use bin or jsonl")
     rows = COMMAND_OPTIONS["prepare-data"]  # the ranges `titan-npu prepare-data` holds its options to
     for flag, value in (("--workers", workers), ("--shard-size", shard_size), ("--max-seq-len", max_seq_len)):
-        rows[flag].check(flag, value, str(value))
+        rows[flag].check(flag, value)
     output = Path(output).expanduser()
     paths = discover_inputs(inputs)
     _refuse_overlap(output, [Path(i).expanduser() for i in inputs if Path(i).expanduser().exists()] + paths)
