@@ -8,27 +8,27 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-# command -> (module, function, one-line help); each function takes argv (list[str]) and returns an exit code.
-COMMANDS: dict[str, tuple[str, str, str]] = {
-    "train": ("titan_npu.train", "main", "train a model from a config (same as python train.py)"),
-    "prepare-data": ("titan_npu.data.cli", "prepare_data_main", "tokenize a corpus into binary shards or JSONL"),
-    "train-tokenizer": ("titan_npu.data.cli", "train_tokenizer_main", "train a BPE tokenizer on a corpus"),
-    "export": ("titan_npu.checkpoint.cli", "export_main", "export a checkpoint to a full .pt or Hugging Face"),
-    "import": ("titan_npu.checkpoint.cli", "import_main", "convert Hugging Face / Meta weights to a .pt"),
-    "init-weights": ("titan_npu.checkpoint.seed", "init_weights_main",
-                     "write a config's initial weights as a checkpoint any layout starts from"),
-    "plan": ("titan_npu.planner.plan", "main", "plan memory and parallel layout before launch"),
-    "doctor": ("titan_npu.tools.doctor", "main", "check versions, devices, environment and collectives"),
-    "generate": ("titan_npu.tools.generate", "main", "sample text from a checkpoint"),
-    "report": ("titan_npu.metrics.report", "main", "plot and summarise a run from its log dir"),
-    "bench": ("titan_npu.tools.bench", "main", "measure throughput, MFU and memory"),
+# command -> (module under titan_npu.commands, one-line help); each module's main takes argv (list[str]) and returns
+# an exit code.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("train", "train a model from a config (same as python train.py)"),
+    "prepare-data": ("prepare_data", "tokenize a corpus into binary shards or JSONL"),
+    "train-tokenizer": ("train_tokenizer", "train a BPE tokenizer on a corpus"),
+    "export": ("export", "export a checkpoint to a full .pt or Hugging Face"),
+    "import": ("import_weights", "convert Hugging Face / Meta weights to a .pt"),
+    "init-weights": ("init_weights", "write a config's initial weights as a checkpoint any layout starts from"),
+    "plan": ("plan", "plan memory and parallel layout before launch"),
+    "doctor": ("doctor", "check versions, devices, environment and collectives"),
+    "generate": ("generate", "sample text from a checkpoint"),
+    "report": ("report", "plot and summarise a run from its log dir"),
+    "bench": ("bench", "measure throughput, MFU and memory"),
 }
 
 
 def _usage() -> str:
     width = max(len(c) for c in COMMANDS)
     lines = ["usage: titan-npu <command> [options]   (titan-npu <command> --help for its options)", "", "commands:"]
-    lines += [f"  {name.ljust(width)}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += [f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
 
@@ -180,9 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         print(f"titan-npu: unknown command '{name}'{hint}; run 'titan-npu --help' for the list", file=sys.stderr)
         return 2
-    module, func_name, _ = COMMANDS[name]
-    func = getattr(importlib.import_module(module), func_name)
-    return run_command(func, rest)
+    module, _ = COMMANDS[name]
+    return run_command(importlib.import_module(f"titan_npu.commands.{module}").main, rest)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ import pytest
 import torch
 from tiny_run import snapshot, tiny_args, train_tiny
 
-from titan_npu.checkpoint.cli import parse_size
 from titan_npu.cli import main
+from titan_npu.commands.export import parse_size
 
 from .conftest import TINY, job_config, model_manager, random_model
 
@@ -308,10 +308,10 @@ def test_training_a_run_that_already_reached_max_steps_says_there_is_nothing_to_
 
 
 def test_import_help_names_every_model_type_the_registry_converts():
-    from titan_npu.checkpoint.cli import _import_parser
+    from titan_npu.commands.import_weights import build_parser
     from titan_npu.models.registry import SPECS
 
-    text = " ".join(_import_parser().format_help().split())
+    text = " ".join(build_parser().format_help().split())
     for spec in SPECS.values():
         for model_type in spec.hf.model_types:
             assert re.search(rf"\b{model_type}\b", text), (model_type, text)

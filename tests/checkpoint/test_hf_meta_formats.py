@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from titan_npu.checkpoint.cli import export_main, import_main
 from titan_npu.checkpoint.initial_load import load_initial_weights
+from titan_npu.commands.export import main as export_main
+from titan_npu.commands.import_weights import main as import_main
 from titan_npu.errors import CheckpointError
 from titan_npu.models.llama import Transformer, args_from_hf_config, hf_config
 

@@ -146,12 +146,23 @@ def test_yaml_top_level_must_be_a_mapping(tmp_path):
     assert "top level must be a mapping" in load_error(write(tmp_path, "x.yaml", "- 1\n- 2\n"))
 
 
-def test_empty_yaml_section_is_all_defaults(tmp_path):
-    assert load_config(write(tmp_path, "x.yaml", "compile:\n#  enable: true\n")) == load_config(None)
+def test_an_empty_section_beside_a_key_is_harmless(tmp_path):
+    text = "compile:\n#  enable: true\ntraining:\n  seed: 42\n"
+    assert load_config(write(tmp_path, "x.yaml", text)) == load_config(None)
 
 
-def test_empty_yaml_is_all_defaults(tmp_path):
-    assert load_config(write(tmp_path, "x.yaml", "")) == load_config(None)
+@pytest.mark.parametrize(("name", "text"), [
+    ("x.yaml", ""),
+    ("x.yaml", "# every line commented out\n#training:\n#  max_steps: 10\n"),
+    ("x.yaml", "compile:\n#  enable: true\n"),
+    ("x.toml", "\n\n"),
+    ("x.toml", "# [training]\n# max_steps = 10\n"),
+    ("x.toml", "[training]\n[optimizer]\n"),
+])
+def test_a_config_file_that_sets_nothing_is_refused_rather_than_run_on_defaults(tmp_path, name, text):
+    message = load_error(write(tmp_path, name, text))
+    assert f"{name}' sets nothing (it is empty or holds only comments and section headers)" in message
+    assert "or leave out --config to run on the defaults" in message
 
 
 def test_non_utf8_file_is_refused(tmp_path):
@@ -169,8 +180,8 @@ def test_unknown_model_name(tmp_path):
 INVALID = [
     (["--optimizer.lr", "0"], "optimizer.lr = 0.0 must be > 0"),
     (["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay = -0.1 must be >= 0"),
-    (["--optimizer.betas", "0.9,1.0"], "optimizer.betas = [0.9, 1.0] must be two values in [0, 1)"),
-    (["--optimizer.betas", "-0.1,0.9"], "optimizer.betas = [-0.1, 0.9] must be two values in [0, 1)"),
+    (["--optimizer.betas", "0.9,1.0"], "optimizer.betas = [0.9, 1.0] must be in [0, 1) (two values"),
+    (["--optimizer.betas", "-0.1,0.9"], "optimizer.betas = [-0.1, 0.9] must be in [0, 1) (two values"),
     (["--optimizer.betas", "0.9"], "optimizer.betas = [0.9] must be two values in [0, 1)"),
     (["--optimizer.name", "lion"], "optimizer.name = 'lion' is not a known optimizer (use AdamW, Adam or SGD)"),
     (["--training.batch_size", "0"], "training.batch_size = 0 must be >= 1"),
@@ -198,15 +209,16 @@ INVALID = [
     (["--metrics.log_interval", "0"], "metrics.log_interval = 0 must be >= 1"),
     (["--metrics.spike_window", "0"], "metrics.spike_window = 0 must be >= 1"),
     (["--data.num_workers", "-1"], "data.num_workers = -1 must be >= 0"),
-    (["--model.dim", "0"], "model.dim = 0 must be > 0 when given"),
-    (["--model.n_layers", "-2"], "model.n_layers = -2 must be > 0 when given"),
-    (["--model.norm_eps", "0"], "model.norm_eps = 0.0 must be > 0 when given"),
+    (["--model.dim", "0"], "model.dim = 0 must be > 0 (leave it out to take the flavor's value)"),
+    (["--model.n_layers", "-2"], "model.n_layers = -2 must be > 0 (leave it out to take the flavor's value)"),
+    (["--model.norm_eps", "0"], "model.norm_eps = 0.0 must be > 0 (leave it out to take the flavor's value)"),
     (["--model.n_heads", "32", "--model.n_kv_heads", "5"], "model.n_kv_heads = 5 must divide model.n_heads = 32"),
     (["--model.flavor="], "model.flavor is empty"),
     (["--training.memory_fraction", "1.5"], "training.memory_fraction = 1.5 must be in [0, 1]"),
-    (["--profiling.ranks", "0,-2"], "profiling.ranks = [0, -2] holds a negative rank"),
+    (["--profiling.ranks", "0,-2"], "profiling.ranks = [0, -2] must be -1 (every rank) or >= 0"),
     (["--profiling.level", "Level9"], "profiling.level = 'Level9' is not a known profiler level"),
-    (["--comm.hccl_if_base_port", "70000"], "comm.hccl_if_base_port = 70000 is not a port"),
+    (["--comm.hccl_if_base_port", "70000"],
+     "comm.hccl_if_base_port = 70000 must be 0 (keep the environment's) or in [1, 65535]"),
 ]
 
 

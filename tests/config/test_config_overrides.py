@@ -24,8 +24,8 @@ def test_train_help_names_every_short_flag_and_the_key_it_sets():
     """The README launches with --data_dir / --checkpoint_dir / --log_dir: `train.py --help` must say they exist."""
     import re
 
+    from titan_npu.commands.train import build_parser
     from titan_npu.config.aliases import TOP_LEVEL_ALIASES
-    from titan_npu.train import build_parser
 
     text = " ".join(build_parser().format_help().split())
     for alias, (section, key) in TOP_LEVEL_ALIASES.items():

@@ -14,7 +14,7 @@ from titan_npu.cli import main as cli_main
 from titan_npu.data import build_tokenizer
 from titan_npu.data.datasets import ShardDataset, open_dataset, read_index
 from titan_npu.data.prepare import prepare, token_dtype
-from titan_npu.errors import DataError
+from titan_npu.errors import ConfigError, DataError
 
 
 def _stream(folder) -> np.ndarray:
@@ -158,9 +158,10 @@ def test_vocab_above_65536_ids_is_stored_as_uint32():
     assert token_dtype(65537) == np.uint32 and token_dtype(128256) == np.uint32
 
 
-def test_max_seq_len_with_bin_format_is_a_usage_error(corpus_txt, tmp_path):
-    with pytest.raises(SystemExit):
-        cli_main(["prepare-data", str(corpus_txt), "-o", str(tmp_path / "out"), "--max-seq-len", "8"])
+def test_max_seq_len_with_bin_format_is_a_usage_error(corpus_txt, tmp_path, capsys):
+    assert cli_main(["prepare-data", str(corpus_txt), "-o", str(tmp_path / "out"), "--max-seq-len", "8"]) == 2
+    assert "--max-seq-len truncates documents of --format jsonl only" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 # ---- outputs that would change the inputs, our own outputs read as input, leftovers of a refused run
@@ -211,11 +212,13 @@ def test_naming_a_prepare_data_output_as_input_is_refused(tmp_path, named):
 @pytest.mark.parametrize("flag, value, bound", [("--workers", "0", "1"), ("--shard-size", "0", "1"),
                                                 ("--max-seq-len", "-1", "0")])
 def test_a_count_out_of_range_names_the_flag_and_value(tmp_path, capsys, flag, value, bound):
+    with pytest.raises(ConfigError, match=f"^{flag} = {value} must be >= {bound} "):
+        prepare([str(tmp_path / "a.txt")], tmp_path / "out", **{flag[2:].replace("-", "_"): int(value)})
     (tmp_path / "a.txt").write_text("\n\n".join(make_docs(5)))
     extra = ["--format", "jsonl"] if flag == "--max-seq-len" else []
     assert cli_main(["prepare-data", str(tmp_path / "a.txt"), "-o", str(tmp_path / "out"), flag, value, *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"DataError: {flag} {value} must be >= {bound}"), err
+    assert len(err) == 1 and err[0].startswith(f"ConfigError: {flag} = {value} must be >= {bound}"), err
     assert not (tmp_path / "out").exists()
 
 

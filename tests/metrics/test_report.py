@@ -9,7 +9,10 @@ import pytest
 
 from titan_npu.cli import main as cli_main
 from titan_npu.errors import DataError
-from titan_npu.metrics.report import build_figure, read_metrics, summary, write_report
+from titan_npu.metrics.plots import build_figure
+from titan_npu.metrics.report import write_report
+from titan_npu.metrics.run_metrics import read_metrics
+from titan_npu.metrics.summary import summary
 
 # Recorded from a real run: the debug config shrunk to dim 64 / 2 layers, 60 steps, log every 5, validation every
 # 20, checkpoints at 30 and 60, and a NaN loss injected at step 33 (tests/fault_hooks.py, flagged on step 35's line).

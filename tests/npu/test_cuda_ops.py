@@ -13,7 +13,7 @@ from op_compare import assert_same_forward_and_backward, qkv
 from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends
 
 from titan_npu.config.loader import load_config
-from titan_npu.config.validate import ATTENTION_BACKENDS
+from titan_npu.config.options import ATTENTION_BACKENDS
 from titan_npu.errors import ConfigError
 from titan_npu.ops import OP_NAMES, current_kernels, reference
 from titan_npu.ops import cuda as cuda_ops

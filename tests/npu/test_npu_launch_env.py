@@ -35,7 +35,8 @@ def test_torch_npu_reads_the_flight_recorder_and_the_task_queue_at_import(each_t
 
 
 def test_reading_the_launch_settings_imports_no_torch():
-    code = ("import sys; from titan_npu.train import set_launch_env; from titan_npu.config.loader import load_config;"
+    code = ("import sys; from titan_npu.reliability.launch import set_launch_env; "
+            "from titan_npu.config.loader import load_config;"
             "cfg = load_config('configs/debug.toml', ['--comm.timeout_s', '900'], model=False);"
             "set_launch_env(cfg); print(sorted(m for m in ('torch', 'torch_npu') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -64,7 +65,7 @@ def test_the_task_queue_level_is_the_one_the_wheel_documents_for_training(each_t
 
 def test_a_task_queue_level_torch_npu_refuses_is_refused():
     # set_task_queue_enable raises unless the mode is 0, 1 or 2 (torch_npu/npu/utils.py)
-    with pytest.raises(ConfigError, match=r"training.npu_task_queue = 3 is not a torch_npu task-queue level"):
+    with pytest.raises(ConfigError, match=r"training.npu_task_queue = 3 must be in \[0, 2\] \(torch_npu.s task-queue"):
         load_config(None, ["--training.npu_task_queue", "3"], model=False)
 
 

@@ -71,7 +71,8 @@ def npu_and_cpu_runs(tmp_path_factory, torch_npu_wheel):
     npu = start_training(root / "npu", {
         "PYTHONPATH": os.pathsep.join([str(FAKE_DIR), str(site), os.environ.get("PYTHONPATH", "")]),
         "FAKE_NPU_TENSORS": "1", "FAKE_TORCH_NPU_REPORT": str(report), "TITAN_DEVICE": "npu",
-        "ASCEND_RT_VISIBLE_DEVICES": "4,6", "LOCAL_RANK": "1", "HCCL_EXEC_TIMEOUT": "77",
+        "ASCEND_RT_VISIBLE_DEVICES": "4,6", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "1",
+        "HCCL_EXEC_TIMEOUT": "77",
     }, "--comm.init_timeout_s", "600", "--comm.hccl_buffsize_mb", "200", "--comm.socket_ifname", "eth0",
         "--training.memory_fraction", "0.9")
     cpu = start_training(root / "cpu", {"TITAN_DEVICE": "cpu"})

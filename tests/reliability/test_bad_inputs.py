@@ -16,6 +16,8 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +28,7 @@ from tiny_run import train_tiny
 
 from titan_npu.cli import main as cli_main
 
-from .conftest import run_train, snapshot, tiny_args, torchrun
+from .conftest import REPO, clean_env, run_train, snapshot, tiny_args, torchrun
 
 
 @dataclass
@@ -128,7 +130,8 @@ CASES = [
     Case("wrong-type", ["--training.batch_size", "two"], "ConfigError", r"training.batch_size = 'two' is not an int"),
     Case("negative-lr", ["--optimizer.lr", "-1e-3"], "ConfigError", r"optimizer.lr = -0.001 must be > 0 \(a typical"),
     Case("zero-batch", ["--training.batch_size", "0"], "ConfigError", r"training.batch_size = 0 must be >= 1"),
-    Case("bad-betas", ["--optimizer.betas", "[0.9, 1.5]"], "ConfigError", r"optimizer.betas .* two values in \[0, 1\)"),
+    Case("bad-betas", ["--optimizer.betas", "[0.9, 1.5]"], "ConfigError",
+         r"optimizer.betas = \[0.9, 1.5\] must be in \[0, 1\)"),
     Case("unknown-dtype", ["--training.dtype", "fp8"], "ConfigError", r"training.dtype = 'fp8' is not a known dtype"),
     Case("unknown-optimizer", ["--optimizer.name", "Lion"], "ConfigError", r"optimizer.name = 'Lion' .*use AdamW"),
     Case("negative-resume", ["--checkpoint.resume", "-3"], "ConfigError", r"checkpoint.resume = '-3' must be auto"),
@@ -196,6 +199,23 @@ CASES = [
          env={"WORLD_SIZE": "2", "RANK": "5", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}"}),
     Case("master-port-not-a-port", [], "DeviceError", r"MASTER_PORT='99999' is not a port \(1-65535\); choose",
          env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}),
+    # a launch environment missing a variable the others imply, named before anything starts
+    Case("rank-without-world-size", [], "DeviceError", r"^RANK=0 but WORLD_SIZE is not set; launch with torchrun",
+         env={"RANK": "0"}),
+    Case("world-without-local-rank", [], "DeviceError", r"^RANK=0 but LOCAL_RANK is not set; launch with torchrun",
+         env={"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}"}),
+    Case("master-address-alone", [], "DeviceError", r"^MASTER_ADDR=127.0.0.1 but RANK is not set; launch with",
+         env={"MASTER_ADDR": "127.0.0.1"}),
+    Case("no-master-port", [], "DeviceError", r"^WORLD_SIZE=2 but MASTER_PORT is not set; launch with torchrun",
+         env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}),
+    # ---- config files that set nothing: refused, not run on the defaults without a word
+    Case("empty-config", ["--config", "{d}/c.toml"], "ConfigError",
+         r"c.toml' sets nothing \(it is empty or holds only comments and section headers\); .* leave out --config",
+         _write("c.toml", "")),
+    Case("comment-only-config", ["--config", "{d}/c.yaml"], "ConfigError", r"c.yaml' sets nothing",
+         _write("c.yaml", "# training:\n#   max_steps: 100\n")),
+    Case("headers-only-config", ["--config", "{d}/c.toml"], "ConfigError", r"c.toml' sets nothing",
+         _write("c.toml", "[training]\n\n[optimizer]\n# lr = 1e-4\n")),
     # ---- more configs
     Case("file-value-overridden", ["--config", "{d}/c.toml", "--training.batch_size", "2"], "ConfigError",
          r"c.toml:3: training.batch_size = \[2, 4\] is not an int",
@@ -239,8 +259,8 @@ CASES = [
          r"step-1/__0_0.distcp is 10 bytes .* no earlier intact checkpoint is in .*ckpt; start again or restore",
          _both(_damaged("step-1/__0_0.distcp", _cut(10)), lambda d: shutil.rmtree(d / "ckpt" / "step-2"))),
     # ---- signals: Ctrl-C during start-up is one line, exit 130, and leaves nothing
-    Case("sigint-at-start-up", [], "interrupted", r"^$", hook=("titan_npu.train", "check_before_process_group"),
-         code=130),
+    Case("sigint-at-start-up", [], "interrupted", r"^$",
+         hook=("titan_npu.reliability.launch", "check_before_process_group"), code=130),
     Case("sigint-while-data-is-read", [], "interrupted", r"^$", hook=("titan_npu.data.loader", "open_dataset"),
          code=130),
 ]
@@ -327,6 +347,19 @@ def test_a_refused_run_exits_2_with_one_line_and_no_traceback(case_id, tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"{case.error}: ")
     assert "Traceback" not in proc.stderr + proc.stdout
+    assert snapshot(tmp_path) == before
+
+
+def test_the_real_commands_refuse_an_option_out_of_range_and_a_partial_launch_in_one_line(tmp_path):
+    before = snapshot(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "titan_npu.cli", "generate", "--checkpoint", str(tmp_path / "ckpt"),
+                           "--top-k", "-1"], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", "ConfigError: --top-k = -1 must be >= 0 (0 = all "
+                                                                 "tokens)\n")
+    proc = run_train(tiny_args(tmp_path), RANK="0")
+    assert proc.returncode == 2 and "[Step" not in proc.stdout
+    assert proc.stderr == ("DeviceError: RANK=0 but WORLD_SIZE is not set; launch with torchrun (it sets them), or "
+                           "unset them for one process\n")
     assert snapshot(tmp_path) == before
 
 
@@ -466,12 +499,44 @@ COMMANDS = [
             "CheckpointError", r"__0_0.distcp is 1000 bytes .*intact step 1", _damaged("step-2/__0_0.distcp",
                                                                                      _cut(1000))),
     Command("generate-top-p", ["generate", "--checkpoint", "{d}/ckpt", "--top-p", "2"], "ConfigError",
-            r"--top-p=2.0 must be in \(0, 1\]", _run_copy),
+            r"^--top-p = 2.0 must be in \(0, 1\] \(1.0 = off\)$", _run_copy),
+    Command("generate-negative-temperature", ["generate", "--checkpoint", "{d}/ckpt", "--temperature", "-0.5"],
+            "ConfigError", r"^--temperature = -0.5 must be >= 0 \(0 = greedy\)$", _run_copy),
+    Command("generate-negative-top-k", ["generate", "--checkpoint", "{d}/ckpt", "--top-k", "-1"], "ConfigError",
+            r"^--top-k = -1 must be >= 0 \(0 = all tokens\)$", _run_copy),
+    Command("generate-no-samples", ["generate", "--checkpoint", "{d}/ckpt", "--num-samples", "0"], "ConfigError",
+            r"^--num-samples = 0 must be >= 1", _run_copy),
+    Command("generate-unknown-dtype", ["generate", "--checkpoint", "{d}/ckpt", "--dtype", "fp8"], "ConfigError",
+            r"^titan-npu generate: argument --dtype: invalid choice: 'fp8'", _run_copy),
     Command("generate-missing-checkpoint", ["generate", "--checkpoint", "{d}/nope"], "CheckpointError",
             r"--checkpoint .*nope does not exist; give a .pt file or a checkpoint directory"),
     # prepare-data
     Command("prepare-workers-zero", ["prepare-data", "{d}/corpus", "--output", "{d}/out", "--workers", "0"],
-            "DataError", r"^--workers 0 must be >= 1$", _corpus),
+            "ConfigError", r"^--workers = 0 must be >= 1 \(tokenising processes\)$", _corpus),
+    Command("prepare-zero-shard-size", ["prepare-data", "{d}/corpus", "--output", "{d}/out", "--shard-size", "0"],
+            "ConfigError", r"^--shard-size = 0 must be >= 1 \(tokens per shard\)$", _corpus),
+    Command("prepare-negative-max-seq-len", ["prepare-data", "{d}/corpus", "--output", "{d}/out", "--format", "jsonl",
+            "--max-seq-len", "-4"], "ConfigError", r"^--max-seq-len = -4 must be >= 0", _corpus),
+    Command("prepare-workers-not-a-number", ["prepare-data", "{d}/corpus", "--output", "{d}/out", "--workers",
+            "two"], "ConfigError", r"^titan-npu prepare-data: argument --workers: invalid int value: 'two'", _corpus),
+    Command("tokenizer-vocab-too-small", ["train-tokenizer", "{d}/corpus", "--output", "{d}/tok", "--vocab-size",
+            "100"], "ConfigError", r"^--vocab-size = 100 must be >= 259", _corpus),
+    # plan, doctor, bench, export: their numbers, before any work
+    Command("plan-efficiency-zero", ["plan", "--efficiency", "0"], "ConfigError",
+            r"^--efficiency = 0.0 must be in \(0, 1\] \(0.3-0.5 is typical\)$"),
+    Command("plan-no-nodes", ["plan", "--nodes", "0"], "ConfigError", r"^--nodes = 0 must be >= 1"),
+    Command("plan-negative-bandwidth", ["plan", "--inter-node-bw", "-25"], "ConfigError",
+            r"^--inter-node-bw = -25.0 must be > 0 \(GB/s\)$"),
+    Command("plan-bad-config-key", ["plan", "--training.seq_len", "0"], "ConfigError",
+            r"^command line: training.seq_len = 0 must be >= 1"),
+    Command("doctor-zero-timeout", ["doctor", "--timeout", "0"], "ConfigError", r"^--timeout = 0.0 must be > 0"),
+    Command("bench-no-steps", ["bench", "--steps", "0"], "ConfigError", r"^--steps = 0 must be >= 1"),
+    Command("export-negative-step", ["export", "--checkpoint", "{d}/ckpt", "--step", "-1", "--output", "{d}/w.pt"],
+            "ConfigError", r"^--step = -1 must be >= 0", _run_copy),
+    Command("dry-run-zero-world", ["train", "--dry-run", "--world-size", "0"], "ConfigError",
+            r"^--world-size = 0 must be >= 1 \(ranks of the job\)$"),
+    Command("init-weights-empty-config", ["init-weights", "--config", "{d}/c.toml", "--output", "{d}/seed"],
+            "ConfigError", r"c.toml' sets nothing", _write("c.toml", "# to do\n")),
     Command("prepare-output-inside-the-input", ["prepare-data", "{d}/corpus", "--output", "{d}/corpus/tokens"],
             "DataError", r"--output .*corpus/tokens lies inside the input .*corpus; write to a folder outside",
             _corpus),

@@ -7,9 +7,9 @@ import math
 import pytest
 
 from titan_npu.config.schema import JobConfig
+from titan_npu.config.validate import validate
 from titan_npu.errors import ConfigError
 from titan_npu.reliability.guards import MIN_SPIKE_HISTORY, StepGuard
-from titan_npu.reliability.settings import check_reliability_config
 
 NAN, INF = math.nan, math.inf
 
@@ -108,4 +108,4 @@ def test_unusable_reliability_settings_are_refused_with_the_key_and_a_usable_val
     cfg = JobConfig()
     setattr(cfg.reliability, key, value)
     with pytest.raises(ConfigError, match=message):
-        check_reliability_config(cfg)
+        validate(cfg)

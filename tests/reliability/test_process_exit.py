@@ -25,7 +25,7 @@ RANK_0 = """
 import atexit, sys
 atexit.register(sum, range(10**8))  # registered first, so it runs last: holds the interpreter lock in C
 import torch, torch.distributed as dist
-import titan_npu.train
+import titan_npu.commands.train
 
 store = dist.TCPStore("127.0.0.1", PORT, 2, is_master=True, wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=0, world_size=2)
@@ -38,8 +38,8 @@ def run(argv):
     dist.destroy_process_group()
     return 0
 
-titan_npu.train.main = run
-titan_npu.train.cli_main()
+titan_npu.commands.train.main = run
+titan_npu.commands.train.cli_main()
 """
 
 RANK_1 = """

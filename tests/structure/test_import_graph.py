@@ -142,3 +142,27 @@ def test_the_graph_sees_function_level_and_relative_imports(tmp_path) -> None:
     assert {"titan_npu.models.registry", "titan_npu.parallel.sibling"} <= found
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
+
+
+def _imports_argparse(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "argparse" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "argparse":
+            return True
+    return False
+
+
+def test_only_the_command_mains_parse_the_command_line() -> None:
+    allowed = {"titan_npu.cli"}
+    bad = sorted(name for name, path in _modules().items()
+                 if not (name in allowed or name.startswith("titan_npu.commands")) and _imports_argparse(path))
+    assert not bad, f"argparse belongs in titan_npu/commands (one module per command), not in: {bad}"
+
+
+def test_library_packages_never_import_the_command_mains() -> None:
+    graph = import_graph()
+    entries = {"titan_npu.cli", "titan_npu.train"}  # the dispatcher and train.py's entry point at them
+    bad = sorted(f"{m} -> {t}" for m, ts in graph.items() if not m.startswith("titan_npu.commands") and m not in entries
+                 for t in ts if t.startswith("titan_npu.commands") or t in entries)
+    assert not bad, f"library modules must not reach up to the command mains or the entry points: {bad}"

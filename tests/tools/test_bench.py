@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_npu.commands.bench import main
 from titan_npu.errors import ConfigError
-from titan_npu.tools.bench import StepTimer, main, step_time_stats, summarize
+from titan_npu.tools.bench import StepTimer, step_time_stats, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
@@ -103,7 +104,7 @@ def test_bench_prints_a_readable_report():
 
 
 def test_bench_refuses_zero_measured_steps():
-    with pytest.raises(ConfigError, match="--steps 0 must be >= 1"):
+    with pytest.raises(ConfigError, match=r"^--steps = 0 must be >= 1 \(measured steps\)$"):
         main([*TINY, "--steps", "0"])
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from titan_npu.commands import doctor as doctor_command
 from titan_npu.config.loader import load_config
 from titan_npu.parallel.process_group import free_port
 from titan_npu.tools import doctor
@@ -192,7 +193,7 @@ def test_bus_bandwidth_follows_the_nccl_tests_convention():
 def test_single_process_run_reports_every_section(capsys, monkeypatch):
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    code = doctor.main([])
+    code = doctor_command.main([])
     out = capsys.readouterr().out
     for section in ("versions", "devices", "communication environment", "collectives", "summary"):
         assert f"\n{section}\n" in out

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from titan_npu.commands import plan as plan_cli
 from titan_npu.config.loader import load_config
 from titan_npu.errors import ConfigError, LayoutError
-from titan_npu.planner import plan as plan_cli
 from titan_npu.planner.dry_run import dry_run
 from titan_npu.planner.layout import job_from_config, layout_from_config
 from titan_npu.planner.memory import estimate_memory

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_npu.commands.generate import main
 from titan_npu.errors import CheckpointError, ConfigError
 from titan_npu.models.llama import LlamaArgs, Transformer
-from titan_npu.tools.generate import CachedLlama, banned_token_mask, find_config, generate, main, sample_next
+from titan_npu.tools.generate import CachedLlama, banned_token_mask, find_config, generate, sample_next
 
 # fp32 on cpu: cached and uncached paths run the same kernels on the same values, up to summation order.
 ATOL = 1e-5

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_npu.commands import plan as plan_cli
 from titan_npu.config.loader import load_config
 from titan_npu.config.schema import ActivationCheckpointConfig, JobConfig
 from titan_npu.errors import ConfigError, LayoutError
 from titan_npu.models.llama import LlamaArgs
 from titan_npu.models.registry import build_model_args
 from titan_npu.parallel.arithmetic import chunk_size
-from titan_npu.planner import plan as plan_cli
 from titan_npu.planner import search
 from titan_npu.planner.activations import block_bytes, checkpoint_kind, in_flight_forwards
 from titan_npu.planner.hardware import hardware, parse_bytes

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from titan_npu.commands.plan import main
 from titan_npu.config.loader import load_config
 from titan_npu.metrics.throughput import flops_per_token
 from titan_npu.planner.dry_run import balanced_rows, dry_run
 from titan_npu.planner.hardware import hardware
 from titan_npu.planner.layout import Layout, job_from_config, layout_from_config
 from titan_npu.planner.perf import estimate_step
-from titan_npu.planner.plan import main
 from titan_npu.planner.search import config_overrides, make_plan
 from titan_npu.planner.temporaries import temporary_bytes
 from titan_npu.planner.verify import compare_with_plan

@@ -1,4 +1,4 @@
-"""`titan-npu init-weights`: write a config's initial weights as a checkpoint that any layout starts from.
+"""A config's initial weights as a checkpoint that any layout starts from (`titan-npu init-weights`).
 
 Training already starts every layout from the same weights for a seed (models/init.py). A seed checkpoint pins
 them beyond one code version: runs started from it (`checkpoint.initial_load = DIR`) share their first weights
@@ -10,7 +10,6 @@ its own shard.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import shutil
@@ -88,35 +87,3 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | Path, overwrite: bool =
         return model_args.num_params()
     finally:
         destroy_process_group()
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="titan-npu init-weights",
-        description="Write the initial weights a config gives (its [model] and training.seed) as a checkpoint "
-                    "directory that any parallel layout starts from with checkpoint.initial_load. Any config key "
-                    "can be overridden as --section.key value; under torchrun every rank writes its own shard.",
-        epilog="example: titan-npu init-weights --config configs/llama3_8b.toml --output seeds/llama3_8b",
-    )
-    p.add_argument("--config", "--config_file", dest="config", help="TOML or YAML config file (default: all defaults)")
-    p.add_argument("--output", required=True, help="the checkpoint directory to write")
-    p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks")
-    return p
-
-
-def init_weights_main(argv: list[str]) -> int:
-    """Entry of `titan-npu init-weights`."""
-    import os
-
-    from titan_npu.config.loader import load_config
-    from titan_npu.train import setup_logging
-
-    args, overrides = _parser().parse_known_args(argv)
-    setup_logging(int(os.environ.get("RANK", "0")))
-    cfg = load_config(args.config, overrides)
-    n_params = create_seed_checkpoint(cfg, args.output, overwrite=args.overwrite)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"wrote the initial weights of training.seed={cfg.training.seed} ({n_params / 1e6:.1f}M parameters) "
-              f"to {args.output}; start any layout from them with checkpoint.initial_load={args.output}")
-    return 0

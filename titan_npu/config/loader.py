@@ -44,13 +44,24 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = 
     sources: list[tuple[str, Mapping[str, Any]]] = []
     lines: dict[str, list[str]] = {}
     if path is not None:
-        sources.append((str(path), read_config_file(path)))
+        data = read_config_file(path)
+        if not _sets_a_key(data):
+            raise ConfigError(f"config file '{path}' sets nothing (it is empty or holds only comments and section "
+                              "headers); write the keys to change under their sections, e.g. [training] max_steps = "
+                              "100, or leave out --config to run on the defaults")
+        sources.append((str(path), data))
         lines[str(path)] = Path(path).read_text(encoding="utf-8").splitlines()
     if overrides:
         sources.append((CLI, parse_overrides(overrides)))
     if not model:
         sources = [(source, {k: v for k, v in raw.items() if k != "model"}) for source, raw in sources]
     return _build(sources, lines, model)
+
+
+def _sets_a_key(data: Mapping[str, Any]) -> bool:
+    """True when a parsed config file holds at least one key with a value (not only empty sections; YAML reads a
+    section whose keys are all commented out as null)."""
+    return any(_sets_a_key(v) if isinstance(v, Mapping) else v is not None for v in data.values())
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "config") -> JobConfig:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from titan_npu.atomic import atomic_path, atomic_write_json
+from titan_npu.config.options import COMMAND_OPTIONS
 from titan_npu.data.datasets import INDEX_FILE, INDEX_FORMAT, PROGRESS_FILE, TOKENS_JSONL, read_index
 from titan_npu.data.progress import Progress
 from titan_npu.data.sources import BadRecords, DocumentReader, discover_inputs
@@ -237,10 +238,9 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
     """Tokenise inputs into output (a folder); idempotent, atomic, resumable. See the module docstring."""
     if fmt not in ("bin", "jsonl"):
         raise DataError(f"--format {fmt} is unknown; use bin or jsonl")
-    for flag, value, least in (("--workers", workers, 1), ("--shard-size", shard_size, 1),
-                               ("--max-seq-len", max_seq_len, 0)):
-        if value < least:
-            raise DataError(f"{flag} {value} must be >= {least}" + (" (0 = no truncation)" if least == 0 else ""))
+    rows = COMMAND_OPTIONS["prepare-data"]  # the ranges `titan-npu prepare-data` holds its options to
+    for flag, value in (("--workers", workers), ("--shard-size", shard_size), ("--max-seq-len", max_seq_len)):
+        rows[flag].check(flag, value)
     output = Path(output).expanduser()
     paths = discover_inputs(inputs)
     _refuse_overlap(output, [Path(i).expanduser() for i in inputs if Path(i).expanduser().exists()] + paths)

@@ -1,10 +1,26 @@
 """Step metrics: throughput/MFU arithmetic, the step window, health flags, sinks, progress and the run report."""
 
-from titan_npu.metrics.anomaly import SpikeDetector, health_flags
-from titan_npu.metrics.logger import MetricsLogger, format_step_line, format_validation_line
-from titan_npu.metrics.meter import StepMeter, Window, perplexity, step_record
-from titan_npu.metrics.progress import Progress
-from titan_npu.metrics.throughput import Throughput, flops_per_token, throughput
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from titan_npu.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from titan_npu.metrics.anomaly import SpikeDetector, health_flags
+    from titan_npu.metrics.logger import MetricsLogger, format_step_line, format_validation_line
+    from titan_npu.metrics.meter import StepMeter, Window, perplexity, step_record
+    from titan_npu.metrics.progress import Progress
+    from titan_npu.metrics.throughput import Throughput, flops_per_token, throughput
+
+# Loaded on first use: the console's logging set-up (metrics/console.py) runs before the launcher imports torch.
+_EXPORTS = {
+    **dict.fromkeys(("SpikeDetector", "health_flags"), "titan_npu.metrics.anomaly"),
+    **dict.fromkeys(("MetricsLogger", "format_step_line", "format_validation_line"), "titan_npu.metrics.logger"),
+    **dict.fromkeys(("StepMeter", "Window", "perplexity", "step_record"), "titan_npu.metrics.meter"),
+    "Progress": "titan_npu.metrics.progress",
+    **dict.fromkeys(("Throughput", "flops_per_token", "throughput"), "titan_npu.metrics.throughput"),
+}
 
 __all__ = [
     "MetricsLogger",
@@ -21,3 +37,5 @@ __all__ = [
     "step_record",
     "throughput",
 ]
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,24 +1,15 @@
-"""`titan-npu plan`: per-rank memory of the config's layout, whether it fits, and the fastest layouts that do.
-
-    titan-npu plan --config configs/llama2_70b.toml --nodes 8 --devices-per-node 8 --device 910B2
-    titan-npu plan --config configs/llama2_7b.toml --nodes 1 --devices-per-node 4 --json
-    titan-npu plan --config configs/llama2_7b.toml --nodes 1 --devices-per-node 4 --verify --rank 3
+"""The plan as a person reads it: the model and cluster, the config's layout with its per-rank memory, and the
+ranked table of layouts that fit (`titan-npu plan`).
 
 Every candidate keeps the config's global batch (sequences per optimizer step): a plan that silently changed it
 would change the training run, not only its speed. Candidates pass the same layout checks as the trainer
-(parallel/layout.py). Exit code 0 when the config's own layout fits (and --verify agrees), 1 otherwise.
+(parallel/layout.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-
-from titan_npu.errors import ConfigError, LayoutError
-from titan_npu.planner.hardware import DEVICES, hardware
 from titan_npu.planner.layout import GiB, Layout
-from titan_npu.planner.search import Candidate, Plan, config_overrides, make_plan
+from titan_npu.planner.search import Candidate, Plan, config_overrides
 
 # Llama 2 and 3 pretrained with ~4M-token batches; far larger global batches at the same lr are a common cause of
 # loss oscillation in the guides' runs.
@@ -140,59 +131,3 @@ def format_plan(plan: Plan) -> str:
     if advice:
         lines.append(advice)
     return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="titan-npu plan",
-        description="Per-rank memory of a config's layout, whether it fits, and the fastest layouts that do. "
-                    "Config keys can be overridden as --section.key value.",
-    )
-    p.add_argument("--config", help="TOML or YAML config file")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--devices-per-node", type=int, default=8)
-    p.add_argument("--device", default="910B2", help=f"device kind ({', '.join(s.name for s in DEVICES.values())})")
-    p.add_argument("--device-memory", help="memory per device, e.g. 64GB (default: the device's)")
-    p.add_argument("--intra-node-bw", type=float, help="effective collective bandwidth inside a node, GB/s")
-    p.add_argument("--inter-node-bw", type=float, help="effective collective bandwidth between nodes, GB/s")
-    p.add_argument("--efficiency", type=float, default=0.4, help="fraction of peak FLOPs compute reaches (0.4)")
-    p.add_argument("--top", type=int, default=10, help="how many ranked layouts to show")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--verify", action="store_true",
-                   help="also build the real parallelized model for --rank on the meta device and compare")
-    p.add_argument("--rank", type=int, default=0, help="rank the --verify dry run builds (default 0)")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks")
-    return p
-
-
-def main(argv: list[str]) -> int:
-    """Entry of `titan-npu plan`."""
-    from titan_npu.config.loader import load_config
-
-    args, overrides = build_parser().parse_known_args(argv)
-    if not 0 < args.efficiency <= 1:
-        raise ConfigError(f"--efficiency {args.efficiency} must be in (0, 1]; 0.3-0.5 is typical")
-    cfg = load_config(args.config, overrides)
-    hw = hardware(args.device, args.device_memory, args.intra_node_bw, args.inter_node_bw)
-    plan = make_plan(cfg, args.nodes, args.devices_per_node, hw, args.efficiency, args.top)
-    report = plan.as_dict()
-    agree = True
-    verify_text = ""
-    if args.verify:
-        if plan.config_candidate is None:
-            raise LayoutError(f"--verify needs a valid config layout: {plan.config_error}")
-        from titan_npu.planner.dry_run import dry_run
-        from titan_npu.planner.verify import compare_with_plan
-
-        result = dry_run(cfg, args.nodes * args.devices_per_node, args.rank, device_type=hw.device_type)
-        comparison = compare_with_plan(result, cfg)
-        agree = comparison["match"]
-        report["verify"] = {"dry_run": result.as_dict(), "comparison": comparison}
-        verify_text = "\n\n" + result.format() + "\n" + comparison["text"]
-    if args.json:
-        json.dump(report, sys.stdout, indent=2)
-        print()
-    else:
-        print(format_plan(plan) + verify_text)
-    fits = plan.config_candidate is not None and plan.config_candidate.fits
-    return 0 if agree and fits else 1

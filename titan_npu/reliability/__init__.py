@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from titan_npu.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from titan_npu.reliability.guards import StepGuard, TrainingHalted, Verdict
@@ -24,7 +25,4 @@ _EXPORTS = {
 __all__ = ["HANG_EXIT_CODE", "Reliability", "StepGuard", "TrainingHalted", "Verdict", "Watchdog", "prepare_reliability"]
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'titan_npu.reliability' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

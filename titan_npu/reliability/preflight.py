@@ -9,7 +9,6 @@ import torch
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import ConfigError
-from titan_npu.reliability.settings import check_reliability_config
 
 log = logging.getLogger("titan_npu")
 
@@ -48,7 +47,6 @@ def restart_problem(env: dict[str, str] | os._Environ = os.environ) -> str:
 
 def preflight(cfg: JobConfig, device_type: str) -> None:
     """Every check of this module for one run on `device_type`."""
-    check_reliability_config(cfg)
     check_dtype_support(cfg.training.dtype, device_type)
     problem = restart_problem()
     if problem and os.environ.get("RANK", "0") == "0":

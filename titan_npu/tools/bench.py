@@ -12,13 +12,10 @@ not counted. Each measured step ends with a device synchronisation, so its time 
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import statistics
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -272,45 +269,3 @@ def format_result(r: BenchResult) -> str:
     lines.append(f"  attention       {r.attention}{', compiled' if r.compiled else ''}")
     lines.append(f"  loss            {r.loss_first:.4f} -> {r.loss_last:.4f}")
     return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="titan-npu bench",
-        description="Train a fixed number of steps through the real trainer and report tokens/s, MFU, step "
-        "times and peak memory. Any config key can be overridden as --section.key value.",
-    )
-    p.add_argument("--config", "--config_file", dest="config", help="TOML or YAML config file (default: all defaults)")
-    p.add_argument("--steps", type=int, default=10, help="measured steps (default 10)")
-    p.add_argument("--warmup", type=int, default=3, help="steps run before measuring (default 3)")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (logs go to stderr)")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry of `titan-npu bench`."""
-    from titan_npu.config.loader import load_config
-    from titan_npu.train import preflight, setup_logging
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args, overrides = build_parser().parse_known_args(argv)
-    if args.steps < 1:
-        raise ConfigError(f"bench: --steps {args.steps} must be >= 1")
-    if args.warmup < 0:
-        raise ConfigError(f"bench: --warmup {args.warmup} must be >= 0 (3 is typical)")
-    rank = int(os.environ.get("RANK", "0"))
-    setup_logging(rank)
-    if args.json:
-        for handler in logging.getLogger("titan_npu").handlers:
-            if isinstance(handler, logging.StreamHandler):
-                handler.setStream(sys.stderr)
-    cfg = load_config(args.config, overrides)
-    preflight(cfg)  # as train does: a refusal before any process group forms, said once
-    explicit_log_dir = any("log_dir" in token for token in overrides)
-    with tempfile.TemporaryDirectory(prefix="titan-bench-") as tmp:
-        prepare_config(cfg, args.steps, args.warmup, cfg.metrics.log_dir if explicit_log_dir else tmp)
-        result = run_bench(cfg, args.steps, args.warmup)
-    if rank == 0:
-        print(json.dumps(result.to_dict()) if args.json else format_result(result), flush=True)
-    return 0

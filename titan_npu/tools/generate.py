@@ -8,9 +8,6 @@ token at a time, each new query attending to all cached positions.
 
 from __future__ import annotations
 
-import argparse
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -210,87 +207,3 @@ def load_model(state_dict: dict[str, torch.Tensor], args: Any, device: torch.dev
     model.to(device=device, dtype=dtype)
     model.freqs_cos, model.freqs_sin = model.rope_tables(device)
     return model.eval()
-
-
-def _dtype(name: str, device_type: str) -> torch.dtype:
-    if name == "auto":
-        return torch.float32 if device_type == "cpu" else torch.bfloat16
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="titan-npu generate", description="Sample text from a trained checkpoint.")
-    p.add_argument("--checkpoint", required=True, help="a full .pt state dict (titan-npu export) or a DCP step dir")
-    p.add_argument("--config", help="the run's config (default: config.toml beside the checkpoint or its log dir)")
-    p.add_argument("--prompt", default="", help="text to continue (default: start from BOS)")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1.0 = off)")
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--tokenizer", help="override the config's data.tokenizer")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="weights' dtype (auto: fp32 on cpu, bf16 on accelerators)")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks")
-    return p
-
-
-def main(argv: list[str]) -> int:
-    """`titan-npu generate --checkpoint DIR --prompt "..." --max-new-tokens N --temperature T --top-k K`."""
-    from titan_npu.config.loader import load_config
-    from titan_npu.data import build_tokenizer
-    from titan_npu.device import setup_device
-
-    args = build_parser().parse_args(argv)
-    for name, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--num-samples", args.num_samples, 1),
-                             ("--top-k", args.top_k, 0)):
-        if value < low:
-            raise ConfigError(f"{name}={value} must be >= {low}")
-    if not 0 < args.top_p <= 1:
-        raise ConfigError(f"--top-p={args.top_p} must be in (0, 1]")
-    from titan_npu.checkpoint.formats import read_weights
-    from titan_npu.models.registry import build_model_args
-
-    ckpt = Path(args.checkpoint)
-    if not ckpt.exists():
-        raise CheckpointError(f"--checkpoint {ckpt} does not exist; give a .pt file or a checkpoint directory")
-    ckpt = resolve_checkpoint(ckpt)
-    config_path = Path(args.config) if args.config else find_config(ckpt)
-    cfg = load_config(config_path) if config_path is not None else None
-    if cfg is None and not args.tokenizer:
-        raise ConfigError(f"no config.toml beside {ckpt} (looked in its folder and two above); pass --config with "
-                          "the config the model was trained with (or --tokenizer for a checkpoint that has shapes)")
-    weights = read_weights(ckpt)
-    # Shapes recorded with the weights (DCP checkpoint.json, Hugging Face config.json) win over the config's.
-    model_args = weights.args
-    if model_args is None:
-        if cfg is None:
-            raise ConfigError(f"{ckpt} records no model shapes; pass --config with the config it was trained with")
-        model_args = build_model_args(cfg.model)
-    tokenizer = build_tokenizer(args.tokenizer or cfg.data.tokenizer)
-
-    device = setup_device()
-    model = load_model(weights.state_dict, model_args, device.torch_device, _dtype(args.dtype, device.type))
-    vocab = model.output.out_features
-    if tokenizer.vocab_size > vocab:
-        raise ConfigError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {vocab}; pass the run's "
-                          "tokenizer with --tokenizer")
-    prompt_ids = tokenizer.encode(args.prompt, bos=True)
-    limit = model.freqs_cos.shape[0] - 1
-    if len(prompt_ids) > limit:
-        print(f"prompt is {len(prompt_ids)} tokens; keeping the last {limit} (model.max_seq_len)", file=sys.stderr)
-        prompt_ids = prompt_ids[-limit:]
-    banned = banned_token_mask(vocab, tokenizer.vocab_size, [tokenizer.bos_id, tokenizer.pad_id], device.torch_device)
-
-    t0 = time.perf_counter()
-    samples = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                       args.num_samples, tokenizer.eos_id, banned, args.seed)
-    seconds = time.perf_counter() - t0
-    for i, ids in enumerate(samples):
-        if i:
-            print("\n" + "-" * 40)
-        print(args.prompt + tokenizer.decode(ids), flush=True)
-    n = sum(len(s) for s in samples)
-    print(f"\n[{n} tokens in {seconds:.2f}s, {n / max(seconds, 1e-9):.1f} tokens/s on {device.type}]", file=sys.stderr)
-    return 0

@@ -34,7 +34,8 @@ from titan_npu.metrics import (
     step_record,
 )
 from titan_npu.metrics.logger import import_wandb
-from titan_npu.metrics.report import final_report, run_info, write_run_info
+from titan_npu.metrics.report import final_report
+from titan_npu.metrics.run_info import run_info, write_run_info
 from titan_npu.models.registry import build_model_args, spec_of
 from titan_npu.ops import current_kernels
 from titan_npu.ops.cuda import choose_attention_kernel

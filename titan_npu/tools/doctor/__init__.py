@@ -1,4 +1,5 @@
-"""`titan-npu doctor`: is this machine (and, under torchrun, this job) ready to train?
+"""The checks of `titan-npu doctor` (its command line: commands/doctor.py): is this machine (and, under
+torchrun, this job) ready to train?
 
     titan-npu doctor [--config C]                                    versions, devices, environment, disk
     torchrun --nnodes 2 --nproc_per_node 8 ... -m titan_npu.cli doctor  + collectives on the real backend
@@ -10,7 +11,6 @@ each rank's time and the bus bandwidth. A rank that never checks in, or never re
 rank number within --timeout seconds instead of hanging the job. Exit code 0: no failures; 1: something failed.
 """
 
-from titan_npu.tools.doctor.cli import main
 from titan_npu.tools.doctor.collectives import CollectiveResult, run_collectives
 from titan_npu.tools.doctor.disk import check_disk
 from titan_npu.tools.doctor.environment import check_environment
@@ -28,7 +28,6 @@ __all__ = [
     "check_disk",
     "check_environment",
     "check_in",
-    "main",
     "open_side_channel",
     "parse_release",
     "read_cann_version",

@@ -1,15 +1,15 @@
-"""`titan-npu prepare-data` and `titan-npu train-tokenizer`."""
+"""`titan-npu prepare-data`: tokenise a corpus into binary token shards or tokens JSONL."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from titan_npu.commands.parsing import CommandParser, parse
 from titan_npu.data.progress import Progress
 
 
-def _prepare_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    p = CommandParser(
         prog="titan-npu prepare-data",
         description="Tokenise .txt/.jsonl/.json/.parquet files (optionally .gz/.zst; files, folders or globs) into "
         "binary token shards plus index.json, or into the guide's tokens JSONL. Re-running is a no-op when nothing "
@@ -34,13 +34,13 @@ def _prepare_parser() -> argparse.ArgumentParser:
     return p
 
 
-def prepare_data_main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     """Entry of `titan-npu prepare-data`."""
     from titan_npu.data.prepare import prepare
 
-    args = _prepare_parser().parse_args(argv)
+    args, _ = parse("prepare-data", build_parser(), argv)
     if args.max_seq_len and args.fmt != "jsonl":
-        _prepare_parser().error("--max-seq-len truncates documents of --format jsonl only; windows of bin shards are "
+        build_parser().error("--max-seq-len truncates documents of --format jsonl only; windows of bin shards are "
                                 "set by training.seq_len")
     progress = None
     if args.progress != "auto":
@@ -62,28 +62,4 @@ def prepare_data_main(argv: list[str]) -> int:
     if result.bad_records:
         print(f"skipped {result.bad_records} bad record(s); first: " + " | ".join(result.bad_examples),
               file=sys.stderr)
-    return 0
-
-
-def train_tokenizer_main(argv: list[str]) -> int:
-    """Entry of `titan-npu train-tokenizer`."""
-    from titan_npu.data.train_tokenizer import train_bpe
-
-    p = argparse.ArgumentParser(prog="titan-npu train-tokenizer",
-                                description="Learn a byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json "
-                                "with BOS/EOS/PAD) from .txt/.jsonl/.json/.parquet files, folders or globs.")
-    p.add_argument("inputs", nargs="+", help="input files, folders or globs")
-    p.add_argument("--vocab-size", type=int, default=32000, help="vocabulary size incl. 256 bytes and 3 specials")
-    p.add_argument("--output", "-o", required=True, help="folder to write tokenizer.json into")
-    p.add_argument("--text-field", default="text", help="text field of .jsonl/.json records and .parquet column")
-    p.add_argument("--doc-sep", choices=("blank", "line"), default="blank", help=".txt document separator")
-    p.add_argument("--skip-bad-records", action="store_true", help="skip malformed records instead of stopping")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    args = p.parse_args(argv)
-    path = train_bpe(args.inputs, args.vocab_size, args.output, text_field=args.text_field, doc_sep=args.doc_sep,
-                     skip_bad_records=args.skip_bad_records)
-    from titan_npu.data.tokenizer import build_tokenizer
-
-    tok = build_tokenizer(str(path))
-    print(f"wrote {path} (vocab {tok.vocab_size}, bos {tok.bos_id}, eos {tok.eos_id}, fingerprint {tok.fingerprint()})")
     return 0

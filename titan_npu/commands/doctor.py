@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
 import sys
 
+from titan_npu.commands.parsing import CommandParser, parse
+from titan_npu.reliability.launch import check_launch_env
 from titan_npu.tools.doctor.collectives import collective_check
 from titan_npu.tools.doctor.devices import check_devices
 from titan_npu.tools.doctor.disk import check_disk
@@ -16,8 +17,8 @@ from titan_npu.tools.doctor.report import Report
 from titan_npu.tools.doctor.versions import check_versions
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="titan-npu doctor",
+def build_parser() -> CommandParser:
+    p = CommandParser(prog="titan-npu doctor",
                                 description="Check versions, devices, environment, disk and (under torchrun) "
                                             "collectives. Config keys can be overridden as --section.key value.")
     p.add_argument("--config", help="config file: adds the disk check and the variables the run will set")
@@ -46,8 +47,9 @@ def _parse_sizes(text: str) -> list[int]:
 
 def main(argv: list[str]) -> int:
     """Entry of `titan-npu doctor`."""
-    args, overrides = build_parser().parse_known_args(argv)
+    args, overrides = parse("doctor", build_parser(), argv, known=True)
     sizes = _parse_sizes(args.sizes)
+    check_launch_env()  # it reads RANK, LOCAL_RANK and WORLD_SIZE below
     cfg = None
     if args.config or overrides:
         from titan_npu.config.loader import load_config

@@ -1,0 +1,124 @@
+"""report.md: the run's figures as a markdown table, its checkpoints, and where the numbers come from."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from titan_npu.metrics.run_metrics import RunMetrics
+from titan_npu.metrics.summary import human, summary
+
+REPORT_HEADING = "# Run report: "  # report.md's first line: how a report titan-npu wrote is recognised
+
+
+def _fmt(v: Any, spec: str = ".4f", missing: str = "n/a") -> str:
+    if v is None:
+        return missing
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return format(v, spec)
+
+
+def list_checkpoints(ckpt_dir: Path | None) -> list[str]:
+    """One line per complete checkpoint in the checkpoint dir (step-N, size), oldest first."""
+    if ckpt_dir is None or not ckpt_dir.is_dir():
+        return []
+    from titan_npu.checkpoint import storage
+
+    lines = []
+    for ref in storage.list_checkpoints(ckpt_dir):
+        size = sum(f.stat().st_size for f in ref.path.rglob("*") if f.is_file())
+        lines.append(f"{ref.path.name} (step {ref.step}, {size / 1024**2:,.1f} MiB)")
+    return lines
+
+
+def _checkpoint_dir(log_dir: Path, info: dict[str, Any], config: dict[str, Any]) -> Path | None:
+    candidates = []
+    if info.get("checkpoint_dir"):
+        candidates.append(Path(info["checkpoint_dir"]))
+    rel = config.get("checkpoint", {}).get("dir")
+    if rel:
+        candidates += [Path(rel), log_dir.parent / rel, log_dir / rel]
+    for c in candidates:
+        if c.is_dir():
+            return c
+    return candidates[0] if candidates else None
+
+
+def render_markdown(log_dir: Path, run: RunMetrics, config: dict[str, Any], info: dict[str, Any],
+                    png_name: str | None) -> str:
+    """report.md's text."""
+    s = summary(run)
+    m, t = config.get("model", {}), config.get("training", {})
+    opt, sched, data = config.get("optimizer", {}), config.get("lr_scheduler", {}), config.get("data", {})
+    rows: list[tuple[str, str]] = []
+    model = f"{m.get('name', '?')} {m.get('flavor', '')}".strip()
+    if info.get("params"):
+        model += f", {human(info['params'])} params ({human(info.get('non_embedding_params', 0))} non-embedding)"
+    if info.get("shape"):
+        model += f", {info['shape']}"
+    rows.append(("model", model))
+    if t:
+        rows.append(("training", f"batch_size={t.get('batch_size')} x seq_len={t.get('seq_len')} x "
+                                 f"grad_accum={t.get('gradient_accumulation_steps')}, max_steps={t.get('max_steps')}, "
+                                 f"dtype={t.get('dtype')}"))
+    if opt:
+        rows.append(("optimizer", f"{opt.get('name')} lr={opt.get('lr')} weight_decay={opt.get('weight_decay')}, "
+                                  f"{sched.get('decay_type', '?')} schedule, warmup {sched.get('warmup_steps', '?')}"))
+    if data:
+        rows.append(("data", f"{data.get('path') or 'built-in corpus'} (tokenizer {data.get('tokenizer')})"))
+    if info.get("layout"):
+        rows.append(("layout", info["layout"]))
+    if info.get("device"):
+        rows.append(("device", f"{info['device']}, peak {_fmt(info.get('peak_tflops'), '.3g')} TFLOP/s per device"))
+    if info.get("tokens_per_step"):
+        rows.append(("tokens per step", f"{info['tokens_per_step']:,} (global)"))
+    if "last_step" in s:
+        tokens = s.get("tokens_seen")
+        rows.append(("steps logged", f"up to step {s['last_step']}"))
+        rows.append(("tokens seen", f"{tokens:,} ({human(tokens)})" if tokens else "n/a"))
+        step, loss = s["final_loss"]
+        rows.append(("final loss", f"{_fmt(loss)} (step {step})"))
+        if s["best_loss"]:
+            rows.append(("best loss", f"{_fmt(s['best_loss'][1])} (step {s['best_loss'][0]})"))
+    if s.get("final_val"):
+        step, loss, ppl = s["final_val"]
+        rows.append(("final val loss", f"{_fmt(loss)}, perplexity {_fmt(ppl, '.2f')} (step {step})"))
+        if s["best_val"]:
+            bs, bl, bp = s["best_val"]
+            rows.append(("best val loss", f"{_fmt(bl)}, perplexity {_fmt(bp, '.2f')} (step {bs})"))
+    if "last_step" in s:
+        rows.append(("median throughput", f"{_fmt(s['median_tokens_per_s'], ',.0f')} tokens/s global, "
+                                          f"{_fmt(s['median_tokens_per_s_per_device'], ',.0f')} per device "
+                                          f"(first logged window left out)"))
+        mfu = s["median_mfu"]
+        rows.append(("median MFU", f"{_fmt(None if mfu is None else 100 * mfu, '.1f')}% "
+                                   f"({_fmt(s['median_tflops_per_device'], '.3g')} TFLOP/s per device)"))
+        rows.append(("median step time", f"{_fmt(s['median_step_time_s'], '.3f')} s "
+                                         f"(data loading {_fmt(s['median_data_time_s'], '.3f')} s)"))
+        rows.append(("peak memory", f"{_fmt(s['peak_mem_gb'], '.2f')} GB of {_fmt(s['mem_total_gb'], '.1f')} GB"))
+        if s["expert_load"]:
+            median, (step, last) = s["expert_load"]
+            rows.append(("expert load", f"max / mean tokens per expert, mean over the MoE layers: median "
+                                        f"{median:.2f}, {last:.2f} at step {step} (1.00 = even)"))
+        flags = s["flags"]
+        rows.append(("flags", "none" if not flags else f"{len(flags)}: " + "; ".join(
+            f"step {st}: {f}" for st, f in flags[:5]) + (" ..." if len(flags) > 5 else "")))
+
+    ckpt_dir = _checkpoint_dir(log_dir, info, config)
+    lines = [f"{REPORT_HEADING}{log_dir.resolve().name}", ""]
+    if png_name:
+        lines += [f"![loss, learning rate, throughput and memory against step]({png_name})", ""]
+    lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows] + [""]
+    lines.append(f"## Checkpoints ({ckpt_dir if ckpt_dir else 'no checkpoint dir configured'})")
+    lines.append("")
+    entries = list_checkpoints(ckpt_dir)
+    lines += [f"- {e}" for e in entries] if entries else ["none written"]
+    lines.append("")
+    notes = ["Source: metrics.jsonl, config.toml and run_info.json in this directory. Throughput and MFU are medians "
+             "over the logged windows after the first; docs/metrics.md explains every figure."]
+    if run.skipped_lines:
+        notes.append(f"{run.skipped_lines} unreadable line(s) of metrics.jsonl were skipped.")
+    lines += notes + [""]
+    return "\n".join(lines)

@@ -1,0 +1,131 @@
+"""report.png: loss, learning rate, throughput / MFU and memory against step (and expert load for a MoE run),
+drawn with matplotlib when it is installed."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+from titan_npu.atomic import atomic_path
+from titan_npu.errors import TitanError
+from titan_npu.metrics.run_metrics import RunMetrics
+from titan_npu.metrics.summary import expert_load, finite_points, steady_records
+
+
+def require_matplotlib():
+    """matplotlib.pyplot on the Agg backend; TitanError with the install line when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise TitanError("the report's plots need matplotlib, which is not installed; pip install matplotlib "
+                         "(or titan-npu[plot]); report.md is written without it") from None
+    matplotlib.use("Agg")  # no display needed; must precede pyplot's import
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def build_figure(run: RunMetrics, title: str = ""):
+    """A 2x2 matplotlib figure: loss (train, validation, flagged steps), learning rate, throughput/MFU, memory; and
+    for a MoE model's run (metrics with expert_load_max_mean) a full-width expert-load panel below them."""
+    plt = require_matplotlib()
+    train, val = run.train, run.val
+    load_mean, load_layers = expert_load(train)
+    if load_mean or load_layers:
+        fig = plt.figure(figsize=(12, 11.25), dpi=110)
+        grid = fig.add_gridspec(3, 2)
+        (ax_loss, ax_lr), (ax_tp, ax_mem) = [[fig.add_subplot(grid[row, col]) for col in (0, 1)] for row in (0, 1)]
+        _plot_expert_load(fig.add_subplot(grid[2, :]), load_mean, load_layers)
+    else:
+        fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), dpi=110)
+        (ax_loss, ax_lr), (ax_tp, ax_mem) = axes
+
+    loss = finite_points(train, "loss")
+    if loss:
+        ax_loss.plot(*zip(*loss), label="train", color="tab:blue", linewidth=1.4)
+    vloss = finite_points(val, "val_loss")
+    if vloss:
+        ax_loss.plot(*zip(*vloss), label="validation", color="tab:orange", marker="o", markersize=4, linewidth=1.4)
+    flagged = [(r["step"], r["loss"]) for r in train if r.get("flags") and isinstance(r.get("loss"), float)
+               and math.isfinite(r["loss"])]
+    if flagged:
+        ax_loss.scatter(*zip(*flagged), color="tab:red", marker="x", s=40, zorder=3, label="flagged step")
+    ax_loss.set_title("loss")
+    ax_loss.set_ylabel("cross entropy (nats/token)")
+
+    lr = finite_points(train, "lr")
+    if lr:
+        ax_lr.plot(*zip(*lr), color="tab:green", linewidth=1.4)
+    ax_lr.set_title("learning rate")
+    ax_lr.set_ylabel("lr")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+
+    steady = steady_records(train)
+    tps = finite_points(steady, "tokens_per_s")
+    if tps:
+        ax_tp.plot(*zip(*tps), color="tab:purple", linewidth=1.4, label="tokens/s (global)")
+    ax_tp.set_title("throughput (first logged window left out)")
+    ax_tp.set_ylabel("tokens/s, all devices")
+    # MFU is tokens/s times a constant (FLOPs per token / peak / devices): a second scale on the same line.
+    ratios = [r["mfu"] / r["tokens_per_s"] for r in steady if isinstance(r.get("mfu"), float)
+              and isinstance(r.get("tokens_per_s"), float) and r["tokens_per_s"] > 0 and r["mfu"] > 0]
+    if ratios:
+        k = 100 * statistics.median(ratios)
+        ax_mfu = ax_tp.secondary_yaxis("right", functions=(lambda x: x * k, lambda y: y / k))
+        ax_mfu.set_ylabel("MFU (%)")
+    ax_tp.set_ylim(bottom=0)
+
+    used, peak = finite_points(train, "mem_used_gb"), finite_points(train, "mem_peak_gb")
+    if used:
+        ax_mem.plot(*zip(*used), color="tab:cyan", linewidth=1.4, label="used")
+    if peak:
+        ax_mem.plot(*zip(*peak), color="tab:brown", linewidth=1.2, linestyle="--", label="peak")
+    totals = finite_points(train, "mem_total_gb")
+    total_text = f" (device total {totals[-1][1]:.1f} GB)" if totals else ""
+    ax_mem.set_title("memory" + total_text)
+    ax_mem.set_ylabel("GB")
+    ax_mem.set_ylim(0, 1.15 * max([v for _, v in used + peak] or [1.0]))
+
+    for ax in (ax_loss, ax_lr, ax_tp, ax_mem):
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+    for ax in (ax_loss, ax_mem):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+# Per-layer lines get a legend entry each up to this many layers; more share one entry.
+LOAD_LEGEND_LAYERS = 8
+
+
+def _plot_expert_load(ax, mean: list[tuple[int, float]], layers: list[list[tuple[int, float]]]) -> None:
+    """The expert-load panel: each MoE layer's max / mean tokens per expert (thin), their mean (bold), 1.0 = even."""
+    for i, points in enumerate(layers):
+        label = f"layer {i}" if len(layers) <= LOAD_LEGEND_LAYERS else ("per layer" if i == 0 else None)
+        ax.plot(*zip(*points), linewidth=0.8, alpha=0.6, label=label)
+    if mean:
+        ax.plot(*zip(*mean), color="black", linewidth=1.8, label="mean over layers")
+    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1.0, label="even")
+    ax.set_title("expert load (MoE layers)")
+    ax.set_ylabel("max / mean tokens per expert")
+    ax.set_xlabel("step")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, ncol=min(5, len(layers) + 2))
+
+
+def plot_report(run: RunMetrics, out_png: Path, title: str = "") -> Path:
+    """Save build_figure's plots as a PNG (atomically)."""
+    plt = require_matplotlib()
+    fig = build_figure(run, title)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with atomic_path(out_png) as tmp:
+            fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)
+    return out_png
