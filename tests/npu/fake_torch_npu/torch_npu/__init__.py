@@ -130,7 +130,8 @@ CITED: dict[str, tuple[str, str]] = {
     "gmma.group_type": (DOCS, "group_type当前仅支持2(K轴分组)."),
     "gmma.self": (DOCS, "shape为[g, M, N], 其中g为分组个数. 数据类型支持float32"),
     "gmma.group_list": (DOCS, "group_list须为非负单调非递减数列, 最后一个值不大于x中tensor的第一维"),
-    "gmma.max_groups": (DOCS, "第1维最大支持1024, 即最多支持1024个group."),
+    "gmma.max_groups": (DOCS, "表示输入和输出分组轴方向的matmul大小分布, 必选参数. 数据类型支持int64, 数据格式支持ND. "
+                              "第1维最大支持1024, 即最多支持1024个group."),
     "gmma.inner_limit": (DOCS, "x和weight中每一组tensor的最后一维大小都应小于65536."),
     # npu_moe_gating_top_k_softmax
     "gating.x": (DOCS, "表示待计算的输入要求是一个2D/3D的Tensor, 数据类型支持float16、bfloat16、float32"),
