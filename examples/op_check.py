@@ -1,13 +1,16 @@
 """Check every fused kernel on this machine's device against the plain-torch reference, forward and backward.
 
 On Ascend these are the torch_npu kernels the project calls: npu_fusion_attention (also in TND layout within
-packed documents, and with npu_fusion_attention_grad as ring attention's block kernel), npu_rms_norm (also with an
-fp32 weight beside bf16 activations, as mixed precision runs it), npu_rotary_mul, npu_swiglu (also fed by one
-projection over the concatenated w1/w3), and the _fused_adamw_ kernel behind torch's fused AdamW (a few optimizer
-steps against torch's for-loop AdamW). For mixture of experts: npu_grouped_matmul (forward, and the backward built
-from it: rows and contracted-axis groups, empty groups included) against a per-expert loop,
-npu_moe_gating_top_k_softmax (the router's top-k), npu_moe_token_permute / npu_moe_token_unpermute (bf16 only; fp32
-takes the reference).
+packed documents, 1,025 of them cut into calls of at most 1,024, and with npu_fusion_attention_grad as ring
+attention's block kernel), npu_rms_norm (also with an fp32 weight beside bf16 activations, as mixed precision runs
+it: cast to their dtype for the kernel), npu_rotary_mul, npu_swiglu (also fed by one projection over the
+concatenated w1/w3), and the _fused_adamw_ kernel behind torch's fused AdamW (a few optimizer steps against torch's
+for-loop AdamW). For mixture of experts: npu_grouped_matmul (forward and the input's gradient, row groups, empty
+groups included, 1,025 groups cut into calls of at most 1,024) with npu_grouped_matmul_add_ (the weight's gradient,
+contracted-axis groups) against a per-expert loop, fp16/bf16 only (fp32 takes the reference);
+npu_moe_gating_top_k_softmax (the router's top-k); npu_moe_token_permute / npu_moe_token_unpermute (bf16 only; fp32
+takes the reference), also as the MoE layer chains them -- the permutation's order from moe_permute fed to
+moe_unpermute, which proves the index convention the two kernels share on the card.
 
     python examples/op_check.py            # the device titan-npu would train on (npu > cuda > cpu, or TITAN_DEVICE)
     python examples/op_check.py --quick    # small shapes only
@@ -129,6 +132,12 @@ def cases(device: torch.device, quick: bool):
                functools.partial(dispatch.attention, documents=docs),
                functools.partial(reference.eager_attention, documents=docs),
                [randn(b, s, h, d), randn(b, s, kv, d), randn(b, s, kv, d)])
+    if not quick:  # many short documents: 1,025 of two tokens, more than one TND call takes (at most 1K sequences)
+        docs = Documents.from_starts([np.arange(2, 2050, 2)], 2050, reset_positions=False).to(device)
+        yield ("attention", "B=1 S=2050 H=2 KV=1 D=64 1025 documents",
+               functools.partial(dispatch.attention, documents=docs),
+               functools.partial(reference.eager_attention, documents=docs),
+               [randn(1, 2050, 2, 64), randn(1, 2050, 1, 64), randn(1, 2050, 1, 64)])
     # Ring attention's block kernel ([B, H, S, D], with its log-sum-exp; npu_fusion_attention and
     # npu_fusion_attention_grad on Ascend): a causal block, a block of earlier keys, a block with documents.
     for b, s, h, kv, d in [(2, 256, 8, 2, 64)] if quick else [(2, 256, 8, 2, 64), (1, 2048, 32, 8, 128)]:
@@ -184,9 +193,11 @@ def grouped_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> tor
 def moe_cases(device: torch.device, quick: bool, randn: Callable):
     """(op, description, fused fn, reference fn, inputs) for the mixture-of-experts kernels."""
     gen = torch.Generator(device="cpu").manual_seed(3)
-    # (group sizes, K, M): uneven groups with an empty one; then Qwen3-30B-A3B-like expert shapes
+    # (group sizes, K, M): uneven groups with an empty one; then Qwen3-30B-A3B-like expert shapes; 1,025 groups (more
+    # than one call takes, at most 1,024)
     gemm_shapes = [([37, 0, 120, 5], 256, 512)] if quick else [
-        ([37, 0, 120, 5], 256, 512), (torch.randint(0, 1024, (64,), generator=gen).tolist(), 2048, 768)]
+        ([37, 0, 120, 5], 256, 512), (torch.randint(0, 1024, (64,), generator=gen).tolist(), 2048, 768),
+        (torch.randint(0, 4, (1025,), generator=gen).tolist(), 64, 64)]
     for sizes, k, m in gemm_shapes:
         offsets = torch.tensor(sizes).cumsum(0).to(torch.int32).to(device)
         yield ("grouped_mm", f"G={len(sizes)} N={sum(sizes)} K={k} M={m}",
@@ -209,6 +220,15 @@ def moe_cases(device: torch.device, quick: bool, randn: Callable):
         yield ("moe_unpermute", desc + f" D={dim}", lambda r, p, o=order: dispatch.moe_unpermute(r, o, p),
                lambda r, p, o=order: reference.moe_unpermute(r, o, p),
                [randn(tokens * top_k, dim), torch.rand(tokens, top_k, generator=gen).to(device)])
+        # As the MoE layer uses them: the rows gathered by moe_permute's order (the capacity path reads the order),
+        # and moe_permute's output and order fed to moe_unpermute (the two kernels' shared index convention).
+        yield ("moe_permute", desc + f" D={dim} order", lambda x, e=experts, k=top_k: x.index_select(
+                   0, dispatch.moe_permute(x, e)[1] // k), lambda x, e=experts: reference.moe_permute(x, e)[0],
+               [randn(tokens, dim)])
+        yield ("moe_unpermute", desc + f" D={dim} after moe_permute",
+               lambda x, p, e=experts: dispatch.moe_unpermute(*dispatch.moe_permute(x, e), p),
+               lambda x, p, e=experts: reference.moe_unpermute(*reference.moe_permute(x, e), p),
+               [randn(tokens, dim), torch.rand(tokens, top_k, generator=gen).to(device)])
 
 
 def check_fused_adamw(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:

@@ -4,6 +4,7 @@ only names each wheel defines."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 from pathlib import Path
@@ -108,6 +109,48 @@ def test_the_project_calls_only_torch_npu_names_each_wheel_defines(each_torch_np
         if not known:
             unknown.append(f"{module}.{name}")
     assert not unknown, f"the project calls {unknown}, which torch_npu {wheel.version} lacks"
+
+
+def test_every_rule_the_fake_encodes_cites_words_the_wheel_contains(fake_torch_npu, each_torch_npu_wheel):
+    missing = [key for key, (relative, words) in fake_torch_npu.CITED.items()
+               if words not in each_torch_npu_wheel.read(relative)]
+    assert not missing, f"cited words not in the pinned wheel: {missing}"
+
+
+def test_every_error_a_fake_kernel_raises_for_a_documented_rule_names_its_source(fake_torch_npu):
+    # The fake's kernels refuse what the card refuses: each RuntimeError carries cite(<key of CITED>).
+    tree = ast.parse(Path(fake_torch_npu.__file__).read_text())
+    uncited = []
+    for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        for node in ast.walk(function):
+            if (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                    and getattr(node.exc.func, "id", None) == "RuntimeError"):
+                cited = [c for c in ast.walk(node.exc)
+                         if isinstance(c, ast.Call) and getattr(c.func, "id", None) == "cite"]
+                if not cited or any(c.args[0].value not in fake_torch_npu.CITED for c in cited
+                                    if isinstance(c.args[0], ast.Constant)):
+                    uncited.append(f"{function.name}:{node.lineno}")
+    assert not uncited, f"RuntimeErrors without a cited source: {uncited}"
+
+
+# The ops ops/npu.py runs on DTensors' local shards, and the wheel's sharding rule for each kernel it calls there.
+SHARD_RULES = {
+    "npu_rms_norm": ("torch_npu/distributed/tensor/_math_ops.py", "@register_op_strategy(npu.npu_rms_norm.default)"),
+    "npu_rotary_mul": ("torch_npu/distributed/tensor/_math_ops.py", "@register_sharding(npu.npu_rotary_mul.default)"),
+    "npu_swiglu": ("torch_npu/distributed/tensor/_math_ops.py", "@register_sharding(npu.npu_swiglu.default)"),
+    "npu_fusion_attention": ("torch_npu/distributed/tensor/_attention.py",
+                             "@register_sharding(npu.npu_fusion_attention.default)"),
+}
+
+
+def test_the_kernels_run_on_dtensor_shards_are_those_the_wheel_shards(each_torch_npu_wheel):
+    for kernel, (relative, rule) in SHARD_RULES.items():
+        assert rule in each_torch_npu_wheel.read(relative), kernel
+    # rotary: the wheel shards any dim but D, keeping r1/r2 whole where they have size 1 (batch and heads of 1S1D);
+    # attention: batch and heads, and nothing for varlen (ops/npu.py keeps the batch whole with documents)
+    assert "if r1.shape[i] == 1:" in each_torch_npu_wheel.read(SHARD_RULES["npu_rotary_mul"][0])
+    assert "unused_args_in_sdpa = [pse, padding_mask, prefix, actual_seq_qlen, actual_seq_kvlen, sink]" in \
+        each_torch_npu_wheel.read(SHARD_RULES["npu_fusion_attention"][0])
 
 
 def test_the_npu_kernels_call_through_the_wheels_schemas(fake_torch_npu):

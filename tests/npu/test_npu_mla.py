@@ -46,6 +46,23 @@ def test_a_tiny_deepseek_forward_and_backward_on_the_npu_kernels_equals_the_refe
         torch.testing.assert_close(grad, ref_grads[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+def test_under_autocast_no_kernel_call_mixes_the_norm_weights_dtype_with_the_activations(fake_torch_npu):
+    # bf16 autocast: the latents (wq_a / wkv_a outputs) are bf16 beside fp32 norm weights; npu_rms_norm requires
+    # gamma in the input's dtype and the fake refuses any call that mixes them.
+    cfg = load_config(CONFIG, ["--model.dim", "64", "--model.n_layers", "1", "--model.max_seq_len", "16"])
+    model = build_model(build_model_args(cfg.model))
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    set_kernels("npu")
+    fake_torch_npu.calls.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens)
+    logits.float().sum().backward()
+    assert fake_torch_npu.calls["npu_rms_norm"] == 5  # attention_norm, q_norm, kv_norm, ffn_norm, the final norm
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for n, p in model.named_parameters()
+               if n.endswith(("q_norm.weight", "kv_norm.weight")))
+
+
 def test_the_published_rope_slice_and_shared_key_are_inside_npu_rotary_muls_limits(fake_torch_npu):
     from titan_npu import ops
     from titan_npu.ops import reference

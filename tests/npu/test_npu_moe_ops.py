@@ -1,6 +1,8 @@
 """The NPU mixture-of-experts kernels (ops/npu.py through the fake torch_npu) give the plain-torch reference's
-numbers, forward and backward: the grouped GEMM (whose backward torch_npu lacks, so ours is two more calls of the
-kernel), the router's top-k and the token permutation both ways; a wrapper with a wrong weight layout fails."""
+numbers, forward and backward: the grouped GEMM (whose backward torch_npu lacks, so ours is npu_grouped_matmul for
+the input's gradient and npu_grouped_matmul_add_ for the weight's), also past the kernels' 1024 groups a call, the
+router's top-k and the token permutation both ways under the wheel's documented index convention; a wrapper with a
+wrong weight layout, group type or group count fails."""
 
 from __future__ import annotations
 
@@ -18,11 +20,17 @@ BF16_TOL = 2e-2
 
 
 def grouped_inputs(sizes: list[int], k: int = 16, m: int = 24, seed: int = 0):
-    """x [sum(sizes), k] sorted by group, w [groups, m, k], offsets: the int32 cumulative ends."""
+    """x [sum(sizes), k] sorted by group, w [groups, m, k] (fp32 values that bf16 holds exactly), offsets: the int32
+    cumulative ends."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(sum(sizes), k, generator=g)
-    w = torch.randn(len(sizes), m, k, generator=g) * k**-0.5
+    x = torch.randn(sum(sizes), k, generator=g).bfloat16().float()
+    w = (torch.randn(len(sizes), m, k, generator=g) * k**-0.5).bfloat16().float()
     return x, w, torch.tensor(sizes).cumsum(0).to(torch.int32)
+
+
+def bf16_grouped_mm(offsets: torch.Tensor):
+    """npu_ops.grouped_mm on the bf16 copies of fp32 inputs, its result back in fp32 (gradients flow through)."""
+    return lambda x, w: npu_ops.grouped_mm(x.bfloat16(), w.bfloat16(), offsets).float()
 
 
 def routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> torch.Tensor:
@@ -37,16 +45,36 @@ def routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> torch.Tenso
 def test_grouped_matmul_matches_reference_forward_and_backward(fake_torch_npu, sizes):
     x, w, offsets = grouped_inputs(sizes)
     fake_torch_npu.calls.clear()
-    assert_same_forward_and_backward(lambda x, w: npu_ops.grouped_mm(x, w, offsets),
-                                     lambda x, w: reference.padded_grouped_mm(x, w, offsets), [x, w])
-    assert fake_torch_npu.calls["npu_grouped_matmul"] == 3  # forward, grad_x (rows), grad_w (contracted axis)
+    assert_same_forward_and_backward(bf16_grouped_mm(offsets),
+                                     lambda x, w: reference.padded_grouped_mm(x, w, offsets), [x, w], tol=BF16_TOL)
+    assert fake_torch_npu.calls["npu_grouped_matmul"] == 2  # forward, grad_x (rows)
+    assert fake_torch_npu.calls["npu_grouped_matmul_add_"] == 1  # grad_w (the contracted token axis)
 
 
-def test_grouped_matmul_bf16_is_close_to_the_fp32_reference(fake_torch_npu):
-    x, w, offsets = grouped_inputs([6, 2, 0, 8])
-    got = npu_ops.grouped_mm(x.bfloat16(), w.bfloat16(), offsets)
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), reference.padded_grouped_mm(x, w, offsets), atol=BF16_TOL, rtol=BF16_TOL)
+def test_the_weight_gradient_is_not_asked_of_a_group_type_atlas_a2_lacks(fake_torch_npu):
+    # The API reference: npu_grouped_matmul's group_type is -1 or 0 on Atlas A2; K-axis groups are
+    # npu_grouped_matmul_add_'s (group_type 2 only).
+    x, w, offsets = grouped_inputs([3, 4])
+    with pytest.raises(RuntimeError, match="group_type 2 is not supported on Atlas A2"):
+        fake_torch_npu.npu_grouped_matmul([x.t().contiguous().t()], [x], group_list=offsets.long(), split_item=3,
+                                          group_type=2)
+    grad = torch.randn(7, 24).bfloat16()
+    out = fake_torch_npu.npu_grouped_matmul_add_(torch.zeros(2, 24, 16), grad, x.bfloat16(), offsets.long())
+    want = torch.stack([grad[:3].float().T @ x[:3], grad[3:].float().T @ x[3:]])
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_matmul_past_1024_groups_splits_into_calls_the_kernels_take(fake_torch_npu):
+    sizes = torch.randint(0, 3, (1025,), generator=torch.Generator().manual_seed(4)).tolist()
+    x, w, offsets = grouped_inputs(sizes, k=8, m=8)
+    with pytest.raises(RuntimeError, match="1025 groups, at most 1024 per call"):
+        fake_torch_npu.npu_grouped_matmul([x], [w.transpose(1, 2)], group_list=offsets.long(), split_item=3,
+                                          group_type=0)
+    fake_torch_npu.calls.clear()
+    assert_same_forward_and_backward(bf16_grouped_mm(offsets),
+                                     lambda x, w: reference.padded_grouped_mm(x, w, offsets), [x, w], tol=BF16_TOL)
+    assert fake_torch_npu.calls["npu_grouped_matmul"] == 4  # forward and grad_x, two calls each
+    assert fake_torch_npu.calls["npu_grouped_matmul_add_"] == 2
 
 
 def test_the_kernel_itself_has_no_backward_so_the_wrapper_supplies_it(fake_torch_npu):
@@ -71,12 +99,14 @@ def test_the_weight_untransposed_gives_wrong_numbers(fake_torch_npu):
         assert torch.allclose(got, want, atol=1e-5) == right
 
 
-def test_grouped_matmul_outside_the_kernels_dtypes_takes_the_reference(fake_torch_npu):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_grouped_matmul_outside_the_kernels_dtypes_takes_the_reference(fake_torch_npu, dtype):
+    # fp32: npu_grouped_matmul takes it, but npu_grouped_matmul_add_ (the weight gradient) takes fp16/bf16 only.
     x, w, offsets = grouped_inputs([2, 3])
     fake_torch_npu.calls.clear()
-    got = npu_ops.grouped_mm(x.double(), w.double(), offsets)
+    got = npu_ops.grouped_mm(x.to(dtype), w.to(dtype), offsets)
     assert fake_torch_npu.calls["npu_grouped_matmul"] == 0
-    torch.testing.assert_close(got, reference.padded_grouped_mm(x.double(), w.double(), offsets))
+    torch.testing.assert_close(got, reference.padded_grouped_mm(x.to(dtype), w.to(dtype), offsets))
 
 
 # --- routing: top-k softmax, permute, unpermute ---------------------------------------------------------------------
@@ -120,6 +150,33 @@ def test_permute_and_unpermute_match_reference_forward_and_backward(fake_torch_n
                                      lambda r, w: reference.moe_unpermute(r.float(), order, w.float()).bfloat16(),
                                      [rows, weights], tol=BF16_TOL)
     assert fake_torch_npu.calls["npu_moe_token_permute"] >= 1 and fake_torch_npu.calls["npu_moe_token_unpermute"] >= 1
+
+
+def test_the_fake_permutation_follows_the_wheels_documented_example(fake_torch_npu):
+    # torch_npu/_op_plugin_docs.py, npu_moe_token_permute's later entry: permuted_tokens[sorted_indices[i]] =
+    # tokens[i // topK]; npu_moe_token_unpermute's example passes sorted_indices [0, 4, 5, 1, 2, 6, 7, 3] for these
+    # tokens and indices, and gets the tokens back with probs 1/2.
+    tokens = torch.tensor([[1, 1], [2, 2], [3, 3], [4, 4]]).bfloat16()
+    indices = torch.tensor([[0, 1], [1, 0], [0, 2], [2, 0]])
+    permuted, sorted_indices = fake_torch_npu.npu_moe_token_permute(tokens, indices)
+    assert sorted_indices.dtype == torch.int32 and sorted_indices.tolist() == [0, 4, 5, 1, 2, 6, 7, 3]
+    assert permuted[:, 0].tolist() == [1, 2, 3, 4, 1, 2, 3, 4]
+    assert torch.equal(permuted[sorted_indices.long()], tokens.repeat_interleave(2, dim=0))
+    back = fake_torch_npu.npu_moe_token_unpermute(permuted, sorted_indices, probs=torch.full((4, 2), 0.5).bfloat16())
+    assert torch.equal(back, tokens)
+
+
+def test_the_order_is_the_stable_sort_whatever_the_kernels_index_convention(fake_torch_npu, torch_npu_wheel,
+                                                                           monkeypatch):
+    # The API reference's earlier entry documents sorted_indices as the stable sort itself (its example
+    # [0, 6, 7, 5, 3, 1, 2, 4]): moe_permute's order does not depend on which one the card follows.
+    kernel = torch_npu_wheel._kernels["npu_moe_token_permute"]
+    monkeypatch.setitem(torch_npu_wheel._kernels, "npu_moe_token_permute",
+                        lambda t, i, n=None, p=False: (kernel(t, i, n, p)[0],
+                                                       torch.argsort(i.reshape(-1), stable=True).int()))
+    experts = routing(9, 6, 2)
+    routed, order = npu_ops.moe_permute(torch.randn(9, 8).bfloat16(), experts)
+    assert torch.equal(order, torch.argsort(experts.reshape(-1), stable=True))
 
 
 def test_permute_outside_bf16_takes_the_reference(fake_torch_npu):

@@ -163,6 +163,21 @@ def test_document_attention_passes_the_loaders_cumulative_ends_as_host_ints_in_o
     assert kwargs["sparse_mode"] == npu_ops.SPARSE_MODE_LEFT_UP_CAUSAL
 
 
+def test_more_documents_than_one_varlen_call_takes_are_attended_in_several_calls(fake_torch_npu):
+    # 1,025 documents of two tokens: the API reference allows at most 1K entries in actual_seq_qlen (the fake refuses
+    # more), so the window is cut between documents into calls of at most 1,024.
+    documents = Documents.from_starts([np.arange(2, 2050, 2)], 2050, False)
+    assert len(documents.cu_seqlens) == 1025
+    q, k, v = qkv(1, 2050, 2, 1, head_dim=8)
+    with pytest.raises(RuntimeError, match="1025 sequences in actual_seq_qlen, at most 1024"):
+        fake_torch_npu.npu_fusion_attention(q[0], k[0], v[0], 2, "TND", actual_seq_qlen=documents.cu_seqlens,
+                                            actual_seq_kvlen=documents.cu_seqlens, scale=8**-0.5)
+    fake_torch_npu.calls.clear()
+    assert_same_forward_and_backward(functools.partial(npu_ops.attention, documents=documents),
+                                     functools.partial(reference.attention, documents=documents), [q, k, v])
+    assert fake_torch_npu.calls["npu_fusion_attention"] == 2
+
+
 def test_document_lengths_instead_of_cumulative_ends_are_refused_by_the_kernel(fake_torch_npu):
     q, k, v = (t.reshape(24, -1, 16) for t in qkv(2, 12, 4, 4))
     with pytest.raises(RuntimeError, match="cumulative lengths"):
@@ -249,20 +264,24 @@ def test_fused_rms_norm_matches_reference(fake_torch_npu, shape):
     )
 
 
-def test_fused_rms_norm_hands_the_fp32_weight_to_the_kernel_uncast(fake_torch_npu, torch_npu_wheel, monkeypatch):
+def test_fused_rms_norm_casts_an_fp32_weight_to_the_activations_dtype(fake_torch_npu, torch_npu_wheel, monkeypatch):
+    # The API reference: gamma's dtype must be the input's. The fp32 weight still gets its gradient, in fp32.
     seen = []
     kernel = torch_npu_wheel._kernels["npu_rms_norm"]
     monkeypatch.setitem(torch_npu_wheel._kernels, "npu_rms_norm",
                         lambda x, gamma, epsilon=1e-6: seen.append(gamma.dtype) or kernel(x, gamma, epsilon))
-    x, w = torch.randn(2, 9, 32), torch.rand(32) + 0.5
+    x, w = torch.randn(2, 9, 32), (torch.rand(32) + 0.5).requires_grad_()
     got = npu_ops.rms_norm(x.bfloat16(), w, 1e-6)
-    assert seen == [torch.float32] and got.dtype == torch.bfloat16
+    assert seen == [torch.bfloat16] and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), reference.rms_norm(x, w, 1e-6), atol=2e-2, rtol=2e-2)
+    got.float().sum().backward()
+    assert w.grad is not None and w.grad.dtype == torch.float32
 
 
-def test_rms_norm_kernel_refuses_a_gamma_of_another_dtype(fake_torch_npu):
+@pytest.mark.parametrize("gamma_dtype", [torch.float16, torch.float32])
+def test_rms_norm_kernel_refuses_a_gamma_of_another_dtype(fake_torch_npu, gamma_dtype):
     with pytest.raises(RuntimeError, match="gamma dtype"):
-        fake_torch_npu.npu_rms_norm(torch.randn(2, 4, 8).bfloat16(), torch.ones(8).half(), epsilon=1e-6)
+        fake_torch_npu.npu_rms_norm(torch.randn(2, 4, 8).bfloat16(), torch.ones(8, dtype=gamma_dtype), epsilon=1e-6)
 
 
 # --- rotary embedding --------------------------------------------------------------------------------------------

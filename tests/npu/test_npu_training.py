@@ -158,8 +158,9 @@ def test_op_check_runs_every_kernel_the_training_run_calls(npu_and_cpu_runs, tmp
     checked, trained = set(json.loads(report.read_text())["calls"]), set(npu_and_cpu_runs[2]["calls"])
     assert checked >= trained, f"op_check.py does not check {sorted(trained - checked)}"
     # Beyond a dense one-process run: ring attention's block kernel (context parallelism) and the MoE kernels.
-    assert checked - trained == {"npu_fusion_attention_grad", "npu_grouped_matmul", "npu_moe_gating_top_k_softmax",
-                                 "npu_moe_token_permute", "npu_moe_token_unpermute"}, sorted(checked - trained)
+    assert checked - trained == {"npu_fusion_attention_grad", "npu_grouped_matmul", "npu_grouped_matmul_add_",
+                                 "npu_moe_gating_top_k_softmax", "npu_moe_token_permute",
+                                 "npu_moe_token_unpermute"}, sorted(checked - trained)
 
 
 def test_use_flash_attention_false_keeps_the_eager_attention_and_fuses_the_rest(fake_torch_npu):

@@ -2,14 +2,21 @@
 
 Each function takes and returns exactly what its reference in ops/reference.py does; tests hold every one to
 the reference, forward and backward. torch_npu is looked up at call time, so this module imports (and the
-backend registers) on machines without it. Inputs that are DTensors (tensor-parallel regions) take the reference
-path: of these kernels, torch_npu registers DTensor sharding rules only for npu_fusion_attention.
+backend registers) on machines without it. Every limit a call relies on is the API reference's in the torch_npu
+wheel (torch_npu/_op_plugin_docs.py), listed with its source in docs/npu.md.
+
+DTensor inputs (tensor-parallel regions) run the kernel on each rank's local shards where the op is local under
+their placements -- the cases the wheel's own DTensor sharding rules (torch_npu/distributed/tensor/_math_ops.py,
+_attention.py) shard: rms_norm over rows split on dims before the normalised one, rotary and attention split on
+batch or heads, swiglu split alike on both halves -- and the result is wrapped back with the same placements; other
+placements take the reference. The MoE kernels are handed local shards by the MoE layer itself.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -34,6 +41,9 @@ SPARSE_MODE_LEFT_UP_CAUSAL = 2
 # npu_rotary_mul's documented limits in interleave mode: B * N below 1000, an even head size below 896.
 ROTARY_INTERLEAVE_MAX_BN = 1000
 ROTARY_MAX_HEAD_DIM = 896
+# npu_fusion_attention's variable-length (TND) layout takes at most this many sequences per call (the API reference
+# gives both 2K and 1K; the stricter holds): more documents are attended in several calls.
+VARLEN_MAX_SEQUENCES = 1024
 
 # model.rope_fp32: npu_rotary_mul runs on fp32 q/k and tables and the result is cast back (how torchtitan-npu runs
 # RoPE; the reference rotary computes in fp32 too); off (default): in the activations' dtype, without the casts.
@@ -59,6 +69,30 @@ def _any_dtensor(*tensors: torch.Tensor) -> bool:
     return any(isinstance(t, DTensor) for t in tensors)
 
 
+def _shared_placements(tensors: tuple[torch.Tensor, ...], shardable: Callable[[int], bool]):
+    """(mesh, placements) when `tensors` are DTensors on one mesh with the same placements, each replicated or
+    sharded on a dim `shardable` accepts (so each rank's kernel on its local shards computes its shard of the result);
+    None otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    if not all(isinstance(t, DTensor) for t in tensors):
+        return None
+    mesh, placements = tensors[0].device_mesh, tuple(tensors[0].placements)
+    if any(t.device_mesh != mesh or tuple(t.placements) != placements for t in tensors[1:]):
+        return None
+    if not all(p.is_replicate() or (p.is_shard() and shardable(p.dim)) for p in placements):
+        return None
+    return mesh, placements
+
+
+def _from_local(local: torch.Tensor, mesh, placements, shape: torch.Size) -> torch.Tensor:
+    """The DTensor of global `shape` whose shard on this rank is `local` (a kernel's result on local shards)."""
+    from torch.distributed.tensor import DTensor
+
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
 def causal_mask(device: torch.device) -> torch.Tensor:
     """The 2048x2048 bool upper-triangular mask (True above the diagonal) that the causal sparse modes expect."""
     mask = _causal_masks.get(device)
@@ -73,9 +107,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """npu_fusion_attention on q [B,S,Hq,D], k/v [B,S,Hkv,D] in BSND layout; GQA by the kernel's kv-head support.
 
     documents: the variable-length TND layout, each document a sequence of its own (see document_attention).
+    DTensors split on heads (or, without documents, on the batch) run on their local shards.
     """
     if _any_dtensor(q, k, v):
-        return reference.attention(q, k, v, causal=causal, documents=documents)
+        shardable = (2,) if documents is not None else (0, 2)  # the documents' host ends span the whole batch
+        shared = _shared_placements((q, k, v), lambda dim: dim in shardable)
+        if shared is None:
+            return reference.attention(q, k, v, causal=causal, documents=documents)
+        q_local, k_local, v_local = q.to_local(), k.to_local(), v.to_local()
+        if q_local.shape[2] * k.shape[2] != k_local.shape[2] * q.shape[2]:  # uneven heads: another GQA grouping
+            return reference.attention(q, k, v, causal=causal, documents=documents)
+        out = attention(q_local, k_local, v_local, causal=causal, documents=documents)
+        return _from_local(out, *shared, (*q.shape[:-1], v.shape[-1]))
     if documents is not None:
         return document_attention(q, k, v, documents, causal)
     kwargs: dict = {"scale": q.shape[-1] ** -0.5, "keep_prob": 1.0}
@@ -93,24 +136,56 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
     cumulative ends as actual_seq_qlen / actual_seq_kvlen (host ints from the loader, no read from the device), and
     per document the causal mask of sparse_mode 2 -- how MindSpeed runs packed documents
     (mindspeed/core/context_parallel/dot_product_attention.py: TND with cu_seqlens, sparse_mode 2 when the attention
-    mask is reset at document ends without context parallelism or with Ulysses)."""
+    mask is reset at document ends without context parallelism or with Ulysses).
+
+    The kernel takes at most VARLEN_MAX_SEQUENCES documents per call: more (many short documents) are cut into runs
+    of whole documents, each run one call on its own rows, and the outputs concatenated."""
     b, s, hq, d = q.shape
-    kwargs: dict = {"scale": d ** -0.5, "keep_prob": 1.0, "actual_seq_qlen": documents.cu_seqlens,
-                    "actual_seq_kvlen": documents.cu_seqlens}
-    if causal:
-        kwargs.update(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_MODE_LEFT_UP_CAUSAL)
-    out = _torch_npu().npu_fusion_attention(
-        q.reshape(b * s, hq, d), k.reshape(b * s, k.shape[2], d), v.reshape(b * s, v.shape[2], d), hq, "TND",
-        **kwargs)[0]
+    q, k, v = q.reshape(b * s, hq, d), k.reshape(b * s, k.shape[2], d), v.reshape(b * s, v.shape[2], d)
+    ends = documents.cu_seqlens
+    outs, start = [], 0
+    for first in range(0, len(ends), VARLEN_MAX_SEQUENCES):
+        run = ends[first:first + VARLEN_MAX_SEQUENCES]
+        stop = run[-1]
+        outs.append(_varlen_attention(q[start:stop], k[start:stop], v[start:stop], [e - start for e in run], causal))
+        start = stop
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.view(b, s, hq, d)
 
 
+def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ends: list[int], causal: bool
+                      ) -> torch.Tensor:
+    """One npu_fusion_attention call in TND layout: q [T, Hq, D], k/v [T, Hkv, D], the sequences' cumulative ends."""
+    kwargs: dict = {"scale": q.shape[-1] ** -0.5, "keep_prob": 1.0, "actual_seq_qlen": ends, "actual_seq_kvlen": ends}
+    if causal:
+        kwargs.update(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_MODE_LEFT_UP_CAUSAL)
+    return _torch_npu().npu_fusion_attention(q, k, v, q.shape[1], "TND", **kwargs)[0]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """npu_rms_norm (it returns (y, rstd)); gamma as it is: fp32 gamma beside bf16 activations is taken as such
-    (Atlas A2 and later), with no rounding of the weight to bf16 and no cast per call."""
+    """npu_rms_norm (it returns (y, rstd)) with gamma in the input's dtype, as the API reference requires: an fp32
+    weight beside bf16 activations (autocast; MLA's latent norms) is cast for the call, its gradient flowing back to
+    the fp32 weight. DTensors run on their local shards (_rms_norm_on_shards)."""
     if _any_dtensor(x, weight):
+        return _rms_norm_on_shards(x, weight, eps)
+    return _torch_npu().npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)[0]
+
+
+def _rms_norm_on_shards(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm of a DTensor x split only on dims before the normalised one (sequence parallelism's Shard(1), the
+    per-head norms' heads) or replicated, with a replicated weight: the kernel on each rank's rows, as the wheel's
+    rule for npu_rms_norm shards it; the weight's gradient is partial over the ranks the rows are split over (the
+    rule for npu_rms_norm_backward). Other placements take the reference."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    axis = x.dim() - weight.dim()
+    shared = _shared_placements((x,), lambda dim: dim < axis)
+    if (shared is None or not isinstance(weight, DTensor) or weight.device_mesh != x.device_mesh
+            or not all(p.is_replicate() for p in weight.placements)):
         return reference.rms_norm(x, weight, eps)
-    return _torch_npu().npu_rms_norm(x, weight, epsilon=eps)[0]
+    grad_placements = [Partial() if p.is_shard() else Replicate() for p in x.placements]
+    out = rms_norm(x.to_local(), weight.to_local(grad_placements=grad_placements), eps)
+    return _from_local(out, *shared, x.shape)
 
 
 def set_rope_fp32(on: bool) -> None:
@@ -127,12 +202,19 @@ def apply_rotary_emb(
     cos/sin [S, D/2] hold one angle per pair (2i, 2i+1); the kernel wants r1/r2 [1, S, 1, D] (BSND) with that
     angle at both dims of the pair. Per-row tables [B, S, D/2] (positions restarting at documents), shapes outside
     the kernel's documented limits, and any it refuses
-    (RuntimeError), take the reference path.
+    (RuntimeError), take the reference path. DTensors split on batch or heads (where r1/r2 have size 1, so the
+    wheel's rule leaves them whole) run on their local shards.
     """
+    if _any_dtensor(xq, xk, cos, sin):
+        shared = _shared_placements((xq, xk), lambda dim: dim in (0, 2))
+        if shared is None or _any_dtensor(cos, sin):
+            return reference.apply_rotary_emb(xq, xk, cos, sin)
+        q_local, k_local = apply_rotary_emb(xq.to_local(), xk.to_local(), cos, sin)
+        return _from_local(q_local, *shared, xq.shape), _from_local(k_local, *shared, xk.shape)
     bn = max(xq.shape[0] * xq.shape[2], xk.shape[0] * xk.shape[2])
     d = xq.shape[-1]
     shape = (bn, d)
-    if (_any_dtensor(xq, xk) or bn >= ROTARY_INTERLEAVE_MAX_BN or d >= ROTARY_MAX_HEAD_DIM or d % 2
+    if (bn >= ROTARY_INTERLEAVE_MAX_BN or d >= ROTARY_MAX_HEAD_DIM or d % 2
             or shape in _rotary_refused or cos.dim() != 2):  # per-row positions: the kernel's r1 is 1S1D
         return reference.apply_rotary_emb(xq, xk, cos, sin)
     torch_npu = _torch_npu()
@@ -150,9 +232,13 @@ def apply_rotary_emb(
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """npu_swiglu on [gate, up] concatenated along the last dim: it computes silu(first half) * second half."""
+    """npu_swiglu on [gate, up] concatenated along the last dim: it computes silu(first half) * second half.
+    DTensors placed alike (element-wise: any split, e.g. column-parallel's last dim) run on their local shards."""
     if _any_dtensor(gate, up):
-        return reference.swiglu(gate, up)
+        shared = _shared_placements((gate, up), lambda dim: True)
+        if shared is None or gate.shape != up.shape:
+            return reference.swiglu(gate, up)
+        return _from_local(swiglu(gate.to_local(), up.to_local()), *shared, gate.shape)
     return _torch_npu().npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)
 
 
@@ -162,7 +248,7 @@ def swiglu_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> 
     That needs one copy, of the weights (2 x F x D elements) or of the activations (2 x T x F, the cat in swiglu);
     the smaller one is made: the weights once the tokens per call T reach the model dim D. One matmul then replaces
     two forward, and the backward's input gradient is one matmul instead of two and a sum. Parameters and
-    checkpoints keep w1 and w3 apart; tensor-parallel (DTensor) weights take the composed path.
+    checkpoints keep w1 and w3 apart; tensor-parallel (DTensor) weights take the composed path (swiglu's shards).
     """
     if _any_dtensor(x, w_gate, w_up) or x.numel() // x.shape[-1] < w_gate.shape[1]:
         return swiglu(F.linear(x, w_gate), F.linear(x, w_up))
@@ -170,57 +256,107 @@ def swiglu_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> 
 
 
 # --- mixture of experts ------------------------------------------------------------------------------------------
-# Sources (torch_npu 2.13.0 wheel): the op schemas in torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml, the
-# API reference in torch_npu/_op_plugin_docs.py, the shape rules in torch_npu/op_plugin/meta/_meta_registrations.py
-# (npu_grouped_matmul_meta: a single weight is [E, K, N]; group_type 2 splits the contracted K axis and returns
-# [E, M, N]); npu_grouped_matmul's host side is op-plugin's op_plugin/ops/opapi/GroupedMatmulKernelNpuOpApi.cpp
-# (aclnnGroupedMatmul).
+# Sources (torch_npu 2.13.0 / 2.14.0 wheels, the same text in both): the op schemas in
+# torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml, the API reference in torch_npu/_op_plugin_docs.py, the
+# shape rules in torch_npu/op_plugin/meta/_meta_registrations.py; npu_grouped_matmul's host side is op-plugin's
+# op_plugin/ops/opapi/GroupedMatmulKernelNpuOpApi.cpp (aclnnGroupedMatmul). Each limit below is listed with the
+# reference's words in docs/npu.md.
 # Autograd: the wheel's libtorch_npu.so carries generated backward nodes for npu_moe_token_permute and
-# npu_moe_token_unpermute, none for npu_grouped_matmul or npu_moe_gating_top_k_softmax.
+# npu_moe_token_unpermute, none for npu_grouped_matmul, npu_grouped_matmul_add_ or npu_moe_gating_top_k_softmax.
 
-GROUPED_MATMUL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# fp16/bf16: both kernels of the grouped GEMM's forward and backward take them; npu_grouped_matmul_add_ (the weight
+# gradient) takes no fp32, so fp32 experts run the reference.
+GROUPED_MATMUL_DTYPES = (torch.float16, torch.bfloat16)
 # Atlas A2: the stored last axis of each x and weight must be shorter than this (the API reference's InnerLimit).
 GROUPED_MATMUL_INNER_LIMIT = 65536
-GROUP_TYPE_M = 0  # group_type: groups split the rows of x
-GROUP_TYPE_K = 2  # group_type: groups split the contracted axis (the weight gradient)
+GROUPED_MATMUL_MAX_GROUPS = 1024  # groups per npu_grouped_matmul / npu_grouped_matmul_add_ call
+GROUP_TYPE_M = 0  # npu_grouped_matmul's group_type: groups split the rows of x (on A2 only -1 and 0 exist)
+GROUP_TYPE_K = 2  # npu_grouped_matmul_add_'s only group_type: groups split the contracted axis
 GROUP_LIST_CUMSUM = 0  # group_list_type: group_list holds the groups' cumulative ends
-# npu_moe_token_permute / _unpermute: bf16 tokens only, at most 512 experts per token (API reference).
+# npu_moe_token_permute / _unpermute: bf16 tokens only, at most 512 experts per token, fewer than 16,777,215
+# indices (API reference).
 PERMUTE_MAX_TOPK = 512
+PERMUTE_MAX_INDICES = 16777215
 GATING_MAX_TOPK = 1024  # npu_moe_gating_top_k_softmax: k <= 1024
 
 
-def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor, group_type: int
-                    ) -> torch.Tensor:
-    """npu_grouped_matmul on one x and one weight with one output (split_item 3), group_list cumulative ends."""
-    return _torch_npu().npu_grouped_matmul([x], [weight], group_list=group_list, split_item=3, group_type=group_type,
-                                           group_list_type=GROUP_LIST_CUMSUM)[0]
+def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor) -> torch.Tensor:
+    """Rows of group g of x [N, K] times weight[g] for weight [G, K, M] (any G; a transposed view is fine), group_list
+    the int64 cumulative row ends: npu_grouped_matmul (group_type 0, one output) over at most 1024 groups a call.
+
+    With more groups each call takes a run of them plus, before and after it, the other rows as one group each,
+    borrowing the neighbouring experts' weights (a view, no copy); those rows' results are taken from the call that
+    owns them. Every call then computes all N rows: the price of a layer with more than 1024 local experts."""
+    groups = weight.shape[0]
+    if groups <= GROUPED_MATMUL_MAX_GROUPS:
+        return _grouped_matmul_call(x, weight, group_list)
+    rows = torch.arange(x.shape[0], device=x.device)
+    out = None
+    for first in range(0, groups, GROUPED_MATMUL_MAX_GROUPS - 2):
+        last = min(first + GROUPED_MATMUL_MAX_GROUPS - 2, groups)
+        ends = [group_list[first:last]]
+        if first > 0:  # the rows before the run: one group on the previous expert's weight
+            ends.insert(0, group_list[first - 1:first])
+        if last < groups:  # the rows after it: one group on the next expert's weight
+            ends.append(group_list.new_full((1,), x.shape[0]))
+        y = _grouped_matmul_call(x, weight[max(first - 1, 0):min(last + 1, groups)], torch.cat(ends))
+        start = group_list[first - 1] if first > 0 else 0
+        mine = ((rows >= start) & (rows < group_list[last - 1])).unsqueeze(-1)
+        out = y if out is None else torch.where(mine, y, out)
+    return out
+
+
+def _grouped_matmul_call(x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor) -> torch.Tensor:
+    """One npu_grouped_matmul call: one x (not transposed, as the kernel requires), one weight, one output."""
+    return _torch_npu().npu_grouped_matmul([x.contiguous()], [weight], group_list=group_list, split_item=3,
+                                           group_type=GROUP_TYPE_M, group_list_type=GROUP_LIST_CUMSUM)[0]
+
+
+def _grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, group_list: torch.Tensor, groups: int) -> torch.Tensor:
+    """[G, M, K] fp32: grad rows of g transposed times x rows of g, by npu_grouped_matmul_add_ accumulating into zeros
+    (groups split the contracted token axis; an empty group stays 0), at most 1024 groups a call. A call after the
+    first takes a scratch group first, for the rows before its run, whose product is dropped."""
+    out = grad.new_zeros(groups, grad.shape[1], x.shape[1], dtype=torch.float32)
+    kernel = _torch_npu().npu_grouped_matmul_add_
+    kwargs = {"transpose_x": True, "transpose_weight": False, "group_type": GROUP_TYPE_K,
+              "group_list_type": GROUP_LIST_CUMSUM}
+    kernel(out[:GROUPED_MATMUL_MAX_GROUPS], grad, x, group_list[:GROUPED_MATMUL_MAX_GROUPS], **kwargs)
+    for first in range(GROUPED_MATMUL_MAX_GROUPS, groups, GROUPED_MATMUL_MAX_GROUPS - 1):
+        last = min(first + GROUPED_MATMUL_MAX_GROUPS - 1, groups)
+        part = grad.new_zeros(last - first + 1, grad.shape[1], x.shape[1], dtype=torch.float32)
+        kernel(part, grad, x, group_list[first - 1:last], **kwargs)
+        out[first:last] = part[1:]
+    return out
 
 
 class _GroupedMatmul(torch.autograd.Function):
     """out rows of group g = x rows of g @ w[g]^T with w [G, M, K] (ours) passed as the [G, K, M] view the kernel
-    reads. torch_npu has no backward for the kernel, so the gradients are two more calls of it: grad_x groups by
-    rows (grad @ w[g]), grad_w by the contracted token axis (grad rows of g ^T @ x rows of g, empty groups 0)."""
+    reads. torch_npu has no backward for the kernel, so the gradients are two more kernel calls: grad_x groups by
+    rows (grad @ w[g], npu_grouped_matmul), grad_w by the contracted token axis (grad rows of g ^T @ x rows of g,
+    npu_grouped_matmul_add_: on Atlas A2 npu_grouped_matmul has no group_type for that axis)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, group_list: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, w, group_list)
-        return _grouped_matmul(x, w.transpose(1, 2), group_list, GROUP_TYPE_M)
+        return _grouped_matmul(x, w.transpose(1, 2), group_list)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, w, group_list = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = _grouped_matmul(grad, w, group_list, GROUP_TYPE_M) if ctx.needs_input_grad[0] else None
-        # K-split: x is [M, K] stored as [K, M] (grad's transpose), the weight [K, N] (x): y[g] = grad_g^T x_g.
-        grad_w = _grouped_matmul(grad.t(), x, group_list, GROUP_TYPE_K) if ctx.needs_input_grad[1] else None
+        grad_x = _grouped_matmul(grad, w, group_list) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = _grouped_weight_grad(grad, x.contiguous(), group_list, w.shape[0]).to(w.dtype)
         return grad_x, grad_w, None
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, max_group_rows: int | None = None
                ) -> torch.Tensor:
-    """npu_grouped_matmul (group_type 0, cumulative int64 group_list) for x [N, K] sorted by group and w [G, M, K];
-    its backward is npu_grouped_matmul too. Other dtypes, DTensors and K or M of 65,536 or more (the kernel's
-    inner-axis limit; the token count is never an inner axis here) take the reference."""
+    """npu_grouped_matmul (group_type 0, cumulative int64 group_list) for x [N, K] sorted by group and w [G, M, K],
+    split into calls of at most 1024 groups; its backward is npu_grouped_matmul and npu_grouped_matmul_add_. Dtypes
+    other than fp16/bf16, DTensors and K or M of 65,536 or more (the kernels' inner-axis limit; the token count is
+    never an inner axis here) take the reference."""
     if (_any_dtensor(x, w) or x.dtype not in GROUPED_MATMUL_DTYPES or w.dtype != x.dtype
             or max(w.shape[1], w.shape[2]) >= GROUPED_MATMUL_INNER_LIMIT):
         return reference.grouped_mm(x, w, offsets, max_group_rows)
@@ -239,21 +375,30 @@ def moe_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, to
     return probs, experts.long()
 
 
+def _permute_kernels_take(rows: torch.Tensor, tokens: int, top_k: int) -> bool:
+    """Whether npu_moe_token_permute / _unpermute take rows of this dtype for `tokens` tokens of top_k experts."""
+    return rows.dtype == torch.bfloat16 and top_k <= PERMUTE_MAX_TOPK and tokens * top_k < PERMUTE_MAX_INDICES
+
+
 def moe_permute(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """npu_moe_token_permute (bf16 tokens): its sorted_indices are the stable sort of the flattened experts, its
-    rows x[sorted_indices // k]; the kernel's own backward sums each token's copies."""
-    if _any_dtensor(x) or x.dtype != torch.bfloat16 or experts.shape[-1] > PERMUTE_MAX_TOPK:
+    """The rows of npu_moe_token_permute (bf16 tokens: each token's copies sorted stably by expert, with the
+    kernel's backward) and the order, the stable sort of the flattened experts, computed here: the kernel's
+    sorted_indices is where each copy went (the inverse permutation, by the API reference's later entry; its
+    earlier entry's example is the sort itself), so the order is not read from it."""
+    if _any_dtensor(x) or not _permute_kernels_take(x, x.shape[0], experts.shape[-1]):
         return reference.moe_permute(x, experts)
-    routed, order = _torch_npu().npu_moe_token_permute(x, experts.long())
-    return routed, order.long()
+    routed = _torch_npu().npu_moe_token_permute(x, experts.long())[0]
+    return routed, torch.argsort(experts.reshape(-1), stable=True)
 
 
 def moe_unpermute(routed: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """npu_moe_token_unpermute with probs = the weights (bf16): routed row i goes back to copy order[i] and each
+    """npu_moe_token_unpermute with probs = the weights (bf16) and sorted_indices = where each token copy sits in
+    routed (the inverse of the order, int32, as the kernel documents it and npu_moe_token_permute returns it): each
     token's copies are weighted and summed; its backward gives the routed rows' and the weights' gradients."""
-    if _any_dtensor(routed, weights) or routed.dtype != torch.bfloat16 or weights.shape[-1] > PERMUTE_MAX_TOPK:
+    if _any_dtensor(routed, weights) or not _permute_kernels_take(routed, weights.shape[0], weights.shape[-1]):
         return reference.moe_unpermute(routed, order, weights)
-    return _torch_npu().npu_moe_token_unpermute(routed, order.to(torch.int32), probs=weights.to(routed.dtype))
+    position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return _torch_npu().npu_moe_token_unpermute(routed, position.to(torch.int32), probs=weights.to(routed.dtype))
 
 
 register_backend(

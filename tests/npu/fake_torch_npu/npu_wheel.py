@@ -50,6 +50,11 @@ WHEEL_FILES = (
     "torch_npu/optim/npu_fused_adamw.py",
     "torch_npu/utils/combine_tensors.py",
     "torch_npu/include/torch_npu/csrc/distributed/ProcessGroupHCCL.hpp",
+    "torch_npu/_op_plugin_docs.py",  # the API reference the fake's documented rules cite
+    "torch_npu/distributed/tensor/_math_ops.py",  # DTensor sharding rules of the kernels
+    "torch_npu/distributed/tensor/_matrix_ops.py",
+    "torch_npu/distributed/tensor/_moe_ops.py",
+    "torch_npu/distributed/tensor/_attention.py",
 )
 # Files of the wheel's torch_npu-<version>.dist-info, kept as dist-info/<name>: the README with the CANN pairing
 # (METADATA) and the entry points (torch imports torch_npu through its torch.backends entry).
@@ -399,7 +404,8 @@ def _checked(name: str, record_graph: bool = True):
     import torch
 
     def kernel(*args, **kwargs):
-        with torch.set_grad_enabled(torch.is_grad_enabled() and record_graph):
+        # A kernel computes in its own precision: autocast (on the CPU that stands in for the card) stays outside it.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and record_graph), torch.autocast("cpu", enabled=False):
             out = _kernels[name](*args, **kwargs)
         check_against_meta(name, args, kwargs, out)
         return out

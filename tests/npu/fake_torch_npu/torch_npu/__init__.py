@@ -89,8 +89,94 @@ if os.environ.get("FAKE_NPU_TENSORS") == "1":
 else:
     torch.npu = npu
 
+# --- where each documented behaviour of the kernels below comes from -----------------------------------------------
+# Every rule the kernels encode beyond the schema and the meta function (index conventions, dtypes, group types,
+# length caps) names its source here: the wheel file and the words in it, which test_npu_contract.py finds in the
+# pinned wheel. Where the API reference contradicts itself the stricter reading is encoded (the other one is noted).
+DOCS = "torch_npu/_op_plugin_docs.py"
+META = npu_wheel.META_FILE
+CITED: dict[str, tuple[str, str]] = {
+    # npu_fusion_attention
+    "fa.layout": (DOCS, "支持BSH、SBH、BSND、BNSD、TND(actual_seq_qlen/actual_seq_kvlen需传值)"),
+    "fa.dtype": (DOCS, "输入query、key、value、pse的数据类型必须一致."),
+    "fa.mask": (DOCS, "取值为1(或True)代表该位不参与计算(被遮蔽), 取值为0(或False)代表该位参与计算(被保留), "
+                      "数据类型支持bool、uint8"),
+    "fa.mask_shape": (DOCS, "输入shape类型支持BNSS格式、B1SS格式、11SS格式、SS格式"),
+    "fa.compressed_mask": (DOCS, "传入的atten_mask为优化后的压缩下三角矩阵(2048*2048)"),
+    "fa.head_num": (DOCS, "head_num: int类型, 代表head个数"),
+    "fa.key_value": (DOCS, "1. 输入key和value的shape必须一致."),
+    "fa.gqa": (DOCS, "Nq/Nkv必须是非0整数"),
+    "fa.cumulative": (DOCS, "表示query每个S的累加和长度"),
+    # "varlen场景B取值范围1~2K" on the line before says 2K; the stricter 1K is encoded.
+    "fa.varlen_max": (DOCS, "actual_seq_qlen的长度取值范围为1~2K, varlen场景下长度最大支持1K."),
+    "fa.softmax_stats": (META, "def npu_fusion_attention_forward"),
+    # npu_rms_norm
+    "rms.dtype": (DOCS, "self：Tensor类型，支持float16、bfloat16、float32"),
+    "rms.gamma": (DOCS, "gamma：Tensor类型，数据类型需要和self保持一致，输入shape支持2-8维，通常为self的最后一维。"),
+    # npu_rotary_mul
+    "rope.mode": (DOCS, "支持'half'、'interleave'两种模式"),
+    "rope.dims": (DOCS, "input：必选输入，4维Tensor"),
+    "rope.table_dtype": (META, "dr1 = torch.empty_like(cosine, dtype=embedding.dtype, device='meta')"),
+    "rope.half": (DOCS, "D < 896，且为2的倍数; B, N < 1000"),
+    "rope.half_tables": (DOCS, "input为BSND: 1S1D、BS1D、BSND;"),
+    "rope.interleave": (DOCS, "B * N < 1000; D < 896, 且D为2的倍数;"),
+    "rope.interleave_tables": (DOCS, "input为BSND: 1S1D;"),
+    # npu_swiglu
+    "swiglu.halves": (DOCS, "“A”和“B”是x沿dim维度切分的Tensor。"),
+    # npu_grouped_matmul, the non-quantised single-tensor case (group_type 0, one x, one weight, one y)
+    "gmm.dtype": (DOCS, "x: torch.float16, torch.bfloat16, torch.float32"),
+    "gmm.group_list": (DOCS, "表示x的第0维矩阵乘法的索引情况. 数据类型支持torch.int64."),
+    "gmm.group_list_type": (DOCS, "可取值0或1, 0代表group_list_type中数值为分组轴大小的cumsum结果(累积和)"),
+    "gmm.monotone": (DOCS, "当group_list_type为0时, group_list必须为非负单调非递减数列."),
+    "gmm.inner_limit": (DOCS, "的内轴限制InnerLimit为65536. x和weight中每一组tensor的最后一维大小都应小于InnerLimit."),
+    "gmm.group_type": (DOCS, "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 当前支持取-1、0."),
+    "gmm.single": (DOCS, "0: 仅支持split_item为2或3. weight中tensor需为3维, x、y中tensor需为2维. 必须传group_list, "
+                         "且当group_list_type为0时, 最后一个值与x中tensor的第一维相等"),
+    "gmm.max_groups": (DOCS, "group_list第1维最大支持1024, 即最多支持1024个group. 支持weight转置. x不支持转置."),
+    # npu_grouped_matmul_add_ (K-axis groups: the weight gradient)
+    "gmma.dtype": (DOCS, "支持的输入类型组合: x为float16、weight为float16、self为float32; "
+                         "x为bfloat16、weight为bfloat16、self为float32."),
+    "gmma.transpose": (DOCS, "x必须转置(transpose_x仅支持True), weight不支持转置(transpose_weight仅支持False)."),
+    "gmma.group_type": (DOCS, "group_type当前仅支持2(K轴分组)."),
+    "gmma.self": (DOCS, "shape为[g, M, N], 其中g为分组个数. 数据类型支持float32"),
+    "gmma.group_list": (DOCS, "group_list须为非负单调非递减数列, 最后一个值不大于x中tensor的第一维"),
+    "gmma.max_groups": (DOCS, "表示输入和输出分组轴方向的matmul大小分布, 必选参数. 数据类型支持int64, 数据格式支持ND. "
+                              "第1维最大支持1024, 即最多支持1024个group."),
+    "gmma.inner_limit": (DOCS, "x和weight中每一组tensor的最后一维大小都应小于65536."),
+    # npu_moe_gating_top_k_softmax
+    "gating.x": (DOCS, "表示待计算的输入要求是一个2D/3D的Tensor, 数据类型支持float16、bfloat16、float32"),
+    "gating.k": (DOCS, "大小为0<k<=x的-1轴大小, k<=1024."),
+    # npu_moe_token_permute / npu_moe_token_unpermute. The API reference documents each twice; the later entry (the
+    # docstring that stays) states the index convention; the earlier one's example, sorted_indices
+    # [0, 6, 7, 5, 3, 1, 2, 4], is the other convention (the stable argsort) -- the later one is encoded.
+    "permute.convention": (DOCS, "即permuted_tokens[sorted_indices[i]] = tokens[i//topK]"),
+    "permute.example": (DOCS, "sorted_indices = torch.tensor([0, 4, 5, 1, 2, 6, 7, 3], dtype=torch.int32).npu()"),
+    "permute.earlier_example": (DOCS, "sorted_indices = torch.tensor([0, 6, 7, 5, 3, 1, 2, 4], dtype=torch.int32)"),
+    "permute.tokens": (DOCS, "数据类型torch.bfloat16(当前版本permuted_tokens仅支持bfloat16)"),
+    "permute.indices": (DOCS, "indices(torch.Tensor): 必选输入，2维Tensor，shape为（num_tokens，topK），"
+                              "数据类型torch.int64"),
+    "permute.max_indices": (DOCS, "indices 要求元素个数小于16777215"),
+    "permute.max_topk": (DOCS, "topK小于等于512"),
+    "permute.padded": (DOCS, "padded_mode当前仅支持False。"),
+    "unpermute.sorted_indices": (DOCS, "表示需要计算的数据在permuted_tokens中的位置。数据类型支持int32，"
+                                       "支持非连续Tensor，支持ND。取值范围是[0, tokens_num * topK_num - 1]，"
+                                       "且没有重复索引。"),
+    "unpermute.dtype": (DOCS, "shape为(num_tokens*topK，hidden_size），数据类型torch.bfloat16"),
+    "unpermute.probs": (DOCS, "shape为（num_tokens，topK），支持的数据类型BFLOAT16"),
+    "unpermute.max_topk": (DOCS, "topK_num要求小于等于512。"),
+    "unpermute.padded": (DOCS, "目前仅支持padded_mode为False"),
+}
+
+
+def cite(key: str) -> str:
+    """The source of documented rule `key`, as the tail of the error that enforces it."""
+    relative, words = CITED[key]
+    return f" [{relative}: {words}]"
+
+
 # The compressed causal mask of sparse modes 2/3 is always this size, whatever the sequence length.
 _COMPRESSED_MASK_SIZE = 2048
+VARLEN_MAX_SEQUENCES = 1024  # entries of actual_seq_qlen in the varlen (TND) layout: CITED["fa.varlen_max"]
 _LAYOUTS = ("BSH", "SBH", "BSND", "BNSD")
 
 
@@ -164,7 +250,8 @@ def _npu_fusion_attention(
     """softmax(mask(scale * Q K^T)) V; returns (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset,
     numels), attention_out in the input layout. TND: query [T, N1, D], key/value [T, N2, D] hold sequences one after
     the other, actual_seq_qlen / actual_seq_kvlen their cumulative ends; each attends within itself (the mask and
-    sparse mode apply per sequence); softmax_max / softmax_sum are [T, N1, 8]."""
+    sparse mode apply per sequence), at most VARLEN_MAX_SEQUENCES of them; softmax_max / softmax_sum are
+    [T, N1, 8]."""
     calls["npu_fusion_attention"] += 1
     args = (pse, padding_mask, atten_mask, scale, keep_prob, pre_tockens, next_tockens, inner_precise, prefix)
     rest = (sparse_mode, gen_mask_parallel, sync, softmax_layout, sink, dropout_mask, seed, offset)
@@ -172,14 +259,20 @@ def _npu_fusion_attention(
         return _fusion_attention_dense(query, key, value, head_num, input_layout, *args, actual_seq_qlen,
                                        actual_seq_kvlen, *rest)
     if actual_seq_qlen is None or actual_seq_kvlen is None:
-        raise RuntimeError("npu_fusion_attention: layout TND needs actual_seq_qlen and actual_seq_kvlen")
+        raise RuntimeError("npu_fusion_attention: layout TND needs actual_seq_qlen and actual_seq_kvlen"
+                           + cite("fa.layout"))
     if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
-        raise RuntimeError("npu_fusion_attention: layout TND needs 3-D query/key/value")
+        raise RuntimeError("npu_fusion_attention: layout TND needs 3-D query/key/value" + cite("fa.layout"))
     if len(actual_seq_qlen) != len(actual_seq_kvlen):
-        raise RuntimeError("npu_fusion_attention: actual_seq_qlen and actual_seq_kvlen differ in length")
+        raise RuntimeError("npu_fusion_attention: actual_seq_qlen and actual_seq_kvlen differ in length"
+                           + cite("fa.cumulative"))
+    if len(actual_seq_qlen) > VARLEN_MAX_SEQUENCES:
+        raise RuntimeError(f"npu_fusion_attention: {len(actual_seq_qlen)} sequences in actual_seq_qlen, at most "
+                           f"{VARLEN_MAX_SEQUENCES} in the varlen layout" + cite("fa.varlen_max"))
     for ends, t in ((actual_seq_qlen, query.shape[0]), (actual_seq_kvlen, key.shape[0])):
         if not ends or ends[-1] != t or any(b <= a for a, b in zip([0, *ends], ends)):
-            raise RuntimeError(f"npu_fusion_attention: cumulative lengths {list(ends)} must rise to T={t}")
+            raise RuntimeError(f"npu_fusion_attention: cumulative lengths {list(ends)} must rise to T={t}"
+                               + cite("fa.cumulative"))
     outs, maxes, sums = [], [], []
     for q0, q1, k0, k1 in zip([0, *actual_seq_qlen], actual_seq_qlen, [0, *actual_seq_kvlen], actual_seq_kvlen):
         out, row_max, row_sum, *_ = _fusion_attention_dense(
@@ -199,20 +292,20 @@ def _positions_masked(atten_mask: torch.Tensor | None, sparse_mode: int, sq: int
         if atten_mask is None or tuple(atten_mask.shape) != (_COMPRESSED_MASK_SIZE,) * 2:
             raise RuntimeError(
                 f"npu_fusion_attention: sparse_mode={sparse_mode} needs the compressed {_COMPRESSED_MASK_SIZE}x"
-                f"{_COMPRESSED_MASK_SIZE} atten_mask"
+                f"{_COMPRESSED_MASK_SIZE} atten_mask" + cite("fa.compressed_mask")
             )
         if atten_mask.dtype not in (torch.bool, torch.uint8):
-            raise RuntimeError("npu_fusion_attention: atten_mask must be bool or uint8")
+            raise RuntimeError("npu_fusion_attention: atten_mask must be bool or uint8" + cite("fa.mask"))
         offset = 0 if sparse_mode == 2 else skv - sq
         masked = _expand_compressed_mask(atten_mask.bool().cpu(), sq, skv, offset).to(device)
     elif sparse_mode in (0, 1):
         if atten_mask is not None:
             if atten_mask.dtype not in (torch.bool, torch.uint8):
-                raise RuntimeError("npu_fusion_attention: atten_mask must be bool or uint8")
+                raise RuntimeError("npu_fusion_attention: atten_mask must be bool or uint8" + cite("fa.mask"))
             if tuple(atten_mask.shape[-2:]) != (sq, skv):
                 raise RuntimeError(
                     f"npu_fusion_attention: sparse_mode={sparse_mode} needs an atten_mask of [..., {sq}, {skv}], "
-                    f"got {list(atten_mask.shape)}"
+                    f"got {list(atten_mask.shape)}" + cite("fa.mask_shape")
                 )
             masked = atten_mask.bool()
             if sparse_mode == 0:
@@ -262,9 +355,11 @@ def _npu_fusion_attention_grad(
     forward's output) gives rowsum(dy * out). dk/dv come back with the key/value heads, in the input layout."""
     calls["npu_fusion_attention_grad"] += 1
     if input_layout not in _LAYOUTS:
-        raise RuntimeError(f"npu_fusion_attention_grad: input_layout {input_layout!r} is not one of {_LAYOUTS}")
+        raise RuntimeError(f"npu_fusion_attention_grad: input_layout {input_layout!r} is not one of {_LAYOUTS}"
+                           + cite("fa.layout"))
     if softmax_max is None or softmax_sum is None or attention_in is None:
-        raise RuntimeError("npu_fusion_attention_grad: needs softmax_max, softmax_sum and attention_in")
+        raise RuntimeError("npu_fusion_attention_grad: needs softmax_max, softmax_sum and attention_in"
+                           + cite("fa.softmax_stats"))
     if (pse is not None or padding_mask is not None or prefix is not None or actual_seq_qlen is not None
             or sink is not None or softmax_layout or keep_prob != 1.0):
         raise NotImplementedError("fake npu_fusion_attention_grad: pse / padding_mask / prefix / varlen / sink / "
@@ -275,7 +370,8 @@ def _npu_fusion_attention_grad(
     b, n1, sq, _ = q.shape
     n2, skv = k.shape[1], k.shape[2]
     if tuple(softmax_max.shape) != (b, n1, sq, 8) or softmax_sum.shape != softmax_max.shape:
-        raise RuntimeError(f"npu_fusion_attention_grad: softmax_max/sum must be [{b}, {n1}, {sq}, 8]")
+        raise RuntimeError(f"npu_fusion_attention_grad: softmax_max/sum must be [{b}, {n1}, {sq}, 8]"
+                           + cite("fa.softmax_stats"))
     group = n1 // n2
     scores = torch.matmul(q, k.repeat_interleave(group, dim=1).transpose(-2, -1)) * scale_value
     masked = _positions_masked(atten_mask, sparse_mode, sq, skv, pre_tockens, next_tockens, scores.device)
@@ -321,10 +417,12 @@ def _fusion_attention_dense(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     """npu_fusion_attention in the layouts with whole sequences (BSH, SBH, BSND, BNSD)."""
     if input_layout not in _LAYOUTS:
-        raise RuntimeError(f"npu_fusion_attention: input_layout {input_layout!r} is not one of {_LAYOUTS}")
+        raise RuntimeError(f"npu_fusion_attention: input_layout {input_layout!r} is not one of {_LAYOUTS}"
+                           + cite("fa.layout"))
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (torch.float16, torch.bfloat16,
                                                                             torch.float32):
-        raise RuntimeError("npu_fusion_attention: query, key and value must share one of fp16, bf16, fp32")
+        raise RuntimeError("npu_fusion_attention: query, key and value must share one of fp16, bf16, fp32"
+                           + cite("fa.dtype"))
     if (pse is not None or padding_mask is not None or prefix is not None or actual_seq_qlen is not None
             or sink is not None or dropout_mask is not None or softmax_layout):
         raise NotImplementedError("fake npu_fusion_attention: pse / padding_mask / prefix / varlen / sink / "
@@ -333,10 +431,11 @@ def _fusion_attention_dense(
         raise NotImplementedError("fake npu_fusion_attention: dropout (keep_prob < 1) is not modelled")
     expected_dims = 3 if input_layout in ("BSH", "SBH") else 4
     if query.dim() != expected_dims or key.dim() != expected_dims or value.dim() != expected_dims:
-        raise RuntimeError(f"npu_fusion_attention: layout {input_layout} needs {expected_dims}-D query/key/value")
+        raise RuntimeError(f"npu_fusion_attention: layout {input_layout} needs {expected_dims}-D query/key/value"
+                           + cite("fa.layout"))
     if input_layout in ("BSH", "SBH"):
         if query.shape[-1] % head_num:
-            raise RuntimeError("npu_fusion_attention: hidden size is not a multiple of head_num")
+            raise RuntimeError("npu_fusion_attention: hidden size is not a multiple of head_num" + cite("fa.head_num"))
         head_dim = query.shape[-1] // head_num
     else:
         head_dim = query.shape[-1]
@@ -344,7 +443,7 @@ def _fusion_attention_dense(
         if query.shape[n_axis] != head_num:
             raise RuntimeError(
                 f"npu_fusion_attention: head_num={head_num} but query has {query.shape[n_axis]} heads in "
-                f"layout {input_layout}"
+                f"layout {input_layout}" + cite("fa.head_num")
             )
     q = _to_bnsd(query, input_layout, head_num, head_dim).float()
     k = _to_bnsd(key, input_layout, None, head_dim).float()
@@ -352,9 +451,10 @@ def _fusion_attention_dense(
     b, n1, sq, _ = q.shape
     n2, skv = k.shape[1], k.shape[2]
     if k.shape[0] != b or v.shape != k.shape or k.shape[-1] != head_dim:
-        raise RuntimeError("npu_fusion_attention: key/value shapes do not fit the query")
+        raise RuntimeError("npu_fusion_attention: key/value shapes do not fit the query" + cite("fa.key_value"))
     if n1 % n2:
-        raise RuntimeError(f"npu_fusion_attention: query heads {n1} not a multiple of key/value heads {n2}")
+        raise RuntimeError(f"npu_fusion_attention: query heads {n1} not a multiple of key/value heads {n2}"
+                           + cite("fa.gqa"))
     # GQA: query heads [g*G, (g+1)*G) share key/value head g.
     k = k.repeat_interleave(n1 // n2, dim=1)
     v = v.repeat_interleave(n1 // n2, dim=1)
@@ -374,18 +474,18 @@ def _fusion_attention_dense(
 
 
 def _npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd): y = x * rsqrt(mean(x^2) + eps) * gamma over gamma's trailing dims, y in x's dtype, rstd in fp32.
-
-    gamma has x's dtype, or fp32 beside fp16/bf16 activations (Atlas A2 and later take the mixed pair).
-    """
+    """(y, rstd): y = x * rsqrt(mean(x^2) + eps) * gamma over gamma's trailing dims, y in x's dtype, rstd in fp32;
+    gamma in x's dtype."""
     calls["npu_rms_norm"] += 1
     if self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise RuntimeError("npu_rms_norm: input must be fp16, bf16 or fp32")
-    if gamma.dtype != self.dtype and gamma.dtype != torch.float32:
-        raise RuntimeError(f"npu_rms_norm: gamma dtype {gamma.dtype} must be the input's ({self.dtype}) or fp32")
+        raise RuntimeError("npu_rms_norm: input must be fp16, bf16 or fp32" + cite("rms.dtype"))
+    if gamma.dtype != self.dtype:
+        raise RuntimeError(f"npu_rms_norm: gamma dtype {gamma.dtype} must be the input's ({self.dtype})"
+                           + cite("rms.gamma"))
     g = gamma.dim()
     if tuple(self.shape[-g:]) != tuple(gamma.shape):
-        raise RuntimeError(f"npu_rms_norm: gamma shape {list(gamma.shape)} is not the input's trailing dims")
+        raise RuntimeError(f"npu_rms_norm: gamma shape {list(gamma.shape)} is not the input's trailing dims"
+                           + cite("rms.gamma"))
     dims = tuple(range(self.dim() - g, self.dim()))
     x32 = self.float()
     rstd = torch.rsqrt(x32.pow(2).mean(dim=dims, keepdim=True) + epsilon)
@@ -401,7 +501,8 @@ def _rotate(x: torch.Tensor, rotary_mode: str) -> torch.Tensor:
 
 
 # npu_rotary_mul's documented limits (jit_compile=False): D even and below 896; B * N below 1000 in interleave mode,
-# B and N each below 1000 in half mode; in interleave mode r1/r2 broadcast over batch and heads (1S1D for BSND).
+# B and N each below 1000 in half mode (CITED["rope.half"], ["rope.interleave"]); in interleave mode r1/r2 broadcast
+# over batch and heads (1S1D for BSND: CITED["rope.interleave_tables"]).
 ROTARY_MAX_HEAD_DIM = 896
 ROTARY_MAX_BN = 1000
 
@@ -413,26 +514,33 @@ def _npu_rotary_mul(input: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rot
     if rotate is not None:
         raise NotImplementedError("fake npu_rotary_mul: the rotate matrix is not modelled")
     if rotary_mode not in ("half", "interleave"):
-        raise RuntimeError(f"npu_rotary_mul: rotary_mode {rotary_mode!r} is not 'half' or 'interleave'")
+        raise RuntimeError(f"npu_rotary_mul: rotary_mode {rotary_mode!r} is not 'half' or 'interleave'"
+                           + cite("rope.mode"))
     if input.dim() != 4 or r1.dim() != 4 or r2.dim() != 4:
-        raise RuntimeError("npu_rotary_mul: input, r1 and r2 must be 4-D")
+        raise RuntimeError("npu_rotary_mul: input, r1 and r2 must be 4-D" + cite("rope.dims"))
     if r1.shape != r2.shape or r1.dtype != input.dtype or r2.dtype != input.dtype:
-        raise RuntimeError("npu_rotary_mul: r1 and r2 must have one shape and the input's dtype")
+        raise RuntimeError("npu_rotary_mul: r1 and r2 must have one shape and the input's dtype"
+                           + cite("rope.table_dtype"))
     d = input.shape[-1]
     if r1.shape[-1] != d or d % 2 or d >= ROTARY_MAX_HEAD_DIM:
-        raise RuntimeError(f"npu_rotary_mul: head size {d} must be even, below {ROTARY_MAX_HEAD_DIM}, and r1/r2's")
+        raise RuntimeError(f"npu_rotary_mul: head size {d} must be even, below {ROTARY_MAX_HEAD_DIM}, and r1/r2's"
+                           + cite("rope.interleave" if rotary_mode == "interleave" else "rope.half"))
     b, n = input.shape[0], input.shape[2]
     if rotary_mode == "interleave":
         if b * n >= ROTARY_MAX_BN:
-            raise RuntimeError(f"npu_rotary_mul: interleave mode needs B * N < {ROTARY_MAX_BN}, got {b} * {n}")
+            raise RuntimeError(f"npu_rotary_mul: interleave mode needs B * N < {ROTARY_MAX_BN}, got {b} * {n}"
+                               + cite("rope.interleave"))
         if r1.shape[0] != 1 or r1.shape[2] != 1:
-            raise RuntimeError(f"npu_rotary_mul: interleave mode needs r1/r2 of 1S1D, got {list(r1.shape)}")
+            raise RuntimeError(f"npu_rotary_mul: interleave mode needs r1/r2 of 1S1D, got {list(r1.shape)}"
+                               + cite("rope.interleave_tables"))
     elif b >= ROTARY_MAX_BN or n >= ROTARY_MAX_BN:
-        raise RuntimeError(f"npu_rotary_mul: half mode needs B and N below {ROTARY_MAX_BN}, got {b} and {n}")
+        raise RuntimeError(f"npu_rotary_mul: half mode needs B and N below {ROTARY_MAX_BN}, got {b} and {n}"
+                           + cite("rope.half"))
     try:
         torch.broadcast_shapes(r1.shape, input.shape)
     except RuntimeError as e:
-        raise RuntimeError(f"npu_rotary_mul: r1 shape {list(r1.shape)} does not broadcast to the input") from e
+        raise RuntimeError(f"npu_rotary_mul: r1 shape {list(r1.shape)} does not broadcast to the input"
+                           + cite("rope.half_tables")) from e
     x32 = input.float()
     return (r1.float() * x32 + r2.float() * _rotate(x32, rotary_mode)).to(input.dtype)
 
@@ -440,28 +548,49 @@ def _npu_rotary_mul(input: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rot
 def _npu_swiglu(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """swish(A) * B where A, B are the first and second halves of the input along dim."""
     calls["npu_swiglu"] += 1
-    if not self.is_contiguous():
-        raise RuntimeError("npu_swiglu: non-contiguous input is not supported")
     if self.shape[dim] % 2:
-        raise RuntimeError(f"npu_swiglu: size {self.shape[dim]} of dim {dim} is not even")
+        raise RuntimeError(f"npu_swiglu: size {self.shape[dim]} of dim {dim} is not even" + cite("swiglu.halves"))
     a, b = torch.chunk(self.float(), 2, dim=dim)
     return (F.silu(a) * b).to(self.dtype)
 
 
 # --- mixture-of-experts kernels -----------------------------------------------------------------------------------
-# From the wheel's API reference (torch_npu/_op_plugin_docs.py) and meta registrations. Of these, torch_npu 2.13.0
-# registers a backward (generated autograd nodes NpuMoeTokenPermuteBackward0 / NpuMoeTokenUnpermuteBackward0 in
-# torch_npu/lib/libtorch_npu.so) for the token permutation ops only: npu_grouped_matmul and
-# npu_moe_gating_top_k_softmax have none (WITHOUT_AUTOGRAD below).
+# From the wheel's API reference (torch_npu/_op_plugin_docs.py, CITED above) and meta registrations. Of these,
+# torch_npu 2.13.0 registers a backward (generated autograd nodes NpuMoeTokenPermuteBackward0 /
+# NpuMoeTokenUnpermuteBackward0 in torch_npu/lib/libtorch_npu.so) for the token permutation ops only:
+# npu_grouped_matmul, npu_grouped_matmul_add_ and npu_moe_gating_top_k_softmax have none (WITHOUT_AUTOGRAD below).
 
-GMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-GMM_INNER_LIMIT = 65536  # the stored last dim of each x and weight must be below it (Atlas A2)
-PERMUTE_MAX_TOPK = 512
+GMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # CITED["gmm.dtype"]
+GMM_ADD_DTYPES = (torch.float16, torch.bfloat16)  # CITED["gmma.dtype"]
+GMM_INNER_LIMIT = 65536  # CITED["gmm.inner_limit"], ["gmma.inner_limit"]
+GMM_MAX_GROUPS = 1024  # CITED["gmm.max_groups"], ["gmma.max_groups"]
+PERMUTE_MAX_TOPK = 512  # CITED["permute.max_topk"], ["unpermute.max_topk"]
+PERMUTE_MAX_INDICES = 16777215  # indices hold fewer elements than this: CITED["permute.max_indices"]
+GATING_MAX_K = 1024  # CITED["gating.k"]
 
 
 def _inner_size(t: torch.Tensor) -> int:
     """The length of t's stored last axis: its last dim, or the one before when t is a transposed view."""
-    return t.shape[-2] if t.dim() >= 2 and t.stride(-1) != 1 and t.stride(-2) == 1 else t.shape[-1]
+    return t.shape[-2] if _transposed(t) else t.shape[-1]
+
+
+def _transposed(t: torch.Tensor) -> bool:
+    """Whether t is a transposed view (its last two axes swapped in memory)."""
+    return t.dim() >= 2 and t.stride(-1) != 1 and t.stride(-2) == 1
+
+
+def _group_sizes(group_list: torch.Tensor, group_list_type: int, op: str, monotone: str) -> torch.Tensor:
+    """The groups' sizes from group_list (int64, 1-D): cumulative ends (type 0) or sizes (1), none negative."""
+    if group_list.dtype != torch.int64 or group_list.dim() != 1:
+        raise RuntimeError(f"{op}: group_list must be a 1-D int64 tensor, got {group_list.dtype} of "
+                           f"{group_list.dim()} dims" + cite("gmm.group_list"))
+    if group_list_type not in (0, 1):
+        raise RuntimeError(f"{op}: group_list_type {group_list_type} is not 0 (cumsum) or 1 (counts)"
+                           + cite("gmm.group_list_type"))
+    sizes = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
+    if bool((sizes < 0).any()):
+        raise RuntimeError(f"{op}: group_list must be non-negative and, as cumsum, non-decreasing" + cite(monotone))
+    return sizes
 
 
 def _npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
@@ -471,10 +600,9 @@ def _npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqu
                         weight_dtype=None, scale_dtype=None, per_token_scale_dtype=None) -> list[torch.Tensor]:
     """The non-quantised single-tensor case: one x, one weight, a group_list tensor, one output (split_item 2/3).
 
-    group_type 0 splits x [M, K]'s rows: y[rows of g] = x[rows of g] @ weight[g], weight [E, K, N] -> y [M, N].
-    group_type 2 splits the contracted axis: x [M, K] (a transposed view of a [K, M] tensor), weight [K, N]:
-    y[g] = x[:, part g of K] @ weight[part g of K, :] -> y [E, M, N] (an empty part gives zeros).
-    group_list: int64, cumulative ends (group_list_type 0) or sizes (1), one per group, covering the whole axis.
+    group_type 0 splits x [M, K]'s rows: y[rows of g] = x[rows of g] @ weight[g], weight [E, K, N] (a transposed view
+    allowed, x not) -> y [M, N]; at most 1024 groups. On Atlas A2 the only other group_type is -1 (no groups).
+    group_list: int64, cumulative ends (group_list_type 0) or sizes (1), one per group, covering every row of x.
     """
     calls["npu_grouped_matmul"] += 1
     quantised = (bias, scale, offset, antiquant_scale, antiquant_offset, per_token_scale, activation_input,
@@ -482,58 +610,87 @@ def _npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqu
                  weight_dtype, scale_dtype, per_token_scale_dtype)
     if any(a is not None for a in quantised) or act_type:
         raise NotImplementedError("fake npu_grouped_matmul: bias, quantisation, activation and tuning are not modelled")
-    if len(x) != 1 or len(weight) != 1 or split_item not in (2, 3) or group_list is None:
-        raise NotImplementedError("fake npu_grouped_matmul: only one x, one weight, a group_list tensor and one output "
-                                  "(split_item 2 or 3) are modelled")
+    if group_type not in (-1, 0):
+        raise RuntimeError(f"npu_grouped_matmul: group_type {group_type} is not supported on Atlas A2 (-1 or 0)"
+                           + cite("gmm.group_type"))
+    if len(x) != 1 or len(weight) != 1 or split_item not in (2, 3) or group_list is None or group_type != 0:
+        raise NotImplementedError("fake npu_grouped_matmul: only one x, one weight, a group_list tensor, group_type 0 "
+                                  "and one output (split_item 2 or 3) are modelled")
     (a,), (b,) = x, weight
     if a.dtype not in GMM_DTYPES or b.dtype != a.dtype:
-        raise RuntimeError(f"npu_grouped_matmul: x {a.dtype} and weight {b.dtype} must share one of fp16, bf16, fp32")
-    if group_list.dtype != torch.int64 or group_list.dim() != 1:
-        raise RuntimeError(f"npu_grouped_matmul: group_list must be a 1-D int64 tensor, got {group_list.dtype} "
-                           f"of {group_list.dim()} dims")
-    if group_list_type not in (0, 1):
-        raise RuntimeError(f"npu_grouped_matmul: group_list_type {group_list_type} is not 0 (cumsum) or 1 (counts)")
+        raise RuntimeError(f"npu_grouped_matmul: x {a.dtype} and weight {b.dtype} must share one of fp16, bf16, fp32"
+                           + cite("gmm.dtype"))
+    sizes = _group_sizes(group_list, group_list_type, "npu_grouped_matmul", "gmm.monotone")
+    if group_list.shape[0] > GMM_MAX_GROUPS:
+        raise RuntimeError(f"npu_grouped_matmul: {group_list.shape[0]} groups, at most {GMM_MAX_GROUPS} per call"
+                           + cite("gmm.max_groups"))
+    if a.dim() != 2 or b.dim() != 3 or b.shape[0] != group_list.shape[0] or b.shape[1] != a.shape[1]:
+        raise RuntimeError(f"npu_grouped_matmul: group_type 0 needs x [M, K] and weight [E, K, N] with E = "
+                           f"len(group_list) = {group_list.shape[0]}, got {list(a.shape)} and {list(b.shape)}"
+                           + cite("gmm.single"))
+    if _transposed(a):
+        raise RuntimeError("npu_grouped_matmul: x must not be a transposed view" + cite("gmm.max_groups"))
     for name, t in (("x", a), ("weight", b)):
         if _inner_size(t) >= GMM_INNER_LIMIT:
             raise RuntimeError(f"npu_grouped_matmul: the inner axis of {name} ({_inner_size(t)}) must be below "
-                               f"{GMM_INNER_LIMIT}")
-    sizes = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
-    if bool((sizes < 0).any()):
-        raise RuntimeError("npu_grouped_matmul: group_list must be non-negative and, as cumsum, non-decreasing")
-    if a.dim() != 2:
-        raise RuntimeError(f"npu_grouped_matmul: x must be 2-D here, got {a.dim()} dims")
-    if group_type == 0:
-        if b.dim() != 3 or b.shape[0] != group_list.shape[0] or b.shape[1] != a.shape[1]:
-            raise RuntimeError(f"npu_grouped_matmul: group_type 0 needs weight [E, K, N] with E = len(group_list) = "
-                               f"{group_list.shape[0]} and K = x's {a.shape[1]}, got {list(b.shape)}")
-        if int(sizes.sum()) != a.shape[0]:
-            raise RuntimeError(f"npu_grouped_matmul: the groups cover {int(sizes.sum())} rows, x has {a.shape[0]}")
-        parts = torch.split(a.float(), sizes.tolist())
-        return [torch.cat([p @ b[g].float() for g, p in enumerate(parts)]).to(a.dtype)]
-    if group_type == 2:
-        if b.dim() != 2 or b.shape[0] != a.shape[1]:
-            raise RuntimeError(f"npu_grouped_matmul: group_type 2 needs weight [K, N] with K = x's {a.shape[1]}, "
-                               f"got {list(b.shape)}")
-        if int(sizes.sum()) != a.shape[1]:
-            raise RuntimeError(f"npu_grouped_matmul: the groups cover {int(sizes.sum())} of K, x has {a.shape[1]}")
-        a_parts = torch.split(a.float(), sizes.tolist(), dim=1)
-        b_parts = torch.split(b.float(), sizes.tolist(), dim=0)
-        return [torch.stack([p @ q for p, q in zip(a_parts, b_parts)]).to(a.dtype)]
-    raise NotImplementedError(f"fake npu_grouped_matmul: group_type {group_type} is not modelled (0: M, 2: K)")
+                               f"{GMM_INNER_LIMIT}" + cite("gmm.inner_limit"))
+    if int(sizes.sum()) != a.shape[0]:
+        raise RuntimeError(f"npu_grouped_matmul: the groups cover {int(sizes.sum())} rows, x has {a.shape[0]}"
+                           + cite("gmm.single"))
+    parts = torch.split(a.float(), sizes.tolist())
+    return [torch.cat([p @ b[g].float() for g, p in enumerate(parts)]).to(a.dtype)]
+
+
+def _npu_grouped_matmul_add_(self: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor, *,
+                             transpose_x: bool = True, transpose_weight: bool = False, group_type: int = 2,
+                             group_list_type: int = 0) -> torch.Tensor:
+    """self[g] += x[rows of g]^T @ weight[rows of g] in place (groups split x's first axis, the contracted K): self
+    [g, M, N] fp32, x [K, M] and weight [K, N] fp16/bf16, at most 1024 groups; rows past the last group are not read
+    and an empty group adds nothing."""
+    calls["npu_grouped_matmul_add_"] += 1
+    if group_type != 2:
+        raise RuntimeError(f"npu_grouped_matmul_add_: group_type {group_type} is not 2" + cite("gmma.group_type"))
+    if not transpose_x or transpose_weight:
+        raise RuntimeError("npu_grouped_matmul_add_: x is read transposed and weight as it is (transpose_x=True, "
+                           "transpose_weight=False)" + cite("gmma.transpose"))
+    if x.dtype not in GMM_ADD_DTYPES or weight.dtype != x.dtype or self.dtype != torch.float32:
+        raise RuntimeError(f"npu_grouped_matmul_add_: x {x.dtype} and weight {weight.dtype} must share fp16 or bf16, "
+                           f"self {self.dtype} must be fp32" + cite("gmma.dtype"))
+    sizes = _group_sizes(group_list, group_list_type, "npu_grouped_matmul_add_", "gmma.group_list")
+    if group_list.shape[0] > GMM_MAX_GROUPS:
+        raise RuntimeError(f"npu_grouped_matmul_add_: {group_list.shape[0]} groups, at most {GMM_MAX_GROUPS} per call"
+                           + cite("gmma.max_groups"))
+    if (x.dim() != 2 or weight.dim() != 2 or self.dim() != 3 or x.shape[0] != weight.shape[0]
+            or tuple(self.shape) != (group_list.shape[0], x.shape[1], weight.shape[1])):
+        raise RuntimeError(f"npu_grouped_matmul_add_: needs x [K, M], weight [K, N] and self [len(group_list), M, N], "
+                           f"got {list(x.shape)}, {list(weight.shape)}, {list(self.shape)}" + cite("gmma.self"))
+    for name, t in (("x", x), ("weight", weight)):
+        if t.shape[-1] >= GMM_INNER_LIMIT:
+            raise RuntimeError(f"npu_grouped_matmul_add_: the last dim of {name} ({t.shape[-1]}) must be below "
+                               f"{GMM_INNER_LIMIT}" + cite("gmma.inner_limit"))
+    covered = int(sizes.sum())
+    if covered > x.shape[0]:
+        raise RuntimeError(f"npu_grouped_matmul_add_: the groups cover {covered} rows, x has {x.shape[0]}"
+                           + cite("gmma.group_list"))
+    x_parts = torch.split(x[:covered].float(), sizes.tolist())
+    w_parts = torch.split(weight[:covered].float(), sizes.tolist())
+    return self.add_(torch.stack([p.T @ q for p, q in zip(x_parts, w_parts)]))
 
 
 def _npu_moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None = None, k: int = 1
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, expert_idx, row_idx): y the k largest softmax values of each row (descending, not renormalised, in x's
-    dtype), expert_idx their int32 columns, row_idx[i, j] = j * rows + i (the layout npu_moe_init_routing reads)."""
+    dtype), expert_idx their int32 columns, row_idx[i, j] = j * rows + i (the layout npu_moe_init_routing reads; the
+    API reference does not spell it out and the project does not read it)."""
     calls["npu_moe_gating_top_k_softmax"] += 1
     if finished is not None:
         raise NotImplementedError("fake npu_moe_gating_top_k_softmax: finished is not modelled")
     if x.dtype not in GMM_DTYPES or x.dim() not in (2, 3):
         raise RuntimeError(f"npu_moe_gating_top_k_softmax: x must be 2-D or 3-D fp16/bf16/fp32, got {x.dim()}-D "
-                           f"{x.dtype}")
-    if not 0 < k <= min(x.shape[-1], 1024):
-        raise RuntimeError(f"npu_moe_gating_top_k_softmax: k={k} must be in (0, min(experts, 1024)]")
+                           f"{x.dtype}" + cite("gating.x"))
+    if not 0 < k <= min(x.shape[-1], GATING_MAX_K):
+        raise RuntimeError(f"npu_moe_gating_top_k_softmax: k={k} must be in (0, min(experts, {GATING_MAX_K})]"
+                           + cite("gating.k"))
     values, idx = torch.topk(torch.softmax(x.float(), dim=-1), k, dim=-1)
     rows = x.numel() // x.shape[-1]
     row_idx = (torch.arange(k, device=x.device) * rows + torch.arange(rows, device=x.device).unsqueeze(1))
@@ -543,41 +700,57 @@ def _npu_moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None
 
 def _npu_moe_token_permute(tokens: torch.Tensor, indices: torch.Tensor, num_out_tokens: int | None = None,
                            padded_mode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(permuted_tokens, sorted_indices): sorted_indices int32 the stable sort of the flattened indices [T * topK],
-    permuted_tokens[i] = tokens[sorted_indices[i] // topK] (bf16 only), cut to num_out_tokens rows."""
+    """(permuted_tokens, sorted_indices): the token copies sorted stably by expert, cut to num_out_tokens rows;
+    sorted_indices int32 with permuted_tokens[sorted_indices[i]] = tokens[i // topK] (where copy i of the flattened
+    [T, topK] indices went: the inverse of the stable sort). bf16 tokens, int64 indices [T, topK]."""
     calls["npu_moe_token_permute"] += 1
     if padded_mode:
-        raise RuntimeError("npu_moe_token_permute: padded_mode=True is not supported")
+        raise RuntimeError("npu_moe_token_permute: padded_mode=True is not supported" + cite("permute.padded"))
     if tokens.dtype != torch.bfloat16 or tokens.dim() != 2:
-        raise RuntimeError(f"npu_moe_token_permute: tokens must be 2-D bf16, got {tokens.dim()}-D {tokens.dtype}")
-    if indices.dtype not in (torch.int32, torch.int64) or indices.dim() not in (1, 2):
-        raise RuntimeError(f"npu_moe_token_permute: indices must be 1-D or 2-D int64, got {indices.dtype}")
-    topk = 1 if indices.dim() == 1 else indices.shape[1]
-    if topk > PERMUTE_MAX_TOPK or indices.shape[0] != tokens.shape[0]:
-        raise RuntimeError(f"npu_moe_token_permute: indices {list(indices.shape)} must be [tokens, topK <= "
-                           f"{PERMUTE_MAX_TOPK}] for {tokens.shape[0]} tokens")
-    sorted_indices = torch.argsort(indices.reshape(-1), stable=True)
+        raise RuntimeError(f"npu_moe_token_permute: tokens must be 2-D bf16, got {tokens.dim()}-D {tokens.dtype}"
+                           + cite("permute.tokens"))
+    if indices.dtype != torch.int64 or indices.dim() != 2 or indices.shape[0] != tokens.shape[0]:
+        raise RuntimeError(f"npu_moe_token_permute: indices must be [tokens, topK] int64, got {indices.dim()}-D "
+                           f"{indices.dtype}" + cite("permute.indices"))
+    topk = indices.shape[1]
+    if topk > PERMUTE_MAX_TOPK:
+        raise RuntimeError(f"npu_moe_token_permute: topK={topk} must be at most {PERMUTE_MAX_TOPK}"
+                           + cite("permute.max_topk"))
+    if indices.numel() >= PERMUTE_MAX_INDICES:
+        raise RuntimeError(f"npu_moe_token_permute: indices hold {indices.numel()} elements, fewer than "
+                           f"{PERMUTE_MAX_INDICES} are allowed" + cite("permute.max_indices"))
+    order = torch.argsort(indices.reshape(-1), stable=True)
+    sorted_indices = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     n = indices.numel()
     keep = n if not num_out_tokens else (min(num_out_tokens, n) if num_out_tokens > 0 else n + num_out_tokens)
-    return tokens[sorted_indices[:keep] // topk], sorted_indices.to(torch.int32)
+    return tokens.index_select(0, order[:keep] // topk), sorted_indices.to(torch.int32)
 
 
 def _npu_moe_token_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor,
                              probs: torch.Tensor | None = None, padded_mode: bool = False,
                              restore_shape: list[int] | None = None) -> torch.Tensor:
-    """out[t] = sum_j probs[t, j] * permuted_tokens[i] over the i with sorted_indices[i] = t * topK + j (topK =
-    probs' second dim, or 1); bf16 in and out, the sum in fp32."""
+    """out[t] = sum_j probs[t, j] * permuted_tokens[sorted_indices[t * topK + j]] (topK = probs' second dim, or 1):
+    sorted_indices is where each token copy sits in permuted_tokens, npu_moe_token_permute's second output. bf16 in
+    and out, the sum in fp32."""
     calls["npu_moe_token_unpermute"] += 1
     if padded_mode:
-        raise RuntimeError("npu_moe_token_unpermute: padded_mode=True is not supported")
-    if permuted_tokens.dtype != torch.bfloat16 or (probs is not None and probs.dtype != torch.bfloat16):
-        raise RuntimeError(f"npu_moe_token_unpermute: permuted_tokens and probs must be bf16, got "
-                           f"{permuted_tokens.dtype} and {None if probs is None else probs.dtype}")
-    if sorted_indices.dim() != 1 or sorted_indices.shape[0] != permuted_tokens.shape[0]:
-        raise RuntimeError("npu_moe_token_unpermute: sorted_indices must be 1-D, one per permuted token")
+        raise RuntimeError("npu_moe_token_unpermute: padded_mode=True is not supported" + cite("unpermute.padded"))
+    if permuted_tokens.dtype != torch.bfloat16 or permuted_tokens.dim() != 2:
+        raise RuntimeError(f"npu_moe_token_unpermute: permuted_tokens must be 2-D bf16, got {permuted_tokens.dtype}"
+                           + cite("unpermute.dtype"))
+    if probs is not None and (probs.dtype != torch.bfloat16 or probs.dim() != 2):
+        raise RuntimeError(f"npu_moe_token_unpermute: probs must be [tokens, topK] bf16, got {probs.dtype}"
+                           + cite("unpermute.probs"))
     topk = 1 if probs is None else probs.shape[1]
-    rows = permuted_tokens.float().new_zeros(sorted_indices.shape[0], permuted_tokens.shape[1])
-    rows = rows.index_copy(0, sorted_indices.long(), permuted_tokens.float()).view(-1, topk, permuted_tokens.shape[1])
+    if topk > PERMUTE_MAX_TOPK:
+        raise RuntimeError(f"npu_moe_token_unpermute: topK={topk} must be at most {PERMUTE_MAX_TOPK}"
+                           + cite("unpermute.max_topk"))
+    n = permuted_tokens.shape[0]
+    if (sorted_indices.dtype != torch.int32 or sorted_indices.dim() != 1 or sorted_indices.shape[0] != n
+            or not torch.equal(sorted_indices.sort().values, torch.arange(n, dtype=torch.int32))):
+        raise RuntimeError("npu_moe_token_unpermute: sorted_indices must be int32, one per permuted token, each of "
+                           f"0..{n - 1} once" + cite("unpermute.sorted_indices"))
+    rows = permuted_tokens.float().index_select(0, sorted_indices.long()).view(-1, topk, permuted_tokens.shape[1])
     if probs is not None:
         rows = rows * probs.float().unsqueeze(-1)
     return rows.sum(dim=1).to(permuted_tokens.dtype)
@@ -597,15 +770,16 @@ KERNELS = {
     "npu_rotary_mul": _npu_rotary_mul,
     "npu_swiglu": _npu_swiglu,
     "npu_grouped_matmul": _npu_grouped_matmul,
+    "npu_grouped_matmul_add_": _npu_grouped_matmul_add_,
     "npu_moe_gating_top_k_softmax": _npu_moe_gating_top_k_softmax,
     "npu_moe_token_permute": _npu_moe_token_permute,
     "npu_moe_token_unpermute": _npu_moe_token_unpermute,
 }
 # The ops torch_npu registers no backward for: their outputs carry no gradient on a card, nor here.
-WITHOUT_AUTOGRAD = ("npu_grouped_matmul", "npu_moe_gating_top_k_softmax")
+WITHOUT_AUTOGRAD = ("npu_grouped_matmul", "npu_grouped_matmul_add_", "npu_moe_gating_top_k_softmax")
 # Ops defined from the wheel without a kernel yet: the other MoE routing and grouped-matmul ops.
 SCHEMA_ONLY = (
-    "npu_grouped_matmul_add_", "npu_moe_init_routing_v2", "npu_moe_gating_top_k", "npu_moe_compute_expert_tokens",
+    "npu_moe_init_routing_v2", "npu_moe_gating_top_k", "npu_moe_compute_expert_tokens",
     "npu_moe_finalize_routing", "npu_moe_token_permute_with_routing_map", "npu_moe_token_unpermute_with_routing_map",
     "npu_moe_re_routing",
 )
