@@ -17,9 +17,10 @@ from titan_npu.models.qwen3_moe.args import MoEDecoderArgs
 SLIDING, FULL = "sliding_attention", "full_attention"
 # ModelConfig fields of gpt-oss's own part that override a flavor when set.
 GPT_OSS_OVERRIDABLE = ("n_experts", "top_k", "moe_ffn_dim", "router_aux_loss_coef", "capacity_factor", "yarn_factor",
-                       "yarn_original_seq_len", "yarn_beta_fast", "yarn_beta_slow")
+                       "yarn_original_seq_len", "yarn_beta_fast", "yarn_beta_slow", "yarn_truncate", "sliding_window",
+                       "layer_types", "swiglu_limit")
 # The fields a flavor sets beyond the dense decoder's.
-OWN_FIELDS = (*GPT_OSS_OVERRIDABLE, "sliding_window", "swiglu_limit", "swiglu_alpha", "yarn_truncate")
+OWN_FIELDS = (*GPT_OSS_OVERRIDABLE, "swiglu_alpha")
 
 _GPT_OSS: dict[str, Any] = dict(dim=2880, n_heads=64, n_kv_heads=8, head_dim=64, ffn_dim=2880, moe_ffn_dim=2880,
                                 vocab_size=201088, norm_eps=1e-5, rope_theta=150000.0, max_seq_len=131072, top_k=4,
@@ -107,6 +108,7 @@ def build_args(model_cfg: ModelConfig, flavor: str) -> GptOssArgs:
     own.update({k: getattr(model_cfg, k) for k in GPT_OSS_OVERRIDABLE if getattr(model_cfg, k, None) is not None})
     own["capacity_factor"] = own.get("capacity_factor") or None
     own["yarn_factor"] = own.get("yarn_factor") or None  # 0 means plain RoPE, as None does
+    own["layer_types"] = own.get("layer_types") or []  # empty = alternating
     dense = resolve_args(model_cfg, "gpt_oss", {flavor: preset}, flavor)
     return GptOssArgs(**{f.name: getattr(dense, f.name) for f in dataclasses.fields(DecoderArgs)}, **own)
 

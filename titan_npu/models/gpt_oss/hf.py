@@ -162,7 +162,7 @@ def _matching_flavor(args: GptOssArgs) -> str:
         return flavor
     defaults = {f.name: f.default for f in dataclasses.fields(GptOssArgs)}
     alternating = [SLIDING if i % 2 == 0 else FULL for i in range(args.n_layers)]
-    same = all(getattr(args, k) == FLAVORS[flavor].get(k, defaults[k]) for k in OWN_FIELDS)
+    same = all(getattr(args, k) == FLAVORS[flavor].get(k, defaults[k]) for k in OWN_FIELDS if k != "layer_types")
     return flavor if same and args.layer_types == alternating else "custom"
 
 

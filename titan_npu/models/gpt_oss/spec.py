@@ -28,7 +28,7 @@ GPT_OSS = ModelSpec(
     parameter_kinds=parameter_kinds,
     hf=HFAdapter(model_types=("gpt_oss",), args_from_config=hf.args_from_hf_config, config=hf.hf_config,
                  to_hf=hf.to_hf, from_hf=hf.from_hf, hf_name=hf.hf_name, from_hf_layout=decoder_hf.from_hf_layout,
-                 permuted_block=permuted_block),
+                 permuted_block=permuted_block, shard_wise=False),
     args_from_dict=args_from_dict,
     check_layout=check_gpt_oss_layout,
 )
