@@ -107,11 +107,7 @@ def _expert_weight(parts: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if "" in parts:
         return parts[""]
     if "_blocks" in parts and "_scales" in parts:
-        blocks, scales = parts["_blocks"], parts["_scales"]
-        if blocks.device.type == "meta":  # shapes only (a shard-wise read's plan): the dequantised shape
-            return torch.empty(blocks.shape[0], blocks.shape[2] * blocks.shape[3] * 2, blocks.shape[1],
-                               device="meta")
-        return dequantize_mxfp4(blocks, scales)
+        return dequantize_mxfp4(parts["_blocks"], parts["_scales"])
     raise CheckpointError(f"{name} is missing (neither it nor its MXFP4 _blocks and _scales are in the checkpoint)")
 
 
