@@ -75,9 +75,11 @@ TWO_RANKS += ([qwen3(case) for case in LLAMA_TWO_RANKS if case.name in QWEN3_LAY
 FOUR_RANKS += ([qwen3(case) for case in LLAMA_FOUR_RANKS if case.name in QWEN3_LAYOUTS]
                + [qwen2(case) for case in LLAMA_FOUR_RANKS if case.name in QWEN2_LAYOUTS])
 
-# gpt-oss (sinks, sliding windows, biased experts) under FSDP 2, and with its experts split over the 2 ranks too.
+# gpt-oss (sinks, sliding windows, biased experts) under FSDP 2, with its experts split over the 2 ranks too, and
+# under TP 2 (the sinks split by head, the experts' down-projection bias added in halves).
 TWO_RANKS += [Case("gpt_oss_fsdp", [], "ref_b8", "gpt_oss"),
-              Case("gpt_oss_fsdp_ep2", ["--parallel.ep_degree=2"], "ref_b8", "gpt_oss")]
+              Case("gpt_oss_fsdp_ep2", ["--parallel.ep_degree=2"], "ref_b8", "gpt_oss"),
+              Case("gpt_oss_tp", ["--parallel.tp_degree=2"], "ref_b4", "gpt_oss")]
 
 CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # With -m slow: Qwen2 under FSDP alone and TP alone; qwen2_fsdp2_tp2 (its biases FSDP-sharded after their TP cut)

@@ -1,6 +1,7 @@
-"""The planner and dry run for gpt-oss: plan == dry run for the debug model under FSDP with expert parallelism,
-FLOPs that count a sliding layer's window, sink attention's activations counted as eager attention's, and the
-layouts the family refuses (tensor and context parallelism) left out of the search."""
+"""The planner and dry run for gpt-oss: plan == dry run for the debug model under FSDP with expert parallelism and
+under tensor parallelism, FLOPs that count a sliding layer's window, sink attention's activations counted as eager
+attention's, and the layouts the family refuses (context parallelism, tensor with expert parallelism) left out of
+the search."""
 
 from __future__ import annotations
 
@@ -23,8 +24,11 @@ DEBUG = CONFIGS / "debug_gpt_oss.toml"
 TINY = ["--training.seq_len", "64", "--training.batch_size", "2"]
 
 
-def test_debug_gpt_oss_plan_equals_dry_run_under_fsdp_with_expert_parallelism():
-    cfg = load_config(DEBUG, TINY + ["--parallel.dp_shard", "4", "--parallel.ep_degree", "2"])
+@pytest.mark.parametrize("overrides", [["--parallel.dp_shard", "4", "--parallel.ep_degree", "2"],
+                                       ["--parallel.dp_shard", "2", "--parallel.tp_degree", "2"]],
+                         ids=["ep_under_fsdp", "tp"])
+def test_debug_gpt_oss_plan_equals_dry_run(overrides):
+    cfg = load_config(DEBUG, TINY + overrides)
     result = dry_run(cfg, 4, 3)
     comparison = compare_with_plan(result, cfg)
     assert result.forward_checked and comparison["match"], comparison["problems"]
@@ -45,13 +49,13 @@ def test_sink_attention_keeps_the_probabilities_as_eager_attention_does():
     assert fused_asked == block_bytes(job, Layout(), 2, moe=True).full  # no fused kernel takes a sink
 
 
-def test_the_search_leaves_out_tensor_and_context_parallelism():
+def test_the_search_leaves_out_context_parallelism_and_tensor_with_expert_parallelism():
     cfg = load_config(DEBUG, TINY)
     job = job_from_config(cfg)
-    for layout, refusal in [(Layout(dp_shard=2, tp=2), "not split by tensor parallelism"),
-                            (Layout(dp_shard=2, cp=2), "takes no attention sink")]:
+    for layout, refusal in [(Layout(dp_shard=2, cp=2), "takes no attention sink"),
+                            (Layout(dp_shard=2, tp=2, ep=2), "not split over both")]:
         with pytest.raises(LayoutError, match=refusal):
             check_layout(config_for_layout(cfg, layout), job, layout.world_size)
     layouts = [c.layout for c in make_plan(cfg, 1, 4, hardware("910B2"), top=10**6).ranked]
-    assert layouts and all(lay.tp == 1 and lay.cp == 1 for lay in layouts)
-    assert {2, 4} <= {lay.ep for lay in layouts}
+    assert layouts and all(lay.cp == 1 and (lay.tp == 1 or lay.ep == 1) for lay in layouts)
+    assert {2, 4} <= {lay.ep for lay in layouts} and 2 in {lay.tp for lay in layouts}

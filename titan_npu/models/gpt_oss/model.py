@@ -14,6 +14,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_npu import ops
 from titan_npu.errors import ConfigError
@@ -67,8 +68,9 @@ class SinkAttention(Attention):
                               f"raise model.max_seq_len or lower training.seq_len")
         rows = slice(seqlen) if documents is None or documents.positions is None else documents.positions
         xq, xk, xv = self.qkv(x, cos[rows], sin[rows])
-        out = ops.attention(xq, xk, xv, causal=True, use_flash=self.use_flash, documents=documents,
-                            sinks=self.sinks, window=self.window)
+        sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks  # this rank's heads' (TP)
+        out = ops.attention(xq, xk, xv, causal=True, use_flash=self.use_flash, documents=documents, sinks=sinks,
+                            window=self.window)
         return self.wo(out.reshape(bs, seqlen, -1))
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:

@@ -1,6 +1,6 @@
 """Every kind of parameter of a gpt-oss model: the MoE decoder's (every layer MoE), with the o-projection's bias, the
-attention sinks, the router's bias and the experts' biases. Tensor parallelism is refused for gpt-oss
-(parallelize.py), so the tensor-parallel dims of its own kinds are those a split by heads / ffn would take."""
+attention sinks, the router's bias and the experts' biases. Under tensor parallelism (parallelize.py) the sinks are
+split by head, b1 / b3 on the ffn dim; the o-projection's, the router's and b2 are replicated."""
 
 from __future__ import annotations
 

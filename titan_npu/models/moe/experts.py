@@ -42,6 +42,9 @@ class GroupedExperts(nn.Module):
             self.b3 = nn.Parameter(torch.empty(n_experts, ffn_dim))
         self.swiglu_limit = swiglu_limit
         self.swiglu_alpha = swiglu_alpha
+        # The share of the down-projection bias b2 this rank adds: 1 / tp under tensor parallelism (parallelize.py),
+        # whose ranks' partial outputs are summed.
+        self.bias_share = 1.0
         # Under expert parallelism (dispatch.py) the weights are DTensors sharded on the expert dim over the ep
         # ranks; a rank's local experts see every ep rank's tokens, so their gradient is scaled by 1 / ep to be the
         # data-parallel mean that FSDP takes of the other parameters.
@@ -59,6 +62,14 @@ class GroupedExperts(nn.Module):
             weights.append(w if w.dtype == dtype else w.to(dtype))
         return tuple(weights)
 
+    def _down_bias(self, x: torch.Tensor) -> torch.Tensor:
+        """b2 in the compute dtype times bias_share; its gradient, the same on every tensor-parallel rank, scaled
+        back up to the whole bias's."""
+        (b2,) = self._weights(x, ("b2",))
+        if self.bias_share == 1.0:
+            return b2
+        return scale_grad(b2, 1.0 / self.bias_share) * self.bias_share
+
     def _gating(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.swiglu_limit is None:
             return ops.swiglu(gate, up)
@@ -73,7 +84,8 @@ class GroupedExperts(nn.Module):
         up = ops.grouped_mm(x, w3, offsets, max_group_rows)
         if self.b1 is None:
             return ops.grouped_mm(self._gating(gate, up), w2, offsets, max_group_rows)
-        b1, b2, b3 = self._weights(x, ("b1", "b2", "b3"))
+        b1, b3 = self._weights(x, ("b1", "b3"))
+        b2 = self._down_bias(x)
         # Each row's expert, from the cumulative ends (no host read).
         expert = torch.searchsorted(offsets.long(), torch.arange(x.shape[0], device=x.device), right=True)
         expert = expert.clamp_(max=b1.shape[0] - 1)
@@ -95,7 +107,8 @@ class GroupedExperts(nn.Module):
         gate, up = torch.bmm(slots, w1.transpose(1, 2)), torch.bmm(slots, w3.transpose(1, 2))
         if self.b1 is None:
             return torch.bmm(self._gating(gate, up), w2.transpose(1, 2))
-        b1, b2, b3 = self._weights(slots, ("b1", "b2", "b3"))
+        b1, b3 = self._weights(slots, ("b1", "b3"))
+        b2 = self._down_bias(slots)
         hidden = self._gating(gate + b1.unsqueeze(1), up + b3.unsqueeze(1))
         return torch.bmm(hidden, w2.transpose(1, 2)) + b2.unsqueeze(1)
 
