@@ -76,10 +76,11 @@ FOUR_RANKS += ([qwen3(case) for case in LLAMA_FOUR_RANKS if case.name in QWEN3_L
                + [qwen2(case) for case in LLAMA_FOUR_RANKS if case.name in QWEN2_LAYOUTS])
 
 # gpt-oss (sinks, sliding windows, biased experts) under FSDP 2, with its experts split over the 2 ranks too, and
-# under TP 2 (the sinks split by head, the experts' down-projection bias added in halves).
+# under TP 2 (the sinks split by head, the experts' down-projection bias added in halves) and in two pipeline stages.
 TWO_RANKS += [Case("gpt_oss_fsdp", [], "ref_b8", "gpt_oss"),
               Case("gpt_oss_fsdp_ep2", ["--parallel.ep_degree=2"], "ref_b8", "gpt_oss"),
-              Case("gpt_oss_tp", ["--parallel.tp_degree=2"], "ref_b4", "gpt_oss")]
+              Case("gpt_oss_tp", ["--parallel.tp_degree=2"], "ref_b4", "gpt_oss"),
+              Case("gpt_oss_pp_1f1b", ["--parallel.pp_degree=2", "--parallel.pp_schedule=1F1B"], "ref_b4", "gpt_oss")]
 
 CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # With -m slow: Qwen2 under FSDP alone and TP alone; qwen2_fsdp2_tp2 (its biases FSDP-sharded after their TP cut)
