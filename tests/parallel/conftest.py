@@ -86,8 +86,9 @@ CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # With -m slow: Qwen2 under FSDP alone and TP alone; qwen2_fsdp2_tp2 (its biases FSDP-sharded after their TP cut)
 # stays in the default run, with test_tp_gradients.py's qwen2_tp2 (the biases' TP gradients). Qwen3 under FSDP alone
 # (qwen3_fsdp_ac_selective_ops, qwen3_fsdp_compile and qwen3_fsdp2_tp2 run it with more on top), and GPipe (torch's
-# schedule on the same stages that pp_1f1b and pp_interleaved_1f1b run).
-SLOW_CASES = ("qwen2_fsdp", "qwen2_tp", "qwen3_fsdp", "pp_gpipe")
+# schedule on the same stages that pp_1f1b and pp_interleaved_1f1b run). gpt-oss under FSDP alone (gpt_oss_fsdp_ep2
+# runs FSDP 2 with expert parallelism on top).
+SLOW_CASES = ("qwen2_fsdp", "qwen2_tp", "qwen3_fsdp", "pp_gpipe", "gpt_oss_fsdp")
 
 # (model, reference batch) of the single-process runs that tests compare with besides CASES' own: the seed
 # checkpoints' (ref_b4), the 2-node run's and the 3-D layouts' (ref_b8).
