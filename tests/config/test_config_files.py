@@ -36,6 +36,9 @@ EXPECTED = {
     "llama3_8b_128k.toml": ("llama3", "3.1-8B"),
     "deepseek_v3_16b.toml": ("deepseek_v3", "16B"),
     "deepseek_v3_671b.toml": ("deepseek_v3", "671B"),
+    "debug_gpt_oss.toml": ("gpt_oss", "debug"),
+    "gpt_oss_20b.toml": ("gpt_oss", "20B"),
+    "gpt_oss_120b.toml": ("gpt_oss", "120B"),
 }
 # The cards a Qwen config's header names (nodes, 910B per node) and a rank whose dry run is checked.
 QWEN_CLUSTERS = {"qwen3_32b.toml": (2, 8, 6), "qwen3_8b.toml": (1, 8, 7), "qwen2_7b.toml": (1, 4, 3)}
@@ -73,12 +76,13 @@ def test_qwen_configs_hold_the_planners_first_layout_and_dry_run_to_its_bytes(na
 
 
 # The cards a MoE config's header names (nodes, 910B per node), a rank whose dry run is checked, and its ep degree.
-MOE_CLUSTERS = {"qwen3_30b_a3b.toml": (1, 8, 7, 1), "qwen3_235b_a22b.toml": (16, 8, 77, 1)}
+MOE_CLUSTERS = {"qwen3_30b_a3b.toml": (1, 8, 7, 1), "qwen3_235b_a22b.toml": (16, 8, 77, 1),
+                "gpt_oss_20b.toml": (1, 8, 7, 1)}
 
 
 # The search over 8 ranks takes seconds, over 128 minutes: the 235B one runs with the slow tests (its fit and dry run
 # below run by default).
-@pytest.mark.parametrize("name", [pytest.param("qwen3_30b_a3b.toml"),
+@pytest.mark.parametrize("name", [pytest.param("qwen3_30b_a3b.toml"), pytest.param("gpt_oss_20b.toml"),
                                   pytest.param("qwen3_235b_a22b.toml", marks=pytest.mark.slow)])
 def test_moe_configs_hold_the_planners_first_layout_and_dry_run_to_its_bytes(name):
     from titan_npu.planner.dry_run import dry_run
@@ -99,7 +103,8 @@ def test_moe_configs_hold_the_planners_first_layout_and_dry_run_to_its_bytes(nam
 
 # The large MoE configs: (nodes, 910B per node) of the header, a rank whose dry run is checked, (ep, dp_replicate).
 DEEPSEEK_CLUSTERS = {"deepseek_v3_16b.toml": (1, 8, 7, (8, 1)), "deepseek_v3_671b.toml": (64, 8, 77, (128, 1))}
-FIT_CLUSTERS = {**DEEPSEEK_CLUSTERS, "qwen3_235b_a22b.toml": (16, 8, 77, (1, 1))}
+FIT_CLUSTERS = {**DEEPSEEK_CLUSTERS, "qwen3_235b_a22b.toml": (16, 8, 77, (1, 1)),
+                "gpt_oss_120b.toml": (8, 8, 63, (8, 1))}
 
 
 @pytest.mark.parametrize("name", list(FIT_CLUSTERS))

@@ -75,12 +75,20 @@ TWO_RANKS += ([qwen3(case) for case in LLAMA_TWO_RANKS if case.name in QWEN3_LAY
 FOUR_RANKS += ([qwen3(case) for case in LLAMA_FOUR_RANKS if case.name in QWEN3_LAYOUTS]
                + [qwen2(case) for case in LLAMA_FOUR_RANKS if case.name in QWEN2_LAYOUTS])
 
+# gpt-oss (sinks, sliding windows, biased experts) under FSDP 2, with its experts split over the 2 ranks too, and
+# under TP 2 (the sinks split by head, the experts' down-projection bias added in halves) and in two pipeline stages.
+TWO_RANKS += [Case("gpt_oss_fsdp", [], "ref_b8", "gpt_oss"),
+              Case("gpt_oss_fsdp_ep2", ["--parallel.ep_degree=2"], "ref_b8", "gpt_oss"),
+              Case("gpt_oss_tp", ["--parallel.tp_degree=2"], "ref_b4", "gpt_oss"),
+              Case("gpt_oss_pp_1f1b", ["--parallel.pp_degree=2", "--parallel.pp_schedule=1F1B"], "ref_b4", "gpt_oss")]
+
 CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # With -m slow: Qwen2 under FSDP alone and TP alone; qwen2_fsdp2_tp2 (its biases FSDP-sharded after their TP cut)
 # stays in the default run, with test_tp_gradients.py's qwen2_tp2 (the biases' TP gradients). Qwen3 under FSDP alone
 # (qwen3_fsdp_ac_selective_ops, qwen3_fsdp_compile and qwen3_fsdp2_tp2 run it with more on top), and GPipe (torch's
-# schedule on the same stages that pp_1f1b and pp_interleaved_1f1b run).
-SLOW_CASES = ("qwen2_fsdp", "qwen2_tp", "qwen3_fsdp", "pp_gpipe")
+# schedule on the same stages that pp_1f1b and pp_interleaved_1f1b run). gpt-oss under FSDP alone (gpt_oss_fsdp_ep2
+# runs FSDP 2 with expert parallelism on top).
+SLOW_CASES = ("qwen2_fsdp", "qwen2_tp", "qwen3_fsdp", "pp_gpipe", "gpt_oss_fsdp")
 
 # (model, reference batch) of the single-process runs that tests compare with besides CASES' own: the seed
 # checkpoints' (ref_b4), the 2-node run's and the 3-D layouts' (ref_b8).

@@ -34,6 +34,9 @@ MODELS = {
     "qwen3": _QWEN3,
     "qwen3_untied": {**_QWEN3, "tie_embeddings": False},
     "qwen2": {**MODEL, "name": "qwen2", "n_heads": 8, "ffn_dim": 192, "tie_embeddings": True},
+    # gpt-oss: attention sinks, a window of 8 of the 32 positions on alternate layers, YaRN, 4 biased experts top-2.
+    "gpt_oss": {**MODEL, "name": "gpt_oss", "head_dim": 16, "n_experts": 4, "top_k": 2, "moe_ffn_dim": 64,
+                "sliding_window": 8, "yarn_original_seq_len": 16},
 }
 
 

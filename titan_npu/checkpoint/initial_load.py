@@ -83,7 +83,7 @@ def load_initial_weights(
             "checkpoint.initial_load_model_only=true (or point initial_load at a step-N checkpoint)"
         )
     if kind == "hf":
-        tensors = safetensors_tensors(Path(path))
+        tensors = safetensors_tensors(Path(path)) if hf_model(Path(path))[0].hf.shard_wise else None
         if tensors is not None:
             _load_hf_shard_wise(parts, Path(path), tensors, model_args)
             return

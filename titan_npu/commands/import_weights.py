@@ -53,9 +53,13 @@ def model_section(args) -> str:
                 "mtp_depth"):
         if hasattr(args, key):
             lines.append(f"{key} = {json.dumps(getattr(args, key))}")
-    if getattr(args, "yarn_factor", None) is not None:  # DeepSeek's YaRN RoPE
+    if getattr(args, "yarn_factor", None) is not None:  # DeepSeek's and gpt-oss's YaRN RoPE
         lines += [f"{key} = {json.dumps(getattr(args, key))}" for key in ("yarn_factor", "yarn_original_seq_len",
-                  "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim")]
+                  "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_truncate")
+                  if hasattr(args, key)]
+    for key in ("sliding_window", "layer_types", "swiglu_limit"):  # gpt-oss's attention and experts
+        if hasattr(args, key):
+            lines.append(f"{key} = {json.dumps(getattr(args, key))}")
     return "\n".join(lines)
 
 

@@ -60,6 +60,11 @@ class ModelConfig:
     yarn_mscale: float | None = None  # YaRN magnitude scales of the cos/sin tables and of the softmax
     yarn_mscale_all_dim: float | None = None
     mtp_loss_coef: float | None = None  # weight of the multi-token prediction loss
+    # gpt-oss (gpt_oss; docs/models.md): attention sinks, sliding-window layers, clamped SwiGLU experts.
+    sliding_window: int | None = None  # keys a sliding layer's query sees (128 in the published flavors)
+    layer_types: list[str] | None = None  # per layer "sliding_attention" / "full_attention"; unset = alternating
+    swiglu_limit: float | None = None  # the experts' SwiGLU clamp (7.0)
+    yarn_truncate: bool | None = None  # round YaRN's ramp bounds to whole dims (false in gpt-oss's flavors)
     use_flash_attention: bool = True
     attention_backend: str = "auto"  # CUDA SDPA kernel: auto (by GPU capability) | cudnn | flash | efficient
     rope_fp32: bool = False  # NPU: npu_rotary_mul on fp32 q/k and tables (cast back), as torchtitan-npu runs RoPE

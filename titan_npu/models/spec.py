@@ -47,6 +47,10 @@ class HFAdapter:
     # (the state dict from_hf gave, config.json's args) -> the weights and args of the model they fill, and one line
     # on what config.json asks for that they lack (None when nothing): DeepSeek-V3's multi-token-prediction layers.
     held_model: Callable[[StateDict, Any], tuple[StateDict, Any, str | None]] = lambda sd, args: (sd, args, None)
+    # Whether each of our tensors is one HF tensor's slice in a layout from_hf_layout / stacked_names describe, so
+    # a rank reads only its shards of a safetensors directory (checkpoint/hf_slices.py); False: the directory is
+    # read whole, then converted (gpt-oss's experts: fused, interleaved and MXFP4-quantised in HF's files).
+    shard_wise: bool = True
 
 
 @dataclass(frozen=True)

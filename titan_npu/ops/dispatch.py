@@ -104,13 +104,17 @@ def available_backends() -> list[str]:
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, use_flash: bool = True,
-    documents: Documents | None = None,
+    documents: Documents | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """Multi-head attention, q [B,S,Hq,D], k/v [B,S,Hkv,D] (Hq a multiple of Hkv) -> [B,S,Hq,D].
 
     use_flash=True runs the chosen fused kernel; use_flash=False always runs the eager O(S^2) baseline.
     documents (ops/documents.py): each query attends within its own document only (packed windows).
+    sinks [Hq] (a learned extra softmax logit per head) or a sliding `window` (gpt-oss): reference.sink_attention
+    on every device, the plain torch path, since no fused kernel registered here takes a sink.
     """
+    if sinks is not None or window is not None:
+        return reference.sink_attention(q, k, v, causal=causal, sinks=sinks, window=window, documents=documents)
     if not use_flash:
         return reference.eager_attention(q, k, v, causal=causal, documents=documents)
     if documents is None:

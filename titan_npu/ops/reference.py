@@ -43,6 +43,36 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     return torch.matmul(probs, v).transpose(1, 2)
 
 
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                   sinks: torch.Tensor | None = None, window: int | None = None,
+                   documents: Documents | None = None) -> torch.Tensor:
+    """Attention with a learned sink and / or a sliding window (gpt-oss), q [B,S,Hq,D], k/v [B,S,Hkv,D] -> [B,S,Hq,D].
+
+    sinks [Hq]: one more logit per head in the softmax, whose probability is dropped (it takes mass, adds no value);
+    window: a query at position i sees the keys i - window < j <= i only. The softmax is in fp32, the scores' row
+    maximum (the sink included) subtracted first, as transformers' eager gpt-oss attention computes it.
+    """
+    n_rep = q.shape[2] // k.shape[2]
+    q, k, v = q.transpose(1, 2), repeat_kv(k, n_rep).transpose(1, 2), repeat_kv(v, n_rep).transpose(1, 2)
+    scores = torch.matmul(q, k.transpose(-2, -1)).float() * (q.shape[-1] ** -0.5)  # [B, H, Sq, Sk]
+    rows = torch.arange(q.shape[-2], device=q.device)[:, None]
+    cols = torch.arange(k.shape[-2], device=q.device)[None, :]
+    allowed = documents.mask(causal) if documents is not None else (cols <= rows if causal else None)
+    if window is not None:
+        band = rows - cols < window
+        allowed = band if allowed is None else allowed & band
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    scores = scores - scores.amax(dim=-1, keepdim=True).detach()
+    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """Repeat each key/value head n_rep times along dim 2 ([B,S,Hkv,D] -> [B,S,Hkv*n_rep,D]) for GQA."""
     if n_rep == 1:

@@ -96,6 +96,12 @@ def is_mla(args: object) -> bool:
     return hasattr(args, "kv_lora_rank")
 
 
+def has_sink_attention(args: object) -> bool:
+    """Whether the model's attention has sinks / sliding windows (gpt-oss): it runs the plain torch path
+    (ops/reference.py: sink_attention), which keeps the B H S^2 probabilities as eager attention does."""
+    return hasattr(args, "sliding_window")
+
+
 def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "cpu", moe: bool = False
                 ) -> BlockBytes:
     """Saved-tensor bytes of one transformer block for one micro-batch (the reference ops).
@@ -111,7 +117,8 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     dtype: its input (c (q + kv)) and rstd (4 per head) with the cpu reference, else the fp32 input and
     normalised value (8 (q + kv)) and rstd; it runs on the heads a tensor-parallel rank holds, so sequence
     parallelism does not split it further. Qwen2's q/k/v biases keep nothing (an add's backward needs no input).
-    A MoE block (`moe`) keeps moe_ffn_bytes in place of the SwiGLU's 4 c F; multi-head latent attention
+    Sink attention (has_sink_attention: gpt-oss) keeps what eager attention keeps. A MoE block (`moe`) keeps
+    moe_ffn_bytes in place of the SwiGLU's 4 c F; multi-head latent attention
     (DeepSeek-V3) keeps mla_bytes on top of the kernel's q, k, v and output. Under context parallelism (tokens =
     the rank's seq_len / cp of each sequence) attention keeps what flash attention keeps, whatever
     use_flash_attention says, and two things more per token: the output projection's own copy of attention's
@@ -150,7 +157,7 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
         attn_op_saves = c * (q + d + q) + mla_op_saves
     if layout.cp > 1:
         full = tokens * (per_token + c * (2 * q + 2 * kv) + stats + c * q + 4 * (a.q_dim // a.n_heads))
-    elif a.use_flash_attention:
+    elif a.use_flash_attention and not has_sink_attention(a):
         full = tokens * (per_token + c * (2 * q + 2 * kv) + stats)
     else:
         probs = micro_batch * heads * job.seq_len**2 * (4 + (c if c != 4 else 0))

@@ -31,6 +31,13 @@ class MoEArgs:
     n_groups: int = 1
     topk_groups: int = 1
     route_scale: float = 1.0
+    # gpt-oss: a bias on the router's gate and on each expert's three projections, and the clamped SwiGLU
+    # (up + 1) * gate * sigmoid(swiglu_alpha * gate) with gate <= swiglu_limit and |up| <= swiglu_limit
+    # (experts.clamped_swiglu); swiglu_limit None = the plain SwiGLU.
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         for key in ("dim", "n_experts", "top_k", "ffn_dim"):
@@ -65,8 +72,14 @@ class MoEArgs:
 
     def active_params(self) -> int:
         """Parameters one token meets in this layer: the router, top_k experts and the shared expert."""
-        return self.n_experts * self.dim + (self.top_k * self.ffn_dim + self.shared_ffn_dim) * 3 * self.dim
+        return (self.n_experts * self.dim + (self.top_k * self.ffn_dim + self.shared_ffn_dim) * 3 * self.dim
+                + self._bias_params(self.top_k))
 
     def total_params(self) -> int:
         """Every parameter of the layer."""
-        return self.n_experts * self.dim + (self.n_experts * self.ffn_dim + self.shared_ffn_dim) * 3 * self.dim
+        return (self.n_experts * self.dim + (self.n_experts * self.ffn_dim + self.shared_ffn_dim) * 3 * self.dim
+                + self._bias_params(self.n_experts))
+
+    def _bias_params(self, experts: int) -> int:
+        """The router's bias and the biases of `experts` experts (2 ffn_dim + dim each), where the layer has them."""
+        return self.n_experts * self.router_bias + experts * (2 * self.ffn_dim + self.dim) * self.expert_bias

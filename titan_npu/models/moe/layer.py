@@ -47,7 +47,8 @@ class MoE(nn.Module):
         super().__init__()
         self.args = args
         self.router = GroupRouter(args) if args.router == "sigmoid_group" else Router(args)
-        self.experts = GroupedExperts(args.n_experts, args.dim, args.ffn_dim)
+        self.experts = GroupedExperts(args.n_experts, args.dim, args.ffn_dim, bias=args.expert_bias,
+                                      swiglu_limit=args.swiglu_limit, swiglu_alpha=args.swiglu_alpha)
         self.shared_experts = FeedForward(args.dim, args.shared_ffn_dim) if args.shared_ffn_dim else None
         # The group the experts are split over (expert parallelism, dispatch.py); None = every expert here.
         self.ep_group: ProcessGroup | None = None

@@ -17,8 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_npu.models.moe.layer import MoE
 
-# The dim of each stacked expert weight that tensor parallelism splits: the ffn dim.
-EXPERT_TP_DIMS = {"w1": 1, "w3": 1, "w2": 2}
+# The dim of each stacked expert weight that tensor parallelism splits: the ffn dim (and the biases of the gate and
+# up projections with it; the down projection's bias b2 is replicated, each rank adding its share: experts.py).
+EXPERT_TP_DIMS = {"w1": 1, "w3": 1, "w2": 2, "b1": 1, "b3": 1, "b2": None}
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None) -> None:
@@ -72,9 +73,13 @@ def apply_expert_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             if isinstance(param, DTensor):  # split over ep x tp by apply_expert_parallel
                 continue
             dim = EXPERT_TP_DIMS[name]
-            local = param.detach().chunk(tp, dim=dim)[tp_mesh.get_local_rank()].contiguous()
-            sharded = DTensor.from_local(local, tp_mesh, [Shard(dim)], run_check=False, shape=param.shape,
-                                         stride=param.stride())
+            if dim is None:  # the down projection's bias: whole on every rank, which adds 1 / tp of it
+                sharded = DTensor.from_local(param.detach(), tp_mesh, [Replicate()], run_check=False)
+                experts.bias_share = 1.0 / tp
+            else:
+                local = param.detach().chunk(tp, dim=dim)[tp_mesh.get_local_rank()].contiguous()
+                sharded = DTensor.from_local(local, tp_mesh, [Shard(dim)], run_check=False, shape=param.shape,
+                                             stride=param.stride())
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         distribute_module(module.router.gate, tp_mesh, replicate_gate, replicated_input, local_output)
         if module.shared_experts is not None:

@@ -12,7 +12,7 @@ from torch import nn
 
 from titan_npu import ops
 from titan_npu.models.decoder.model import Linear
-from titan_npu.models.init import ParamInit, trunc_normal
+from titan_npu.models.init import ParamInit, constant, trunc_normal
 from titan_npu.models.moe.args import MoEArgs
 
 
@@ -23,7 +23,7 @@ class Router(nn.Module):
         super().__init__()
         self.top_k = args.top_k
         self.norm_topk_prob = args.norm_topk_prob
-        self.gate = Linear(args.dim, args.n_experts)
+        self.gate = Linear(args.dim, args.n_experts, bias=args.router_bias)
         self.score_bias: torch.Tensor | None
         if args.score_bias:
             self.register_buffer("score_bias", torch.zeros(args.n_experts, dtype=torch.float32))
@@ -43,8 +43,12 @@ class Router(nn.Module):
         return weights.to(logits.dtype), experts, probs
 
     def param_inits(self) -> dict[str, ParamInit]:
-        """The gate ~ N(0, 0.02) (the score bias is a buffer: zero at init, see reset_score_bias)."""
-        return {"gate.weight": trunc_normal(0.02)}
+        """The gate ~ N(0, 0.02), its bias (gpt-oss) 0 (the score bias is a buffer: zero at init, see
+        reset_score_bias)."""
+        inits = {"gate.weight": trunc_normal(0.02)}
+        if self.gate.bias is not None:
+            inits["gate.bias"] = constant(0.0)
+        return inits
 
     @torch.no_grad()
     def reset_score_bias(self) -> None:
