@@ -108,10 +108,9 @@ class Knob:
         shown = show(value)
         hint = f" ({self.why})" if self.why else ""
         if self.choices:
-            for choice in self.choices:
-                if str(value).strip().lower() == choice.lower():
-                    return choice
-            raise option_error(name, f"{name} = {shown} is not a known {self.what} (use {or_list(self.choices)})")
+            if self.each and isinstance(value, list):
+                return [self._choice(name, item, f"{name} item {show(item)}") for item in value]
+            return self._choice(name, value, f"{name} = {shown}")
         if self.nonempty and not str(value).strip():
             raise option_error(name, f"{name} is empty{hint}")
         if self.range is not None:
@@ -119,6 +118,12 @@ class Knob:
                 if isinstance(item, (int, float)) and not isinstance(item, bool) and not self.range.allows(item):
                     raise option_error(name, f"{name} = {shown} must be {self.range}{hint}")
         return value
+
+    def _choice(self, name: str, value: Any, shown: str) -> str:
+        for choice in self.choices:
+            if str(value).strip().lower() == choice.lower():
+                return choice
+        raise option_error(name, f"{shown} is not a known {self.what} (use {or_list(self.choices)})")
 
 
 def option_error(name: str, message: str) -> ConfigError:
