@@ -10,7 +10,7 @@ import re
 
 from titan_npu.config.aliases import normalize_flavor
 from titan_npu.config.coerce import coerce, field_types, section_types, show
-from titan_npu.config.schema import JobConfig, ModelConfig
+from titan_npu.config.schema import JobConfig, ModelConfig, OptimizerConfig
 from titan_npu.errors import ConfigError
 from titan_npu.models.registry import family_names, parse_model_name
 
@@ -20,7 +20,9 @@ PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 AC_MODES = ("none", "selective", "full")
 BACKENDS = ("auto", "hccl", "nccl", "gloo")
 CP_MODES = ("ring", "ulysses", "hybrid")  # parallel/layout.py says which of them run yet
-OPTIMIZERS = ("AdamW", "Adam", "SGD")
+OPTIMIZERS = ("AdamW", "Adam", "SGD", "Muon")
+MUON_ADJUST_LR = ("match_rms_adamw", "original", "none")
+MUON_NS_DTYPES = ("bf16", "fp32")
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 PROGRESS_STYLES = ("auto", "bar", "lines")
 PROFILER_LEVELS = ("Level0", "Level1", "Level2")
@@ -160,6 +162,20 @@ def _check_optimizer(cfg: JobConfig) -> None:
         )
     if o.eps <= 0:
         raise fail("optimizer.eps", f"optimizer.eps = {show(o.eps)} must be > 0 (1e-8 is usual)")
+    _check_muon(o)
+
+
+def _check_muon(o: OptimizerConfig) -> None:
+    if not 0 <= o.muon_momentum < 1:
+        raise fail("optimizer.muon_momentum",
+                   f"optimizer.muon_momentum = {show(o.muon_momentum)} must be in [0, 1) (0.95 is usual)")
+    _at_least("optimizer.muon_ns_steps", o.muon_ns_steps, 1, "5 Newton-Schulz iterations are usual")
+    if len(o.muon_ns_coefficients) != 3:
+        raise fail("optimizer.muon_ns_coefficients",
+                   f"optimizer.muon_ns_coefficients = {show(o.muon_ns_coefficients)} must be three numbers a, b, c "
+                   f"(the quintic's; [3.4445, -4.775, 2.0315] is usual)")
+    o.muon_ns_dtype = _choice("optimizer.muon_ns_dtype", o.muon_ns_dtype, MUON_NS_DTYPES, "Newton-Schulz dtype")
+    o.muon_adjust_lr = _choice("optimizer.muon_adjust_lr", o.muon_adjust_lr, MUON_ADJUST_LR, "Muon lr adjustment")
 
 
 def _check_lr_scheduler(cfg: JobConfig) -> None:
