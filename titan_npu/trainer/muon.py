@@ -88,6 +88,11 @@ class Muon(torch.optim.AdamW):
         # The Muon groups do not honour a device-side found_inf: the skip guard must not rely on one.
         self._step_supports_amp_scaling = False
 
+    def __setstate__(self, state: dict) -> None:
+        # Optimizer's own: Adam's also upgrades older torch versions' states by reading every state's step, which
+        # Muon's states do not have (and no older state of this optimizer exists).
+        torch.optim.Optimizer.__setstate__(self, state)
+
     @torch.no_grad()
     def step(self, closure=None):
         """One step: Muon on the `muon` groups, torch's AdamW on the others."""

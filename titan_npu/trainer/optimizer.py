@@ -4,6 +4,7 @@ schedule."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from fnmatch import fnmatch
 from functools import partial
 
@@ -35,10 +36,14 @@ def muon_param_groups(model_parts: list[nn.Module], cfg: OptimizerConfig) -> lis
     for part in model_parts:
         for name, p in part.named_parameters():
             if p.requires_grad:
-                excluded = any(fnmatch(clean_name(name), pattern) for pattern in cfg.muon_exclude)
-                (muon if p.ndim >= 2 and not excluded else rest).append(p)
+                (muon if takes_muon(clean_name(name), p.ndim, cfg.muon_exclude) else rest).append(p)
     groups = [{"params": muon, "weight_decay": cfg.weight_decay, "muon": True}] if muon else []
     return groups + [g for g in _decay_groups(rest, cfg.weight_decay) if g["params"]]
+
+
+def takes_muon(name: str, ndim: int, exclude: Sequence[str]) -> bool:
+    """Whether Muon optimises the parameter `name`: a matrix (or a stack of them) that no exclude pattern matches."""
+    return ndim >= 2 and not any(fnmatch(name, pattern) for pattern in exclude)
 
 
 def clean_name(name: str) -> str:
