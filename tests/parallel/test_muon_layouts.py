@@ -13,8 +13,9 @@ from .harness import STEPS, losses, losses_by_step, run_here, run_pool, tiny_run
 pytestmark = pytest.mark.distributed
 
 RTOL = 1e-5
-# Newton-Schulz in fp32 (bf16's rounding would hide what the layouts must agree on).
-MUON = ["--optimizer.name=Muon", "--optimizer.muon_ns_dtype=fp32"]
+# Newton-Schulz in fp32 (bf16's rounding would hide what the layouts must agree on); a constant lr after warmup, so
+# that a run cut at step 5 and resumed follows the FSDP layout's schedule and muon_fsdp is the uninterrupted run.
+MUON = ["--optimizer.name=Muon", "--optimizer.muon_ns_dtype=fp32", "--lr_scheduler.decay_type=constant"]
 # A tiny Qwen3-MoE: 4 experts of 2 per token in every layer, without the load-balancing loss (each layout pools it
 # over its own micro-batches).
 MOE = ["--model.name=qwen3_moe", "--model.flavor=debug", "--model.n_experts=4", "--model.top_k=2",
@@ -28,21 +29,19 @@ CASES = {
     "muon_ep": ([*MOE, "--parallel.ep_degree=2"], "muon_moe_ref_b8"),
 }
 REFERENCES = {"muon_ref_b4": (4, []), "muon_ref_b8": (8, []), "muon_moe_ref_b8": (8, MOE)}
-RESUME = ["--lr_scheduler.decay_type=constant"]
 
 
 @pytest.fixture(scope="module")
 def muon_runs(parallel_workspace):
-    """The one-process references here, then every layout and the resume runs in one 2-rank pool."""
+    """The one-process references here, then every layout and the resume runs (after muon_fsdp, the run they cut
+    at step 5 and resume) in one 2-rank pool."""
     workdir = parallel_workspace
     run_here([tiny_run(workdir, name, batch) + MUON + extra for name, (batch, extra) in REFERENCES.items()])
     ckpt = [f"--checkpoint.dir={workdir / 'muon_ckpt'}", "--checkpoint.enable=true", "--checkpoint.async_save=false"]
     layouts = [tiny_run(workdir, name) + MUON + extra for name, (extra, _) in CASES.items()]
     resume = [
-        tiny_run(workdir, "muon_straight") + MUON + RESUME,
-        tiny_run(workdir, "muon_first_half") + MUON + RESUME + ckpt + ["--training.max_steps=5",
-                                                                       "--checkpoint.save_interval=5"],
-        tiny_run(workdir, "muon_resumed") + MUON + RESUME + ckpt,
+        tiny_run(workdir, "muon_first_half") + MUON + ckpt + ["--training.max_steps=5", "--checkpoint.save_interval=5"],
+        tiny_run(workdir, "muon_resumed") + MUON + ckpt,
     ]
     run_pool(2, layouts + resume)
     return workdir
@@ -57,13 +56,15 @@ def test_muon_layout_losses_match_single_process(muon_runs, name):
 
 
 def test_muon_references_differ_from_adamw(muon_runs):
-    # Guards the comparison: the Muon runs did take Muon's steps (the AdamW reference is conftest's ref_b8).
-    assert losses(muon_runs, "muon_ref_b8")[0] == losses(muon_runs, "ref_b8")[0]
-    assert losses(muon_runs, "muon_ref_b8")[-1] != pytest.approx(losses(muon_runs, "ref_b8")[-1], rel=1e-3)
+    # Guards the comparison: the Muon runs did take Muon's steps. conftest's ref_b8 is AdamW from the same weights
+    # and batches; both schedules are still in the same warmup at the first update, so step 2 differs by it alone.
+    muon, adamw = losses(muon_runs, "muon_ref_b8"), losses(muon_runs, "ref_b8")
+    assert muon[0] == adamw[0]
+    assert muon[1] != pytest.approx(adamw[1], rel=1e-4)
 
 
 def test_muon_fsdp_run_resumes_bit_for_bit_from_its_checkpoint(muon_runs):
-    straight = losses_by_step(muon_runs, "muon_straight")
+    straight = losses_by_step(muon_runs, "muon_fsdp")
     first, resumed = losses_by_step(muon_runs, "muon_first_half"), losses_by_step(muon_runs, "muon_resumed")
     assert sorted(first) == [1, 2, 3, 4, 5] and sorted(resumed) == [6, 7, 8, 9, 10]
     assert {**first, **resumed} == straight
