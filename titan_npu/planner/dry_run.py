@@ -34,6 +34,7 @@ from torch import nn
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import ConfigError, DeviceError, LayoutError
+from titan_npu.trainer.optimizer import clean_name
 
 if TYPE_CHECKING:
     from titan_npu.parallel.dims import ParallelDims
@@ -90,11 +91,6 @@ class DryRunResult:
             lines.append("  compile.enable is on: the dry run builds and runs the model uncompiled (compiled graphs "
                          "cannot run on fake tensors); compile changes no shard or byte count")
         return "\n".join(lines)
-
-
-def clean_name(name: str) -> str:
-    """A parameter's model name without the wrappers' prefixes (activation checkpointing, torch.compile)."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def _size(n: int) -> str:
