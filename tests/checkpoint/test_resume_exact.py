@@ -19,7 +19,8 @@ from .runs import PROBE, copy_checkpoint, losses, overrides, run_distributed, ru
 # The tiny run's model as Qwen3: q/k norms, a head size (32) set apart from dim / n_heads, the output tied to the
 # embedding (one parameter saved under both names and restored into one).
 QWEN3 = dict(model__name="qwen3", model__head_dim=32, model__ffn_dim=128, model__tie_embeddings=True)
-MODELS = {"llama3": {}, "qwen3": QWEN3}
+# Muon: the momentum buffers of its matrices saved beside AdamW's moments of the embedding, output and norms.
+MODELS = {"llama3": {}, "qwen3": QWEN3, "llama3_muon": dict(optimizer__name="Muon")}
 
 
 @pytest.mark.parametrize("model", list(MODELS))

@@ -183,7 +183,7 @@ INVALID = [
     (["--optimizer.betas", "0.9,1.0"], "optimizer.betas = [0.9, 1.0] must be in [0, 1) (two values"),
     (["--optimizer.betas", "-0.1,0.9"], "optimizer.betas = [-0.1, 0.9] must be in [0, 1) (two values"),
     (["--optimizer.betas", "0.9"], "optimizer.betas = [0.9] must be two values in [0, 1)"),
-    (["--optimizer.name", "lion"], "optimizer.name = 'lion' is not a known optimizer (use AdamW, Adam or SGD)"),
+    (["--optimizer.name", "lion"], "optimizer.name = 'lion' is not a known optimizer (use AdamW, Adam, SGD or Muon)"),
     (["--training.batch_size", "0"], "training.batch_size = 0 must be >= 1"),
     (["--training.seq_len", "0"], "training.seq_len = 0 must be >= 1"),
     (["--training.max_steps", "0"], "training.max_steps = 0 must be >= 1"),

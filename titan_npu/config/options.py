@@ -149,7 +149,9 @@ PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 AC_MODES = ("none", "selective", "full")
 BACKENDS = ("auto", "hccl", "nccl", "gloo")
 CP_MODES = ("ring", "ulysses", "hybrid")  # parallel/layout.py says which of them run yet
-OPTIMIZERS = ("AdamW", "Adam", "SGD")
+OPTIMIZERS = ("AdamW", "Adam", "SGD", "Muon")
+MUON_ADJUST_LR = ("match_rms_adamw", "original", "none")
+MUON_NS_DTYPES = ("bf16", "fp32")
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 PROGRESS_STYLES = ("auto", "bar", "lines")
 PROFILER_LEVELS = ("Level0", "Level1", "Level2")
@@ -204,6 +206,14 @@ CONFIG_KEYS: dict[str, Knob] = {
     "optimizer.eps": Knob(above(0), why="1e-8 is usual"),
     "optimizer.weight_decay": Knob(at_least(0), why="0 turns weight decay off; 0.1 is typical"),
     "optimizer.implementation": Knob(choices=OPTIMIZER_IMPLEMENTATIONS, what="optimizer implementation"),
+    "optimizer.muon_momentum": Knob(between(0, 1, high_open=True), why="0.95 is usual"),
+    "optimizer.muon_nesterov": FREE,
+    "optimizer.muon_ns_steps": Knob(at_least(1), why="5 Newton-Schulz iterations are usual"),
+    "optimizer.muon_ns_coefficients": Knob(Range(), each=True,
+                                           why="any real a, b, c; validate.py checks there are three"),
+    "optimizer.muon_ns_dtype": Knob(choices=MUON_NS_DTYPES, what="Newton-Schulz dtype"),
+    "optimizer.muon_adjust_lr": Knob(choices=MUON_ADJUST_LR, what="Muon lr adjustment"),
+    "optimizer.muon_exclude": FREE,  # fnmatch patterns of parameter names kept on AdamW
     "lr_scheduler.warmup_steps": Knob(at_least(0), why="0 = no warmup"),
     "lr_scheduler.decay_type": Knob(choices=DECAY_TYPES, what="decay type"),
     "lr_scheduler.min_lr_ratio": Knob(between(0, 1), why="a fraction"),

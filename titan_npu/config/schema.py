@@ -101,6 +101,15 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     implementation: str = "auto"  # auto | fused | foreach | for-loop
+    # name = "Muon": matrices (and stacked experts) not matched by muon_exclude take Muon; the rest AdamW (above)
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    muon_ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
+    muon_ns_dtype: str = "bf16"  # bf16 | fp32: the dtype the Newton-Schulz iteration runs in
+    muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw (reuses AdamW's lr) | original | none
+    # fnmatch patterns of parameter names (wrapper prefixes dropped) that stay on AdamW although they are matrices
+    muon_exclude: list[str] = field(default_factory=lambda: ["tok_embeddings.*", "output.*"])
 
 
 @dataclass

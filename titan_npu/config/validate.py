@@ -99,6 +99,10 @@ def _check_optimizer(cfg: JobConfig) -> None:
             "optimizer.betas",
             f"optimizer.betas = {show(o.betas)} must be two values in [0, 1) (the usual choice is [0.9, 0.95])",
         )
+    if len(o.muon_ns_coefficients) != 3:
+        raise fail("optimizer.muon_ns_coefficients",
+                   f"optimizer.muon_ns_coefficients = {show(o.muon_ns_coefficients)} must be three numbers a, b, c "
+                   f"(the quintic's; [3.4445, -4.775, 2.0315] is usual)")
 
 
 _NEGATIVE_STEP = re.compile(r"-\d+")

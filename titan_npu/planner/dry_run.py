@@ -20,6 +20,7 @@ planner/verify.py compares what it measures with the planner's exact numbers.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 import warnings
@@ -33,6 +34,7 @@ from torch import nn
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import ConfigError, DeviceError, LayoutError
+from titan_npu.trainer.optimizer import clean_name
 
 if TYPE_CHECKING:
     from titan_npu.parallel.dims import ParallelDims
@@ -53,6 +55,7 @@ class DryRunResult:
     gradient_bytes: int = 0
     optimizer_bytes: int = 0
     optimizer: str = ""
+    optimizer_gather_bytes: int = 0  # Muon: bytes gathered per step to orthogonalise whole matrices
     forward_checked: bool = False
     output_shape: tuple[int, ...] | None = None
     seconds: float = 0.0
@@ -63,7 +66,8 @@ class DryRunResult:
             "world_size": self.world_size, "rank": self.rank, "layout": self.layout,
             "coordinates": self.coordinates, "parameter_bytes": self.parameter_bytes,
             "gradient_bytes": self.gradient_bytes, "optimizer_bytes": self.optimizer_bytes,
-            "optimizer": self.optimizer, "forward_checked": self.forward_checked,
+            "optimizer": self.optimizer, "optimizer_gather_bytes": self.optimizer_gather_bytes,
+            "forward_checked": self.forward_checked,
             "output_shape": list(self.output_shape) if self.output_shape else None,
             "n_parameters": len(self.parameters), "seconds": round(self.seconds, 2), "uncompiled": self.uncompiled,
             "parameters": self.parameters,
@@ -79,17 +83,14 @@ class DryRunResult:
             f"  parameters  {_size(self.parameter_bytes):>10} in {len(self.parameters)} local shards",
             f"  gradients   {_size(self.gradient_bytes):>10}",
             f"  optimizer   {_size(self.optimizer_bytes):>10} ({self.optimizer})",
+            *([f"  optimizer gathers {_size(self.optimizer_gather_bytes)} per step (Muon's whole matrices)"]
+              if self.optimizer_gather_bytes else []),
             f"  {fwd}; {self.seconds:.1f}s",
         ]
         if self.uncompiled:
             lines.append("  compile.enable is on: the dry run builds and runs the model uncompiled (compiled graphs "
                          "cannot run on fake tensors); compile changes no shard or byte count")
         return "\n".join(lines)
-
-
-def clean_name(name: str) -> str:
-    """A parameter's model name without the wrappers' prefixes (activation checkpointing, torch.compile)."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def _size(n: int) -> str:
@@ -104,8 +105,9 @@ def _placements(t: torch.Tensor) -> list[str]:
     return [str(p) for p in getattr(t, "placements", ())]
 
 
-def optimizer_state_bytes_per_param_byte(cfg: JobConfig) -> float:
-    """State bytes the configured optimizer keeps per parameter byte, measured on a real 2x3 parameter.
+def optimizer_state_bytes_per_param_byte(cfg: JobConfig, muon: bool = False) -> float:
+    """State bytes the configured optimizer keeps per parameter byte, measured on a real 2x3 parameter (under
+    optimizer.name = Muon: one Muon takes (`muon`), or one it leaves to AdamW).
 
     Optimizer states of meta/fake parameters are not created until a step (and stepping a 70B fake model costs
     more than the whole dry run), so the per-parameter ratio is taken from the same optimizer on a tiny tensor:
@@ -115,7 +117,8 @@ def optimizer_state_bytes_per_param_byte(cfg: JobConfig) -> float:
 
     holder = nn.Module()
     holder.weight = nn.Parameter(torch.zeros(2, 3))
-    optimizer = build_optimizer([holder], cfg.optimizer, "cpu")
+    optimizer_cfg = replace(cfg.optimizer, muon_exclude=[] if muon else ["*"])
+    optimizer = build_optimizer([holder], optimizer_cfg, "cpu")
     holder.weight.grad = torch.ones_like(holder.weight)
     optimizer.step()
     state = optimizer.state[holder.weight]
@@ -254,6 +257,8 @@ def _build_and_measure(cfg: JobConfig, dims: ParallelDims, result: DryRunResult,
     parts = build_parallel_model(cfg, dims)
     optimizer = build_optimizer(parts, cfg.optimizer, device_type)
     result.optimizer = type(optimizer).__name__
+    muon = {id(p) for group in optimizer.param_groups if group.get("muon") for p in group["params"]}
+    muon_bytes = 0
     for part in parts:
         for raw_name, p in part.named_parameters():
             name = clean_name(raw_name)
@@ -263,6 +268,11 @@ def _build_and_measure(cfg: JobConfig, dims: ParallelDims, result: DryRunResult,
                     "torch.", ""), "placements": _placements(p),
             }
             result.parameter_bytes += local.numel() * local.element_size()
+            if id(p) in muon:
+                muon_bytes += local.numel() * local.element_size()
+                # Orthogonalised whole: the shards of the last two dims are gathered, leading (expert) dims kept.
+                gathered = math.prod(local.shape[:-2]) * p.shape[-2] * p.shape[-1]
+                result.optimizer_gather_bytes += (gathered - local.numel()) * local.element_size()
     if forward:
         result.output_shape = _forward_backward(cfg, parts, dims)
         result.forward_checked = True
@@ -279,7 +289,8 @@ def _build_and_measure(cfg: JobConfig, dims: ParallelDims, result: DryRunResult,
     else:
         # Gradients take their parameter's shard shape and dtype (FSDP keeps sharded fp32 gradients).
         result.gradient_bytes = result.parameter_bytes
-    result.optimizer_bytes = int(result.parameter_bytes * optimizer_state_bytes_per_param_byte(cfg))
+    result.optimizer_bytes = int((result.parameter_bytes - muon_bytes) * optimizer_state_bytes_per_param_byte(cfg)
+                                 + muon_bytes * optimizer_state_bytes_per_param_byte(cfg, muon=True))
 
 
 _ONE_AT_A_TIME = threading.Lock()

@@ -180,6 +180,7 @@ class Job:
     dtype: str = "bf16"
     optimizer: str = "adamw"
     momentum: float = 0.9  # SGD keeps a momentum buffer only when this is non-zero
+    muon_exclude: tuple[str, ...] = ()  # Muon: name patterns of the matrices left to AdamW
 
     @property
     def compute_bytes(self) -> int:
@@ -194,6 +195,7 @@ def job_from_config(cfg: JobConfig) -> Job:
         dtype=cfg.training.dtype,
         optimizer=cfg.optimizer.name.lower(),
         momentum=float(cfg.optimizer.betas[0]) if cfg.optimizer.betas else 0.0,
+        muon_exclude=tuple(cfg.optimizer.muon_exclude),
     )
 
 

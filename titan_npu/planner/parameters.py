@@ -20,9 +20,11 @@ from titan_npu.models.registry import spec_of
 from titan_npu.parallel.arithmetic import chunk_size, expert_coordinates
 from titan_npu.planner.layout import Job, Layout, fsdp_index, rank_coordinates
 from titan_npu.planner.stages import FIRST_STAGE_KINDS, LAST_STAGE_KINDS, rank_parts
+from titan_npu.trainer.optimizer import takes_muon
 
-# Per-parameter optimizer state, in parameter-sized tensors (the dry run measures the real optimizer's).
-OPTIMIZER_STATE_MULTIPLIER = {"adamw": 2, "adam": 2, "sgd": 1}
+# Per-parameter optimizer state, in parameter-sized tensors (the dry run measures the real optimizer's). Muon: a
+# momentum buffer on the matrices it takes; the parameters it leaves to AdamW keep AdamW's two moments.
+OPTIMIZER_STATE_MULTIPLIER = {"adamw": 2, "adam": 2, "sgd": 1, "muon": 1}
 
 
 def parameter_kinds(args: Any) -> dict[str, tuple[int, ...]]:
@@ -164,20 +166,69 @@ def optimizer_state_multiplier(job: Job) -> int:
     """Optimizer state per parameter, in parameter-sized tensors."""
     name = job.optimizer.lower()
     if name not in OPTIMIZER_STATE_MULTIPLIER:
-        raise LayoutError(f"optimizer.name={job.optimizer!r} has no state model (known: AdamW, Adam, SGD)")
+        raise LayoutError(f"optimizer.name={job.optimizer!r} has no state model (known: AdamW, Adam, SGD, Muon)")
     if name == "sgd" and job.momentum == 0:
         return 0
     return OPTIMIZER_STATE_MULTIPLIER[name]
+
+
+def muon_kinds(job: Job) -> set[str]:
+    """The kinds of parameter Muon takes (optimizer.name = Muon), by the optimizer's own rule on their names (a
+    block's as those of layer 0); none under another optimizer."""
+    if job.optimizer.lower() != "muon":
+        return set()
+    roots = FIRST_STAGE_KINDS + LAST_STAGE_KINDS
+    return {kind for kind, shape in parameter_kinds(job.args).items()
+            if takes_muon(kind if kind in roots else f"layers.0.{kind}", len(shape), job.muon_exclude)}
+
+
+def _adamw_numel_beside_muon(job: Job, per_name: dict[str, int]) -> int:
+    """Elements among `per_name` (name -> elements) that Muon leaves to AdamW (two moments instead of one)."""
+    if job.optimizer.lower() != "muon":
+        return 0
+    muon = muon_kinds(job)
+    return sum(n for name, n in per_name.items() if parameter_kind(name) not in muon)
 
 
 def state_bytes(job: Job, layout: Layout, rank: int) -> StateBytes:
     """Exact parameter/gradient/optimizer bytes on `rank` (the model keeps fp32 parameters and fp32 gradients)."""
     numel = local_numel(job.args, layout, rank)
     param = 4 * numel
-    return StateBytes(param, param, optimizer_state_multiplier(job) * param, numel)
+    optimizer = optimizer_state_multiplier(job) * param
+    if job.optimizer.lower() == "muon":
+        optimizer += 4 * _adamw_numel_beside_muon(job, local_parameter_numels(job.args, layout, rank))
+    return StateBytes(param, param, optimizer, numel)
+
+
+def muon_gather_bytes(job: Job, layout: Layout, rank: int) -> int:
+    """Bytes `rank` receives per step to orthogonalise its Muon updates (fp32) as whole matrices: every shard of
+    a matrix's last two dims is gathered (FSDP's and tensor parallelism's), stacked experts keep their own
+    (expert-parallel and FSDP) split of dim 0."""
+    muon = muon_kinds(job)
+    if not muon:
+        return 0
+    coords = rank_coordinates(layout, rank)
+    kinds, tp_dims = parameter_kinds(job.args), tensor_parallel_dims(job.args)
+    received = 0
+    for name in rank_parameter_names(job.args, layout, coords["pp"]):
+        kind = parameter_kind(name)
+        if kind in muon:
+            shape = kinds[kind]
+            local = local_shape(shape, tp_dims[kind], layout, coords, is_expert_kind(kind))
+            received += numel((*local[:-2], *shape[-2:])) - numel(local)
+    return 4 * received
 
 
 def checkpoint_bytes(job: Job) -> int:
     """Size of one training checkpoint: fp32 weights plus optimizer moments, all ranks together."""
     n = job.args.num_params()
-    return 4 * n * (1 + optimizer_state_multiplier(job))
+    adamw = n - _muon_numel(job) if job.optimizer.lower() == "muon" else 0
+    return 4 * n * (1 + optimizer_state_multiplier(job)) + 4 * adamw
+
+
+def _muon_numel(job: Job) -> int:
+    """Elements of the whole model that Muon takes."""
+    muon, shapes = muon_kinds(job), parameter_kinds(job.args)
+    per_layer = layers_kinds(job.args, range(job.args.n_layers))
+    blocks = sum(numel(shapes[kind]) for kinds in per_layer.values() for kind in kinds if kind in muon)
+    return blocks + sum(numel(shapes[kind]) for kind in FIRST_STAGE_KINDS + LAST_STAGE_KINDS if kind in muon)

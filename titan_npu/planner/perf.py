@@ -18,7 +18,7 @@ from titan_npu.parallel.arithmetic import mesh_dims
 from titan_npu.planner.communication import context_exchange_bytes, context_exchange_parts, expert_all_to_all_bytes
 from titan_npu.planner.hardware import Hardware
 from titan_npu.planner.layout import Job, Layout
-from titan_npu.planner.parameters import local_numel_split
+from titan_npu.planner.parameters import local_numel_split, muon_gather_bytes
 from titan_npu.planner.stages import rank_parts
 
 # Parameters per second one rank's host-side AdamW updates when the node's ranks share the host (cpu_offload).
@@ -113,6 +113,7 @@ class StepEstimate:
     offload: float
     ep_comm: float
     cp_comm: float
+    optimizer_comm: float  # Muon's gathers of whole matrices in the optimizer step (not overlapped)
     ep_bytes: float  # bytes the busiest rank's expert-parallel all-to-alls send per step
     cp_bytes: float  # bytes a rank's context-parallel exchanges send per step
     tokens_per_step: int
@@ -225,8 +226,12 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
         gathers = (2 if layout.reshard_after_forward else 1) * layout.passes
         offload = local * 4 * (gathers + reductions) / hw.host_bw + local / HOST_ADAMW_PARAMS_PER_S
 
-    step = compute + tp_comm + pp_comm + bubble + fsdp_exposed + offload + ep_comm + cp_comm
+    # Muon: each update is gathered whole over the ranks that cut its matrix dims, after backward.
+    optimizer_comm = muon_gather_bytes(job, layout, 0) / _bandwidth(
+        hw, layout.fsdp_shards * layout.tp > devices_per_node)
+
+    step = compute + tp_comm + pp_comm + bubble + fsdp_exposed + offload + ep_comm + cp_comm + optimizer_comm
     tokens_per_s = tokens_per_step / step
     mfu = tokens_per_s * fpt / (layout.world_size * hw.peak_flops)
-    return StepEstimate(step, compute, tp_comm, pp_comm, bubble, fsdp_exposed, offload, ep_comm, cp_comm, ep_bytes,
-                        cp_bytes, tokens_per_step, tokens_per_s, mfu)
+    return StepEstimate(step, compute, tp_comm, pp_comm, bubble, fsdp_exposed, offload, ep_comm, cp_comm,
+                        optimizer_comm, ep_bytes, cp_bytes, tokens_per_step, tokens_per_s, mfu)

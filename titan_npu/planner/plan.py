@@ -117,7 +117,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"estimate: {s.tokens_per_s:,.0f} tokens/s, MFU {100 * s.mfu:.1f}%, step {s.step_time:.2f}s "
                      f"(compute {s.compute:.2f}s, tp {s.tp_comm:.2f}s, pp {s.pp_comm + s.bubble:.2f}s, "
                      f"exposed fsdp {s.fsdp_exposed:.2f}s, offload {s.offload:.2f}s, ep all-to-all {s.ep_comm:.2f}s, "
-                     f"cp {s.cp_comm:.2f}s)")
+                     f"cp {s.cp_comm:.2f}s" + (f", Muon gathers {s.optimizer_comm:.2f}s" if s.optimizer_comm else "")
+                     + ")")
     else:
         lines.append(f"config layout does not apply to {plan.nodes * plan.devices_per_node} ranks: {plan.config_error}")
     lines.append("")

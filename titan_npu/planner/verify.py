@@ -10,6 +10,7 @@ from titan_npu.planner.layout import job_from_config, layout_from_config, rank_c
 from titan_npu.planner.parameters import (
     is_expert_kind,
     local_shape,
+    muon_gather_bytes,
     parameter_kind,
     parameter_kinds,
     rank_parameter_names,
@@ -57,6 +58,8 @@ def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
     rows = [("parameters", planned.parameters, result.parameter_bytes),
             ("gradients", planned.gradients, result.gradient_bytes),
             ("optimizer", planned.optimizer, result.optimizer_bytes)]
+    if job.optimizer == "muon":
+        rows.append(("opt gather", muon_gather_bytes(job, layout, result.rank), result.optimizer_gather_bytes))
     for label, want_bytes, got_bytes in rows:
         if want_bytes != got_bytes:
             problems.append(f"{label}: dry run {got_bytes} bytes, plan {want_bytes} bytes")
@@ -70,9 +73,7 @@ def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
     return {
         "match": not problems,
         "problems": problems,
-        "planner": {"parameters": planned.parameters, "gradients": planned.gradients,
-                    "optimizer": planned.optimizer},
-        "dry_run": {"parameters": result.parameter_bytes, "gradients": result.gradient_bytes,
-                    "optimizer": result.optimizer_bytes},
+        "planner": {label: want_bytes for label, want_bytes, _ in rows},
+        "dry_run": {label: got_bytes for label, _, got_bytes in rows},
         "text": "\n".join(lines),
     }

@@ -1,8 +1,12 @@
-"""The optimizer (AdamW with the fastest implementation the device has) and the learning-rate schedule."""
+"""The optimizer (AdamW with the fastest implementation the device has, or Muon beside it) and the learning-rate
+schedule."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from fnmatch import fnmatch
+from functools import partial
 
 import torch
 from torch import nn
@@ -13,15 +17,38 @@ from titan_npu.errors import ConfigError
 
 def param_groups(model_parts: list[nn.Module], weight_decay: float) -> list[dict]:
     """Weight decay on matrices and embeddings, none on norms (1-D parameters)."""
-    decay, no_decay = [], []
-    for part in model_parts:
-        for p in part.parameters():
-            if p.requires_grad:
-                (decay if p.ndim >= 2 else no_decay).append(p)
+    return _decay_groups([p for part in model_parts for p in part.parameters() if p.requires_grad], weight_decay)
+
+
+def _decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     return groups
+
+
+def muon_param_groups(model_parts: list[nn.Module], cfg: OptimizerConfig) -> list[dict]:
+    """Muon on the matrices (and stacked experts) whose names no muon_exclude pattern matches; AdamW on the rest,
+    grouped as param_groups does."""
+    muon, rest = [], []
+    for part in model_parts:
+        for name, p in part.named_parameters():
+            if p.requires_grad:
+                (muon if takes_muon(clean_name(name), p.ndim, cfg.muon_exclude) else rest).append(p)
+    groups = [{"params": muon, "weight_decay": cfg.weight_decay, "muon": True}] if muon else []
+    return groups + [g for g in _decay_groups(rest, cfg.weight_decay) if g["params"]]
+
+
+def takes_muon(name: str, ndim: int, exclude: Sequence[str]) -> bool:
+    """Whether Muon optimises the parameter `name`: a matrix (or a stack of them) that no exclude pattern matches."""
+    return ndim >= 2 and not any(fnmatch(name, pattern) for pattern in exclude)
+
+
+def clean_name(name: str) -> str:
+    """A parameter's name without the wrappers' prefixes (activation checkpointing, compile)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 # Devices with torch's fused Adam/AdamW kernel (_fused_adamw_): on npu it is registered by torch_npu's op-plugin.
@@ -45,14 +72,22 @@ def _implementation_kwargs(implementation: str, device_type: str) -> dict:
 
 
 def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:
-    """AdamW / Adam / SGD over all trainable parameters of the model parts."""
+    """AdamW / Adam / SGD / Muon (AdamW beside it) over all trainable parameters of the model parts."""
     name = cfg.name.lower()
-    groups = param_groups(model_parts, cfg.weight_decay)
     if name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.betas[0])
-    if name not in ("adamw", "adam"):
-        raise ConfigError(f"optimizer.name={cfg.name!r} is unknown (choose AdamW, Adam or SGD)")
-    cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+        return torch.optim.SGD(param_groups(model_parts, cfg.weight_decay), lr=cfg.lr, momentum=cfg.betas[0])
+    if name == "muon":
+        from titan_npu.trainer.muon import Muon
+
+        groups = muon_param_groups(model_parts, cfg)
+        cls = partial(Muon, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
+                      ns_coefficients=tuple(cfg.muon_ns_coefficients), ns_steps=cfg.muon_ns_steps,
+                      ns_dtype=cfg.muon_ns_dtype, adjust_lr=cfg.muon_adjust_lr)
+    elif name in ("adamw", "adam"):
+        groups = param_groups(model_parts, cfg.weight_decay)
+        cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+    else:
+        raise ConfigError(f"optimizer.name={cfg.name!r} is unknown (choose AdamW, Adam, SGD or Muon)")
     kwargs = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
     kwargs.update(_implementation_kwargs(cfg.implementation, device_type))
     try:
