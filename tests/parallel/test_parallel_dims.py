@@ -49,16 +49,16 @@ def test_the_trainer_and_the_planner_hold_one_degrees_value():
     from titan_npu.planner.layout import layout_from_config
 
     cfg = JobConfig()
-    cfg.parallel = ParallelConfig(tp_degree=2, cp_degree=2, cp_mode="hybrid", cp_ulysses_degree=2, ep_degree=2)
+    cfg.parallel = ParallelConfig(tp_degree=2, cp_degree=4, cp_mode="hybrid", cp_ulysses_degree=2, ep_degree=2)
     cfg.model.name, cfg.model.flavor = "qwen3_moe", "debug"
     dims = ParallelDims.from_config(cfg.parallel, world_size=16)
     layout = layout_from_config(cfg, 16)
-    assert layout.degrees == dims.degrees == Degrees(dp_shard=4, tp=2, cp=2, ep=2, cp_mode="hybrid", cp_ulysses=2)
+    assert layout.degrees == dims.degrees == Degrees(dp_shard=2, tp=2, cp=4, ep=2, cp_mode="hybrid", cp_ulysses=2)
     # What follows from the degrees reads through on both, computed once.
     for name in ("world_size", "dp", "fsdp_shards", "efsdp", "expert_shards", "dp_mode", "hybrid_cp"):
         assert getattr(layout, name) == getattr(dims, name) == getattr(dims.degrees, name), name
     assert layout.rank_coordinates(13) == dims.degrees.rank_coordinates(13) == {
-        "pp": 0, "dp_replicate": 0, "dp_shard": 3, "cp": 0, "tp": 1}
+        "pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 2, "tp": 1}
 
 
 def test_degrees_and_the_arithmetic_under_them_import_no_torch():

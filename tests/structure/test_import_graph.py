@@ -8,6 +8,7 @@ edges too. Imports under `if TYPE_CHECKING:` never run and are left out.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "titan_npu"
@@ -52,8 +53,10 @@ def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
     return {name for name in found if name == "titan_npu" or name.startswith("titan_npu.")}
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
-    """module -> the titan_npu modules importing it runs (package __init__ files included)."""
+    """module -> the titan_npu modules importing it runs (package __init__ files included); read once per session, not
+    to be changed by its callers."""
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():

@@ -235,11 +235,16 @@ def args_from_hf_config(config: dict[str, Any]) -> DeepSeekArgs:
             mtp_depth=int(config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0), **yarn)
     except Exception as e:
         raise CheckpointError(f"config.json describes a model that cannot be built: {e}") from e
+    args.flavor = _matching_flavor(args)
+    return args
+
+
+def _matching_flavor(args: DeepSeekArgs) -> str:
+    """The flavor with these shapes, routing and YaRN, or 'custom'."""
     # The decoder's match compares head_dim: a DeepSeek query/key head is qk_nope + qk_rope wide.
     flavors = {name: {**preset, "head_dim": preset["qk_nope_head_dim"] + preset["qk_rope_head_dim"]}
                for name, preset in FLAVORS.items()}
-    args.flavor = matching_flavor(args, flavors, own=(*DEEPSEEK_OVERRIDABLE, *YARN_FIELDS))
-    return args
+    return matching_flavor(args, flavors, own=(*DEEPSEEK_OVERRIDABLE, *YARN_FIELDS))
 
 
 def hf_config(args: DeepSeekArgs) -> dict[str, Any]:
