@@ -51,11 +51,6 @@ class Layout:
                 f"split into {self.n_microbatches} micro-batches; make them a multiple of parallel.pp_microbatches"
             )
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "degrees":  # not yet set (a copy being built): no degrees to read through to
-            raise AttributeError(name)
-        return getattr(self.degrees, name)
-
     @property
     def loss_chunk(self) -> int:
         """Tokens per chunk of the loss's output projection, as the trainer's (Degrees.loss_chunk_tokens)."""
@@ -113,6 +108,21 @@ class Layout:
         else:
             batch = f"micro-batch {self.batch_size} x accum {self.grad_accum}"
         return f"{' '.join(parts)}, AC {ac}, {batch}"
+
+
+class _ReadThrough:
+    """A Degrees attribute read through a Layout: layout.tp is layout.degrees.tp."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, layout: Layout | None, owner: type) -> Any:
+        return self if layout is None else getattr(layout.degrees, self.name)
+
+
+for _name in dir(Degrees):
+    if not _name.startswith("_") and _name not in vars(Layout) and _name != "from_config":
+        setattr(Layout, _name, _ReadThrough(_name))
 
 
 @dataclass(frozen=True)

@@ -165,8 +165,8 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
                             if offload and not (base.fsdp and dp_shard > 1):
                                 continue
                             try:
-                                degrees = replace(base.degrees, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
-                                                  pp=pp, cp=cp, cp_mode=cp_mode, cp_ulysses=cp_ulysses, ep=ep)
+                                degrees = Degrees(dp_replicate, dp_shard, tp, pp, cp, ep, cp_mode, cp_ulysses,
+                                                  base.fsdp)
                                 layout = replace(base, degrees=degrees, ac=ac, selective_ops=ops,
                                                  cpu_offload=offload, **split)
                             except LayoutError:
