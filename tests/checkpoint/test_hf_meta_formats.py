@@ -106,7 +106,7 @@ def test_export_pt_is_a_full_state_dict_for_the_plain_model(tmp_path):
 
 def _write_meta(model: Transformer, folder, n_shards: int, args) -> None:
     """Meta's layout: params.json and consolidated.NN.pth split like its model-parallel layers."""
-    from titan_npu.models.llama.state_dict_adapter import _meta_shard_dim
+    from titan_npu.models.llama.meta import _meta_shard_dim
 
     folder.mkdir()
     params = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,

@@ -1,8 +1,8 @@
 """Free space before a save: the expected size, refused saves that write nothing and are tried again, and a run
 that stops when every try is refused.
 
-The free space of the filesystem is the one thing replaced here (titan_npu.reliability.disk.free_bytes): filling a
-real disk in a test is neither safe nor fast.
+The free space of the filesystem is the one thing replaced here (titan_npu.checkpoint.free_space.free_bytes):
+filling a real disk in a test is neither safe nor fast.
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from titan_npu.checkpoint import storage
+from titan_npu.checkpoint import free_space, storage
 from titan_npu.checkpoint.manager import CheckpointManager
 from titan_npu.cli import main as cli_main
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import CheckpointError
 from titan_npu.models.llama import LlamaArgs, Transformer
-from titan_npu.reliability import disk
 
 from .conftest import checkpoint_steps, records, tiny_args
 
@@ -56,31 +55,31 @@ def test_the_first_estimate_counts_the_model_and_the_optimizer_state(tmp_path):
     params = sum(p.numel() * 4 for p in model.parameters())
     steps = 4 * len(list(model.parameters()))  # AdamW keeps a float32 step counter per parameter
     expected = model_bytes + 2 * params + steps  # exp_avg and exp_avg_sq are the size of the parameters
-    assert disk.expected_checkpoint_bytes(tmp_path / "ckpt", [model], [optimizer]) == expected
+    assert free_space.expected_checkpoint_bytes(tmp_path / "ckpt", [model], [optimizer]) == expected
 
 
 def test_later_estimates_use_the_size_of_the_newest_checkpoint_on_disk(tmp_path):
     model, optimizer, manager = _trained(tmp_path)
     manager.save(1)
-    on_disk = disk.directory_bytes(tmp_path / "ckpt" / "step-1")
-    assert disk.expected_checkpoint_bytes(tmp_path / "ckpt", [model], [optimizer]) == on_disk
+    on_disk = free_space.directory_bytes(tmp_path / "ckpt" / "step-1")
+    assert free_space.expected_checkpoint_bytes(tmp_path / "ckpt", [model], [optimizer]) == on_disk
 
 
 def test_free_space_is_read_from_the_nearest_existing_folder(tmp_path):
-    assert disk.free_bytes(tmp_path / "not" / "yet" / "made") == disk.free_bytes(tmp_path) > 0
+    assert free_space.free_bytes(tmp_path / "not" / "yet" / "made") == free_space.free_bytes(tmp_path) > 0
 
 
 def test_a_save_without_room_writes_nothing_and_keeps_the_older_checkpoint(tmp_path, monkeypatch):
     model, _, manager = _trained(tmp_path, keep_last_n=1)
     manager.save(1)
     before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    need = int(1.1 * disk.directory_bytes(tmp_path / "ckpt" / "step-1"))
-    monkeypatch.setattr(disk, "free_bytes", lambda path: need - 1)
+    need = int(1.1 * free_space.directory_bytes(tmp_path / "ckpt" / "step-1"))
+    monkeypatch.setattr(free_space, "free_bytes", lambda path: need - 1)
     with pytest.raises(CheckpointError, match=r"not enough free space for a checkpoint in .* \(rank 0 on .*\): "
                                               r".* GB free, .* GB needed .*lower checkpoint.keep_last_n"):
         manager.save(2)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before == ["step-1"]
-    monkeypatch.setattr(disk, "free_bytes", lambda path: need)
+    monkeypatch.setattr(free_space, "free_bytes", lambda path: need)
     manager.save(2)
     assert checkpoint_steps(tmp_path) == [2]  # rotation removed step 1 only after step 2 was complete
 
@@ -93,7 +92,7 @@ def _disk_full_at_saves(monkeypatch, full: set[int]) -> None:
         calls.append(path)
         return 0 if len(calls) in full else 10**15
 
-    monkeypatch.setattr(disk, "free_bytes", free_bytes)
+    monkeypatch.setattr(free_space, "free_bytes", free_bytes)
 
 
 def test_a_refused_save_is_tried_again_and_training_goes_on(tmp_path, monkeypatch, capsys):

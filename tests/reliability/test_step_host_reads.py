@@ -11,6 +11,7 @@ from fault_hooks import Faults
 from torch.overrides import TorchFunctionMode
 
 from titan_npu.config.loader import load_config
+from titan_npu.parallel.degrees import Degrees
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.reduce import clip_grad_norm_
 from titan_npu.trainer import Trainer
@@ -156,5 +157,5 @@ def test_the_grad_norm_is_summed_on_the_gradients_device_with_no_copy_from_the_h
         p.grad = torch.empty_like(p)
     copies = HostCopies()
     with copies:
-        norm = clip_grad_norm_(params, 1.0, ParallelDims(1, 1, 1, 1, 1), foreach=False)
+        norm = clip_grad_norm_(params, 1.0, ParallelDims(Degrees()), foreach=False)
     assert norm.device.type == "meta" and copies.copies == []

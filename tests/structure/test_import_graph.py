@@ -8,6 +8,7 @@ edges too. Imports under `if TYPE_CHECKING:` never run and are left out.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "titan_npu"
@@ -52,8 +53,10 @@ def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
     return {name for name in found if name == "titan_npu" or name.startswith("titan_npu.")}
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
-    """module -> the titan_npu modules importing it runs (package __init__ files included)."""
+    """module -> the titan_npu modules importing it runs (package __init__ files included); read once per session, not
+    to be changed by its callers."""
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -136,12 +139,57 @@ def test_only_the_registry_imports_a_model_family() -> None:
     assert not bad, f"only titan_npu/models/registry.py may import a model family's modules: {sorted(bad)}"
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, dict[str, list[str]]]:
+    """titan_npu's packages (its folders) -> the packages their modules import, each with the imports that do it.
+
+    The modules at the top (errors.py, atomic.py, the entry points) are not packages and are left out."""
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+
+    def package(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in packages else None
+
+    out: dict[str, dict[str, list[str]]] = {p: {} for p in sorted(packages)}
+    for module, targets in sorted(graph.items()):
+        source = package(module)
+        for target in sorted(targets):
+            dest = package(target)
+            if source is not None and dest is not None and dest != source:
+                out[source].setdefault(dest, []).append(f"{module} -> {target}")
+    return out
+
+
+def test_the_packages_import_each_other_without_loops() -> None:
+    packages = package_graph(import_graph())
+    found = cycles({p: set(targets) for p, targets in packages.items()})
+    lines = []
+    for component in found:
+        lines.append(" <-> ".join(component))
+        lines += [f"    {p} -> {q}: {packages[p][q][0]}" for p in component for q in component if q in packages[p]]
+    assert not found, "packages that import each other (each a loop, with one import per edge):\n" + "\n".join(lines)
+
+
+def test_outside_models_only_the_registry_spec_and_init_are_imported() -> None:
+    # A family's folder and the shared MoE and decoder folders are the models package's own business: the trainer,
+    # planner and checkpoint code reach them through the registry's ModelSpec.
+    public = {"titan_npu.models", "titan_npu.models.registry", "titan_npu.models.spec", "titan_npu.models.init"}
+    bad = sorted(f"{module} -> {target}" for module, targets in import_graph().items()
+                 if not module.startswith("titan_npu.models")
+                 for target in targets if target.startswith("titan_npu.models.") and target not in public)
+    assert not bad, f"only models/registry.py, spec.py and init.py may be imported from outside models/: {bad}"
+
+
 def test_the_graph_sees_function_level_and_relative_imports(tmp_path) -> None:
     source = "import os\n\ndef f():\n    from titan_npu.models import registry\n    from . import sibling\n"
     found = _imports(ast.parse(source), "titan_npu.parallel.x", is_package=False)
     assert {"titan_npu.models.registry", "titan_npu.parallel.sibling"} <= found
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
+    # Two packages whose modules import each other form a loop though no module does.
+    modules = {"titan_npu.config.loader": {"titan_npu.models.registry"}, "titan_npu.models.registry":
+               {"titan_npu.config.schema"}, "titan_npu.config.schema": set()}
+    packages = package_graph(modules)
+    assert cycles({p: set(targets) for p, targets in packages.items()}) == [["config", "models"]]
 
 
 def _imports_argparse(path: Path) -> bool:

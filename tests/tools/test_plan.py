@@ -16,6 +16,7 @@ from titan_npu.errors import ConfigError, LayoutError
 from titan_npu.models.llama import LlamaArgs
 from titan_npu.models.registry import build_model_args
 from titan_npu.parallel.arithmetic import chunk_size
+from titan_npu.parallel.degrees import Degrees
 from titan_npu.planner import search
 from titan_npu.planner.activations import block_bytes, checkpoint_kind, in_flight_forwards
 from titan_npu.planner.hardware import hardware, parse_bytes
@@ -23,10 +24,8 @@ from titan_npu.planner.layout import (
     GiB,
     Job,
     Layout,
-    coordinates_rank,
     job_from_config,
     layout_from_config,
-    rank_coordinates,
 )
 from titan_npu.planner.memory import estimate_memory
 from titan_npu.planner.parameters import local_numel, local_parameter_numels, parameter_kinds, state_bytes
@@ -42,7 +41,7 @@ JOB = Job(ARGS, seq_len=64, dtype="bf16")
 
 def _replica_ranks(layout: Layout) -> list[int]:
     """Every rank of the first data-parallel replica: together they hold one copy of the model."""
-    return [r for r in range(layout.world_size) if rank_coordinates(layout, r)["dp_replicate"] == 0]
+    return [r for r in range(layout.world_size) if layout.rank_coordinates(r)["dp_replicate"] == 0]
 
 
 # --- exact shard arithmetic -------------------------------------------------------------------------------------
@@ -57,44 +56,44 @@ def test_chunk_size_is_torch_chunk(n, parts):
 @pytest.mark.parametrize("degrees", [(1, 4, 1, 1), (2, 2, 2, 1), (1, 2, 2, 2), (3, 1, 1, 2)])
 def test_rank_coordinates_invert_and_follow_the_mesh_order(degrees):
     rep, shard, tp, pp = degrees
-    layout = Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, batch_size=8)
+    layout = Layout(Degrees(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp), batch_size=8)
     mesh = torch.arange(layout.world_size).reshape(pp, rep, shard, tp)  # init_device_mesh's row-major layout
     for rank in range(layout.world_size):
-        c = rank_coordinates(layout, rank)
+        c = layout.rank_coordinates(rank)
         assert mesh[c["pp"], c["dp_replicate"], c["dp_shard"], c["tp"]] == rank
-        assert coordinates_rank(layout, c) == rank
+        assert layout.coordinates_rank(c) == rank
 
 
 @pytest.mark.parametrize("layout", [
-    Layout(dp_shard=3),
-    Layout(dp_shard=4, tp=2),
-    Layout(dp_replicate=2, dp_shard=2, tp=2),
-    Layout(dp_shard=2, pp=3, batch_size=6),
-    Layout(dp_shard=2, tp=2, pp=2, batch_size=4, pp_schedule="Interleaved1F1B"),
-    Layout(dp_shard=5, fsdp=False),
+    Layout(Degrees(dp_shard=3)),
+    Layout(Degrees(dp_shard=4, tp=2)),
+    Layout(Degrees(dp_replicate=2, dp_shard=2, tp=2)),
+    Layout(Degrees(dp_shard=2, pp=3), batch_size=6),
+    Layout(Degrees(dp_shard=2, tp=2, pp=2), batch_size=4, pp_schedule="Interleaved1F1B"),
+    Layout(Degrees(dp_shard=5, fsdp=False)),
 ], ids=lambda lay: lay.describe())
 def test_one_replica_holds_exactly_the_model(layout):
     total = sum(local_numel(ARGS, layout, r) for r in _replica_ranks(layout))
-    copies = 1 if layout.shards_parameters else layout.dp_shard  # without FSDP every rank holds a full copy
+    copies = 1 if layout.fsdp_enabled else layout.dp_shard  # without FSDP every rank holds a full copy
     norms = (2 * ARGS.n_layers + 1) * ARGS.dim  # replicated over tensor-parallel ranks
     assert total == copies * (ARGS.num_params() + (layout.tp - 1) * norms)
 
 
 def test_local_numel_is_the_sum_over_named_shards():
-    layout = Layout(dp_shard=3, tp=2, pp=2, batch_size=4)
+    layout = Layout(Degrees(dp_shard=3, tp=2, pp=2), batch_size=4)
     for rank in range(layout.world_size):
         assert local_numel(ARGS, layout, rank) == sum(local_parameter_numels(ARGS, layout, rank).values())
 
 
 def test_uneven_fsdp_chunks_give_later_ranks_less():
-    layout = Layout(dp_shard=4)
+    layout = Layout(Degrees(dp_shard=4))
     first, last = local_parameter_numels(ARGS, layout, 0), local_parameter_numels(ARGS, layout, 3)
     # vocab 250 over 4 ranks: torch.chunk gives 63, 63, 63, 61 rows.
     assert first["tok_embeddings.weight"] == 63 * 96 and last["tok_embeddings.weight"] == 61 * 96
 
 
 def test_state_bytes_count_fp32_parameters_gradients_and_optimizer_moments():
-    layout = Layout(dp_shard=2)
+    layout = Layout(Degrees(dp_shard=2))
     numel = local_numel(ARGS, layout, 0)
     assert state_bytes(JOB, layout, 0).parameters == 4 * numel
     assert state_bytes(JOB, layout, 0).optimizer == 8 * numel  # AdamW: exp_avg + exp_avg_sq
@@ -127,7 +126,7 @@ def test_pipeline_parts_are_the_stages_the_trainer_cuts(pp, schedule):
     per_rank = pp_stages_per_rank(cfg)
     args = replace(ARGS, n_layers=11)
     layers = split_layers(11, pp * per_rank)
-    layout = Layout(pp=pp, pp_schedule=schedule, batch_size=2 * pp)
+    layout = Layout(Degrees(pp=pp), pp_schedule=schedule, batch_size=2 * pp)
     for pp_rank in range(pp):
         parts = rank_parts(args, layout, pp_rank)
         ids = stage_ids_for_rank(pp_rank, pp, per_rank)
@@ -148,13 +147,13 @@ def test_layout_from_config_resolves_dp_shard_like_parallel_dims():
 
 
 def test_checkpointing_trades_activations_for_recomputation():
-    acts = {ac: estimate_memory(JOB, Layout(dp_shard=2, ac=ac, batch_size=4)).activations
+    acts = {ac: estimate_memory(JOB, Layout(Degrees(dp_shard=2), ac=ac, batch_size=4)).activations
             for ac in ("none", "selective", "full")}
     assert acts["full"] < acts["selective"] < acts["none"]
 
 
 def test_activations_grow_linearly_with_the_micro_batch():
-    b = [block_bytes(JOB, Layout(dp_shard=2), mb).full for mb in (1, 2, 4)]
+    b = [block_bytes(JOB, Layout(Degrees(dp_shard=2)), mb).full for mb in (1, 2, 4)]
     assert b[1] == 2 * b[0] and b[2] == 4 * b[0]
 
 
@@ -165,55 +164,56 @@ def test_eager_attention_pays_for_the_sequence_squared():
 
 
 def test_one_f_one_b_holds_fewer_micro_batches_on_later_stages():
-    layout = Layout(pp=4, batch_size=8)
+    layout = Layout(Degrees(pp=4), batch_size=8)
     assert [in_flight_forwards(layout, r) for r in range(4)] == [4, 3, 2, 1]
     assert in_flight_forwards(replace(layout, pp_schedule="GPipe"), 3) == 8
 
 
 def test_fsdp_under_pipelining_keeps_whole_stages_unsharded():
     deep = replace(JOB, args=replace(ARGS, n_layers=12))
-    plain = [temporary_bytes(job, Layout(dp_shard=2, batch_size=4), 0, 0).fsdp for job in (JOB, deep)]
-    piped = [temporary_bytes(job, Layout(dp_shard=2, pp=2, batch_size=4), 0, 0).fsdp for job in (JOB, deep)]
+    plain = [temporary_bytes(job, Layout(Degrees(dp_shard=2), batch_size=4), 0, 0).fsdp for job in (JOB, deep)]
+    piped = [temporary_bytes(job, Layout(Degrees(dp_shard=2, pp=2), batch_size=4), 0, 0).fsdp for job in (JOB, deep)]
     assert plain[1] == plain[0]  # FSDP alone gathers a block or two at a time, however deep the model
     assert piped[1] > 1.9 * piped[0]  # under pipelining every block of the stage stays gathered
 
 
 def test_cpu_offload_moves_the_state_to_the_host():
-    on_device = estimate_memory(JOB, Layout(dp_shard=4))
-    offloaded = estimate_memory(JOB, Layout(dp_shard=4, cpu_offload=True))
+    on_device = estimate_memory(JOB, Layout(Degrees(dp_shard=4)))
+    offloaded = estimate_memory(JOB, Layout(Degrees(dp_shard=4), cpu_offload=True))
     assert offloaded.parameters == offloaded.gradients == offloaded.optimizer == 0
     state = on_device.parameters + on_device.gradients + on_device.optimizer
     assert offloaded.host_offload == state
 
 
 def test_hccl_buffers_count_two_per_communicator():
-    m = estimate_memory(JOB, Layout(dp_shard=2, tp=2), device_type="npu", hccl_buffsize_mb=100)
+    m = estimate_memory(JOB, Layout(Degrees(dp_shard=2, tp=2)), device_type="npu", hccl_buffsize_mb=100)
     assert m.communication == 3 * 2 * 100 * 2**20  # dp_shard, tp and the world group
 
 
 def test_layout_refuses_micro_batches_that_do_not_divide_the_batch():
     with pytest.raises(LayoutError, match="micro-batches"):
-        Layout(pp=2, batch_size=3, pp_microbatches=2)
+        Layout(Degrees(pp=2), batch_size=3, pp_microbatches=2)
 
 
 # --- speed model ---------------------------------------------------------------------------------------------------
 
 
 def test_pipeline_bubble_is_the_textbook_fraction():
-    assert pipeline_bubble(Layout(pp=4, batch_size=12, pp_microbatches=12)) == pytest.approx(3 / 15)
-    assert pipeline_bubble(Layout(pp=4, batch_size=8, pp_schedule="Interleaved1F1B")) == pytest.approx(1.5 / 9.5)
+    assert pipeline_bubble(Layout(Degrees(pp=4), batch_size=12, pp_microbatches=12)) == pytest.approx(3 / 15)
+    interleaved = Layout(Degrees(pp=4), batch_size=8, pp_schedule="Interleaved1F1B")
+    assert pipeline_bubble(interleaved) == pytest.approx(1.5 / 9.5)
     assert pipeline_bubble(Layout()) == 0
 
 
 def test_groups_that_span_nodes_use_the_slower_link():
-    layout = Layout(dp_shard=4, tp=4)
+    layout = Layout(Degrees(dp_shard=4, tp=4))
     assert not group_crosses_nodes(layout, "tp", 8) and group_crosses_nodes(layout, "dp_shard", 8)
 
 
 def test_more_devices_at_the_same_global_batch_train_faster():
     hw = hardware("910B2")
-    small = estimate_step(JOB, Layout(dp_shard=2, batch_size=1, grad_accum=8), hw, devices_per_node=8)
-    large = estimate_step(JOB, Layout(dp_shard=8, batch_size=1, grad_accum=2), hw, devices_per_node=8)
+    small = estimate_step(JOB, Layout(Degrees(dp_shard=2), batch_size=1, grad_accum=8), hw, devices_per_node=8)
+    large = estimate_step(JOB, Layout(Degrees(dp_shard=8), batch_size=1, grad_accum=2), hw, devices_per_node=8)
     assert small.tokens_per_step == large.tokens_per_step
     assert large.tokens_per_s > small.tokens_per_s
 
@@ -315,7 +315,7 @@ def test_a_memory_fraction_cap_shrinks_what_a_plan_may_use():
 def test_replicated_data_parallelism_pays_for_its_gradient_all_reduce():
     cfg = load_config(CONFIGS / "llama_7b.toml", [])
     job = job_from_config(cfg)
-    layout = Layout(dp_shard=16, fsdp=False, batch_size=1, grad_accum=1)
+    layout = Layout(Degrees(dp_shard=16, fsdp=False), batch_size=1, grad_accum=1)
     across = estimate_step(job, layout, hardware("910B2"), devices_per_node=8)
     inside = estimate_step(job, layout, hardware("910B2"), devices_per_node=16)
     assert across.fsdp_exposed > 0 and across.step_time > inside.step_time

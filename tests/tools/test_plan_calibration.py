@@ -21,6 +21,7 @@ from titan_npu.config.schema import ActivationCheckpointConfig, ModelConfig
 from titan_npu.models.llama import LlamaArgs, Transformer
 from titan_npu.models.registry import build_model, build_model_args
 from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing
+from titan_npu.parallel.degrees import Degrees
 from titan_npu.planner.activations import rank_activations
 from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.temporaries import temporary_bytes
@@ -91,8 +92,8 @@ def test_activation_estimate_matches_measured_cpu_peak(name):
     measured = _peak_step_bytes(model, autocast=held == "autocast")
 
     # dp_shard=2 marks parameters held (and cast) by FSDP, as in the bf16 case; the rest run on one device.
-    layout = Layout(ac=mode, selective_every=every, selective_ops=op_level, batch_size=BATCH,
-                    dp_shard=2 if held == "bf16" else 1)
+    layout = Layout(Degrees(dp_shard=2 if held == "bf16" else 1), ac=mode, selective_every=every,
+                    selective_ops=op_level, batch_size=BATCH)
     assert_estimate_matches(name, Job(args, SEQ, dtype), layout, measured)
 
 
@@ -127,8 +128,8 @@ def test_qwen_activation_estimate_matches_measured_cpu_peak(name):
     apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode, selective_every=every,
                                                                      selective_ops=op_level))
     measured = _peak_step_bytes(model, autocast=held == "autocast")
-    layout = Layout(ac=mode, selective_every=every, selective_ops=op_level, batch_size=BATCH,
-                    dp_shard=2 if held == "bf16" else 1)
+    layout = Layout(Degrees(dp_shard=2 if held == "bf16" else 1), ac=mode, selective_every=every,
+                    selective_ops=op_level, batch_size=BATCH)
     assert_estimate_matches(name, Job(args, SEQ, dtype), layout, measured)
 
 
@@ -155,8 +156,8 @@ def test_moe_activation_estimate_matches_measured_cpu_peak(name):
     apply_activation_checkpointing(model, ActivationCheckpointConfig(mode=mode, selective_every=every,
                                                                      selective_ops=op_level))
     measured = _peak_step_bytes(model, autocast=False)
-    layout = Layout(ac=mode, selective_every=every, selective_ops=op_level, batch_size=BATCH,
-                    dp_shard=2 if held == "bf16" else 1)
+    layout = Layout(Degrees(dp_shard=2 if held == "bf16" else 1), ac=mode, selective_every=every,
+                    selective_ops=op_level, batch_size=BATCH)
     assert_estimate_matches(name, Job(args, SEQ, dtype), layout, measured)
 
 
@@ -177,7 +178,7 @@ def test_chunked_loss_estimate_matches_measured_cpu_peak(name):
     if held == "bf16":
         model = model.to(torch.bfloat16)
     measured = _peak_step_bytes(model, autocast=held == "autocast", loss_chunk=chunk)
-    layout = Layout(batch_size=BATCH, dp_shard=2 if held == "bf16" else 1, loss_chunk_tokens=chunk)
+    layout = Layout(Degrees(dp_shard=2 if held == "bf16" else 1), batch_size=BATCH, loss_chunk_tokens=chunk)
     assert_estimate_matches(name, Job(args, SEQ, dtype), layout, measured)
 
 

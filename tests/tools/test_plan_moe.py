@@ -13,7 +13,9 @@ import pytest
 from titan_npu.commands.plan import main
 from titan_npu.config.loader import load_config
 from titan_npu.metrics.throughput import flops_per_token
-from titan_npu.planner.dry_run import balanced_rows, dry_run
+from titan_npu.models.moe.balanced_routing import balanced_rows
+from titan_npu.parallel.degrees import Degrees
+from titan_npu.planner.dry_run import dry_run
 from titan_npu.planner.hardware import hardware
 from titan_npu.planner.layout import Layout, job_from_config, layout_from_config
 from titan_npu.planner.perf import estimate_step
@@ -101,13 +103,13 @@ def test_the_suggested_overrides_select_a_ranked_moe_layout_whatever_ep_the_conf
 def test_moe_compute_counts_active_parameters_and_expert_parallelism_adds_its_all_to_alls():
     job = job_from_config(load_config(QWEN3_30B))
     a, hw = job.args, hardware("910B2")
-    base = Layout(dp_shard=8, ac="full", batch_size=16)
+    base = Layout(Degrees(dp_shard=8), ac="full", batch_size=16)
     dense = estimate_step(job, base, hw, 8)
     tokens = 16 * 4096
     active = flops_per_token(a.num_active_params(exclude_embedding=True), a.n_layers, a.dim, 4096)
     assert dense.compute == pytest.approx(active * tokens * 4 / 3 / (hw.peak_flops * 0.4))
     assert dense.ep_comm == 0
-    ep = estimate_step(job, replace(base, ep=8), hw, 8)
+    ep = estimate_step(job, replace(base, degrees=replace(base.degrees, ep=8)), hw, 8)
     # 48 MoE layers; 8 copies of each token's 2048 bf16 values out and back, forward, backward and recompute.
     volume = 6 * 48 * tokens * 8 * 2048 * 2 * 7 / 8
     assert ep.ep_bytes == pytest.approx(volume) and ep.ep_comm == pytest.approx(volume / hw.intra_node_bw)
@@ -115,9 +117,9 @@ def test_moe_compute_counts_active_parameters_and_expert_parallelism_adds_its_al
 
 def test_expert_parallelism_leaves_fsdp_fewer_experts_to_unshard():
     job = job_from_config(load_config(QWEN3_30B))
-    base = Layout(dp_shard=8, ac="full", batch_size=1)
+    base = Layout(Degrees(dp_shard=8), ac="full", batch_size=1)
     # ep 8 = dp_shard: FSDP leaves the experts whole on their ranks, only the dense parameters are unsharded.
-    unsharded = [temporary_bytes(job, replace(base, ep=ep), 0, 0).fsdp for ep in (1, 2, 8)]
+    unsharded = [temporary_bytes(job, replace(base, degrees=Degrees(dp_shard=8, ep=ep)), 0, 0).fsdp for ep in (1, 2, 8)]
     assert unsharded[0] > unsharded[1] > unsharded[2]
 
 

@@ -10,7 +10,9 @@ from titan_npu import ops
 from titan_npu.config.schema import ModelConfig
 from titan_npu.models.llama import Transformer
 from titan_npu.models.registry import build_model_args
-from titan_npu.trainer.loss import IGNORE_INDEX, chunked_linear_cross_entropy, cross_entropy_loss, loss_chunk_tokens
+from titan_npu.parallel.degrees import Degrees
+from titan_npu.planner.layout import Layout
+from titan_npu.trainer.loss import IGNORE_INDEX, chunked_linear_cross_entropy, cross_entropy_loss
 
 # fp32: the same products and fp32 sums in another order (chunked partial sums of the weight gradient).
 FP32 = dict(atol=1e-6, rtol=1e-5)
@@ -136,7 +138,10 @@ def test_each_chunk_allocates_one_logits_sized_buffer_for_its_loss_and_gradient(
 
 
 def test_tensor_and_pipeline_parallel_runs_take_the_whole_logits():
-    assert loss_chunk_tokens(2048, tp=1, pp=1) == 2048
-    assert loss_chunk_tokens(2048, tp=2, pp=1) == 0  # loss_parallel: vocab-sharded logits
-    assert loss_chunk_tokens(2048, tp=1, pp=2) == 0  # the schedule's loss_fn sees the last stage's output
-    assert loss_chunk_tokens(0, tp=1, pp=1) == 0
+    assert Degrees().loss_chunk_tokens(2048) == 2048
+    assert Degrees(tp=2).loss_chunk_tokens(2048) == 0  # loss_parallel: vocab-sharded logits
+    assert Degrees(pp=2).loss_chunk_tokens(2048) == 0  # the schedule's loss_fn sees the last stage's output
+    assert Degrees().loss_chunk_tokens(0) == 0
+    # The planner's layouts size the loss's temporaries by the same rule.
+    assert Layout(Degrees(dp_shard=2), loss_chunk_tokens=2048).loss_chunk == 2048
+    assert Layout(Degrees(tp=2), loss_chunk_tokens=2048).loss_chunk == 0

@@ -19,13 +19,13 @@ import torch.distributed.checkpoint as dcp
 
 from titan_npu.checkpoint import storage
 from titan_npu.checkpoint.async_save import AsyncSaver
+from titan_npu.checkpoint.free_space import check_free_space
 from titan_npu.checkpoint.group import CheckpointGroup
 from titan_npu.checkpoint.rank_state import write_rank_state
 from titan_npu.checkpoint.state import RunState
 from titan_npu.config.loader import save_config
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import CheckpointError
-from titan_npu.reliability.disk import check_free_space
 
 log = logging.getLogger("titan_npu")
 

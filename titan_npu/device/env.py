@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import TYPE_CHECKING
 
-from titan_npu.config.schema import CommConfig
 from titan_npu.errors import ConfigError, DeviceError
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import CommConfig
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 # The caching allocator of each device reads its variable once, when the device is first used.

@@ -6,11 +6,10 @@ Everything else reaches a family through these functions.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from titan_npu.config.schema import ModelConfig
 from titan_npu.errors import CheckpointError, ConfigError
 from titan_npu.models.deepseek_v3.spec import DEEPSEEK_V3
 from titan_npu.models.gpt_oss.spec import GPT_OSS
@@ -19,6 +18,9 @@ from titan_npu.models.qwen2.spec import QWEN2
 from titan_npu.models.qwen3.spec import QWEN3
 from titan_npu.models.qwen3_moe.spec import QWEN3_MOE
 from titan_npu.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import ModelConfig
 
 SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA2, LLAMA3, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3,
                                                         GPT_OSS)}

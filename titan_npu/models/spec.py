@@ -9,13 +9,16 @@ The args object a spec builds is the family's own dataclass; the framework reads
 n_heads, n_kv_heads, head_dim, vocab_size, max_seq_len, norm_eps, rope_theta, rope_scaling_factor,
 use_flash_attention, tie_embeddings, family, flavor, and the methods num_params(exclude_embedding),
 num_active_params(exclude_embedding) (what a token meets: MFU counts these) and num_flops_per_token(seq_len).
-A model that routes tokens (MoE) has auxiliary_loss() and routing_metrics() (trainer/routing.py).
+A model that routes tokens (MoE) has auxiliary_loss() and routing_metrics() (trainer/routing.py), and one whose
+routers carry a score bias has score_biases() (its layer ids -> bias tensors).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +85,12 @@ class ModelSpec:
     # The family's own layout refusals beyond parallel/layout.py's: (ParallelDims, args, JobConfig) -> None or
     # LayoutError; parallelize calls it, and the planner's search through it skips what the model would refuse.
     check_layout: Callable[[Any, Any, Any], None] = lambda dims, args, cfg: None
+    # A context in which the model parts' MoE layers exchange tokens with balanced routing's split sizes (the dry
+    # run's fake tensors hold no routed counts): (model parts) -> context manager; a dense model has nothing to swap.
+    balanced_routing: Callable[[list[nn.Module]], AbstractContextManager] = lambda parts: contextlib.nullcontext()
+    # Aux-loss-free balancing's step of one MoE layer's router score bias, in place: (bias, tokens per expert, rate);
+    # None for a family without score biases (trainer/routing.py).
+    update_score_bias: Callable[[torch.Tensor, torch.Tensor, float], None] | None = None
 
     def canonical_flavor(self, flavor: str) -> str:
         """The flavor's own spelling ('8b' -> '8B'), or a ConfigError naming the valid ones."""

@@ -8,10 +8,14 @@ Wrapped blocks keep their state-dict names (the wrapper strips its prefix in sta
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from titan_npu.config.schema import ActivationCheckpointConfig
+if TYPE_CHECKING:
+    from titan_npu.config.schema import ActivationCheckpointConfig
+
 
 
 def _save_list() -> set:

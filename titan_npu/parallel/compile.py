@@ -6,9 +6,13 @@ checkpoints and FSDP see the same model with or without compile.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
-from titan_npu.config.schema import CompileConfig
+if TYPE_CHECKING:
+    from titan_npu.config.schema import CompileConfig
+
 
 
 def apply_compile(model: nn.Module, cfg: CompileConfig, inside_checkpoint: bool = False) -> int:

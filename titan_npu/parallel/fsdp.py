@@ -7,12 +7,16 @@ runs; no custom divide factor (PREMUL_SUM) is ever set.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from titan_npu.config.schema import JobConfig
 from titan_npu.device.dtypes import to_torch_dtype
 from titan_npu.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import JobConfig
 
 
 def mixed_precision_policy(dtype_name: str, cast_forward_inputs: bool = True):

@@ -7,13 +7,15 @@ planner, so an impossible layout is refused with the numbers and a fix before me
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from titan_npu.config.schema import JobConfig
 from titan_npu.errors import LayoutError
 from titan_npu.parallel import arithmetic
 from titan_npu.parallel.arithmetic import divisors
-from titan_npu.parallel.dims import ParallelDims
+from titan_npu.parallel.degrees import Degrees
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import JobConfig
 
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
@@ -33,15 +35,16 @@ def pp_local_batch(cfg: JobConfig) -> int:
     return arithmetic.local_batch(cfg.training.batch_size, cfg.training.gradient_accumulation_steps)
 
 
-def pp_microbatches(cfg: JobConfig, dims: ParallelDims) -> int:
+def pp_microbatches(cfg: JobConfig, dims: Degrees) -> int:
     """Microbatches per pipeline step: parallel.pp_microbatches, 0 = pp_degree * 2."""
     return arithmetic.microbatches(cfg.parallel.pp_microbatches, dims.pp)
 
 
-def validate_layout(dims: ParallelDims, model_args: Any, cfg: JobConfig) -> None:
+def validate_layout(dims: Degrees, model_args: Any, cfg: JobConfig) -> None:
     """Refuse (LayoutError) a layout that cannot run this model with these settings; the message names the fix.
 
-    model_args: any family's args (models/spec.py names the fields read here).
+    dims: the job's Degrees (or the ParallelDims holding them); the degrees' own rules are Degrees'. model_args: any
+    family's args (models/spec.py names the fields read here).
     """
     _check_data_parallel(dims, cfg)
     if dims.cp_enabled or cfg.parallel.cp_mode != "ring":
@@ -59,21 +62,16 @@ def validate_layout(dims: ParallelDims, model_args: Any, cfg: JobConfig) -> None
         )
 
 
-def _check_data_parallel(dims: ParallelDims, cfg: JobConfig) -> None:
+def _check_data_parallel(dims: Degrees, cfg: JobConfig) -> None:
     p = cfg.parallel
     if p.cpu_offload and not dims.fsdp_enabled and dims.dp_mode != "hsdp":
         raise LayoutError(
             f"parallel.cpu_offload=true needs FSDP sharding, but this layout has {dims.describe()}; "
             "set parallel.fsdp=true with dp_shard > 1, or cpu_offload=false"
         )
-    if not p.fsdp and p.dp_shard > 1 and p.dp_replicate > 1:
-        raise LayoutError(
-            f"parallel.fsdp=false with dp_shard={p.dp_shard} and dp_replicate={p.dp_replicate} is ambiguous; "
-            "with fsdp=false give the data-parallel degree once (dp_shard or dp_replicate)"
-        )
 
 
-def _check_context_parallel(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:
+def _check_context_parallel(dims: Degrees, a: Any, cfg: JobConfig) -> None:
     p, cp = cfg.parallel, dims.cp
     if not dims.cp_enabled:
         return
@@ -115,7 +113,7 @@ def _check_ulysses_heads(cp: int, a: Any, tp: int = 1, degree: str = "parallel.c
         )
 
 
-def _check_expert_parallel(dims: ParallelDims, a: Any) -> None:
+def _check_expert_parallel(dims: Degrees, a: Any) -> None:
     ep = dims.ep
     n_experts = getattr(a, "n_experts", None)
     if not getattr(a, "n_moe_layers", 0):
@@ -137,7 +135,7 @@ def _check_expert_parallel(dims: ParallelDims, a: Any) -> None:
                               f"parallel.ep_degree = 1")
 
 
-def _check_tensor_parallel(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:
+def _check_tensor_parallel(dims: Degrees, a: Any, cfg: JobConfig) -> None:
     tp = dims.tp
     # Degrees that split heads, kv heads and the FFN evenly (the vocabulary can always be padded).
     choices = _listing(divisors(math.gcd(a.n_heads, a.n_kv_heads, a.ffn_dim)))
@@ -186,7 +184,7 @@ def _check_moe_tensor_parallel(tp: int, a: Any) -> None:
         )
 
 
-def _check_pipeline(dims: ParallelDims, a: Any, cfg: JobConfig) -> None:
+def _check_pipeline(dims: Degrees, a: Any, cfg: JobConfig) -> None:
     p = cfg.parallel
     schedule = p.pp_schedule
     if schedule not in PP_SCHEDULES:

@@ -9,15 +9,17 @@ the spec in, so this package never imports a model.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from titan_npu.config.schema import JobConfig
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.pipeline import split_for_pipeline
 from titan_npu.parallel.tp_grads import install_requested_grad_hooks
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import JobConfig
 
 
 def build_model_parts(

@@ -14,17 +14,19 @@ microbatch another's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from titan_npu.config.schema import JobConfig
 from titan_npu.ops.documents import Documents
 from titan_npu.parallel.arithmetic import stage_ids_for_rank
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.layout import pp_microbatches, pp_stages_per_rank
 from titan_npu.parallel.reduce import plain_tensor
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import JobConfig
 
 
 def split_for_pipeline(spec: Any, model: nn.Module, dims: ParallelDims, cfg: JobConfig

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from titan_npu.config.schema import CommConfig
 from titan_npu.device.detect import DeviceInfo
 from titan_npu.device.env import init_failure_message
 from titan_npu.errors import DeviceError
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import CommConfig
 
 
 def world_info() -> tuple[int, int, int]:

@@ -135,7 +135,7 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     q, kv, f, heads = a.q_dim // tp, a.kv_dim // tp, a.ffn_dim // tp, a.n_heads // tp
     kv_heads = a.n_kv_heads // tp
     sp = tp if layout.sequence_parallel else 1
-    autocast = c < 4 and not layout.fsdp_wrapped
+    autocast = c < 4 and not layout.dp_enabled
     residual = 4 if autocast else c  # the residual stream stays fp32 under autocast
     stats = heads * ATTENTION_STAT_BYTES.get(device_type, 4)
     if device_type == "cpu" and tp == 1:
@@ -215,7 +215,7 @@ def chunked_loss_bytes(job: Job, layout: Layout, micro_batch: int) -> tuple[int,
     a, c = job.args, job.compute_bytes
     tokens, vocab, dim = local_tokens(job, layout, micro_batch), a.vocab_size, a.dim
     chunk = min(layout.loss_chunk, tokens)
-    autocast = c < 4 and not layout.fsdp_wrapped
+    autocast = c < 4 and not layout.dp_enabled
     narrow = c if c < 4 else 0  # the low-precision copies the fp32 path does not make
     casts = (tokens + vocab) * dim * c if autocast else 0  # autocast's rounding of the hidden states and weight
     weight_grad = vocab * dim * c
@@ -240,7 +240,7 @@ def tied_output_gradient_bytes(job: Job, layout: Layout) -> int:
     """
     if not getattr(job.args, "tie_embeddings", False):
         return 0
-    grad = job.compute_bytes if layout.fsdp_wrapped else 4  # FSDP's unsharded parameter's dtype, or fp32
+    grad = job.compute_bytes if layout.dp_enabled else 4  # FSDP's unsharded parameter's dtype, or fp32
     return job.args.vocab_size // layout.tp * job.args.dim * grad
 
 

@@ -17,7 +17,7 @@ def communicators(layout: Layout) -> int:
     and the world group."""
     if layout.world_size == 1:
         return 0
-    n = sum(1 for size in layout.degrees().values() if size > 1) + 1
+    n = sum(1 for size in layout.mesh_shape().values() if size > 1) + 1
     if layout.dp_replicate > 1 and layout.dp_shard > 1:
         n += 1
     if layout.cp > 1:

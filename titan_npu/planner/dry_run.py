@@ -8,7 +8,8 @@ over the sharded parameters. Byte counts come from the local shards of the resul
 
 Under expert parallelism the token exchange's split sizes are routed counts, values fake tensors do not hold: the
 dry run assumes balanced routing (every expert receives tokens x top_k / n_experts copies from every rank), the
-assumption the planner's activation and all-to-all estimates make too, and runs the exchange with those sizes.
+assumption the planner's activation and all-to-all estimates make too, and runs the exchange with those sizes (the
+family's ModelSpec.balanced_routing).
 Under context parallelism each rank runs its seq_len / cp tokens of every sequence, as the trainer does.
 
     python train.py --config configs/llama3_70b.toml --dry-run --world-size 64 --rank 5
@@ -19,12 +20,10 @@ planner/verify.py compares what it measures with the planner's exact numbers.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -153,48 +152,6 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims) -> list[nn.Module]:
     return [spec.parallelize(part, dims, cfg) for part in parts]
 
 
-def balanced_rows(rows: int, n_experts: int) -> list[int]:
-    """Rows of `rows` routed copies each expert receives from one rank when routing is balanced (the first
-    rows % n_experts experts one more)."""
-    return [rows // n_experts + (1 if e < rows % n_experts else 0) for e in range(n_experts)]
-
-
-def balanced_exchange(experts: nn.Module, routed: torch.Tensor, counts: torch.Tensor,
-                      group: dist.ProcessGroup) -> torch.Tensor:
-    """The expert-parallel exchange (models/moe/dispatch.py) with balanced routing's split sizes instead of the
-    routed counts: the same all-to-alls and grouped GEMM, on shapes fake tensors can carry. Rank r holds experts
-    [r x L, (r + 1) x L) (L = n_experts / ep) and every rank routes as many rows."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-
-    ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    local = counts.shape[0] // ep
-    per_expert = balanced_rows(routed.shape[0], counts.shape[0])
-    send = [sum(per_expert[r * local:(r + 1) * local]) for r in range(ep)]
-    mine = per_expert[rank * local:(rank + 1) * local]
-    receive = [send[rank]] * ep
-    received = all_to_all_single_autograd(routed, receive, send, group)
-    ends = torch.tensor(mine, dtype=torch.int64).mul(ep).cumsum(0).to(torch.int32)
-    out = experts(received, ends, max_group_rows=max(1, max(mine) * ep))
-    return all_to_all_single_autograd(out, send, receive, group)
-
-
-@contextlib.contextmanager
-def balanced_routing(parts: list[nn.Module]) -> Iterator[None]:
-    """The MoE layers of `parts` exchange their tokens with balanced routing's split sizes while the context is
-    open (each layer's `exchange` seam; restored on exit)."""
-    from titan_npu.models.moe.layer import MoE
-
-    layers = [m for part in parts for m in part.modules() if isinstance(m, MoE)]
-    saved = [layer.exchange for layer in layers]
-    for layer in layers:
-        layer.exchange = balanced_exchange
-    try:
-        yield
-    finally:
-        for layer, exchange in zip(layers, saved):
-            layer.exchange = exchange
-
-
 def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims) -> tuple[int, ...]:
     """One forward/backward of every part with fake tensors; returns the output shape of the last part run.
 
@@ -207,7 +164,7 @@ def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from titan_npu.device.dtypes import to_torch_dtype
-    from titan_npu.models.registry import build_model_args
+    from titan_npu.models.registry import build_model_args, spec_of
     from titan_npu.parallel.layout import pp_local_batch, pp_microbatches
     from titan_npu.parallel.tp_grads import install_requested_grad_hooks
 
@@ -218,7 +175,7 @@ def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims
     seq = t.seq_len // dims.cp
     seq_local = seq // dims.tp
     shape: tuple[int, ...] = ()
-    with FakeTensorMode(allow_non_fake_inputs=True), balanced_routing(parts):
+    with FakeTensorMode(allow_non_fake_inputs=True), spec_of(args).balanced_routing(parts):
         for part in parts:
             # Fake storage on the host: FSDP refuses to run with meta parameters, and fake tensors cost nothing.
             part.to_empty(device="cpu")
@@ -344,11 +301,11 @@ def _dry_run_in_this_thread(cfg: JobConfig, dims: ParallelDims, world_size: int,
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from titan_npu.planner.layout import layout_from_config, rank_coordinates
+    from titan_npu.planner.layout import layout_from_config
 
     layout = layout_from_config(cfg, world_size)
     t0 = time.perf_counter()
-    result = DryRunResult(world_size, rank, layout.describe(), rank_coordinates(layout, rank))
+    result = DryRunResult(world_size, rank, layout.describe(), layout.rank_coordinates(rank))
     # Fake tensors' dispatch cache is process-wide; entries of another rank's shards must not be reused.
     FakeTensorMode.cache_clear()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

@@ -10,27 +10,22 @@ from titan_npu.config.schema import JobConfig
 from titan_npu.errors import LayoutError
 from titan_npu.models.registry import build_model_args
 from titan_npu.parallel import arithmetic
+from titan_npu.parallel.degrees import Degrees
 
 GiB = 1024**3
 MiB = 1024**2
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 AC_MODES = ("none", "selective", "full")
-CP_MODES = ("ring", "ulysses", "hybrid")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How one job is laid out: parallel degrees, activation checkpointing and the batch split per rank."""
+    """How one job is laid out: its parallel Degrees, activation checkpointing and the batch split per rank.
 
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1  # context parallel: each sequence split over cp ranks (a factor of the world size)
-    ep: int = 1  # expert parallel: the experts split over ep of the dp_shard ranks (not a factor of the world size)
-    cp_mode: str = "ring"  # ring | ulysses | hybrid
-    cp_ulysses: int = 1  # hybrid: the cp ranks of one Ulysses group (parallel.cp_ulysses_degree), the ring between
-    fsdp: bool = True
+    The degrees and what follows from them read through (layout.tp, layout.fsdp_shards, layout.rank_coordinates).
+    """
+
+    degrees: Degrees = Degrees()
     ac: str = "none"  # none | selective | full
     selective_every: int = 2
     selective_ops: bool = False
@@ -45,24 +40,11 @@ class Layout:
     loss_chunk_tokens: int = 0  # training.loss_chunk_tokens; 0 = the whole logits at once
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "batch_size", "grad_accum",
-                     "selective_every"):
+        for name in ("batch_size", "grad_accum", "selective_every"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"layout {name}={getattr(self, name)} must be >= 1")
         if self.ac not in AC_MODES:
             raise LayoutError(f"activation_checkpoint.mode={self.ac!r} is unknown (choose {', '.join(AC_MODES)})")
-        if self.cp_mode not in CP_MODES:
-            raise LayoutError(f"parallel.cp_mode={self.cp_mode!r} is unknown (choose {', '.join(CP_MODES)})")
-        hybrid = self.cp_mode == "hybrid" and self.cp > 1
-        if hybrid and (self.cp % self.cp_ulysses or not 1 < self.cp_ulysses < self.cp):
-            raise LayoutError(f"parallel.cp_ulysses_degree={self.cp_ulysses} must divide cp_degree={self.cp} and lie "
-                              f"between 1 and it (hybrid: Ulysses within its groups, the ring between them)")
-        if not hybrid and self.cp_ulysses != 1:
-            raise LayoutError(f"layout cp_ulysses={self.cp_ulysses} needs cp_mode 'hybrid' with cp > 1")
-        if self.fsdp_shards % self.ep:
-            raise LayoutError(f"parallel.ep_degree={self.ep} must divide dp_shard x cp = {self.fsdp_shards} (the ep "
-                              f"ranks are taken from the FSDP ranks); choose ep_degree from "
-                              f"{arithmetic.divisors(self.fsdp_shards)}")
         if self.pp > 1 and self.local_batch % self.n_microbatches:
             raise LayoutError(
                 f"{self.local_batch} sequences per pipeline step (batch_size x gradient_accumulation_steps) do not "
@@ -70,47 +52,9 @@ class Layout:
             )
 
     @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def fsdp_shards(self) -> int:
-        """Ranks FSDP splits a (dense) parameter over: dp_shard, times cp (the cp ranks shard parameters too)."""
-        return self.dp_shard * self.cp
-
-    @property
-    def shards_parameters(self) -> bool:
-        """FSDP splits parameters, gradients and optimizer state over dp_shard (x cp)."""
-        return self.fsdp and self.fsdp_shards > 1
-
-    @property
-    def efsdp(self) -> int:
-        """The dp_shard x cp / ep FSDP ranks that hold an expert-parallel rank's experts (the same ones)."""
-        return self.fsdp_shards // self.ep
-
-    @property
-    def expert_shards(self) -> int:
-        """Ranks FSDP splits an expert-parallel rank's experts over (parallel/dims.py's experts_fsdp_mesh): the efsdp
-        ranks, or under HSDP with ep = dp_shard x cp the dp_replicate ranks (the replicas of one ep group); 1 when
-        none do (the experts then stay whole on their ep rank)."""
-        if not self.fsdp:
-            return 1
-        return self.efsdp if self.efsdp > 1 else self.dp_replicate
-
-    @property
-    def fsdp_wrapped(self) -> bool:
-        """FSDP2 (fully_shard or replicate) holds the parameters: it casts them, so no autocast weight copies."""
-        return self.dp * self.cp > 1
-
-    @property
     def loss_chunk(self) -> int:
-        """Tokens per chunk of the loss's output projection; 0 = whole logits (always so under TP or PP, as the
-        trainer does: titan_npu/ops/cross_entropy.py)."""
-        return self.loss_chunk_tokens if self.tp == 1 and self.pp == 1 else 0
+        """Tokens per chunk of the loss's output projection, as the trainer's (Degrees.loss_chunk_tokens)."""
+        return self.degrees.loss_chunk_tokens(self.loss_chunk_tokens)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -142,11 +86,6 @@ class Layout:
         """Forward/backward passes per optimizer step (accumulation steps, or pipeline micro-batches)."""
         return self.n_microbatches if self.pp > 1 else self.grad_accum
 
-    def degrees(self) -> dict[str, int]:
-        """Size of each mesh dimension (cp only when context parallel, as the trainer's mesh has it)."""
-        cp = {"cp": self.cp} if self.cp > 1 else {}
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, **cp, "tp": self.tp}
-
     def describe(self) -> str:
         """One line: degrees, activation checkpointing and batch split."""
         parts = [f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}", f"tp={self.tp}", f"pp={self.pp}"]
@@ -169,6 +108,21 @@ class Layout:
         else:
             batch = f"micro-batch {self.batch_size} x accum {self.grad_accum}"
         return f"{' '.join(parts)}, AC {ac}, {batch}"
+
+
+class _ReadThrough:
+    """A Degrees attribute read through a Layout: layout.tp is layout.degrees.tp."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, layout: Layout | None, owner: type) -> Any:
+        return self if layout is None else getattr(layout.degrees, self.name)
+
+
+for _name in dir(Degrees):
+    if not _name.startswith("_") and _name not in vars(Layout) and _name != "from_config":
+        setattr(Layout, _name, _ReadThrough(_name))
 
 
 @dataclass(frozen=True)
@@ -200,21 +154,15 @@ def job_from_config(cfg: JobConfig) -> Job:
 
 
 def layout_from_config(cfg: JobConfig, world_size: int) -> Layout:
-    """The config's layout on `world_size` ranks (dp_shard = -1 resolved the way ParallelDims does)."""
-    from titan_npu.parallel.dims import ParallelDims
+    """The config's layout on `world_size` ranks (its degrees resolved as the trainer resolves them)."""
+    return layout_with_degrees(cfg, Degrees.from_config(cfg.parallel, world_size))
 
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
+
+def layout_with_degrees(cfg: JobConfig, degrees: Degrees) -> Layout:
+    """The config's checkpointing and batch split with the given degrees."""
     p, ac = cfg.parallel, cfg.activation_checkpoint
     return Layout(
-        dp_replicate=dims.dp_replicate,
-        dp_shard=dims.dp_shard,
-        tp=dims.tp,
-        pp=dims.pp,
-        cp=dims.cp,
-        ep=dims.ep,
-        cp_mode=p.cp_mode,
-        cp_ulysses=dims.cp_ulysses,
-        fsdp=p.fsdp,
+        degrees=degrees,
         ac=ac.mode,
         selective_every=ac.selective_every,
         selective_ops=ac.selective_ops,
@@ -228,22 +176,3 @@ def layout_from_config(cfg: JobConfig, world_size: int) -> Layout:
         loss_parallel=p.loss_parallel,
         loss_chunk_tokens=cfg.training.loss_chunk_tokens,
     )
-
-
-
-def rank_coordinates(layout: Layout, rank: int) -> dict[str, int]:
-    """A rank's index along each mesh dimension (pp, dp_replicate, dp_shard, [cp,] tp), as init_device_mesh lays it
-    out."""
-    if not 0 <= rank < layout.world_size:
-        raise LayoutError(f"rank {rank} is outside a {layout.world_size}-rank job (choose 0..{layout.world_size - 1})")
-    return arithmetic.mesh_coordinates(layout.degrees(), rank)
-
-
-def coordinates_rank(layout: Layout, coords: dict[str, int]) -> int:
-    """The rank at the given mesh coordinates (the inverse of rank_coordinates)."""
-    return arithmetic.mesh_rank(layout.degrees(), coords)
-
-
-def fsdp_index(layout: Layout, coords: dict[str, int]) -> int:
-    """A rank's index among the ranks FSDP shards a dense parameter over (dp_shard x cp flattened, cp innermost)."""
-    return coords["dp_shard"] * layout.cp + coords.get("cp", 0)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from titan_npu.planner.activations import rank_activations
 from titan_npu.planner.communication import RUNTIME_RESERVE_BYTES, communication_bytes
-from titan_npu.planner.layout import Job, Layout, coordinates_rank, rank_coordinates
+from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.parameters import state_bytes
 from titan_npu.planner.temporaries import temporary_bytes
 
@@ -52,10 +52,10 @@ def estimate_memory(job: Job, layout: Layout, device_type: str = "cpu", hccl_buf
         candidates = [rank]
     else:
         # Coordinate 0 on every other dim holds the largest tp and FSDP chunks of its pipeline rank.
-        candidates = [coordinates_rank(layout, {"pp": r}) for r in range(layout.pp)]
+        candidates = [layout.coordinates_rank({"pp": r}) for r in range(layout.pp)]
     best: MemoryBreakdown | None = None
     for r in candidates:
-        pp_rank = rank_coordinates(layout, r)["pp"]
+        pp_rank = layout.rank_coordinates(r)["pp"]
         state = state_bytes(job, layout, r)
         acts = rank_activations(job, layout, pp_rank, device_type)
         temp = temporary_bytes(job, layout, pp_rank, acts.extra, device_type, state.parameters)

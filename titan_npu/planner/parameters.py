@@ -18,7 +18,7 @@ from typing import Any
 from titan_npu.errors import LayoutError
 from titan_npu.models.registry import spec_of
 from titan_npu.parallel.arithmetic import chunk_size, expert_coordinates
-from titan_npu.planner.layout import Job, Layout, fsdp_index, rank_coordinates
+from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.stages import FIRST_STAGE_KINDS, LAST_STAGE_KINDS, rank_parts
 from titan_npu.trainer.optimizer import takes_muon
 
@@ -99,13 +99,13 @@ def local_shape(shape: tuple[int, ...], tp_dim: int | None, layout: Layout, coor
     if layout.tp > 1 and tp_dim is not None:
         local[tp_dim] = chunk_size(local[tp_dim], layout.tp, coords["tp"])
     if expert and layout.ep > 1:
-        efsdp_rank, ep_rank = expert_coordinates(fsdp_index(layout, coords), layout.ep)
+        efsdp_rank, ep_rank = expert_coordinates(layout.fsdp_index(coords), layout.ep)
         local[0] = chunk_size(local[0], layout.ep, ep_rank)
         if layout.expert_shards > 1:
             shard_rank = efsdp_rank if layout.efsdp > 1 else coords["dp_replicate"]
             local[0] = chunk_size(local[0], layout.expert_shards, shard_rank)
-    elif layout.shards_parameters:
-        local[0] = chunk_size(local[0], layout.fsdp_shards, fsdp_index(layout, coords))
+    elif layout.fsdp_enabled:
+        local[0] = chunk_size(local[0], layout.fsdp_shards, layout.fsdp_index(coords))
     return tuple(local)
 
 
@@ -125,7 +125,7 @@ def _local_numels(args: Any, layout: Layout, coords: dict[str, int]) -> dict[str
 
 def local_parameter_numels(args: Any, layout: Layout, rank: int) -> dict[str, int]:
     """Elements of every parameter shard that `rank` holds, by name."""
-    coords = rank_coordinates(layout, rank)
+    coords = layout.rank_coordinates(rank)
     per_kind = _local_numels(args, layout, coords)
     return {name: per_kind[parameter_kind(name)] for name in rank_parameter_names(args, layout, coords["pp"])}
 
@@ -138,7 +138,7 @@ def local_numel(args: Any, layout: Layout, rank: int) -> int:
 def local_numel_split(args: Any, layout: Layout, rank: int) -> tuple[int, int]:
     """(dense, expert) elements of the parameter shards on `rank`: FSDP gathers and reduces the two over different
     groups under expert parallelism."""
-    coords = rank_coordinates(layout, rank)
+    coords = layout.rank_coordinates(rank)
     per_kind = _local_numels(args, layout, coords)
     dense = expert = 0
     blocks: dict[tuple[str, ...], tuple[int, int]] = {}  # a block's kinds -> its (dense, expert) elements
@@ -207,7 +207,7 @@ def muon_gather_bytes(job: Job, layout: Layout, rank: int) -> int:
     muon = muon_kinds(job)
     if not muon:
         return 0
-    coords = rank_coordinates(layout, rank)
+    coords = layout.rank_coordinates(rank)
     kinds, tp_dims = parameter_kinds(job.args), tensor_parallel_dims(job.args)
     received = 0
     for name in rank_parameter_names(job.args, layout, coords["pp"]):

@@ -27,7 +27,7 @@ HOST_ADAMW_PARAMS_PER_S = 0.5e9
 
 def group_crosses_nodes(layout: Layout, dim: str, devices_per_node: int) -> bool:
     """Whether the process group along mesh dim `dim` spans more than one node (ranks are filled node by node)."""
-    sizes = layout.degrees()
+    sizes = layout.mesh_shape()
     names = mesh_dims(sizes)
     stride = 1
     for name in names[names.index(dim) + 1:]:
@@ -198,7 +198,7 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
     dense, expert = local_numel_split(a, layout, 0)
     local = dense + expert
     reductions = 1 if layout.pp > 1 else layout.passes
-    if layout.shards_parameters:
+    if layout.fsdp_enabled:
         gathers = (2 if layout.reshard_after_forward else 1) * layout.passes
         # FSDP's group is dp_shard x cp flattened (cp innermost, tp ranks apart).
         bw = _bandwidth(hw, layout.fsdp_shards * layout.tp > devices_per_node)

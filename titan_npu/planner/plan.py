@@ -29,7 +29,7 @@ def _ac_label(layout: Layout) -> str:
 def format_breakdown(c: Candidate) -> list[str]:
     """Per-rank memory lines of one candidate."""
     m, lay = c.memory, c.layout
-    shard = f"sharded over {lay.fsdp_shards}" if lay.shards_parameters else "not sharded"
+    shard = f"sharded over {lay.fsdp_shards}" if lay.fsdp_enabled else "not sharded"
     if lay.tp > 1:
         shard += f", tp {lay.tp}"
     if lay.ep > 1:

@@ -6,9 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from titan_npu.config.schema import JobConfig
+from titan_npu.config.validate import check_seq_len
 from titan_npu.errors import ConfigError, LayoutError
 from titan_npu.models.registry import spec_of
 from titan_npu.parallel.arithmetic import divisors
+from titan_npu.parallel.degrees import Degrees
+from titan_npu.parallel.layout import validate_layout
 from titan_npu.planner.hardware import Hardware
 from titan_npu.planner.layout import GiB, Job, Layout, job_from_config, layout_from_config
 from titan_npu.planner.memory import MemoryBreakdown, estimate_memory
@@ -104,22 +107,19 @@ def config_overrides(layout: Layout) -> str:
     return " ".join(parts)
 
 
-def check_layout(cfg: JobConfig, job: Job, world_size: int) -> None:
+def check_layout(cfg: JobConfig, job: Job, degrees: Degrees) -> None:
     """The trainer's own layout checks (parallel/layout.py: head, vocab, sequence and micro-batch splits, and what
     MoE layers accept under tensor, expert, pipeline and context parallelism) and the model family's own refusals
-    (ModelSpec.check_layout, what its parallelize refuses); raises LayoutError."""
-    from titan_npu.parallel.dims import ParallelDims
-    from titan_npu.parallel.layout import validate_layout
-
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
-    validate_layout(dims, job.args, cfg)
-    spec_of(job.args).check_layout(dims, job.args, cfg)
+    (ModelSpec.check_layout, what its parallelize refuses) of `degrees` with the config's other settings; raises
+    LayoutError."""
+    validate_layout(degrees, job.args, cfg)
+    spec_of(job.args).check_layout(degrees, job.args, cfg)
 
 
 def is_valid(cfg: JobConfig, job: Job, layout: Layout) -> bool:
     """Whether the trainer would accept `layout` for this config."""
     try:
-        check_layout(config_for_layout(cfg, layout), job, layout.world_size)
+        check_layout(config_for_layout(cfg, layout), job, layout.degrees)
     except LayoutError:
         return False
     return True
@@ -165,9 +165,9 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
                             if offload and not (base.fsdp and dp_shard > 1):
                                 continue
                             try:
-                                layout = replace(base, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp,
-                                                 cp=cp, cp_mode=cp_mode, cp_ulysses=cp_ulysses, ep=ep, ac=ac,
-                                                 selective_ops=ops,
+                                degrees = Degrees(dp_replicate, dp_shard, tp, pp, cp, ep, cp_mode, cp_ulysses,
+                                                  base.fsdp)
+                                layout = replace(base, degrees=degrees, ac=ac, selective_ops=ops,
                                                  cpu_offload=offload, **split)
                             except LayoutError:
                                 continue
@@ -258,24 +258,21 @@ def make_plan(cfg: JobConfig, nodes: int, devices_per_node: int, hw: Hardware, e
         raise ConfigError(f"--nodes {nodes} --devices-per-node {devices_per_node}: both must be >= 1")
     world = nodes * devices_per_node
     job = job_from_config(cfg)
-    if cfg.training.seq_len > job.args.max_seq_len:
-        raise ConfigError(f"training.seq_len={cfg.training.seq_len} exceeds model.max_seq_len={job.args.max_seq_len}"
-                          "; lower training.seq_len or raise model.max_seq_len")
+    check_seq_len(cfg.training.seq_len, job.args.max_seq_len)
     buffsize = cfg.comm.hccl_buffsize_mb
     fraction = usable_fraction(cfg)
     config_candidate, config_error = None, None
     try:
         base = layout_from_config(cfg, world)
-        check_layout(cfg, job, world)
+        check_layout(cfg, job, base.degrees)
         config_candidate = evaluate(job, base, hw, devices_per_node, efficiency, buffsize, fraction)
         global_batch = base.local_batch * base.dp
     except LayoutError as e:
         config_error = str(e)
         p, ac = cfg.parallel, cfg.activation_checkpoint
-        base = Layout(fsdp=p.fsdp, selective_every=ac.selective_every, pp_schedule=p.pp_schedule,
-                      pp_virtual_stages=p.pp_virtual_stages, loss_parallel=p.loss_parallel,
-                      reshard_after_forward=p.reshard_after_forward, cp_mode=p.cp_mode,
-                      loss_chunk_tokens=cfg.training.loss_chunk_tokens)
+        base = Layout(Degrees(fsdp=p.fsdp, cp_mode=p.cp_mode), selective_every=ac.selective_every,
+                      pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages, loss_parallel=p.loss_parallel,
+                      reshard_after_forward=p.reshard_after_forward, loss_chunk_tokens=cfg.training.loss_chunk_tokens)
         # Without a valid layout the global batch is the config's per-rank batch over pure data parallelism.
         global_batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps * world
     candidates = [evaluate(job, lay, hw, devices_per_node, efficiency, buffsize, fraction)

@@ -61,11 +61,11 @@ def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int,
     block = max(sizes, default=0)
     root = sum(numel(kinds[k]) for p in parts for k in p.root_kinds(kinds)) // tp
     fsdp = autocast = 0
-    if layout.fsdp_wrapped and layout.pp > 1:
+    if layout.dp_enabled and layout.pp > 1:
         # Under pipelining the schedule skips FSDP's resharding and gradient reduction until the last micro-batch:
         # every block of the rank stays unsharded (compute dtype) and accumulates an unsharded fp32 gradient.
         fsdp = (sum(sizes) + root) * (c + 4)
-    elif layout.fsdp_wrapped:
+    elif layout.dp_enabled:
         # Unsharded copies in the compute dtype: the block being computed and the one prefetched (the last block
         # is never resharded after forward), and the root (embedding, norm, output); in backward, the block's
         # unsharded gradient and its fp32 copy for the reduce-scatter.

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from titan_npu.config.schema import JobConfig
-from titan_npu.planner.layout import job_from_config, layout_from_config, rank_coordinates
+from titan_npu.planner.layout import job_from_config, layout_from_config
 from titan_npu.planner.parameters import (
     is_expert_kind,
     local_shape,
@@ -27,7 +27,7 @@ def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
     job = job_from_config(cfg)
     layout = layout_from_config(cfg, result.world_size)
     planned = state_bytes(job, layout, result.rank)
-    coords = rank_coordinates(layout, result.rank)
+    coords = layout.rank_coordinates(result.rank)
     kinds = parameter_kinds(job.args)
     tp_dims = tensor_parallel_dims(job.args)
     expected_names = rank_parameter_names(job.args, layout, coords["pp"])

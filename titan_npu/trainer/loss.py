@@ -15,7 +15,7 @@ from torch import nn
 from titan_npu.ops.cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy, cross_entropy_loss
 from titan_npu.ops.documents import Documents
 
-__all__ = ["IGNORE_INDEX", "chunked_linear_cross_entropy", "cross_entropy_loss", "loss_chunk_tokens", "model_loss"]
+__all__ = ["IGNORE_INDEX", "chunked_linear_cross_entropy", "cross_entropy_loss", "model_loss"]
 
 
 def model_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
@@ -30,8 +30,3 @@ def model_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
         logits = model(inputs, **kwargs)
     return cross_entropy_loss(logits, labels)
 
-
-def loss_chunk_tokens(chunk_tokens: int, tp: int, pp: int) -> int:
-    """The chunk size the run's loss uses: training.loss_chunk_tokens, or 0 (whole logits) under tensor or pipeline
-    parallelism, where the model's forward does not hold the whole output projection."""
-    return chunk_tokens if tp == 1 and pp == 1 else 0

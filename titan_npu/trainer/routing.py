@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from titan_npu.models.moe.balance import update_score_bias
+from titan_npu.models.registry import spec_of
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.reduce import mean_loss
 
@@ -136,27 +136,29 @@ def update_score_biases(meter: RoutingMeter, dims: ParallelDims, skip: torch.Ten
     rate = getattr(getattr(model, "args", None), "score_bias_rate", 0.0)
     if not rate or not hasattr(model, "score_biases") or skip is True:
         return
+    update = spec_of(model.args).update_score_bias
     if meter.parts and dims.pp_enabled:  # the pipeline's stages: each its own layers' load, over its token ranks
         group = dims.token_mesh.get_group() if dims.dp * dims.cp > 1 else None
         for part in meter.parts:
             forwards = meter.stage_forwards.get(id(part), [])[-meter.n_microbatches:]
             if forwards and forwards[0]:
                 tokens = torch.stack([f["expert_tokens"] for f in forwards]).sum(dim=0)
-                _move_biases(part.score_biases(), tokens, rate, skip, group)
+                _move_biases(update, part.score_biases(), tokens, rate, skip, group)
         return
     if "expert_tokens" in meter.sums:
-        _move_biases(model.score_biases(), meter.sums["expert_tokens"], rate, skip,
+        _move_biases(update, model.score_biases(), meter.sums["expert_tokens"], rate, skip,
                      dist.group.WORLD if dims.world_size > 1 else None)
 
 
-def _move_biases(biases: dict[int, torch.Tensor], tokens: torch.Tensor, rate: float, skip: torch.Tensor | bool,
-                 group: dist.ProcessGroup | None) -> None:
-    """Step each bias (by its row of `tokens` [MoE layers, n_experts]) by `rate` from that row's load, summed over
-    `group` (None: this rank's); a device flag `skip` at 1.0 zeroes the load, which moves no bias."""
+def _move_biases(update: Callable[[torch.Tensor, torch.Tensor, float], None], biases: dict[int, torch.Tensor],
+                 tokens: torch.Tensor, rate: float, skip: torch.Tensor | bool, group: dist.ProcessGroup | None) -> None:
+    """Step each bias (by its row of `tokens` [MoE layers, n_experts]) with the family's `update` by `rate` from that
+    row's load, summed over `group` (None: this rank's); a device flag `skip` at 1.0 zeroes the load, which moves no
+    bias."""
     tokens = tokens.detach().clone()
     if group is not None:
         dist.all_reduce(tokens, group=group)
     if isinstance(skip, torch.Tensor):
         tokens = tokens * (1 - skip)
     for row, bias in biases.items():
-        update_score_bias(bias, tokens[row], rate)
+        update(bias, tokens[row], rate)

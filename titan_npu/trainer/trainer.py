@@ -13,6 +13,7 @@ import torch
 from titan_npu.checkpoint.manager import CheckpointManager
 from titan_npu.config import JobConfig
 from titan_npu.config.loader import config_to_dict, save_config
+from titan_npu.config.validate import check_seq_len
 from titan_npu.data import build_dataloader, build_tokenizer, check_vocab
 from titan_npu.device import (
     empty_cache,
@@ -23,7 +24,6 @@ from titan_npu.device import (
     setup_device,
     synchronize,
 )
-from titan_npu.errors import ConfigError
 from titan_npu.metrics import (
     MetricsLogger,
     Progress,
@@ -51,7 +51,7 @@ from titan_npu.profiling import build_profiler
 from titan_npu.reliability import Reliability, prepare_reliability
 from titan_npu.reliability.skip import step_unless, takes_device_flag
 from titan_npu.trainer.advice import speed_hints
-from titan_npu.trainer.loss import cross_entropy_loss, loss_chunk_tokens, model_loss
+from titan_npu.trainer.loss import cross_entropy_loss, model_loss
 from titan_npu.trainer.optimizer import build_lr_scheduler, build_optimizer
 from titan_npu.trainer.precision import (
     autocast_context,
@@ -103,11 +103,7 @@ class Trainer:
         # Model arguments and the checks that need both the model and the rest of the config.
         self.model_args = build_model_args(cfg.model)
         validate_layout(self.dims, self.model_args, cfg)
-        if t.seq_len > self.model_args.max_seq_len:
-            raise ConfigError(
-                f"training.seq_len={t.seq_len} exceeds model.max_seq_len={self.model_args.max_seq_len}; "
-                f"lower training.seq_len or raise model.max_seq_len"
-            )
+        check_seq_len(t.seq_len, self.model_args.max_seq_len)
         self.pure_dtype = pure_param_dtype(t.dtype, t.mixed_precision)
 
         # Data: every rank of a data-parallel group reads its own slice.
@@ -146,7 +142,7 @@ class Trainer:
                                          pure=self.pure_dtype is not None)
         self.grad_scaler = build_grad_scaler(self.device.type, t.dtype, self.dims.params_are_sharded)
         self.loss_context = lambda: loss_parallel_context(self.dims, cfg.parallel.loss_parallel)
-        self.loss_chunk_tokens = loss_chunk_tokens(t.loss_chunk_tokens, self.dims.tp, self.dims.pp)
+        self.loss_chunk_tokens = self.dims.loss_chunk_tokens(t.loss_chunk_tokens)
         # Context parallel: every cp rank reads the same batch and keeps its chunks of each sequence.
         self.cp_batch = ContextParallelBatch(*self.dims.cp_coordinates()) if self.dims.cp_enabled else None
 

@@ -8,12 +8,14 @@ turns [model] into DecoderArgs: the flavor, then every explicit config field on 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from titan_npu.config.schema import ModelConfig
 from titan_npu.errors import ConfigError
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import ModelConfig
 
 # Llama 3.1 RoPE frequency scaling constants (Meta's apply_scaling); only the factor is configurable.
 ROPE_SCALING_LOW_FREQ_FACTOR = 1.0
@@ -128,9 +130,13 @@ def resolve_args(model_cfg: ModelConfig, family: str, flavors: Mapping[str, Mapp
                        family=family, flavor=flavor)
 
 
-def matching_flavor(args: DecoderArgs, flavors: Mapping[str, Mapping[str, Any]]) -> str:
-    """The flavor whose shapes `args` has (weights imported from elsewhere), or 'custom'."""
+def matching_flavor(args: DecoderArgs, flavors: Mapping[str, Mapping[str, Any]], own: Collection[str] = ()) -> str:
+    """The flavor whose shapes `args` has (weights imported from elsewhere), or 'custom'; `own`: a family's fields
+    beyond the dense decoder's (MoE routing, MLA), which must equal the preset's too."""
     for flavor, preset in flavors.items():
+        if any(getattr(args, k) != v for k, v in preset.items() if k in own):
+            continue
+        preset = {k: v for k, v in preset.items() if k not in own}
         shape = {k: preset[k] for k in ("dim", "n_layers", "n_heads", "vocab_size")}
         if any(getattr(args, k) != v for k, v in shape.items()):
             continue

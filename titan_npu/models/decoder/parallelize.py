@@ -18,12 +18,12 @@ checkpoint reader use; the dry run (planner/dry_run.py) checks the planner's sha
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_npu.config.schema import JobConfig
 from titan_npu.models.decoder.model import FeedForward
 from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_npu.parallel.compile import apply_compile
@@ -31,6 +31,9 @@ from titan_npu.parallel.context_parallel import context_for
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.fsdp import apply_data_parallel
 from titan_npu.parallel.tp_grads import request_grads_in_param_layout
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import JobConfig
 
 
 def _fresh_output(module: nn.Module, args: tuple, output):
@@ -58,16 +61,42 @@ def parallelize_root(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool)
     model.tie_weights()  # each style replaced its module's parameter with a DTensor of its own
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
-    """Shard the model over tp_mesh (see the module docstring); works on pipeline stages with missing parts."""
+def block_tp_plan(projections: dict[str, Any], dense_feed_forward: bool,
+                  local_attention_input: bool = False) -> dict[str, Any]:
+    """A decoder block's tensor-parallel plan around its attention's input projections (`projections`, a family's
+    own): the norms sequence-parallel, the attention's input gathered from the sequence split (a plain tensor with
+    local_attention_input), wo row-wise back onto it, and a dense feed-forward's w1/w3 column-wise and w2 row-wise
+    (a MoE feed-forward is its family's to split)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
-        parallelize_module,
     )
+
+    plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None),
+                                        use_local_output=local_attention_input),
+        **projections,
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+    }
+    if dense_feed_forward:
+        plan.update({
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """Shard the model over tp_mesh (see the module docstring); works on pipeline stages with missing parts."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
 
     parallelize_root(model, tp_mesh, loss_parallel)
 
@@ -75,24 +104,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
         if block is None:
             continue
         qk_norm = block.attention.q_norm is not None
-        plan = {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
+        projections = {
             "attention.wq": ColwiseParallel(use_local_output=not qk_norm),
             "attention.wk": ColwiseParallel(use_local_output=not qk_norm),
             "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
         }
-        if isinstance(block.feed_forward, FeedForward):  # another feed-forward (MoE) is its family's to split
-            plan.update({
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
-            })
+        plan = block_tp_plan(projections, isinstance(block.feed_forward, FeedForward))
         if qk_norm:
             # q and k stay DTensors (sharded by head) up to their norms, which see the heads as a sharded "sequence"
             # dim: the weight is replicated and its gradient, partial on each rank, is summed by DTensor. The norms

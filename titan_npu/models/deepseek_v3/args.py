@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from titan_npu.config.schema import ModelConfig
 from titan_npu.errors import ConfigError
 from titan_npu.models.decoder.args import DecoderArgs, resolve_args
 from titan_npu.models.moe.args import MoEArgs
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import ModelConfig
 
 # ModelConfig fields of DeepSeek's own that override a flavor when set.
 DEEPSEEK_OVERRIDABLE = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",

@@ -273,17 +273,11 @@ def args_from_hf_config(config: dict[str, Any]) -> DeepSeekArgs:
 
 
 def _matching_flavor(args: DeepSeekArgs) -> str:
-    """The flavor with these shapes and routing, or 'custom'."""
-    own = (*DEEPSEEK_OVERRIDABLE, *YARN_FIELDS)
+    """The flavor with these shapes, routing and YaRN, or 'custom'."""
     # The decoder's match compares head_dim: a DeepSeek query/key head is qk_nope + qk_rope wide.
-    dense = {name: {**{k: v for k, v in preset.items() if k not in own},
-                    "head_dim": preset["qk_nope_head_dim"] + preset["qk_rope_head_dim"]}
-             for name, preset in FLAVORS.items()}
-    flavor = matching_flavor(args, dense)
-    if flavor == "custom":
-        return flavor
-    same = all(getattr(args, k) == v for k, v in FLAVORS[flavor].items() if k in own)
-    return flavor if same else "custom"
+    flavors = {name: {**preset, "head_dim": preset["qk_nope_head_dim"] + preset["qk_rope_head_dim"]}
+               for name, preset in FLAVORS.items()}
+    return matching_flavor(args, flavors, own=(*DEEPSEEK_OVERRIDABLE, *YARN_FIELDS))
 
 
 def hf_config(args: DeepSeekArgs) -> dict[str, Any]:

@@ -25,15 +25,19 @@ with document masking (data.document_mask)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_npu.config.schema import JobConfig
 from titan_npu.errors import LayoutError
-from titan_npu.models.decoder.parallelize import parallelize_decoder, parallelize_root
+from titan_npu.models.decoder.parallelize import block_tp_plan, parallelize_decoder, parallelize_root
 from titan_npu.models.deepseek_v3.args import DeepSeekArgs
 from titan_npu.models.moe.parallelize import apply_expert_parallel
 from titan_npu.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import JobConfig
 
 
 def check_deepseek_layout(dims: ParallelDims, args: DeepSeekArgs, cfg: JobConfig) -> None:
@@ -54,7 +58,7 @@ def check_deepseek_layout(dims: ParallelDims, args: DeepSeekArgs, cfg: JobConfig
         raise LayoutError(f"parallel.pp_degree={dims.pp} with model.seq_aux_loss_coef={args.seq_aux_loss_coef}: the "
                           f"sequence-wise balance loss across pipeline stages is not supported yet; set "
                           f"model.seq_aux_loss_coef = 0 (the score bias balances) or parallel.pp_degree = 1")
-    if args.mtp_depth and (dims.pp_enabled or dims.tp_enabled or cfg.training.loss_chunk_tokens == 0):
+    if args.mtp_depth and not dims.loss_chunk_tokens(cfg.training.loss_chunk_tokens):  # the loss off the forward
         raise LayoutError(f"model.mtp_depth={args.mtp_depth} needs the loss inside the model's forward: set "
                           f"parallel.pp_degree = 1 (now {dims.pp}), parallel.tp_degree = 1 (now {dims.tp}) and "
                           f"training.loss_chunk_tokens > 0 (now {cfg.training.loss_chunk_tokens})")
@@ -115,37 +119,17 @@ def _replicate(module: nn.Module, mesh: DeviceMesh, hooks: bool = True) -> None:
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     """Shard the model over tp_mesh (the module docstring's plan); works on pipeline stages with missing parts."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     parallelize_root(model, tp_mesh, loss_parallel)
     for block in model.layers.values():
         if block is None:
             continue
         attention = block.attention
-        plan = {
-            "attention_norm": SequenceParallel(),
-            # The whole sequence as a plain tensor: the replicated low-rank path computes on it.
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None), use_local_output=True),
-            "attention.wq_b" if hasattr(attention, "wq_b") else "attention.wq": ColwiseParallel(),
-            "attention.wkv_b": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-        }
-        if not block.is_moe:
-            plan.update({
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
-            })
+        projections = {"attention.wq_b" if hasattr(attention, "wq_b") else "attention.wq": ColwiseParallel(),
+                       "attention.wkv_b": ColwiseParallel()}
+        # The whole sequence as a plain tensor: the replicated low-rank path computes on it.
+        plan = block_tp_plan(projections, not block.is_moe, local_attention_input=True)
         parallelize_module(block, tp_mesh, plan)
         attention.tp_group = tp_mesh.get_group()
         for name in ("wq_a", "q_norm", "wkv_a", "kv_norm"):

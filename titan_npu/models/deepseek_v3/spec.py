@@ -10,6 +10,8 @@ from titan_npu.models.deepseek_v3.args import FLAVORS, args_from_dict, build_arg
 from titan_npu.models.deepseek_v3.model import DeepSeekTransformer
 from titan_npu.models.deepseek_v3.parallelize import check_deepseek_layout, parallelize_deepseek
 from titan_npu.models.deepseek_v3.sharding import parameter_kinds
+from titan_npu.models.moe.balance import update_score_bias
+from titan_npu.models.moe.balanced_routing import balanced_routing
 from titan_npu.models.spec import HFAdapter, ModelSpec
 
 DEEPSEEK_V3 = ModelSpec(
@@ -28,5 +30,7 @@ DEEPSEEK_V3 = ModelSpec(
                  to_hf=hf.to_hf, from_hf=hf.from_hf, hf_name=hf.hf_name, from_hf_layout=hf.from_hf_layout,
                  stacked_names=hf.stacked_names, held_model=hf.held_model),
     args_from_dict=args_from_dict,
+    balanced_routing=balanced_routing,
     check_layout=check_deepseek_layout,
+    update_score_bias=update_score_bias,
 )

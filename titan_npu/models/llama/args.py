@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from titan_npu.config.schema import ModelConfig
 from titan_npu.models.decoder.args import DecoderArgs, ffn_hidden_dim, resolve_args
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import ModelConfig
 
 # Llama's args are the dense decoder's (the name stays for callers that build a Llama directly).
 LlamaArgs = DecoderArgs

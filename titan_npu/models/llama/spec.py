@@ -6,7 +6,8 @@ import re
 
 from titan_npu.models.decoder.parts import decoder_hf_adapter, decoder_parts
 from titan_npu.models.llama.args import FLAVORS, build_args, llama3_flavor
-from titan_npu.models.llama.state_dict_adapter import args_from_hf_config, hf_config, read_meta
+from titan_npu.models.llama.hf import args_from_hf_config, hf_config
+from titan_npu.models.llama.meta import read_meta
 from titan_npu.models.spec import ModelSpec
 
 # One reader for both: config.json says model_type "llama", and the vocabulary or RoPE base tells 2 from 3.

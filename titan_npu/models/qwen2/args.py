@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from titan_npu.config.schema import ModelConfig
 from titan_npu.models.decoder.args import DecoderArgs, resolve_args
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import ModelConfig
 
 # Every Qwen2.5 model: biases on q/k/v, RoPE base 1e6, a 32,768-position context; the three smallest use a
 # 151,936-token vocabulary and tie the output projection to the embedding, the others 152,064 untied.

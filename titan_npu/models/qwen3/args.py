@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from titan_npu.config.schema import ModelConfig
 from titan_npu.models.decoder.args import DecoderArgs, resolve_args
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import ModelConfig
 
 # Every Qwen3 model: head size 128 whatever the width, q/k norms, no biases, a 151,936-token vocabulary, RoPE base
 # 1e6, a 40,960-position context. The three smallest tie the output projection to the embedding.

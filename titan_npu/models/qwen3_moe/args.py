@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from titan_npu.config.schema import ModelConfig
 from titan_npu.errors import ConfigError
 from titan_npu.models.decoder.args import DecoderArgs, resolve_args
 from titan_npu.models.moe.args import MoEArgs
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import ModelConfig
 
 # ModelConfig fields of the MoE part that override a flavor when set.
 MOE_OVERRIDABLE = ("n_experts", "top_k", "moe_ffn_dim", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",

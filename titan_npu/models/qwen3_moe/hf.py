@@ -107,18 +107,8 @@ def args_from_hf_config(config: dict[str, Any]) -> MoEDecoderArgs:
                router_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)))
     fields = {name: getattr(dense, name) for name in dense.__dataclass_fields__}
     args = MoEDecoderArgs(**fields, **moe)
-    args.flavor = _matching_flavor(args)
+    args.flavor = matching_flavor(args, FLAVORS, own=MOE_OVERRIDABLE)
     return args
-
-
-def _matching_flavor(args: MoEDecoderArgs) -> str:
-    """The flavor with these dense shapes and MoE fields, or 'custom'."""
-    dense = {name: {k: v for k, v in preset.items() if k not in MOE_OVERRIDABLE} for name, preset in FLAVORS.items()}
-    flavor = matching_flavor(args, dense)
-    if flavor == "custom":
-        return flavor
-    same = all(getattr(args, k) == v for k, v in FLAVORS[flavor].items() if k in MOE_OVERRIDABLE)
-    return flavor if same else "custom"
 
 
 def hf_config(args: MoEDecoderArgs) -> dict[str, Any]:

@@ -8,12 +8,16 @@ take are refused by parallel/layout.py."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
-from titan_npu.config.schema import JobConfig
 from titan_npu.models.decoder.parallelize import parallelize_decoder
 from titan_npu.models.moe.parallelize import apply_expert_parallel, apply_expert_tensor_parallel
 from titan_npu.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import JobConfig
 
 
 def parallelize_moe(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:

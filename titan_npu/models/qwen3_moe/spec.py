@@ -7,6 +7,7 @@ import re
 from titan_npu.models.decoder import hf as decoder_hf
 from titan_npu.models.decoder.parts import permuted_block
 from titan_npu.models.decoder.pipeline import build_stage, split_layers
+from titan_npu.models.moe.balanced_routing import balanced_routing
 from titan_npu.models.qwen3_moe import hf
 from titan_npu.models.qwen3_moe.args import FLAVORS, args_from_dict, build_args
 from titan_npu.models.qwen3_moe.model import MoETransformer
@@ -32,4 +33,5 @@ QWEN3_MOE = ModelSpec(
                  to_hf=hf.to_hf, from_hf=hf.from_hf, hf_name=hf.hf_name, from_hf_layout=decoder_hf.from_hf_layout,
                  permuted_block=permuted_block, stacked_names=hf.stacked_names),
     args_from_dict=args_from_dict,
+    balanced_routing=balanced_routing,
 )

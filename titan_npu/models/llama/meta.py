@@ -1,8 +1,5 @@
-"""Llama's Hugging Face config (LlamaForCausalLM) and Meta's consolidated checkpoints.
-
-The weights map through the dense decoder's Hugging Face mapping (models/decoder/hf.py: wq/wk rows permuted
-between HF's rotate-half RoPE layout and Meta's interleaved one); Meta's checkpoints already use our names.
-"""
+"""Meta's consolidated Llama checkpoints (params.json and consolidated.*.pth): our names already, split over
+model-parallel shards along the dims of models/decoder/sharding.py."""
 
 from __future__ import annotations
 
@@ -11,13 +8,9 @@ from typing import Any
 import torch
 
 from titan_npu.errors import CheckpointError
-from titan_npu.models.decoder import hf as decoder_hf
-from titan_npu.models.decoder.args import DecoderArgs, ffn_hidden_dim, matching_flavor
-from titan_npu.models.decoder.hf import OUR_LAYER_KEY, from_hf, to_hf
+from titan_npu.models.decoder.args import DecoderArgs, ffn_hidden_dim
+from titan_npu.models.decoder.hf import OUR_LAYER_KEY
 from titan_npu.models.decoder.sharding import LAYER_SHARD_DIM, ROOT_SHARD_DIM
-from titan_npu.models.llama.args import FLAVORS
-
-__all__ = ["args_from_hf_config", "args_from_meta_params", "from_hf", "from_meta", "hf_config", "read_meta", "to_hf"]
 
 
 def from_meta(
@@ -72,21 +65,6 @@ def read_meta(params: dict[str, Any], shards: list[dict[str, torch.Tensor]]) -> 
     """Our state dict and the args of a Meta checkpoint: params.json and its consolidated.*.pth shards in order."""
     args = args_from_meta_params(params, shards[0], n_shards=len(shards))
     return from_meta(shards, args), args
-
-
-def hf_config(args: DecoderArgs) -> dict[str, Any]:
-    """config.json for a Hugging Face LlamaForCausalLM with these shapes (tokenizer ids and dtype are the caller's)."""
-    return {**decoder_hf.hf_config(args, "llama", "LlamaForCausalLM"), "mlp_bias": False}
-
-
-def args_from_hf_config(config: dict[str, Any]) -> DecoderArgs:
-    """Llama's args from a Hugging Face Llama config.json; Llama 3 by its vocabulary or RoPE base, else Llama 2."""
-    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    rope_theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-    family = "llama3" if config.get("vocab_size", 0) >= 128000 or rope_theta >= 500000 else "llama2"
-    args = decoder_hf.args_from_hf_config(config, model_type="llama", family=family)
-    args.flavor = matching_flavor(args, FLAVORS[family])
-    return args
 
 
 def _meta_shard_dim(key: str, args: DecoderArgs | None) -> int | None:
