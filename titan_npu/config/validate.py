@@ -25,6 +25,7 @@ OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 PROGRESS_STYLES = ("auto", "bar", "lines")
 PROFILER_LEVELS = ("Level0", "Level1", "Level2")
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient")
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
 
 # Model sizes that must be positive when given; None means "take the flavor's value".
 _POSITIVE_MODEL_FIELDS = (
@@ -49,6 +50,7 @@ def validate(cfg: JobConfig) -> JobConfig:
     _check_lr_scheduler(cfg)
     _check_parallel(cfg)
     _check_checkpoint(cfg)
+    _check_float8(cfg)
     _check_rest(cfg)
     return cfg
 
@@ -190,6 +192,14 @@ def _check_parallel(cfg: JobConfig) -> None:
     _at_least("activation_checkpoint.selective_every", ac.selective_every, 1, "1 = every block")
     if not cfg.compile.backend.strip():
         raise fail("compile.backend", "compile.backend is empty (inductor is the usual torch.compile backend)")
+
+
+def _check_float8(cfg: JobConfig) -> None:
+    f = cfg.float8
+    f.recipe = _choice("float8.recipe", f.recipe, FLOAT8_RECIPES, "float8 recipe")
+    if any(not name.strip() for name in f.filter_fqns):
+        raise fail("float8.filter_fqns", f"float8.filter_fqns = {show(f.filter_fqns)} holds an empty name, which "
+                   "would match every linear (give module names such as output or attention.wq)")
 
 
 _NEGATIVE_STEP = re.compile(r"-\d+")

@@ -34,6 +34,7 @@ from titan_npu.models.decoder.parallelize import parallelize_decoder, paralleliz
 from titan_npu.models.deepseek_v3.args import DeepSeekArgs
 from titan_npu.models.moe.parallelize import apply_expert_parallel
 from titan_npu.parallel.dims import ParallelDims
+from titan_npu.parallel.float8 import float8_plan
 
 
 def check_deepseek_layout(dims: ParallelDims, args: DeepSeekArgs, cfg: JobConfig) -> None:
@@ -146,7 +147,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
                 "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
                 "feed_forward.w3": ColwiseParallel(),
             })
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, float8_plan(block, plan))
         attention.tp_group = tp_mesh.get_group()
         for name in ("wq_a", "q_norm", "wkv_a", "kv_norm"):
             if hasattr(attention, name):
