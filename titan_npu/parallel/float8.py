@@ -47,11 +47,19 @@ def converts(fqn: str, out_features: int, in_features: int, cfg: Float8Config) -
     return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
 
 
+def float8_collectives() -> bool:
+    """Whether the process group carries float8 tensors: gloo does not (its collectives refuse the dtype), so a
+    gloo run all-gathers weights and activations in high precision; NCCL and HCCL carry them."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and "gloo" not in dist.get_backend()
+
+
 def uses_float8_all_gather(cfg: Float8Config, dp_mode: str) -> bool:
     """Whether FSDP2 (dp_mode fsdp or hsdp, ParallelDims.dp_mode) all-gathers the converted weights in float8:
-    tensorwise only (torchao's rule), when asked."""
+    tensorwise only (torchao's rule), when asked, over a backend that carries float8."""
     return (cfg.enable and dp_mode in ("fsdp", "hsdp") and cfg.recipe == "tensorwise"
-            and cfg.fsdp_float8_all_gather)
+            and cfg.fsdp_float8_all_gather and float8_collectives())
 
 
 def import_torchao() -> Any:
@@ -135,10 +143,13 @@ def _is_tensorwise_float8(module: nn.Module) -> bool:
 def float8_plan(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
     """A tensor-parallel plan for `module` with each column- or row-wise linear that is a tensorwise Float8Linear
     given torchao's float8 style (its activations cast to float8 before the all-gather, its gradient cast on the
-    way back); rowwise and high-precision linears keep the plain styles, which serve them unchanged."""
+    way back); rowwise and high-precision linears, and every linear over gloo, keep the plain styles, which serve
+    them unchanged."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     out = dict(plan)
+    if not float8_collectives():
+        return out
     for fqn, style in plan.items():
         plain = type(style) in (ColwiseParallel, RowwiseParallel)
         if not plain or not _is_tensorwise_float8(module.get_submodule(fqn)):
