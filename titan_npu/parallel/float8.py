@@ -55,11 +55,16 @@ def float8_collectives() -> bool:
     return dist.is_initialized() and "gloo" not in dist.get_backend()
 
 
+def wants_float8_all_gather(cfg: Float8Config) -> bool:
+    """Whether the config asks FSDP2 to all-gather the converted weights in float8: tensorwise only (torchao's
+    rule), float8.fsdp_float8_all_gather."""
+    return cfg.enable and cfg.recipe == "tensorwise" and cfg.fsdp_float8_all_gather
+
+
 def uses_float8_all_gather(cfg: Float8Config, dp_mode: str) -> bool:
-    """Whether FSDP2 (dp_mode fsdp or hsdp, ParallelDims.dp_mode) all-gathers the converted weights in float8:
-    tensorwise only (torchao's rule), when asked, over a backend that carries float8."""
-    return (cfg.enable and dp_mode in ("fsdp", "hsdp") and cfg.recipe == "tensorwise"
-            and cfg.fsdp_float8_all_gather and float8_collectives())
+    """Whether FSDP2 (dp_mode fsdp or hsdp, ParallelDims.dp_mode) does all-gather in float8 here: as asked, over a
+    backend that carries float8."""
+    return wants_float8_all_gather(cfg) and dp_mode in ("fsdp", "hsdp") and float8_collectives()
 
 
 def import_torchao() -> Any:
