@@ -5,8 +5,9 @@ torchao's Float8Linear is an nn.Linear whose weight stays in the training dtype 
 precision): each matmul casts its operands to float8 with dynamic scales (tensorwise: one scale per tensor;
 rowwise: one per row) and runs torch._scaled_mm. Parameter names and values are those of the plain model, so
 checkpoints, resume in either precision and HF export are unchanged. Conversion happens on the meta-device model
-before any parallelism (parallelize_decoder); tensor parallelism then applies torchao's float8 styles for the
-tensorwise recipe (float8 all-gathers of the activations) and the plain ones for rowwise.
+before any parallelism (parallel/parallelize.py: parallelize_part); tensor parallelism then applies torchao's float8
+styles for the tensorwise recipe (float8 all-gathers of the activations) and the plain ones for rowwise. Over gloo,
+which carries no float8, every all-gather stays in high precision.
 
 The rule of which linears convert (`converts`) is torch-free so the planner sizes the same set.
 """
