@@ -123,7 +123,7 @@ def test_config_to_dict_is_plain_nested_data_under_canonical_names():
     assert json.loads(json.dumps(data)) == data
     assert data["parallel"]["tp_degree"] == 2
     assert list(data) == [
-        "model", "training", "optimizer", "lr_scheduler", "parallel", "activation_checkpoint", "compile",
+        "model", "training", "optimizer", "lr_scheduler", "parallel", "activation_checkpoint", "compile", "float8",
         "checkpoint", "data", "metrics", "validation", "profiling", "comm", "reliability",
     ]
 

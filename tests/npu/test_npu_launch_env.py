@@ -35,7 +35,7 @@ def test_torch_npu_reads_the_flight_recorder_and_the_task_queue_at_import(each_t
 
 
 def test_reading_the_launch_settings_imports_no_torch():
-    code = ("import sys; from titan_npu.reliability.launch import set_launch_env; "
+    code = ("import sys; from titan_npu.commands.launch import set_launch_env; "
             "from titan_npu.config.loader import load_config;"
             "cfg = load_config('configs/debug.toml', ['--comm.timeout_s', '900'], model=False);"
             "set_launch_env(cfg); print(sorted(m for m in ('torch', 'torch_npu') if m in sys.modules))")

@@ -3,6 +3,7 @@ runs, each pool of ranks launched once for all the layouts it runs."""
 
 from __future__ import annotations
 
+import importlib.util
 from functools import partial
 from pathlib import Path
 
@@ -90,6 +91,14 @@ CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # runs FSDP 2 with expert parallelism on top).
 SLOW_CASES = ("qwen2_fsdp", "qwen2_tp", "qwen3_fsdp", "pp_gpipe", "gpt_oss_fsdp")
 
+# float8 in torchao's emulation (docs/float8.md), FSDP 2 x TP 2 against one process in float8: tensorwise (the weights
+# all-gathered in float8 with their scales precomputed after each step, torchao's float8 TP styles) and rowwise
+# (the plain TP styles). Only where torchao is installed (the dev extra).
+FLOAT8 = ["--float8.enable=true", "--float8.emulate=true", "--float8.auto_filter_small_kn=false"]
+FLOAT8_RECIPES = {"float8": FLOAT8, "float8_rowwise": [*FLOAT8, "--float8.recipe=rowwise"]}
+FLOAT8_CASES = {f"{name}_fsdp2_tp2": Case(f"{name}_fsdp2_tp2", ["--parallel.tp_degree=2", *flags], f"{name}_ref_b8")
+                for name, flags in FLOAT8_RECIPES.items()} if importlib.util.find_spec("torchao") else {}
+
 # (model, reference batch) of the single-process runs that tests compare with besides CASES' own: the seed
 # checkpoints' (ref_b4), the 2-node run's and the 3-D layouts' (ref_b8).
 OTHER_REFERENCES = {("llama3", "ref_b4"), ("qwen3", "ref_b4"), ("llama3", "ref_b8"), ("qwen3_untied", "ref_b8")}
@@ -133,7 +142,9 @@ def parallel_workspace(tmp_path_factory) -> Path:
     write_tokens(workdir / "tokens.jsonl")
     run_here([*[partial(write_seed_checkpoint, workdir, model, reference_name(model, "seed_ckpt"))
                    for model in SEED_CHECKPOINTS],
-                 *[tiny_run(workdir, name, batch, model) for name, (batch, model) in REFERENCES.items()]])
+                 *[tiny_run(workdir, name, batch, model) for name, (batch, model) in REFERENCES.items()],
+                 *[tiny_run(workdir, case.reference, 2 * BATCH) + FLOAT8_RECIPES[case.reference[:-len("_ref_b8")]]
+                   for case in FLOAT8_CASES.values()]])
     return workdir
 
 
@@ -142,12 +153,13 @@ def layout_runs(request, parallel_workspace: Path) -> Path:
     """Every selected layout of CASES trained for 10 steps (and the resume runs, and a run from the seed
     checkpoint): one 2-rank pool and one 4-rank pool."""
     selected = {name for test in ("test_layout_losses_match_single_process",
-                                  "test_layout_starts_from_the_single_process_weights")
+                                  "test_layout_starts_from_the_single_process_weights",
+                                  "test_float8_layout_follows_one_float8_process")
                 for name in selected_ids(request, test)}
     two = [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides for case in TWO_RANKS
            if case.name in selected]
     run_pool(2, two + resume_runs(parallel_workspace)
              + [seed_checkpoint_run(parallel_workspace, model) for model in SEED_CHECKPOINTS])
-    run_pools({4: [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides for case in FOUR_RANKS
-                   if case.name in selected]})
+    run_pools({4: [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides
+                   for case in FOUR_RANKS + list(FLOAT8_CASES.values()) if case.name in selected]})
     return parallel_workspace

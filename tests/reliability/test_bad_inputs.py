@@ -260,7 +260,7 @@ CASES = [
          _both(_damaged("step-1/__0_0.distcp", _cut(10)), lambda d: shutil.rmtree(d / "ckpt" / "step-2"))),
     # ---- signals: Ctrl-C during start-up is one line, exit 130, and leaves nothing
     Case("sigint-at-start-up", [], "interrupted", r"^$",
-         hook=("titan_npu.reliability.launch", "check_before_process_group"), code=130),
+         hook=("titan_npu.commands.launch", "check_before_process_group"), code=130),
     Case("sigint-while-data-is-read", [], "interrupted", r"^$", hook=("titan_npu.data.loader", "open_dataset"),
          code=130),
 ]

@@ -236,25 +236,45 @@ def test_cpu_speed_hints_name_the_faster_setting():
     assert speed_hints(load_config(None, ["--data.num_workers", "2"]), "cuda") == []
 
 
-def test_device_mfu_benchmark_runs_compiled_and_eager_on_a_tiny_shape(tmp_path):
-    """benchmarks/device_mfu.sh end to end on the cpu, the 1B config shrunk (and compiled by dynamo's eager
-    backend, which traces like inductor without generating code), so the GPU benchmark cannot rot."""
+def _device_mfu(tmp_path, *extra: str) -> dict:
+    """benchmarks/device_mfu.sh --json on the tiny shape (compiled by dynamo's eager backend); its summary."""
     import subprocess
 
     tiny = [a for a in TINY if a not in ("--training.dtype", "fp32")]
     env = {**os.environ, "PYTHON": sys.executable, "STEPS": "2", "WARMUP": "1"}
     env.pop("PYTHONPATH", None)  # the script puts the checkout on the path itself
     cmd = ["bash", str(ROOT / "benchmarks" / "device_mfu.sh"), "--json", *tiny, "--compile.backend", "eager",
-           "--metrics.peak_tflops", "1"]
+           "--metrics.peak_tflops", "1", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    s = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_device_mfu_benchmark_runs_compiled_and_eager_on_a_tiny_shape(tmp_path):
+    """benchmarks/device_mfu.sh end to end on the cpu, the 1B config shrunk (and compiled by dynamo's eager
+    backend, which traces like inductor without generating code), so the GPU benchmark cannot rot; the float8
+    column says why it was not run (the cpu has no float8 peak)."""
+    s = _device_mfu(tmp_path)
     assert s["compiled"]["compiled"] is True and s["eager"]["compiled"] is False
     assert (s["seq_len"], s["batch_size"], s["dtype"], s["device"]) == (32, 2, "bf16", "cpu")
     assert s["compiled"]["tokens_per_step"] == 2 * 32  # one micro-batch per step
     assert s["compile_speedup"] == pytest.approx(s["tokens_per_s"] / s["eager_tokens_per_s"])
     assert s["mfu"] == pytest.approx(s["tflops_per_device"] / s["peak_tflops"]) and s["peak_tflops"] == 1
     assert s["peak_memory_gb"] > 0 and s["attention"] == "cpu"
+    assert not s["float8_run"] and "has no float8 peak" in s["float8_not_run"]
     mfu = _load("device_mfu")
-    for label in ("tokens/s", "MFU", "peak memory", "compile speed-up", "attention"):
+    for label in ("tokens/s", "MFU", "peak memory", "compile speed-up", "attention", "float8            not run"):
         assert label in mfu.format_summary(s)
+
+
+@pytest.mark.slow
+def test_device_mfu_float8_column_runs_in_emulation(tmp_path):
+    """The float8 column's run (compiled, float8.enable) end to end in torchao's emulation: a third compiled run,
+    over a minute on 2 cores, hence -m slow."""
+    pytest.importorskip("torchao.float8")
+    s = _device_mfu(tmp_path, "--float8", "emulate", "--float8.auto_filter_small_kn", "false")
+    assert s["float8_run"] and s["float8"]["compiled"] is True and s["float8_emulated"]
+    assert s["float8_speedup"] == pytest.approx(s["float8_tokens_per_s"] / s["tokens_per_s"])
+    assert s["float8_mfu"] is None and s["float8_peak_memory_gb"] > 0  # the cpu has no float8 peak
+    assert "emulated" in _load("device_mfu").format_summary(s)
+

@@ -28,10 +28,10 @@ def build_parser() -> CommandParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry of `titan-npu bench`."""
+    from titan_npu.commands.launch import check_before_process_group, check_launch_env
     from titan_npu.config.loader import load_config
     from titan_npu.errors import TitanError
     from titan_npu.metrics.console import setup_logging
-    from titan_npu.reliability.launch import check_before_process_group, check_launch_env
     from titan_npu.tools.bench import format_result, prepare_config, run_bench
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -7,8 +7,8 @@ import os
 import socket
 import sys
 
+from titan_npu.commands.launch import check_launch_env
 from titan_npu.commands.parsing import CommandParser, parse
-from titan_npu.reliability.launch import check_launch_env
 from titan_npu.tools.doctor.collectives import collective_check
 from titan_npu.tools.doctor.devices import check_devices
 from titan_npu.tools.doctor.disk import check_disk

@@ -25,9 +25,9 @@ def main(argv: list[str]) -> int:
     import os
 
     from titan_npu.checkpoint.seed import create_seed_checkpoint
+    from titan_npu.commands.launch import check_launch_env
     from titan_npu.config.loader import load_config
     from titan_npu.metrics.console import setup_logging
-    from titan_npu.reliability.launch import check_launch_env
 
     args, overrides = parse("init-weights", build_parser(), argv, known=True)
     check_launch_env()

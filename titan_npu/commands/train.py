@@ -41,10 +41,10 @@ def build_parser() -> CommandParser:
 
 def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None = None) -> int:
     """Entry of `titan-npu train` and of train.py; `setup` is called with the Trainer before training (hooks)."""
+    from titan_npu.commands.launch import check_before_process_group, check_launch_env, set_launch_env
     from titan_npu.config.loader import config_to_dict, load_config
     from titan_npu.errors import TitanError
     from titan_npu.metrics.console import setup_logging
-    from titan_npu.reliability.launch import check_before_process_group, check_launch_env, set_launch_env
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args, overrides = parse("train", build_parser(), argv, known=True)

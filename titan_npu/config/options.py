@@ -156,6 +156,7 @@ OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 PROGRESS_STYLES = ("auto", "bar", "lines")
 PROFILER_LEVELS = ("Level0", "Level1", "Level2")
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient")
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
 
 # Config keys: "section.key" -> row. model.name, model.flavor, the dtypes and checkpoint.resume are free here:
 # validate.py checks them against the registry, the dtype spellings and the forms a resume takes.
@@ -278,6 +279,13 @@ CONFIG_KEYS: dict[str, Knob] = {
     "profiling.ranks": Knob(at_least(0, (-1, "every rank")), why="ranks count from 0; [] = every rank", each=True),
     "profiling.level": Knob(choices=PROFILER_LEVELS, what="profiler level"),
     "profiling.with_stack": FREE,
+    "float8.enable": FREE,
+    "float8.recipe": Knob(choices=FLOAT8_RECIPES, what="float8 recipe"),
+    "float8.emulate": FREE,
+    "float8.filter_fqns": FREE,  # module names; validate.py refuses an empty one (it would match every linear)
+    "float8.auto_filter_small_kn": FREE,
+    "float8.fsdp_float8_all_gather": FREE,
+    "float8.moe_experts": FREE,  # true is refused by validate.py (no float8 grouped GEMMs wired in)
     "comm.init_timeout_s": Knob(at_least(1), why="seconds to wait for all ranks to join"),
     "comm.join_timeout_s": Knob(at_least(1), why="seconds every rank has to reach the process group"),
     "comm.timeout_s": Knob(at_least(1), why="seconds a collective may take"),

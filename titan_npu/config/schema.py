@@ -141,6 +141,23 @@ class ParallelConfig:
 
 
 @dataclass
+class Float8Config:
+    """float8 matmuls through torchao (docs/float8.md); off by default, weights and checkpoints stay high precision."""
+
+    enable: bool = False
+    recipe: str = "tensorwise"  # tensorwise | rowwise (torchao's dynamic scaling recipes)
+    emulate: bool = False  # float8 casts with high-precision matmuls, on any device (CPU tests; not faster)
+    # linears whose name contains one of these stay in the training dtype (the output projection, MoE routers)
+    filter_fqns: list[str] = field(default_factory=lambda: ["output", "router.gate"])
+    # also skip linears too small to gain on H100-class parts (torchao's per-recipe size rule); a linear whose
+    # dims are not multiples of 16 is always skipped (the float8 GEMM needs them)
+    auto_filter_small_kn: bool = True
+    # tensorwise under FSDP2: all-gather weights in float8 (half the bytes), scales precomputed after each step
+    fsdp_float8_all_gather: bool = True
+    moe_experts: bool = False  # the MoE routed experts' grouped GEMMs in float8 (refused: see docs/float8.md)
+
+
+@dataclass
 class ActivationCheckpointConfig:
     mode: str = "none"  # none | selective | full
     selective_every: int = 2  # selective: checkpoint every Nth block
@@ -248,6 +265,7 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    float8: Float8Config = field(default_factory=Float8Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

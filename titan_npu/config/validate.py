@@ -32,6 +32,7 @@ def validate(cfg: JobConfig, model: bool = True) -> JobConfig:
     _check_training(cfg)
     _check_optimizer(cfg)
     _check_checkpoint(cfg)
+    _check_float8(cfg)
     _check_rest(cfg)
     return cfg
 
@@ -103,6 +104,17 @@ def _check_optimizer(cfg: JobConfig) -> None:
         raise fail("optimizer.muon_ns_coefficients",
                    f"optimizer.muon_ns_coefficients = {show(o.muon_ns_coefficients)} must be three numbers a, b, c "
                    f"(the quintic's; [3.4445, -4.775, 2.0315] is usual)")
+
+
+def _check_float8(cfg: JobConfig) -> None:
+    f = cfg.float8
+    if any(not name.strip() for name in f.filter_fqns):
+        raise fail("float8.filter_fqns", f"float8.filter_fqns = {show(f.filter_fqns)} holds an empty name, which "
+                   "would match every linear (give module names such as output or attention.wq)")
+    if f.moe_experts:
+        raise fail("float8.moe_experts", "float8.moe_experts = true: the MoE routed experts' grouped GEMMs stay in the "
+                   "training dtype in this version (torchao 0.18 has float8 grouped GEMMs only as a CUDA sm90+ "
+                   "prototype, not wired in); set it to false (the other linears, shared experts included, convert)")
 
 
 _NEGATIVE_STEP = re.compile(r"-\d+")

@@ -20,11 +20,13 @@ TFLOPS = 1e12
 
 @dataclass(frozen=True)
 class Peak:
-    """Dense peak FLOP/s of one device: bf16/fp16 tensor cores, fp32 matmuls on TF32 (or HF32) units, plain fp32."""
+    """Dense peak FLOP/s of one device: bf16/fp16 tensor cores, fp32 matmuls on TF32 (or HF32) units, plain fp32,
+    float8 tensor cores (0: none)."""
 
     bf16: float
     tf32: float
     fp32: float
+    fp8: float = 0.0
 
 
 def _npu(bf16_tflops: float) -> Peak:
@@ -33,11 +35,12 @@ def _npu(bf16_tflops: float) -> Peak:
     return Peak(bf16_tflops * TFLOPS, half, half)
 
 
-def _gpu(bf16_tflops: float, tf32_tflops: float, fp32_tflops: float) -> Peak:
-    return Peak(bf16_tflops * TFLOPS, tf32_tflops * TFLOPS, fp32_tflops * TFLOPS)
+def _gpu(bf16_tflops: float, tf32_tflops: float, fp32_tflops: float, fp8_tflops: float = 0.0) -> Peak:
+    return Peak(bf16_tflops * TFLOPS, tf32_tflops * TFLOPS, fp32_tflops * TFLOPS, fp8_tflops * TFLOPS)
 
 
-# Dense peaks (datasheet figures without sparsity) keyed by the canonical device name (canonical_device_name);
+# Dense peaks (datasheet figures without sparsity; float8 only on parts with float8 tensor cores: Ada, Hopper,
+# Blackwell) keyed by the canonical device name (canonical_device_name);
 # a name is looked up exactly, so variants with their own figures (H100 NVL / PCIe, L40 / L40S / L4) never borrow
 # another's.
 PEAKS: dict[str, Peak] = {
@@ -50,27 +53,27 @@ PEAKS: dict[str, Peak] = {
     "910b": _npu(294.9),  # unknown 910B SKU: the conservative common figure
     "910a": _npu(256.0),
     "910": _npu(256.0),
-    "h200": _gpu(989, 494.5, 67),
-    "h200 nvl": _gpu(835, 417.5, 60),
-    "h100": _gpu(989, 494.5, 67),
-    "h100 pcie": _gpu(756, 378, 51),
-    "h100 nvl": _gpu(835, 417.5, 60),
-    "h800": _gpu(989, 494.5, 67),
-    "h800 pcie": _gpu(756, 378, 51),
-    "h20": _gpu(148, 74, 44),
-    "gh200": _gpu(989, 494.5, 67),
-    "b200": _gpu(2250, 1100, 75),
+    "h200": _gpu(989, 494.5, 67, 1979),
+    "h200 nvl": _gpu(835, 417.5, 60, 1671),
+    "h100": _gpu(989, 494.5, 67, 1979),
+    "h100 pcie": _gpu(756, 378, 51, 1513),
+    "h100 nvl": _gpu(835, 417.5, 60, 1671),
+    "h800": _gpu(989, 494.5, 67, 1979),
+    "h800 pcie": _gpu(756, 378, 51, 1513),
+    "h20": _gpu(148, 74, 44, 296),
+    "gh200": _gpu(989, 494.5, 67, 1979),
+    "b200": _gpu(2250, 1100, 75, 4500),
     "a100": _gpu(312, 156, 19.5),
     "a100 pcie": _gpu(312, 156, 19.5),
     "a800": _gpu(312, 156, 19.5),
     "a800 pcie": _gpu(312, 156, 19.5),
-    "l40s": _gpu(362, 183, 91.6),
-    "l40": _gpu(181, 90.5, 90.5),
-    "l4": _gpu(121, 60, 30.3),
+    "l40s": _gpu(362, 183, 91.6, 733),
+    "l40": _gpu(181, 90.5, 90.5, 362),
+    "l4": _gpu(121, 60, 30.3, 242),
     "a10g": _gpu(70, 35, 31.2),
     "a10": _gpu(125, 62.5, 31.2),
     "v100": _gpu(125, 15.7, 15.7),  # fp16 tensor cores (no bf16, no TF32)
-    "4090": _gpu(165, 82.6, 82.6),
+    "4090": _gpu(165, 82.6, 82.6, 330),
     "3090": _gpu(71, 35.6, 35.6),
 }
 
@@ -93,6 +96,12 @@ def canonical_device_name(device_name: str) -> str:
 def lookup_peak(device_name: str) -> Peak | None:
     """The dense peaks of a device from the table, or None if the name is not in it."""
     return PEAKS.get(canonical_device_name(device_name))
+
+
+def lookup_float8_flops(device_name: str) -> float:
+    """Dense float8 peak for a device name from the table; 0 when unknown or without float8 tensor cores."""
+    peak = lookup_peak(device_name)
+    return peak.fp8 if peak is not None else 0.0
 
 
 def lookup_peak_flops(device_name: str) -> float | None:

@@ -1,8 +1,8 @@
 """Apply parallelism to a model built on the meta device, from outside the model, then materialise it.
 
-Order (each step sees the model the previous one left): pipeline split -> tensor parallel -> activation
-checkpointing -> torch.compile per block -> FSDP / HSDP / replicate -> to_empty + init_weights (+ the gradient
-layout hooks of pure tensor parallelism, see tp_grads.py). What each step does to a given family's model is the
+Order (each step sees the model the previous one left): pipeline split -> float8 conversion -> tensor parallel ->
+activation checkpointing -> torch.compile per block -> FSDP / HSDP / replicate -> to_empty + init_weights (+ the
+gradient layout hooks of pure tensor parallelism, see tp_grads.py). What each step does to a given family's model is the
 family's (its ModelSpec, models/spec.py: build_model, split_layers / build_stage, parallelize); the caller passes
 the spec in, so this package never imports a model.
 """
@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from titan_npu.parallel.dims import ParallelDims
+from titan_npu.parallel.float8 import convert_to_float8
 from titan_npu.parallel.pipeline import split_for_pipeline
 from titan_npu.parallel.tp_grads import install_requested_grad_hooks
 
@@ -34,10 +35,17 @@ def build_model_parts(
     if param_dtype is not None:  # free on meta
         model.to(param_dtype)
     stage_ids, parts = split_for_pipeline(spec, model, dims, cfg) if dims.pp_enabled else ([0], [model])
-    parts = [spec.parallelize(part, dims, cfg) for part in parts]
+    parts = [parallelize_part(spec, part, dims, cfg) for part in parts]
     for part in parts:
         materialize(part, device, cfg)
     return stage_ids, parts
+
+
+def parallelize_part(spec: Any, part: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
+    """One model part (on meta) converted to float8 where float8.enable says (parallel/float8.py), then
+    parallelised by its family (ModelSpec.parallelize)."""
+    convert_to_float8(part, cfg.float8, dims.dp_mode)
+    return spec.parallelize(part, dims, cfg)
 
 
 def materialize(model: nn.Module, device: torch.device, cfg: JobConfig) -> None:

@@ -142,6 +142,7 @@ def resolve_world_size(cfg: JobConfig, world_size: int | None) -> int:
 def build_parallel_model(cfg: JobConfig, dims: ParallelDims) -> list[nn.Module]:
     """The model parts this rank holds, on meta: pipeline split, then each part parallelized as the trainer does."""
     from titan_npu.models.registry import build_model_args, spec_of
+    from titan_npu.parallel.parallelize import parallelize_part
     from titan_npu.parallel.pipeline import split_for_pipeline
 
     args = build_model_args(cfg.model)
@@ -149,7 +150,7 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims) -> list[nn.Module]:
     with torch.device("meta"):
         model = spec.build_model(args)
     _, parts = split_for_pipeline(spec, model, dims, cfg) if dims.pp_enabled else ([0], [model])
-    return [spec.parallelize(part, dims, cfg) for part in parts]
+    return [parallelize_part(spec, part, dims, cfg) for part in parts]
 
 
 def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims) -> tuple[int, ...]:

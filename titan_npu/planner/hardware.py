@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from titan_npu.device.flops import lookup_peak_flops
+from titan_npu.device.flops import lookup_float8_flops, lookup_peak_flops
 from titan_npu.errors import ConfigError
 from titan_npu.planner.layout import GiB
 
@@ -25,13 +25,15 @@ class Hardware:
     intra_link: str
     inter_link: str
     host_bw: float = 25 * GB  # PCIe to host memory (cpu_offload traffic)
+    peak_float8_flops: float = 0.0  # dense float8 FLOP/s; 0 = no float8 tensor cores
 
 
 def _spec(name: str, device_type: str, memory_gib: float, intra_gbs: float, inter_gbs: float, intra: str,
           inter: str, flops_name: str | None = None) -> Hardware:
     peak = lookup_peak_flops(flops_name or name)
     assert peak is not None, name
-    return Hardware(name, device_type, int(memory_gib * GiB), peak, intra_gbs * GB, inter_gbs * GB, intra, inter)
+    return Hardware(name, device_type, int(memory_gib * GiB), peak, intra_gbs * GB, inter_gbs * GB, intra, inter,
+                    peak_float8_flops=lookup_float8_flops(flops_name or name))
 
 
 # Bandwidths are what a ring collective typically reaches per device (bus bandwidth), below the links' line rate:

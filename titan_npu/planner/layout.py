@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from titan_npu.config.schema import JobConfig
+from titan_npu.config.schema import Float8Config, JobConfig
 from titan_npu.errors import LayoutError
 from titan_npu.models.registry import build_model_args
 from titan_npu.parallel import arithmetic
@@ -135,6 +135,7 @@ class Job:
     optimizer: str = "adamw"
     momentum: float = 0.9  # SGD keeps a momentum buffer only when this is non-zero
     muon_exclude: tuple[str, ...] = ()  # Muon: name patterns of the matrices left to AdamW
+    float8: Float8Config | None = None  # float8 matmuls (float8.enable); None = off
 
     @property
     def compute_bytes(self) -> int:
@@ -150,6 +151,7 @@ def job_from_config(cfg: JobConfig) -> Job:
         optimizer=cfg.optimizer.name.lower(),
         momentum=float(cfg.optimizer.betas[0]) if cfg.optimizer.betas else 0.0,
         muon_exclude=tuple(cfg.optimizer.muon_exclude),
+        float8=cfg.float8 if cfg.float8.enable else None,
     )
 
 

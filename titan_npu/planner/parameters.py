@@ -18,6 +18,7 @@ from typing import Any
 from titan_npu.errors import LayoutError
 from titan_npu.models.registry import spec_of
 from titan_npu.parallel.arithmetic import chunk_size, expert_coordinates
+from titan_npu.parallel.float8 import converts
 from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.stages import FIRST_STAGE_KINDS, LAST_STAGE_KINDS, rank_parts
 from titan_npu.trainer.optimizer import takes_muon
@@ -75,6 +76,22 @@ def parameter_kind(name: str) -> str:
     """'layers.3.attention.wq.weight' -> 'attention.wq.weight'; root parameters are their own kind."""
     return name.split(".", 2)[-1] if name.startswith("layers.") else name
 
+
+
+def float8_kinds(job: Job) -> set[str]:
+    """The kinds of parameter that are weights of float8 linears (parallel/float8.py's rule on their shapes): 2-D
+    weights but the embedding table; none without float8.enable."""
+    if job.float8 is None:
+        return set()
+    kinds = set()
+    for kind, shape in parameter_kinds(job.args).items():
+        if len(shape) != 2 or not kind.endswith(".weight") or kind == "tok_embeddings.weight":
+            continue
+        module = kind.removesuffix(".weight")
+        fqn = module if kind in FIRST_STAGE_KINDS + LAST_STAGE_KINDS else f"layers.0.{module}"
+        if converts(fqn, shape[0], shape[1], job.float8):
+            kinds.add(kind)
+    return kinds
 
 
 def rank_parameter_names(args: Any, layout: Layout, pp_rank: int) -> list[str]:

@@ -15,10 +15,18 @@ from dataclasses import dataclass
 
 from titan_npu.metrics.throughput import flops_per_token
 from titan_npu.parallel.arithmetic import mesh_dims
+from titan_npu.parallel.float8 import wants_float8_all_gather
 from titan_npu.planner.communication import context_exchange_bytes, context_exchange_parts, expert_all_to_all_bytes
 from titan_npu.planner.hardware import Hardware
 from titan_npu.planner.layout import Job, Layout
-from titan_npu.planner.parameters import local_numel_split, muon_gather_bytes
+from titan_npu.planner.parameters import (
+    float8_kinds,
+    layers_kinds,
+    local_numel_split,
+    muon_gather_bytes,
+    numel,
+    parameter_kinds,
+)
 from titan_npu.planner.stages import rank_parts
 
 # Parameters per second one rank's host-side AdamW updates when the node's ranks share the host (cpu_offload).
@@ -71,6 +79,27 @@ def grouped_share(args: object) -> float:
     m = args.moe_args()
     routed = layers * m.top_k * 3 * m.dim * m.ffn_dim
     return routed / args.num_active_params(exclude_embedding=True)
+
+
+# float8 GEMMs reach a smaller share of their peak than bf16 ones of theirs: the dynamic-scaling casts (an amax and a
+# cast of the input, weight and gradient per linear) are memory-bound passes. torchao's published per-linear
+# speed-ups on H100 at large shapes are ~1.5x (tensorwise) and ~1.25x (rowwise) over bf16 for a 2x peak.
+FLOAT8_PEAK_SHARE = {"tensorwise": 0.75, "rowwise": 0.6}
+
+
+def float8_shares(job: Job) -> tuple[float, float]:
+    """(share of a token's training FLOPs in float8 linears, share of the non-expert parameters that are their
+    weights); (0, 0) without float8."""
+    kinds = float8_kinds(job)
+    if not kinds:
+        return 0.0, 0.0
+    a, shapes = job.args, parameter_kinds(job.args)
+    per_layer = layers_kinds(a, range(a.n_layers))
+    converted = sum(numel(shapes[k]) for ks in per_layer.values() for k in ks if k in kinds)
+    converted += sum(numel(shapes[k]) for k in kinds if not any(k in ks for ks in per_layer.values()))
+    dense = sum(numel(shapes[k]) for ks in per_layer.values() for k in ks if not k.startswith("feed_forward.experts."))
+    dense += sum(numel(shapes[k]) for k in shapes if not any(k in ks for ks in per_layer.values()))
+    return 6.0 * converted / training_flops_per_token(a, job.seq_len), converted / dense
 
 
 def training_flops_per_token(args: object, seq_len: int) -> float:
@@ -159,7 +188,14 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
     tokens_per_step = tokens_per_rank * layout.dp
     recompute = recompute_factor(layout, grouped_share(a))
     flops = fpt * tokens_per_rank * recompute / (layout.tp * layout.pp * layout.cp)
-    compute = flops / (hw.peak_flops * efficiency) * (1 + CP_OVERHEAD if layout.cp > 1 else 1)
+    # float8 linears (float8.enable) run at their share of the float8 peak (emulation: at the bf16 one); the factor
+    # is exactly 1 without float8.
+    f8_flops, f8_params = float8_shares(job)
+    f8_rate = hw.peak_flops
+    if job.float8 is not None and not job.float8.emulate:
+        f8_rate = hw.peak_float8_flops * FLOAT8_PEAK_SHARE[job.float8.recipe]
+    float8_factor = (1 - f8_flops) + f8_flops * hw.peak_flops / f8_rate
+    compute = flops / (hw.peak_flops * efficiency) * float8_factor * (1 + CP_OVERHEAD if layout.cp > 1 else 1)
 
     # Tensor parallel: every block all-gathers its input and reduce-scatters its output (sequence parallel) for
     # attention and the MLP, in forward and again for the gradients in backward; recomputation repeats forward.
@@ -200,14 +236,18 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
     reductions = 1 if layout.pp > 1 else layout.passes
     if layout.fsdp_enabled:
         gathers = (2 if layout.reshard_after_forward else 1) * layout.passes
+        # Bytes an all-gathered dense element takes: the float8 weights' 1 under FSDP2's float8 all-gather.
+        # (An accelerator's backend carries float8, parallel/float8.py.)
+        gather_float8 = job.float8 is not None and wants_float8_all_gather(job.float8)
+        dense_bytes = c - (c - 1) * f8_params if gather_float8 else c
         # FSDP's group is dp_shard x cp flattened (cp innermost, tp ranks apart).
         bw = _bandwidth(hw, layout.fsdp_shards * layout.tp > devices_per_node)
         # Under expert parallelism the experts are gathered and reduced only over the efsdp ranks that share them.
         # Under HSDP with ep = dp_shard x cp the experts are sharded over the replicas instead (no all-reduce).
         hsdp_experts = layout.ep > 1 and layout.efsdp == 1 and layout.dp_replicate > 1
         expert_group = layout.expert_shards if layout.ep > 1 else layout.fsdp_shards
-        for numel, s in ((dense, layout.fsdp_shards), (expert, expert_group)):
-            fsdp_comm += numel * s * (gathers * c + reductions * 4) * (s - 1) / s / bw
+        for elements, s, size in ((dense, layout.fsdp_shards, dense_bytes), (expert, expert_group, c)):
+            fsdp_comm += elements * s * (gathers * size + reductions * 4) * (s - 1) / s / bw
         if layout.dp_replicate > 1:
             r = layout.dp_replicate
             bw = _bandwidth(hw, group_crosses_nodes(layout, "dp_replicate", devices_per_node))

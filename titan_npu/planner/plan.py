@@ -88,6 +88,16 @@ def format_table(ranked: list[Candidate]) -> list[str]:
     return lines
 
 
+def _float8_peak(plan: Plan) -> str:
+    """', 1979 TFLOP/s float8 (tensorwise linears)' when the job runs float8 (float8.enable); '' otherwise."""
+    f = plan.job.float8
+    if f is None:
+        return ""
+    if f.emulate:
+        return ", float8 emulated (bf16 speed)"
+    return f", {plan.hw.peak_float8_flops / 1e12:.0f} TFLOP/s float8 ({f.recipe} linears)"
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as text: model, cluster, the config's layout, then the ranked table."""
     a, hw = plan.job.args, plan.hw
@@ -101,7 +111,8 @@ def format_plan(plan: Plan) -> str:
         f"{a.n_heads}/{a.n_kv_heads} heads, {ffn}, vocab {a.vocab_size}); seq {plan.job.seq_len}, "
         f"{plan.job.dtype}, {plan.job.optimizer}",
         f"cluster: {plan.nodes} node(s) x {plan.devices_per_node} {hw.name} ({_gib(hw.memory_bytes)} GiB, "
-        f"{hw.peak_flops / 1e12:.0f} TFLOP/s bf16; {hw.intra_link} {hw.intra_node_bw / 1e9:.0f} GB/s, "
+        f"{hw.peak_flops / 1e12:.0f} TFLOP/s bf16{_float8_peak(plan)}; "
+        f"{hw.intra_link} {hw.intra_node_bw / 1e9:.0f} GB/s, "
         f"{hw.inter_link} {hw.inter_node_bw / 1e9:.0f} GB/s; compute at {100 * plan.efficiency:.0f}% of peak)",
         f"global batch: {plan.global_batch} sequences = {tokens:,} tokens per step (kept by every layout below)",
     ]

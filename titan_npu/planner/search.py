@@ -258,6 +258,10 @@ def make_plan(cfg: JobConfig, nodes: int, devices_per_node: int, hw: Hardware, e
         raise ConfigError(f"--nodes {nodes} --devices-per-node {devices_per_node}: both must be >= 1")
     world = nodes * devices_per_node
     job = job_from_config(cfg)
+    if job.float8 is not None and not job.float8.emulate and not hw.peak_float8_flops:
+        raise ConfigError(f"float8.enable = true: the {hw.name} has no float8 tensor cores (no float8 peak in the "
+                          f"table); plan for a device that has them (H100, H200, H800, H20) or set float8.enable = "
+                          f"false")
     check_seq_len(cfg.training.seq_len, job.args.max_seq_len)
     buffsize = cfg.comm.hccl_buffsize_mb
     fraction = usable_fraction(cfg)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titan_npu.parallel.float8 import wants_float8_all_gather
 from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.parameters import (
+    float8_kinds,
     is_expert_kind,
     layers_kinds,
     numel,
@@ -59,6 +61,10 @@ def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int,
                    for ks in dict.fromkeys(map(tuple, per_layer.values()))}
     sizes = [block_sizes[tuple(per_layer[i])] for i in layers]
     block = max(sizes, default=0)
+    # What an unsharded block takes: its float8 linears' weights at 1 byte under FSDP2's float8 all-gather.
+    float8 = float8_kinds(job) if job.float8 is not None and wants_float8_all_gather(job.float8) else set()
+    gathered = max((sum(unsharded_numel(k, kinds[k], tp_dims[k], layout) * (1 if k in float8 else c) for k in ks)
+                    for ks in dict.fromkeys(map(tuple, per_layer.values()))), default=0)
     root = sum(numel(kinds[k]) for p in parts for k in p.root_kinds(kinds)) // tp
     fsdp = autocast = 0
     if layout.dp_enabled and layout.pp > 1:
@@ -70,9 +76,9 @@ def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int,
         # is never resharded after forward), and the root (embedding, norm, output); in backward, the block's
         # unsharded gradient and its fp32 copy for the reduce-scatter.
         grad_copy = 4 if c < 4 else 0
-        fsdp = min(n_blocks, 2) * block * c + (block * (c + grad_copy) if n_blocks else 0) + root * c
+        fsdp = min(n_blocks, 2) * gathered + (block * (c + grad_copy) if n_blocks else 0) + root * c
         if not layout.reshard_after_forward:
-            fsdp += max(0, n_blocks - 2) * block * c
+            fsdp += max(0, n_blocks - 2) * gathered
     elif c < 4:
         # autocast caches one low-precision copy of every matmul weight for backward (not the embedding table).
         autocast = sum(numel(kinds[k]) for i in layers for k in per_layer[i]

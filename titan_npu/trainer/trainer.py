@@ -43,6 +43,13 @@ from titan_npu.ops.documents import Documents
 from titan_npu.ops.npu import set_rope_fp32
 from titan_npu.parallel import ParallelDims, init_process_group, validate_layout
 from titan_npu.parallel.context_parallel import ContextParallelBatch, cp_weighted_loss
+from titan_npu.parallel.float8 import (
+    check_float8_device,
+    describe_float8,
+    import_torchao,
+    precompute_float8_scales,
+    uses_float8_all_gather,
+)
 from titan_npu.parallel.layout import pp_microbatches
 from titan_npu.parallel.parallelize import build_model_parts
 from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline
@@ -105,6 +112,13 @@ class Trainer:
         validate_layout(self.dims, self.model_args, cfg)
         check_seq_len(t.seq_len, self.model_args.max_seq_len)
         self.pure_dtype = pure_param_dtype(t.dtype, t.mixed_precision)
+        if cfg.float8.enable:  # a device without float8 matmuls, or no torchao, stops the run here
+            capability = torch.cuda.get_device_capability(self.device.torch_device) \
+                if self.device.type == "cuda" else None
+            check_float8_device(cfg.float8, self.device.type, capability, self.device.name)
+            import_torchao()
+        # Float8 weights all-gathered by FSDP2 take their scales from one all-reduce after each optimizer step.
+        self.float8_scales = uses_float8_all_gather(cfg.float8, self.dims.dp_mode)
 
         # Data: every rank of a data-parallel group reads its own slice.
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
@@ -221,6 +235,8 @@ class Trainer:
         eager = "" if a.use_flash_attention else " (use_flash_attention=false: eager attention)"
         sdpa = f" (sdpa: {self.attention_kernel})" if self.attention_kernel else ""
         log.info("kernels: %s%s%s", kernels, eager, sdpa)
+        if self.cfg.float8.enable:
+            log.info(describe_float8(self.cfg.float8, self.model_parts))
         log.info("loss: %s", f"output projection + cross entropy in chunks of {self.loss_chunk_tokens} tokens"
                  if self.loss_chunk_tokens else "whole logits (tensor/pipeline parallel, or loss_chunk_tokens = 0)")
         for hint in speed_hints(self.cfg, self.device.type) if self.rank == 0 else []:
@@ -303,6 +319,8 @@ class Trainer:
             step_unless(self.optimizer, skip)  # decided on the device: no host read
         elif not skip:
             self.optimizer.step()
+        if self.float8_scales:
+            precompute_float8_scales(self.model_parts)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.grad_scaler is not None and skip is not True:  # the scaler skipped it where the gradients overflowed

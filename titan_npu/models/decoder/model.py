@@ -170,7 +170,8 @@ class FeedForward(nn.Module):
         self.w3 = Linear(dim, hidden_dim)  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.w1.weight, DTensor):  # tensor parallel: w1/w3's sharding hooks run on their forward
+        # Tensor parallel (w1/w3's sharding hooks) or a swapped-in linear (float8) run through their forward.
+        if isinstance(self.w1.weight, DTensor) or type(self.w1) is not Linear:
             return self.w2(ops.swiglu(self.w1(x), self.w3(x)))
         return self.w2(ops.swiglu_linear(x, self.w1.weight, self.w3.weight))
 

@@ -1,5 +1,6 @@
 """How a dense decoder is parallelised, applied from outside the model: tensor parallel plan, then activation
-checkpointing, torch.compile per block, and data parallelism (FSDP / HSDP / replicate) last.
+checkpointing, torch.compile per block, and data parallelism (FSDP / HSDP / replicate) last. float8 linears
+(converted before any of this, parallel/parallelize.py) take torchao's float8 styles in the plan.
 
 Tensor parallel (Megatron-style, with sequence parallelism):
   tok_embeddings  vocab-parallel (row-wise), output sharded on the sequence
@@ -29,6 +30,7 @@ from titan_npu.parallel.activation_checkpoint import apply_activation_checkpoint
 from titan_npu.parallel.compile import apply_compile
 from titan_npu.parallel.context_parallel import context_for
 from titan_npu.parallel.dims import ParallelDims
+from titan_npu.parallel.float8 import float8_plan
 from titan_npu.parallel.fsdp import apply_data_parallel
 from titan_npu.parallel.tp_grads import request_grads_in_param_layout
 
@@ -57,7 +59,7 @@ def parallelize_root(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool)
     }
     # Pipeline stages have no embedding (all but the first) or no norm/output (all but the last).
     root_plan = {name: style for name, style in root_plan.items() if getattr(model, name, None) is not None}
-    parallelize_module(model, tp_mesh, root_plan)
+    parallelize_module(model, tp_mesh, float8_plan(model, root_plan))
     model.tie_weights()  # each style replaced its module's parameter with a DTensor of its own
 
 
@@ -116,7 +118,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
             # hand on their rank's heads as plain tensors, as the column-parallel wv does, for RoPE and attention.
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, float8_plan(block, plan))
 
 
 def apply_context_parallel(model: nn.Module, cp_group: ProcessGroup, mode: str,

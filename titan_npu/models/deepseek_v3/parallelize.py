@@ -35,6 +35,7 @@ from titan_npu.models.decoder.parallelize import block_tp_plan, parallelize_deco
 from titan_npu.models.deepseek_v3.args import DeepSeekArgs
 from titan_npu.models.moe.parallelize import apply_expert_parallel
 from titan_npu.parallel.dims import ParallelDims
+from titan_npu.parallel.float8 import float8_plan
 
 if TYPE_CHECKING:
     from titan_npu.config.schema import JobConfig
@@ -130,7 +131,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
                        "attention.wkv_b": ColwiseParallel()}
         # The whole sequence as a plain tensor: the replicated low-rank path computes on it.
         plan = block_tp_plan(projections, not block.is_moe, local_attention_input=True)
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, float8_plan(block, plan))
         attention.tp_group = tp_mesh.get_group()
         for name in ("wq_a", "q_norm", "wkv_a", "kv_norm"):
             if hasattr(attention, name):

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_npu.models.moe.layer import MoE
+from titan_npu.parallel.float8 import float8_plan
 
 # The dim of each stacked expert weight that tensor parallelism splits: the ffn dim (and the biases of the gate and
 # up projections with it; the down projection's bias b2 is replicated, each rank adding its share: experts.py).
@@ -85,7 +86,7 @@ def apply_expert_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         if module.shared_experts is not None:
             # Column / row parallel; the partial output stays a DTensor for the layer to add before its
             # reduce-scatter (layer.py).
-            parallelize_module(module.shared_experts, tp_mesh, {
+            parallelize_module(module.shared_experts, tp_mesh, float8_plan(module.shared_experts, {
                 "w1": ColwiseParallel(), "w3": ColwiseParallel(),
-                "w2": RowwiseParallel(output_layouts=Partial(), use_local_output=False)})
+                "w2": RowwiseParallel(output_layouts=Partial(), use_local_output=False)}))
         module.tp_mesh = tp_mesh
