@@ -12,7 +12,7 @@ from titan_npu.config.schema import ModelConfig
 from titan_npu.errors import ConfigError
 from titan_npu.models.decoder.args import DecoderArgs, resolve_args
 from titan_npu.models.moe.args import MoEArgs
-from titan_npu.models.qwen3_moe.args import MoEDecoderArgs
+from titan_npu.models.moe_decoder.args import MoEDecoderArgs
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # ModelConfig fields of gpt-oss's own part that override a flavor when set.
