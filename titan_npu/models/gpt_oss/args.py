@@ -6,13 +6,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from titan_npu.config.schema import ModelConfig
 from titan_npu.errors import ConfigError
 from titan_npu.models.decoder.args import DecoderArgs, resolve_args
 from titan_npu.models.moe.args import MoEArgs
 from titan_npu.models.moe_decoder.args import MoEDecoderArgs
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import ModelConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # ModelConfig fields of gpt-oss's own part that override a flavor when set.

@@ -12,14 +12,18 @@ expert parallelism together."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_npu.config.schema import JobConfig
 from titan_npu.errors import LayoutError
 from titan_npu.models.gpt_oss.args import GptOssArgs
 from titan_npu.models.moe_decoder.parallelize import parallelize_moe
 from titan_npu.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import JobConfig
 
 
 def check_gpt_oss_layout(dims: ParallelDims, args: GptOssArgs, cfg: JobConfig) -> None:
