@@ -24,7 +24,7 @@ from titan_npu.checkpoint.initial_load import load_initial_weights
 from titan_npu.errors import CheckpointError
 from titan_npu.models.decoder.args import DecoderArgs
 from titan_npu.models.init import local_indices
-from titan_npu.models.qwen3_moe.args import MoEDecoderArgs
+from titan_npu.models.moe_decoder.args import MoEDecoderArgs
 from titan_npu.models.registry import get_spec
 from titan_npu.parallel.process_group import free_port
 

@@ -18,7 +18,7 @@ from titan_npu.checkpoint.formats import read_weights
 from titan_npu.cli import main
 from titan_npu.models.decoder.args import DecoderArgs
 from titan_npu.models.deepseek_v3.args import DeepSeekArgs
-from titan_npu.models.qwen3_moe.args import MoEDecoderArgs
+from titan_npu.models.moe_decoder.args import MoEDecoderArgs
 from titan_npu.models.registry import build_model, get_spec
 
 transformers = pytest.importorskip("transformers")

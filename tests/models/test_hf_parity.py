@@ -27,7 +27,7 @@ from titan_npu.config.schema import ModelConfig
 from titan_npu.errors import CheckpointError
 from titan_npu.models.decoder.args import DecoderArgs
 from titan_npu.models.deepseek_v3.args import DeepSeekArgs
-from titan_npu.models.qwen3_moe.args import MoEDecoderArgs
+from titan_npu.models.moe_decoder.args import MoEDecoderArgs
 from titan_npu.models.registry import build_model, build_model_args, get_spec, spec_for_hf_config
 
 transformers = pytest.importorskip("transformers")

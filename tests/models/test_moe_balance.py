@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from titan_npu import ops
-from titan_npu.models.qwen3_moe.args import MoEDecoderArgs
+from titan_npu.models.moe_decoder.args import MoEDecoderArgs
 from titan_npu.models.registry import build_model
 
 STEPS = 20

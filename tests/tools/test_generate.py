@@ -42,7 +42,7 @@ def test_cached_decoding_equals_the_full_forward(use_flash):
 
 
 def test_cached_decoding_of_a_moe_model_equals_the_full_forward():
-    from titan_npu.models.qwen3_moe.args import MoEDecoderArgs
+    from titan_npu.models.moe_decoder.args import MoEDecoderArgs
     from titan_npu.models.registry import build_model
 
     args = MoEDecoderArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=97, ffn_dim=96,

@@ -1,6 +1,6 @@
 """The auxiliary loss and expert load of a model that routes tokens (MoE), for the step and its log line.
 
-A model says it has them by its methods (models/qwen3_moe/model.py): `auxiliary_loss()`, the term its last forward
+A model says it has them by its methods (models/moe_decoder/model.py): `auxiliary_loss()`, the term its last forward
 adds to the optimised loss (None: nothing), and `routing_metrics()`, device tensors of that forward (aux_loss,
 expert_tokens [MoE layers, n_experts], dropped_tokens under a capacity). A model without them (every dense
 family) makes this inert. The logged `loss` stays the cross entropy; the step's values accumulate on the device

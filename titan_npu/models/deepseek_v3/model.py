@@ -9,7 +9,7 @@ once from x and shared by every head. RoPE acts on Meta's interleaved pairs (Dee
 rope_interleave), so the published weights load unpermuted; YaRN stretches its frequencies as the published
 config does and scales the softmax by mscale^2.
 
-As the Qwen3-MoE model does, a MoE block returns its routing statistics beside the hidden states and the model
+As the MoE decoder (moe_decoder) does, a MoE block returns its routing statistics beside the hidden states and the model
 exposes, after each forward, `auxiliary_loss()` (seq_aux_loss_coef x the sequence-wise balance loss summed over the
 MoE layers, when the coefficient is set) and `routing_metrics()` (trainer/routing.py); `score_biases()` are the
 routers' biases that aux-loss-free balancing moves after each optimizer step (trainer/routing.py,

@@ -11,7 +11,10 @@ from typing import TYPE_CHECKING, Any
 from titan_npu.errors import ConfigError
 from titan_npu.models.decoder.args import DecoderArgs, resolve_args
 from titan_npu.models.moe.args import MoEArgs
-from titan_npu.models.qwen3_moe.args import MoEDecoderArgs
+from titan_npu.models.moe_decoder.args import MoEDecoderArgs
+
+if TYPE_CHECKING:
+    from titan_npu.config.schema import ModelConfig
 
 if TYPE_CHECKING:
     from titan_npu.config.schema import ModelConfig

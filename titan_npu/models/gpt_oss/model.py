@@ -1,4 +1,4 @@
-"""The gpt-oss model: the MoE decoder (models/qwen3_moe's MoETransformer: routing statistics, load-balancing loss,
+"""The gpt-oss model: the MoE decoder (models/moe_decoder's MoETransformer: routing statistics, load-balancing loss,
 pipeline seams) with gpt-oss's attention in every block and YaRN RoPE tables.
 
 Attention has biases on q/k/v/o and a learned logit per head (`sinks`) that joins each query's softmax and takes
@@ -22,7 +22,7 @@ from titan_npu.models.decoder.model import Attention, Linear, TransformerBlock
 from titan_npu.models.gpt_oss.args import GptOssArgs
 from titan_npu.models.init import ParamInit, constant, trunc_normal
 from titan_npu.models.moe.layer import MoE
-from titan_npu.models.qwen3_moe.model import MoEBlock, MoETransformer
+from titan_npu.models.moe_decoder.model import MoEBlock, MoETransformer
 from titan_npu.ops.documents import Documents
 
 

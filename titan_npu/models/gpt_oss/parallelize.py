@@ -1,4 +1,4 @@
-"""How a gpt-oss model is parallelised: the MoE decoder's steps (models/qwen3_moe/parallelize.py: expert parallelism,
+"""How a gpt-oss model is parallelised: the MoE decoder's steps (models/moe_decoder/parallelize.py: expert parallelism,
 the experts' tensor parallelism, then the dense decoder's TP plan, activation checkpointing, compile per block and
 data parallelism), with the attention sinks split by head under tensor parallelism first.
 
@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_npu.errors import LayoutError
 from titan_npu.models.gpt_oss.args import GptOssArgs
-from titan_npu.models.qwen3_moe.parallelize import parallelize_moe
+from titan_npu.models.moe_decoder.parallelize import parallelize_moe
 from titan_npu.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ split by head, b1 / b3 on the ffn dim; the o-projection's, the router's and b2 a
 from __future__ import annotations
 
 from titan_npu.models.gpt_oss.args import GptOssArgs
-from titan_npu.models.qwen3_moe.sharding import parameter_kinds as moe_kinds
+from titan_npu.models.moe_decoder.sharding import parameter_kinds as moe_kinds
 
 
 def parameter_kinds(args: GptOssArgs) -> dict[str, tuple[tuple[int, ...], int | None]]:

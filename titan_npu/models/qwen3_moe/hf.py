@@ -20,7 +20,8 @@ import torch
 from titan_npu.errors import CheckpointError
 from titan_npu.models.decoder import hf
 from titan_npu.models.decoder.args import matching_flavor
-from titan_npu.models.qwen3_moe.args import FLAVORS, MOE_OVERRIDABLE, MoEDecoderArgs
+from titan_npu.models.moe_decoder.args import MOE_OVERRIDABLE, MoEDecoderArgs
+from titan_npu.models.qwen3_moe.args import FLAVORS
 
 StateDict = dict[str, torch.Tensor]
 

@@ -8,11 +8,11 @@ from titan_npu.models.decoder import hf as decoder_hf
 from titan_npu.models.decoder.parts import permuted_block
 from titan_npu.models.decoder.pipeline import build_stage, split_layers
 from titan_npu.models.moe.balanced_routing import balanced_routing
+from titan_npu.models.moe_decoder.model import MoETransformer
+from titan_npu.models.moe_decoder.parallelize import parallelize_moe
+from titan_npu.models.moe_decoder.sharding import parameter_kinds
 from titan_npu.models.qwen3_moe import hf
 from titan_npu.models.qwen3_moe.args import FLAVORS, args_from_dict, build_args
-from titan_npu.models.qwen3_moe.model import MoETransformer
-from titan_npu.models.qwen3_moe.parallelize import parallelize_moe
-from titan_npu.models.qwen3_moe.sharding import parameter_kinds
 from titan_npu.models.spec import HFAdapter, ModelSpec
 
 QWEN3_MOE = ModelSpec(

@@ -1,11 +1,11 @@
-"""Every kind of parameter of a Qwen3-MoE model: the dense decoder's, with the MoE layers' router and stacked
+"""Every kind of parameter of a MoE decoder: the dense decoder's, with the MoE layers' router and stacked
 experts. Under tensor parallelism each expert is split on its ffn dim (w1 / w3 dim 1, w2 dim 2) and the router is
 replicated (tensor-parallel dim None), a shared expert split as the dense SwiGLU (models/moe/parallelize.py)."""
 
 from __future__ import annotations
 
 from titan_npu.models.decoder.sharding import parameter_kinds as decoder_kinds
-from titan_npu.models.qwen3_moe.args import MoEDecoderArgs
+from titan_npu.models.moe_decoder.args import MoEDecoderArgs
 
 DENSE_FFN = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
 

@@ -1,4 +1,4 @@
-"""How a Qwen3-MoE model is parallelised: as the dense decoder (parallelize_decoder: activation checkpointing,
+"""How a MoE decoder is parallelised: as the dense decoder (parallelize_decoder: activation checkpointing,
 compile per block, FSDP / HSDP / replicate with the stacked experts sharded on their expert dim like any
 parameter's dim 0), pipeline stages split as the decoder's; under expert parallelism (parallel.ep_degree) the
 experts are split over the ep ranks first (models/moe/parallelize.py) and FSDP leaves them. Under tensor parallelism

@@ -1,4 +1,4 @@
-"""The Qwen3-MoE model: the dense decoder (models/decoder) with MoE feed-forwards (models/moe) in its MoE layers.
+"""The MoE decoder: the dense decoder (models/decoder) with MoE feed-forwards (models/moe) in its MoE layers.
 
 Blocks, attention, norms, RoPE and the output are the decoder's. A MoE block returns its routing statistics beside
 the hidden states; the model collects them over its layers in each forward and exposes, until the next forward,
@@ -14,7 +14,7 @@ from torch import nn
 from titan_npu.models.decoder.model import Transformer, TransformerBlock
 from titan_npu.models.moe.balance import pooled_load_balancing_loss
 from titan_npu.models.moe.layer import MoE, RoutingStats
-from titan_npu.models.qwen3_moe.args import MoEDecoderArgs
+from titan_npu.models.moe_decoder.args import MoEDecoderArgs
 from titan_npu.ops.documents import Documents
 
 
