@@ -11,6 +11,7 @@ import pytest
 
 from titan_npu.config.loader import load_config
 from titan_npu.errors import LayoutError
+from titan_npu.parallel.degrees import Degrees
 from titan_npu.planner.activations import block_bytes
 from titan_npu.planner.dry_run import dry_run
 from titan_npu.planner.hardware import hardware
@@ -52,10 +53,10 @@ def test_sink_attention_keeps_the_probabilities_as_eager_attention_does():
 def test_the_search_leaves_out_context_parallelism_and_tensor_with_expert_parallelism():
     cfg = load_config(DEBUG, TINY)
     job = job_from_config(cfg)
-    for layout, refusal in [(Layout(dp_shard=2, cp=2), "takes no attention sink"),
-                            (Layout(dp_shard=2, tp=2, ep=2), "not split over both")]:
+    for layout, refusal in [(Layout(Degrees(dp_shard=2, cp=2)), "takes no attention sink"),
+                            (Layout(Degrees(dp_shard=2, tp=2, ep=2)), "not split over both")]:
         with pytest.raises(LayoutError, match=refusal):
-            check_layout(config_for_layout(cfg, layout), job, layout.world_size)
+            check_layout(config_for_layout(cfg, layout), job, layout.degrees)
     layouts = [c.layout for c in make_plan(cfg, 1, 4, hardware("910B2"), top=10**6).ranked]
     assert layouts and all(lay.cp == 1 and (lay.tp == 1 or lay.ep == 1) for lay in layouts)
     assert {2, 4} <= {lay.ep for lay in layouts} and 2 in {lay.tp for lay in layouts}

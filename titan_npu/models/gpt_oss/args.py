@@ -16,9 +16,6 @@ from titan_npu.models.moe_decoder.args import MoEDecoderArgs
 if TYPE_CHECKING:
     from titan_npu.config.schema import ModelConfig
 
-if TYPE_CHECKING:
-    from titan_npu.config.schema import ModelConfig
-
 SLIDING, FULL = "sliding_attention", "full_attention"
 # ModelConfig fields of gpt-oss's own part that override a flavor when set.
 GPT_OSS_OVERRIDABLE = ("n_experts", "top_k", "moe_ffn_dim", "router_aux_loss_coef", "capacity_factor", "yarn_factor",

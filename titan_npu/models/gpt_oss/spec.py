@@ -12,6 +12,7 @@ from titan_npu.models.gpt_oss.args import FLAVORS, args_from_dict, build_args
 from titan_npu.models.gpt_oss.model import GptOssTransformer
 from titan_npu.models.gpt_oss.parallelize import check_gpt_oss_layout, parallelize_gpt_oss
 from titan_npu.models.gpt_oss.sharding import parameter_kinds
+from titan_npu.models.moe.balanced_routing import balanced_routing
 from titan_npu.models.spec import HFAdapter, ModelSpec
 
 GPT_OSS = ModelSpec(
@@ -31,4 +32,5 @@ GPT_OSS = ModelSpec(
                  permuted_block=permuted_block, shard_wise=False),
     args_from_dict=args_from_dict,
     check_layout=check_gpt_oss_layout,
+    balanced_routing=balanced_routing,
 )
