@@ -16,6 +16,7 @@ import json
 import sys
 
 from titan_npu.errors import ConfigError, LayoutError
+from titan_npu.planner.calibration import calibrated_efficiency, error_band
 from titan_npu.planner.hardware import DEVICES, hardware
 from titan_npu.planner.layout import GiB, Layout
 from titan_npu.planner.search import Candidate, Plan, config_overrides, make_plan
@@ -97,6 +98,18 @@ def format_table(ranked: list[Candidate]) -> list[str]:
     return lines
 
 
+def band_label() -> str:
+    """The estimates' measured error band: '±11%' (the held-out published runs' median error, docs/planning.md)."""
+    return f"±{100 * error_band():.0f}%"
+
+
+def efficiency_origin(plan: Plan) -> str:
+    """Where the plan's compute efficiency comes from: the calibration on published runs, or --efficiency."""
+    if plan.efficiency == calibrated_efficiency(plan.hw.device_type):
+        return f"calibrated on published runs, estimates {band_label()}"
+    return "--efficiency"
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as text: model, cluster, the config's layout, then the ranked table."""
     a, hw = plan.job.args, plan.hw
@@ -111,7 +124,8 @@ def format_plan(plan: Plan) -> str:
         f"{plan.job.dtype}, {plan.job.optimizer}",
         f"cluster: {plan.nodes} node(s) x {plan.devices_per_node} {hw.name} ({_gib(hw.memory_bytes)} GiB, "
         f"{hw.peak_flops / 1e12:.0f} TFLOP/s bf16; {hw.intra_link} {hw.intra_node_bw / 1e9:.0f} GB/s, "
-        f"{hw.inter_link} {hw.inter_node_bw / 1e9:.0f} GB/s; compute at {100 * plan.efficiency:.0f}% of peak)",
+        f"{hw.inter_link} {hw.inter_node_bw / 1e9:.0f} GB/s; compute at {100 * plan.efficiency:.1f}% of peak, "
+        f"{efficiency_origin(plan)})",
         f"global batch: {plan.global_batch} sequences = {tokens:,} tokens per step (kept by every layout below)",
     ]
     if tokens > LARGE_GLOBAL_BATCH_TOKENS:
@@ -123,7 +137,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"config layout: {c.layout.describe()}")
         lines += format_breakdown(c)
         s = c.step
-        lines.append(f"estimate: {s.tokens_per_s:,.0f} tokens/s, MFU {100 * s.mfu:.1f}%, step {s.step_time:.2f}s "
+        lines.append(f"estimate: {s.tokens_per_s:,.0f} tokens/s ({band_label()}), MFU {100 * s.mfu:.1f}%, "
+                     f"step {s.step_time:.2f}s "
                      f"(compute {s.compute:.2f}s, tp {s.tp_comm:.2f}s, pp {s.pp_comm + s.bubble:.2f}s, "
                      f"exposed fsdp {s.fsdp_exposed:.2f}s, offload {s.offload:.2f}s, ep all-to-all {s.ep_comm:.2f}s, "
                      f"cp {s.cp_comm:.2f}s)")
@@ -131,7 +146,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"config layout does not apply to {plan.nodes * plan.devices_per_node} ranks: {plan.config_error}")
     lines.append("")
     if plan.ranked:
-        lines.append("layouts that fit, fastest first:")
+        lines.append(f"layouts that fit, fastest first (tokens/s {band_label()}):")
         lines += format_table(plan.ranked)
         lines += ["", "to use #1: " + config_overrides(plan.ranked[0].layout)]
     else:
@@ -155,7 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory", help="memory per device, e.g. 64GB (default: the device's)")
     p.add_argument("--intra-node-bw", type=float, help="effective collective bandwidth inside a node, GB/s")
     p.add_argument("--inter-node-bw", type=float, help="effective collective bandwidth between nodes, GB/s")
-    p.add_argument("--efficiency", type=float, default=0.4, help="fraction of peak FLOPs compute reaches (0.4)")
+    p.add_argument("--efficiency", type=float,
+                   help="fraction of peak FLOPs compute reaches (default: the device type's, fitted on published "
+                        "runs)")
+    p.add_argument("--reproduce", metavar="RUN",
+                   help="plan a published run (benchmarks/published/<run>.toml) and print estimate / published")
     p.add_argument("--top", type=int, default=10, help="how many ranked layouts to show")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--verify", action="store_true",
@@ -170,12 +189,15 @@ def main(argv: list[str]) -> int:
     from titan_npu.config.loader import load_config
 
     args, overrides = build_parser().parse_known_args(argv)
-    if not 0 < args.efficiency <= 1:
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ConfigError(f"--efficiency {args.efficiency} must be in (0, 1]; 0.3-0.5 is typical")
+    if args.reproduce:
+        return print_reproduction(args.reproduce, args.efficiency, args.json)
     cfg = load_config(args.config, overrides)
     hw = hardware(args.device, args.device_memory, args.intra_node_bw, args.inter_node_bw)
     plan = make_plan(cfg, args.nodes, args.devices_per_node, hw, args.efficiency, args.top)
     report = plan.as_dict()
+    report["estimate_error_band"] = error_band()
     agree = True
     verify_text = ""
     if args.verify:
@@ -196,3 +218,16 @@ def main(argv: list[str]) -> int:
         print(format_plan(plan) + verify_text)
     fits = plan.config_candidate is not None and plan.config_candidate.fits
     return 0 if agree and fits else 1
+
+
+def print_reproduction(path: str, efficiency: float | None, as_json: bool) -> int:
+    """`plan --reproduce RUN`: the published run planned, its estimate beside the published figure."""
+    from titan_npu.planner.reproduce import format_reproduction, load_published, reproduce
+
+    rep = reproduce(load_published(path), efficiency)
+    if as_json:
+        json.dump({**rep.as_dict(), "estimate_error_band": error_band()}, sys.stdout, indent=2)
+        print()
+    else:
+        print(format_reproduction(rep, error_band()))
+    return 0
