@@ -76,8 +76,8 @@ def test_qwen_configs_hold_the_planners_first_layout_and_dry_run_to_its_bytes(na
 
 
 # The cards a MoE config's header names (nodes, 910B per node), a rank whose dry run is checked, and its ep degree.
-MOE_CLUSTERS = {"qwen3_30b_a3b.toml": (1, 8, 7, 1), "qwen3_235b_a22b.toml": (16, 8, 77, 1),
-                "gpt_oss_20b.toml": (1, 8, 7, 1)}
+MOE_CLUSTERS = {"qwen3_30b_a3b.toml": (1, 8, 7, 1), "qwen3_235b_a22b.toml": (16, 8, 77, 8),
+                "gpt_oss_20b.toml": (1, 8, 7, 4)}
 
 
 # The search over 8 ranks takes seconds, over 128 minutes: the 235B one runs with the slow tests (its fit and dry run
@@ -103,7 +103,7 @@ def test_moe_configs_hold_the_planners_first_layout_and_dry_run_to_its_bytes(nam
 
 # The large MoE configs: (nodes, 910B per node) of the header, a rank whose dry run is checked, (ep, dp_replicate).
 DEEPSEEK_CLUSTERS = {"deepseek_v3_16b.toml": (1, 8, 7, (8, 1)), "deepseek_v3_671b.toml": (64, 8, 77, (128, 1))}
-FIT_CLUSTERS = {**DEEPSEEK_CLUSTERS, "qwen3_235b_a22b.toml": (16, 8, 77, (1, 1)),
+FIT_CLUSTERS = {**DEEPSEEK_CLUSTERS, "qwen3_235b_a22b.toml": (16, 8, 77, (8, 1)),
                 "gpt_oss_120b.toml": (8, 8, 63, (8, 1))}
 
 

@@ -104,7 +104,7 @@ def test_moe_compute_counts_active_parameters_and_expert_parallelism_adds_its_al
     job = job_from_config(load_config(QWEN3_30B))
     a, hw = job.args, hardware("910B2")
     base = Layout(Degrees(dp_shard=8), ac="full", batch_size=16)
-    dense = estimate_step(job, base, hw, 8)
+    dense = estimate_step(job, base, hw, 8, efficiency=0.4)
     tokens = 16 * 4096
     active = flops_per_token(a.num_active_params(exclude_embedding=True), a.n_layers, a.dim, 4096)
     assert dense.compute == pytest.approx(active * tokens * 4 / 3 / (hw.peak_flops * 0.4))

@@ -15,6 +15,7 @@ import sys
 
 from titan_npu.commands.parsing import CommandParser, parse
 from titan_npu.errors import LayoutError
+from titan_npu.planner.calibration import error_band
 from titan_npu.planner.hardware import DEVICES, hardware
 from titan_npu.planner.plan import format_plan
 from titan_npu.planner.search import make_plan
@@ -33,7 +34,11 @@ def build_parser() -> CommandParser:
     p.add_argument("--device-memory", help="memory per device, e.g. 64GB (default: the device's)")
     p.add_argument("--intra-node-bw", type=float, help="effective collective bandwidth inside a node, GB/s")
     p.add_argument("--inter-node-bw", type=float, help="effective collective bandwidth between nodes, GB/s")
-    p.add_argument("--efficiency", type=float, default=0.4, help="fraction of peak FLOPs compute reaches (0.4)")
+    p.add_argument("--efficiency", type=float,
+                   help="fraction of peak FLOPs compute reaches (default: the device type's, fitted on published "
+                        "runs)")
+    p.add_argument("--reproduce", metavar="RUN",
+                   help="plan a published run (benchmarks/published/<run>.toml) and print estimate / published")
     p.add_argument("--top", type=int, default=10, help="how many ranked layouts to show")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--verify", action="store_true",
@@ -48,10 +53,13 @@ def main(argv: list[str]) -> int:
     from titan_npu.config.loader import load_config
 
     args, overrides = parse("plan", build_parser(), argv, known=True)
+    if args.reproduce:
+        return print_reproduction(args.reproduce, args.efficiency, args.json)
     cfg = load_config(args.config, overrides)
     hw = hardware(args.device, args.device_memory, args.intra_node_bw, args.inter_node_bw)
     plan = make_plan(cfg, args.nodes, args.devices_per_node, hw, args.efficiency, args.top)
     report = plan.as_dict()
+    report["estimate_error_band"] = error_band()
     agree = True
     verify_text = ""
     if args.verify:
@@ -72,3 +80,16 @@ def main(argv: list[str]) -> int:
         print(format_plan(plan) + verify_text)
     fits = plan.config_candidate is not None and plan.config_candidate.fits
     return 0 if agree and fits else 1
+
+
+def print_reproduction(path: str, efficiency: float | None, as_json: bool) -> int:
+    """`plan --reproduce RUN`: the published run planned, its estimate beside the published figure."""
+    from titan_npu.planner.reproduce import format_reproduction, load_published, reproduce
+
+    rep = reproduce(load_published(path), efficiency)
+    if as_json:
+        json.dump({**rep.as_dict(), "estimate_error_band": error_band()}, sys.stdout, indent=2)
+        print()
+    else:
+        print(format_reproduction(rep, error_band()))
+    return 0

@@ -179,9 +179,14 @@ def context_exchange_seconds(job: Job, layout: Layout, hw: Hardware, devices_per
     return ulysses / _bandwidth(hw, inner) + ring / _bandwidth(hw, crosses)
 
 
-def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, efficiency: float = 0.4
+def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, efficiency: float | None = None
                   ) -> StepEstimate:
-    """Step time of a layout: compute at `efficiency` x peak, plus exposed communication, pipeline bubble, offload."""
+    """Step time of a layout: compute at `efficiency` x peak (None: the device type's calibrated efficiency,
+    planner/calibration.py), plus exposed communication, pipeline bubble, offload."""
+    if efficiency is None:
+        from titan_npu.planner.calibration import calibrated_efficiency
+
+        efficiency = calibrated_efficiency(hw.device_type)
     a, c = job.args, job.compute_bytes
     fpt = training_flops_per_token(a, job.seq_len)
     tokens_per_rank = layout.local_batch * job.seq_len  # per data-parallel rank, per step

@@ -8,6 +8,7 @@ would change the training run, not only its speed. Candidates pass the same layo
 
 from __future__ import annotations
 
+from titan_npu.planner.calibration import calibrated_efficiency, error_band
 from titan_npu.planner.layout import GiB, Layout
 from titan_npu.planner.search import Candidate, Plan, config_overrides
 
@@ -98,6 +99,18 @@ def _float8_peak(plan: Plan) -> str:
     return f", {plan.hw.peak_float8_flops / 1e12:.0f} TFLOP/s float8 ({f.recipe} linears)"
 
 
+def band_label() -> str:
+    """The estimates' measured error band: '±11%' (the held-out published runs' median error, docs/planning.md)."""
+    return f"±{100 * error_band():.0f}%"
+
+
+def efficiency_origin(plan: Plan) -> str:
+    """Where the plan's compute efficiency comes from: the calibration on published runs, or --efficiency."""
+    if plan.efficiency == calibrated_efficiency(plan.hw.device_type):
+        return f"calibrated on published runs, estimates {band_label()}"
+    return "--efficiency"
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as text: model, cluster, the config's layout, then the ranked table."""
     a, hw = plan.job.args, plan.hw
@@ -112,8 +125,8 @@ def format_plan(plan: Plan) -> str:
         f"{plan.job.dtype}, {plan.job.optimizer}",
         f"cluster: {plan.nodes} node(s) x {plan.devices_per_node} {hw.name} ({_gib(hw.memory_bytes)} GiB, "
         f"{hw.peak_flops / 1e12:.0f} TFLOP/s bf16{_float8_peak(plan)}; "
-        f"{hw.intra_link} {hw.intra_node_bw / 1e9:.0f} GB/s, "
-        f"{hw.inter_link} {hw.inter_node_bw / 1e9:.0f} GB/s; compute at {100 * plan.efficiency:.0f}% of peak)",
+        f"{hw.intra_link} {hw.intra_node_bw / 1e9:.0f} GB/s, {hw.inter_link} {hw.inter_node_bw / 1e9:.0f} GB/s; "
+        f"compute at {100 * plan.efficiency:.1f}% of peak, {efficiency_origin(plan)})",
         f"global batch: {plan.global_batch} sequences = {tokens:,} tokens per step (kept by every layout below)",
     ]
     if tokens > LARGE_GLOBAL_BATCH_TOKENS:
@@ -125,7 +138,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"config layout: {c.layout.describe()}")
         lines += format_breakdown(c)
         s = c.step
-        lines.append(f"estimate: {s.tokens_per_s:,.0f} tokens/s, MFU {100 * s.mfu:.1f}%, step {s.step_time:.2f}s "
+        lines.append(f"estimate: {s.tokens_per_s:,.0f} tokens/s ({band_label()}), MFU {100 * s.mfu:.1f}%, "
+                     f"step {s.step_time:.2f}s "
                      f"(compute {s.compute:.2f}s, tp {s.tp_comm:.2f}s, pp {s.pp_comm + s.bubble:.2f}s, "
                      f"exposed fsdp {s.fsdp_exposed:.2f}s, offload {s.offload:.2f}s, ep all-to-all {s.ep_comm:.2f}s, "
                      f"cp {s.cp_comm:.2f}s" + (f", Muon gathers {s.optimizer_comm:.2f}s" if s.optimizer_comm else "")
@@ -134,7 +148,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"config layout does not apply to {plan.nodes * plan.devices_per_node} ranks: {plan.config_error}")
     lines.append("")
     if plan.ranked:
-        lines.append("layouts that fit, fastest first:")
+        lines.append(f"layouts that fit, fastest first (tokens/s {band_label()}):")
         lines += format_table(plan.ranked)
         lines += ["", "to use #1: " + config_overrides(plan.ranked[0].layout)]
     else:

@@ -62,7 +62,7 @@ def usable_fraction(cfg: JobConfig) -> float:
     return min(FIT_FRACTION, cap) if cap > 0 else FIT_FRACTION
 
 
-def evaluate(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, efficiency: float,
+def evaluate(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, efficiency: float | None,
              hccl_buffsize_mb: int = 0, fraction: float = FIT_FRACTION) -> Candidate:
     """Memory and speed of one layout."""
     memory = estimate_memory(job, layout, hw.device_type, hccl_buffsize_mb)
@@ -251,9 +251,14 @@ class Plan:
         }
 
 
-def make_plan(cfg: JobConfig, nodes: int, devices_per_node: int, hw: Hardware, efficiency: float = 0.4,
+def make_plan(cfg: JobConfig, nodes: int, devices_per_node: int, hw: Hardware, efficiency: float | None = None,
               top: int = 10) -> Plan:
-    """Evaluate the config's own layout and rank every candidate layout that fits."""
+    """Evaluate the config's own layout and rank every candidate layout that fits (efficiency None: the device
+    type's calibrated one, planner/calibration.py)."""
+    if efficiency is None:
+        from titan_npu.planner.calibration import calibrated_efficiency
+
+        efficiency = calibrated_efficiency(hw.device_type)
     if nodes < 1 or devices_per_node < 1:
         raise ConfigError(f"--nodes {nodes} --devices-per-node {devices_per_node}: both must be >= 1")
     world = nodes * devices_per_node
