@@ -290,8 +290,11 @@ def test_multi_token_prediction_leaves_the_main_loss_alone_and_sees_no_later_tok
         changed = labels.clone()
         changed[:, 20] = (changed[:, 20] + 1) % 512  # token 21
         before, after = depth_one_logits(labels), depth_one_logits(changed)
-    # Positions up to 19 see tokens up to 21 only through labels[:, :20]: unchanged; position 20 sees it.
-    assert torch.equal(before[:, :20], after[:, :20]) and not torch.equal(before[:, 20], after[:, 20])
+    # Positions up to 19 see tokens up to 21 only through labels[:, :20]: unchanged; position 20 sees it. Unchanged
+    # up to rounding: the changed token reroutes its own rows, and a multi-threaded CPU GEMM may round another row
+    # of a resized expert group differently (bit-equal with one thread); a token it sees moves logits by O(1).
+    assert (before[:, :20] - after[:, :20]).abs().max() < 1e-5
+    assert (before[:, 20] - after[:, 20]).abs().max() > 1e-2
 
 
 def test_the_hf_multi_token_prediction_layer_is_kept_with_mtp_depth_and_set_aside_without(caplog):

@@ -88,8 +88,9 @@ CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # stays in the default run, with test_tp_gradients.py's qwen2_tp2 (the biases' TP gradients). Qwen3 under FSDP alone
 # (qwen3_fsdp_ac_selective_ops, qwen3_fsdp_compile and qwen3_fsdp2_tp2 run it with more on top), and GPipe (torch's
 # schedule on the same stages that pp_1f1b and pp_interleaved_1f1b run). gpt-oss under FSDP alone (gpt_oss_fsdp_ep2
-# runs FSDP 2 with expert parallelism on top).
-SLOW_CASES = ("qwen2_fsdp", "qwen2_tp", "qwen3_fsdp", "pp_gpipe", "gpt_oss_fsdp")
+# runs FSDP 2 with expert parallelism on top) and in two pipeline stages (the stage split is the MoE decoder's, which
+# Qwen3-MoE's pipeline layouts run by default).
+SLOW_CASES = ("qwen2_fsdp", "qwen2_tp", "qwen3_fsdp", "pp_gpipe", "gpt_oss_fsdp", "gpt_oss_pp_1f1b")
 
 # float8 in torchao's emulation (docs/float8.md), FSDP 2 x TP 2 against one process in float8: tensorwise (the weights
 # all-gathered in float8 with their scales precomputed after each step, torchao's float8 TP styles) and rowwise

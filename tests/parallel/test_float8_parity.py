@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from .conftest import FLOAT8_CASES
-from .harness import STEPS, losses
+from .harness import STEPS, losses, marked_slow
 
 pytestmark = pytest.mark.distributed
 
@@ -23,7 +23,10 @@ RTOL = 5e-3
 ROWWISE_FIRST_STEP_RTOL = 1e-6
 
 
-@pytest.mark.parametrize("name", list(FLOAT8_CASES) or [pytest.param("float8", marks=pytest.mark.skip("no torchao"))])
+# rowwise (the plain TP styles over float8 linears) with -m slow: tensorwise runs the float8 TP styles and the
+# FSDP2 scale precompute on top of the same conversion.
+@pytest.mark.parametrize("name", marked_slow(FLOAT8_CASES, ("float8_rowwise_fsdp2_tp2",))
+                         or [pytest.param("float8", marks=pytest.mark.skip("no torchao"))])
 def test_float8_layout_follows_one_float8_process(layout_runs, name):
     case = FLOAT8_CASES[name]
     got, want = losses(layout_runs, name), losses(layout_runs, case.reference_run)
