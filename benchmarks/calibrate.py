@@ -16,7 +16,8 @@ from pathlib import Path
 
 from titan_npu.atomic import atomic_write_text
 from titan_npu.models.registry import build_model_args
-from titan_npu.planner.calibration import CALIBRATION_FILE, FIT, HELD_OUT, Calibration, calibrate, median_abs_error
+from titan_npu.planner.calibration import FIT, HELD_OUT, calibrate, median_abs_error
+from titan_npu.planner.efficiency import CALIBRATION_FILE, Calibration
 from titan_npu.planner.layout import Layout
 from titan_npu.planner.reproduce import PublishedRun, published_runs, reproduce
 

@@ -12,7 +12,8 @@ import pytest
 from titan_npu.commands import plan as plan_command
 from titan_npu.config.loader import load_config
 from titan_npu.errors import ConfigError
-from titan_npu.planner.calibration import FIT, HELD_OUT, calibrate, error_band, load_calibration, split
+from titan_npu.planner.calibration import FIT, HELD_OUT, calibrate, split
+from titan_npu.planner.efficiency import error_band, load_calibration
 from titan_npu.planner.hardware import hardware
 from titan_npu.planner.reproduce import load_published, published_runs, reproduce
 from titan_npu.planner.search import make_plan

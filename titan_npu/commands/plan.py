@@ -15,7 +15,7 @@ import sys
 
 from titan_npu.commands.parsing import CommandParser, parse
 from titan_npu.errors import LayoutError
-from titan_npu.planner.calibration import error_band
+from titan_npu.planner.efficiency import error_band
 from titan_npu.planner.hardware import DEVICES, hardware
 from titan_npu.planner.plan import format_plan
 from titan_npu.planner.search import make_plan

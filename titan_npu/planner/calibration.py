@@ -6,24 +6,18 @@ of that type's published runs is 1 (the ratio rises with the efficiency, so a bi
 fixed: the runs sorted by (source, id), alternate ones fitted (0th, 2nd, ...) and the others held out. The median
 absolute percentage error of the held-out half is the error band the planner prints beside every estimate.
 
-`python benchmarks/calibrate.py` refits and writes calibration.json beside this file; the planner reads only that
-file, and tests/tools/test_plan_published.py holds it equal to a refit of benchmarks/published/.
+`python benchmarks/calibrate.py` refits and writes calibration.json; the planner reads only that file
+(efficiency.py), and tests/tools/test_plan_published.py holds it equal to a refit of benchmarks/published/.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
+from titan_npu.planner.efficiency import DEFAULT_EFFICIENCY, Calibration
 from titan_npu.planner.reproduce import PublishedRun, reproduce
 
-CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
-# Device types without published runs (cpu) keep the planner's former assumption.
-DEFAULT_EFFICIENCY = 0.4
 FIT, HELD_OUT = "fit", "held-out"
 
 
@@ -49,20 +43,6 @@ def median_abs_error(ratios: Sequence[float]) -> float:
     return statistics.median(abs(r - 1) for r in ratios)
 
 
-@dataclass(frozen=True)
-class Calibration:
-    """Fitted efficiencies per device type, each half's median absolute error, and every run's ratio."""
-
-    efficiency: dict[str, float]
-    fit_error: float
-    held_out_error: float
-    rows: list[dict]  # id, source, device, device_type, half, published, estimate, ratio (tokens/s per device)
-
-    def as_dict(self) -> dict:
-        return {"efficiency": self.efficiency, "fit_error": self.fit_error, "held_out_error": self.held_out_error,
-                "rows": self.rows}
-
-
 def calibrate(runs: Sequence[PublishedRun]) -> Calibration:
     """Fit the efficiency of each device type on its fit-half runs; report both halves' errors at the fit."""
     halves = split(runs)
@@ -83,20 +63,3 @@ def calibrate(runs: Sequence[PublishedRun]) -> Calibration:
     errors = {h: round(median_abs_error([row["ratio"] for row in rows if row["half"] == h]), 4)
               for h in (FIT, HELD_OUT)}
     return Calibration(efficiency, errors[FIT], errors[HELD_OUT], rows)
-
-
-@functools.lru_cache(maxsize=1)
-def load_calibration(path: Path = CALIBRATION_FILE) -> Calibration:
-    """The calibration the planner uses (calibration.json, written by benchmarks/calibrate.py)."""
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return Calibration(data["efficiency"], data["fit_error"], data["held_out_error"], data["rows"])
-
-
-def calibrated_efficiency(device_type: str) -> float:
-    """The fitted compute efficiency of a device type (DEFAULT_EFFICIENCY where no published run covers it)."""
-    return load_calibration().efficiency.get(device_type, DEFAULT_EFFICIENCY)
-
-
-def error_band() -> float:
-    """The planner's measured error: the held-out published runs' median |estimate / published - 1|."""
-    return load_calibration().held_out_error

@@ -184,7 +184,7 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
     """Step time of a layout: compute at `efficiency` x peak (None: the device type's calibrated efficiency,
     planner/calibration.py), plus exposed communication, pipeline bubble, offload."""
     if efficiency is None:
-        from titan_npu.planner.calibration import calibrated_efficiency
+        from titan_npu.planner.efficiency import calibrated_efficiency
 
         efficiency = calibrated_efficiency(hw.device_type)
     a, c = job.args, job.compute_bytes

@@ -8,7 +8,7 @@ would change the training run, not only its speed. Candidates pass the same layo
 
 from __future__ import annotations
 
-from titan_npu.planner.calibration import calibrated_efficiency, error_band
+from titan_npu.planner.efficiency import calibrated_efficiency, error_band
 from titan_npu.planner.layout import GiB, Layout
 from titan_npu.planner.search import Candidate, Plan, config_overrides
 

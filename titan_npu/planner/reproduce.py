@@ -99,7 +99,7 @@ class Reproduction:
 
 def reproduce(run: PublishedRun, efficiency: float | None = None) -> Reproduction:
     """Plan the published run's own layout (no search) and estimate its speed; efficiency None = calibrated."""
-    from titan_npu.planner.calibration import calibrated_efficiency
+    from titan_npu.planner.efficiency import calibrated_efficiency
 
     cfg, world = run.config, run.world_size
     hw = hardware(run.device)

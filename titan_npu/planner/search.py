@@ -256,7 +256,7 @@ def make_plan(cfg: JobConfig, nodes: int, devices_per_node: int, hw: Hardware, e
     """Evaluate the config's own layout and rank every candidate layout that fits (efficiency None: the device
     type's calibrated one, planner/calibration.py)."""
     if efficiency is None:
-        from titan_npu.planner.calibration import calibrated_efficiency
+        from titan_npu.planner.efficiency import calibrated_efficiency
 
         efficiency = calibrated_efficiency(hw.device_type)
     if nodes < 1 or devices_per_node < 1:
