@@ -24,7 +24,7 @@ from titan_npu.parallel.float8 import (
     convert_experts_to_float8,
     convert_to_float8,
     converts_experts,
-    float8_grouped_mm,
+    experts_grouped_mm,
     pad_groups,
 )
 
@@ -116,7 +116,7 @@ def test_the_float8_grouped_mm_equals_the_grouped_gemm_on_values_mxfp8_holds_for
     n, k, m = sum(COUNTS), 32, 64
     x, w, grad = _grids((n, k), (len(COUNTS), m, k), (n, m))
     offsets = _offsets(COUNTS)
-    out = float8_grouped_mm(x, w, offsets, recipe="mxfp8", emulate=True)
+    out = experts_grouped_mm("mxfp8", emulate=True)(x, w, offsets)
     out.backward(grad)
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     ref = _reference_grouped_mm(x2, w2, offsets)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -201,7 +202,6 @@ def convert_to_float8(model: nn.Module, cfg: Float8Config, dp_mode: str) -> list
     return chosen + convert_experts_to_float8(model, cfg)
 
 
-@functools.cache
 def grouped_mm_config(recipe: str, emulate: bool) -> Any:
     """torchao's op config for float8.moe_recipe: Float8TrainingOpConfig (rowwise) or MXFP8TrainingOpConfig (its
     emulated recipe under float8.emulate). Their output is bf16 (the emulation's torch._grouped_mm runs on the
@@ -238,16 +238,23 @@ def pad_groups(x: torch.Tensor, offsets: torch.Tensor, block: int) -> tuple[torc
 
 
 def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, max_group_rows: int | None = None,
-                      *, recipe: str, emulate: bool) -> torch.Tensor:
+                      *, config: Any, block: int) -> torch.Tensor:
     """ops.grouped_mm's product (x [N, K] sorted by group, w [G, M, K], int32 cumulative ends) through torchao's
-    dynamically-quantised grouped GEMM of `recipe`, forward and backward: each group padded to the recipe's block
-    (pad_groups), the padding dropped from the output, which is cast back to x's dtype. max_group_rows: unused (no
-    kernel here pads to it)."""
+    dynamically-quantised grouped GEMM of `config` (grouped_mm_config), forward and backward: each group padded to
+    `block` rows (pad_groups), the padding dropped from the output, which is cast back to x's dtype. max_group_rows:
+    unused (no kernel here pads to it)."""
     from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm
 
-    padded, ends, rows = pad_groups(x, offsets, MOE_BLOCK[recipe])
-    out = _quantize_then_scaled_grouped_mm(padded, w.transpose(-2, -1), grouped_mm_config(recipe, emulate), offs=ends)
+    padded, ends, rows = pad_groups(x, offsets, block)
+    out = _quantize_then_scaled_grouped_mm(padded, w.transpose(-2, -1), config, offs=ends)
     return out.index_select(0, rows).to(x.dtype)
+
+
+def experts_grouped_mm(recipe: str, emulate: bool) -> Callable[..., torch.Tensor]:
+    """float8_grouped_mm for float8.moe_recipe, its torchao config and block bound. The emulation runs eagerly under
+    torch.compile (torch 2.13's Inductor fails to generate CPU code for its MXFP8 casts); it is for the numerics."""
+    mm = functools.partial(float8_grouped_mm, config=grouped_mm_config(recipe, emulate), block=MOE_BLOCK[recipe])
+    return torch.compiler.disable(mm) if emulate else mm
 
 
 def convert_experts_to_float8(model: nn.Module, cfg: Float8Config) -> list[str]:
@@ -257,8 +264,7 @@ def convert_experts_to_float8(model: nn.Module, cfg: Float8Config) -> list[str]:
     for name, m in model.named_modules():
         if not hasattr(m, "float8_grouped_mm") or not converts_experts(name, m.w1.shape[2], m.w1.shape[1], cfg):
             continue
-        grouped_mm_config(cfg.moe_recipe, cfg.emulate)  # torchao missing: refused here, on meta
-        m.float8_grouped_mm = functools.partial(float8_grouped_mm, recipe=cfg.moe_recipe, emulate=cfg.emulate)
+        m.float8_grouped_mm = experts_grouped_mm(cfg.moe_recipe, cfg.emulate)  # torchao missing: refused here
         chosen.append(name)
     return chosen
 
