@@ -123,6 +123,9 @@ def test_the_float8_grouped_mm_equals_the_grouped_gemm_on_values_mxfp8_holds_for
     ref.backward(grad)
     assert out.dtype == torch.float32 and out.shape == (n, m)
     assert torch.equal(out, ref) and torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
+    # A tensor-parallel slice of the ffn dim off the block (96 / 2 = 48 rows of an mxfp8 expert) is refused.
+    with pytest.raises(ConfigError, match=r"this rank's experts are \[8, 48, 32\] .* multiples of 32"):
+        experts_grouped_mm("mxfp8", emulate=True)(x, w[:, :48], offsets)
 
 
 @pytest.mark.parametrize("capacity", [False, True], ids=["dropless", "capacity"])

@@ -245,6 +245,11 @@ def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, m
     unused (no kernel here pads to it)."""
     from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm
 
+    # A tensor-parallel slice of the ffn dim: converts_experts saw the whole dim.
+    if w.shape[1] % block or w.shape[2] % block:
+        raise ConfigError(f"float8.moe_experts = true: this rank's experts are {list(w.shape)} but the grouped GEMM "
+                          f"needs both matrix dims multiples of {block} (under tensor parallelism moe_ffn_dim / "
+                          f"tp_degree); choose such a tp_degree or set float8.moe_experts = false")
     padded, ends, rows = pad_groups(x, offsets, block)
     out = _quantize_then_scaled_grouped_mm(padded, w.transpose(-2, -1), config, offs=ends)
     return out.index_select(0, rows).to(x.dtype)
