@@ -1,5 +1,6 @@
 """A float8 run's checkpoints are those of a high-precision run: the same keys, shapes and fp32 dtypes, so a float8
-run resumes exactly, resumes without float8, a high-precision run resumes in float8, and the HF export is alike."""
+run resumes exactly, resumes without float8, a high-precision run resumes in float8, and the HF export is alike; a
+MoE run whose experts run in float8 (float8.moe_experts) too."""
 
 from __future__ import annotations
 
@@ -65,3 +66,25 @@ def test_float8_checkpoint_and_hf_export_hold_the_high_precision_tensors_of_a_pl
                 tensors.update({key: (tuple(f.get_tensor(key).shape), f.get_tensor(key).dtype) for key in f.keys()})
         exported[name] = (tensors, json.loads((out / "config.json").read_text()))
     assert exported["float8"] == exported["plain"]
+
+
+MOE = dict(model__name="qwen3_moe", model__flavor="debug", model__n_experts=4, model__top_k=2, model__head_dim=16,
+           model__moe_ffn_dim=64)
+MOE_FLOAT8 = dict(float8__enable=True, float8__emulate=True, float8__moe_experts=True, float8__moe_recipe="mxfp8")
+
+
+def test_a_moe_run_with_float8_experts_saves_the_plain_runs_tensors_and_resumes_without_float8(tmp_path):
+    trainer = run_here(overrides(tmp_path, "float8", **RUN, **MOE, **MOE_FLOAT8))
+    experts = [m for m in trainer.model.modules() if hasattr(m, "float8_grouped_mm")]
+    assert experts and all(m.float8_grouped_mm is not None for m in experts)
+    full = losses(tmp_path, "float8")
+    run_here(overrides(tmp_path, "plain", **RUN, **MOE))
+    assert _layout(tmp_path / "float8" / "ckpt" / "step-4") == _layout(tmp_path / "plain" / "ckpt" / "step-4")
+
+    copy_checkpoint(tmp_path, "float8", 2, "to_plain")
+    trainer = run_here(overrides(tmp_path, "to_plain", **RUN, **MOE))
+    assert all(m.float8_grouped_mm is None for m in trainer.model.modules() if hasattr(m, "float8_grouped_mm"))
+    to_plain = losses(tmp_path, "to_plain")
+    assert sorted(to_plain) == [3, 4]
+    # The float8 run's weights with high-precision experts: close to its losses, not equal.
+    assert all(0 < abs(to_plain[s] - full[s]) < 0.05 for s in (3, 4))

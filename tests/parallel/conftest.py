@@ -99,6 +99,13 @@ FLOAT8 = ["--float8.enable=true", "--float8.emulate=true", "--float8.auto_filter
 FLOAT8_RECIPES = {"float8": FLOAT8, "float8_rowwise": [*FLOAT8, "--float8.recipe=rowwise"]}
 FLOAT8_CASES = {f"{name}_fsdp2_tp2": Case(f"{name}_fsdp2_tp2", ["--parallel.tp_degree=2", *flags], f"{name}_ref_b8")
                 for name, flags in FLOAT8_RECIPES.items()} if importlib.util.find_spec("torchao") else {}
+# gpt-oss with its experts' grouped GEMMs in float8 too (float8.moe_experts, torchao's MXFP8 emulation) under FSDP 2
+# with the experts split over the 2 ranks (ep 2), against one process in float8 (run, as its reference, only when
+# selected): in the 2-rank pool.
+FLOAT8_MOE = [*FLOAT8, "--float8.moe_experts=true", "--float8.moe_recipe=mxfp8"]
+FLOAT8_MOE_CASES = {"gpt_oss_float8_moe_fsdp_ep2": Case("gpt_oss_float8_moe_fsdp_ep2",
+                                                        ["--parallel.ep_degree=2", *FLOAT8_MOE], "float8_moe_ref_b8",
+                                                        "gpt_oss")} if importlib.util.find_spec("torchao") else {}
 
 # (model, reference batch) of the single-process runs that tests compare with besides CASES' own: the seed
 # checkpoints' (ref_b4), the 2-node run's and the 3-D layouts' (ref_b8).
@@ -157,8 +164,11 @@ def layout_runs(request, parallel_workspace: Path) -> Path:
                                   "test_layout_starts_from_the_single_process_weights",
                                   "test_float8_layout_follows_one_float8_process")
                 for name in selected_ids(request, test)}
-    two = [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides for case in TWO_RANKS
-           if case.name in selected]
+    float8_moe = [case for case in FLOAT8_MOE_CASES.values() if case.name in selected]
+    run_here([tiny_run(parallel_workspace, case.reference_run, 2 * BATCH, case.model) + FLOAT8_MOE
+              for case in float8_moe])
+    two = [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides
+           for case in TWO_RANKS + float8_moe if case.name in selected]
     run_pool(2, two + resume_runs(parallel_workspace)
              + [seed_checkpoint_run(parallel_workspace, model) for model in SEED_CHECKPOINTS])
     run_pools({4: [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -121,9 +122,20 @@ def test_missing_torchao_is_refused_naming_the_install_command(monkeypatch):
         convert_to_float8(_meta_model("debug.toml"), Float8Config(enable=True, emulate=True), dp_mode="none")
 
 
-def test_float8_grouped_gemms_for_the_experts_are_refused_in_one_line():
-    with pytest.raises(ConfigError, match=r"^command line: float8.moe_experts = true: the MoE routed experts'"):
-        load_config(CONFIGS / "debug_moe.toml", ["--float8.enable", "true", "--float8.moe_experts", "true"])
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["--float8.moe_experts", "true"], r"float8.moe_experts = true converts the MoE experts along with the linears; "
+                                       r"set float8.enable = true too$"),
+    (["--float8.enable", "true", "--float8.emulate", "true", "--float8.moe_experts", "true"],
+     r"float8.moe_recipe = 'rowwise' with float8.emulate = true: torchao has no emulation .* emulate "
+     r"float8.moe_recipe = 'mxfp8' instead$"),
+    (["--float8.enable", "true", "--float8.moe_experts", "true", "--training.dtype", "fp16"],
+     r"torchao's float8 grouped GEMMs take fp32 or bf16 operands; use training.dtype = 'bf16'$"),
+    (["--float8.moe_recipe", "blockwise"], r"float8.moe_recipe = 'blockwise' is not a known float8 MoE recipe"),
+])
+def test_float8_experts_settings_torchao_cannot_run_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=r"^command line: ") as e:
+        load_config(CONFIGS / "debug_moe.toml", overrides)
+    assert re.search(message, str(e.value)) and "\n" not in str(e.value)
 
 
 def test_an_unknown_recipe_or_an_empty_filter_name_is_refused():

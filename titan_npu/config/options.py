@@ -157,6 +157,7 @@ PROGRESS_STYLES = ("auto", "bar", "lines")
 PROFILER_LEVELS = ("Level0", "Level1", "Level2")
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
+FLOAT8_MOE_RECIPES = ("rowwise", "mxfp8")
 
 # Config keys: "section.key" -> row. model.name, model.flavor, the dtypes and checkpoint.resume are free here:
 # validate.py checks them against the registry, the dtype spellings and the forms a resume takes.
@@ -285,7 +286,8 @@ CONFIG_KEYS: dict[str, Knob] = {
     "float8.filter_fqns": FREE,  # module names; validate.py refuses an empty one (it would match every linear)
     "float8.auto_filter_small_kn": FREE,
     "float8.fsdp_float8_all_gather": FREE,
-    "float8.moe_experts": FREE,  # true is refused by validate.py (no float8 grouped GEMMs wired in)
+    "float8.moe_experts": FREE,  # validate.py refuses it without float8.enable, and the recipes a setup lacks
+    "float8.moe_recipe": Knob(choices=FLOAT8_MOE_RECIPES, what="float8 MoE recipe"),
     "comm.init_timeout_s": Knob(at_least(1), why="seconds to wait for all ranks to join"),
     "comm.join_timeout_s": Knob(at_least(1), why="seconds every rank has to reach the process group"),
     "comm.timeout_s": Knob(at_least(1), why="seconds a collective may take"),

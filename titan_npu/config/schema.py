@@ -154,7 +154,9 @@ class Float8Config:
     auto_filter_small_kn: bool = True
     # tensorwise under FSDP2: all-gather weights in float8 (half the bytes), scales precomputed after each step
     fsdp_float8_all_gather: bool = True
-    moe_experts: bool = False  # the MoE routed experts' grouped GEMMs in float8 (refused: see docs/float8.md)
+    # the MoE routed experts' grouped GEMMs in float8 too (torchao's prototype grouped GEMMs; docs/float8.md)
+    moe_experts: bool = False
+    moe_recipe: str = "rowwise"  # rowwise (float8 rowwise, CUDA sm90+) | mxfp8 (blocks of 32, CUDA sm100+; emulated)
 
 
 @dataclass

@@ -111,10 +111,16 @@ def _check_float8(cfg: JobConfig) -> None:
     if any(not name.strip() for name in f.filter_fqns):
         raise fail("float8.filter_fqns", f"float8.filter_fqns = {show(f.filter_fqns)} holds an empty name, which "
                    "would match every linear (give module names such as output or attention.wq)")
-    if f.moe_experts:
-        raise fail("float8.moe_experts", "float8.moe_experts = true: the MoE routed experts' grouped GEMMs stay in the "
-                   "training dtype in this version (torchao 0.18 has float8 grouped GEMMs only as a CUDA sm90+ "
-                   "prototype, not wired in); set it to false (the other linears, shared experts included, convert)")
+    if f.moe_experts and not f.enable:
+        raise fail("float8.moe_experts", "float8.moe_experts = true converts the MoE experts along with the linears; "
+                   "set float8.enable = true too")
+    if f.enable and f.moe_experts and f.emulate and f.moe_recipe == "rowwise":
+        raise fail("float8.moe_experts", "float8.moe_recipe = 'rowwise' with float8.emulate = true: torchao has "
+                   "no emulation of its rowwise float8 grouped GEMM (Triton casts and "
+                   "torch._scaled_grouped_mm, CUDA only); emulate float8.moe_recipe = 'mxfp8' instead")
+    if f.enable and f.moe_experts and cfg.training.dtype == "fp16":
+        raise fail("float8.moe_experts", "float8.moe_experts = true with training.dtype = 'fp16': torchao's float8 "
+                   "grouped GEMMs take fp32 or bf16 operands; use training.dtype = 'bf16'")
 
 
 _NEGATIVE_STEP = re.compile(r"-\d+")

@@ -9,13 +9,22 @@ before any parallelism (parallel/parallelize.py: parallelize_part); tensor paral
 styles for the tensorwise recipe (float8 all-gathers of the activations) and the plain ones for rowwise. Over gloo,
 which carries no float8, every all-gather stays in high precision.
 
-The rule of which linears convert (`converts`) is torch-free so the planner sizes the same set.
+The MoE routed experts (float8.moe_experts) keep their stacked weights [n_experts, out, in] as they are too: the
+conversion hands each GroupedExperts a grouped GEMM (`float8_grouped_mm`) that runs torchao's prototype
+dynamically-quantised grouped GEMM (torchao.prototype.moe_training: float8 rowwise with torch._scaled_grouped_mm on
+CUDA sm90+, MXFP8 on sm100+, MXFP8 emulated on any device) in place of the high-precision one, each expert's rows
+padded with zeros to the recipe's block.
+
+The rules of which linears and experts convert (`converts`, `converts_experts`) are torch-free so the planner sizes
+the same set.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +39,12 @@ TORCHAO_VERSION = "0.18.0"
 INSTALL_HINT = f"pip install 'titan-npu[float8]' (or pip install torchao=={TORCHAO_VERSION})"
 CUDA_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and later: the first GPUs with float8 tensor cores
 FLOAT8_ALIGNMENT = 16  # torch._scaled_mm needs both dims of the weight to be multiples of 16
+# The MoE grouped GEMMs' block per recipe: both dims of each expert's weight and each expert's rows (tokens) a multiple
+# of it. rowwise: torch._scaled_grouped_mm's 16-byte float8 rows; mxfp8: one scale per 32 values along every
+# contraction, the tokens' in the weight gradient included.
+MOE_BLOCK = {"rowwise": 16, "mxfp8": 32}
+# The first GPUs with each recipe's grouped GEMM kernels: Hopper (torch._scaled_grouped_mm), Blackwell (MXFP8).
+MOE_CUDA_MIN_CAPABILITY = {"rowwise": (9, 0), "mxfp8": (10, 0)}
 
 
 def converts(fqn: str, out_features: int, in_features: int, cfg: Float8Config) -> bool:
@@ -48,6 +63,17 @@ def converts(fqn: str, out_features: int, in_features: int, cfg: Float8Config) -
     if cfg.recipe == "tensorwise":
         return not (k <= 4096 and n <= 1024)
     return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
+
+
+def converts_experts(fqn: str, dim: int, ffn_dim: int, cfg: Float8Config) -> bool:
+    """Whether the routed experts `fqn` (w1, w3 [n_experts, ffn_dim, dim], w2 [n_experts, dim, ffn_dim]) run their
+    grouped GEMMs in float8 under `cfg`: float8.enable and float8.moe_experts, a name without any of cfg.filter_fqns,
+    both dims multiples of the recipe's block (MOE_BLOCK). No size rule: the experts are the largest GEMMs of a MoE
+    model."""
+    if not (cfg.enable and cfg.moe_experts) or any(name in fqn for name in cfg.filter_fqns):
+        return False
+    block = MOE_BLOCK[cfg.moe_recipe]
+    return dim % block == 0 and ffn_dim % block == 0
 
 
 def float8_collectives() -> bool:
@@ -83,15 +109,30 @@ def _npu_has_scaled_mm() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_scaled_mm", "PrivateUse1")
 
 
+def _npu_has_grouped_mm() -> bool:
+    """Whether the loaded torch_npu registers torch._grouped_mm (what torchao's MXFP8 emulation calls) for the NPU."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_grouped_mm", "PrivateUse1")
+
+
+def _mxfp8_kernels_available() -> bool:
+    """Whether this torchao build carries its SM100 MXFP8 grouped GEMM kernels (CUDA extension and Triton)."""
+    return importlib.import_module("torchao.prototype.moe_training.mxfp8_grouped_mm")._SM100_KERNELS_AVAILABLE
+
+
 def check_float8_device(cfg: Float8Config, device_type: str, capability: tuple[int, int] | None = None,
                         device_name: str = "") -> None:
     """ConfigError in one line unless this device runs float8 matmuls (emulation runs anywhere).
 
     CUDA needs compute capability 8.9 or later; an NPU needs a torch_npu that registers torch._scaled_mm; a CPU
-    only emulates (float8.emulate = true: float8 casts, high-precision matmuls)."""
-    if not cfg.enable or cfg.emulate:
+    only emulates (float8.emulate = true: float8 casts, high-precision matmuls). The MoE experts' grouped GEMMs
+    (float8.moe_experts) have their own gate, _check_moe_device."""
+    if not cfg.enable:
         return
     where = f"{device_type} ({device_name})" if device_name else device_type
+    if cfg.moe_experts:
+        _check_moe_device(cfg, device_type, capability, where)
+    if cfg.emulate:
+        return
     if device_type == "cuda":
         if capability is not None and tuple(capability) >= CUDA_MIN_CAPABILITY:
             return
@@ -107,6 +148,38 @@ def check_float8_device(cfg: Float8Config, device_type: str, capability: tuple[i
                       f"true to test the numerics (not faster), or set float8.enable = false")
 
 
+def _check_moe_device(cfg: Float8Config, device_type: str, capability: tuple[int, int] | None, where: str) -> None:
+    """ConfigError in one line unless this device runs torchao's grouped GEMM of float8.moe_recipe (emulated: MXFP8's
+    dequantise-and-torch._grouped_mm, any device with torch._grouped_mm; rowwise has no emulation, validate.py)."""
+    recipe = f"float8.moe_experts = true ({cfg.moe_recipe})"
+    if cfg.emulate:
+        if device_type != "npu" or _npu_has_grouped_mm():
+            return
+        raise ConfigError(f"{recipe}, emulated: {where} lacks torch._grouped_mm (this torch_npu registers none for the "
+                          f"NPU; torchao's emulation dequantises and calls it); set float8.moe_experts = false")
+    if device_type == "cuda":
+        need = MOE_CUDA_MIN_CAPABILITY[cfg.moe_recipe]
+        sm = f"sm{need[0]}{need[1]}"
+        if capability is None or tuple(capability) < need:
+            found = "" if capability is None else f", this one is sm{capability[0]}{capability[1]}"
+            missing = f"the {cfg.moe_recipe} grouped GEMM kernels (CUDA {sm} or later{found})"
+        elif cfg.moe_recipe == "rowwise" and not hasattr(torch, "_scaled_grouped_mm"):
+            missing = "torch._scaled_grouped_mm (this torch build has none)"
+        elif cfg.moe_recipe == "mxfp8" and not _mxfp8_kernels_available():
+            missing = f"torchao's MXFP8 kernels (this torchao build has no {sm} extension)"
+        else:
+            return
+    elif device_type == "npu":
+        missing = ("torchao's float8 grouped GEMM (it quantises with CUDA Triton kernels, and this torch_npu registers "
+                   "no torch._grouped_mm for its emulation either)" if not _npu_has_grouped_mm() else
+                   "torchao's float8 grouped GEMM (it quantises with CUDA Triton kernels)")
+    else:
+        missing = "float8 grouped GEMM units"
+    alternative = "float8.moe_recipe = 'mxfp8' and float8.emulate = true to test the numerics (not faster)"
+    raise ConfigError(f"{recipe}: {where} lacks {missing}; run on such a GPU, set {alternative}, or set "
+                      f"float8.moe_experts = false (the other linears still convert)")
+
+
 def float8_linear_config(cfg: Float8Config, dp_mode: str) -> Any:
     """torchao's Float8LinearConfig for cfg's recipe, with emulation and FSDP2 float8 all-gather as asked."""
     float8 = import_torchao()
@@ -116,8 +189,8 @@ def float8_linear_config(cfg: Float8Config, dp_mode: str) -> Any:
 
 
 def convert_to_float8(model: nn.Module, cfg: Float8Config, dp_mode: str) -> list[str]:
-    """Swap the linears `converts` picks for torchao's Float8Linear, in place (on meta before parallelism too);
-    the names of those converted."""
+    """Swap the linears `converts` picks for torchao's Float8Linear and give the experts `converts_experts` picks
+    torchao's grouped GEMM, in place (on meta before parallelism too); the names of those converted."""
     if not cfg.enable:
         return []
     float8 = import_torchao()
@@ -126,6 +199,78 @@ def convert_to_float8(model: nn.Module, cfg: Float8Config, dp_mode: str) -> list
     selected = set(chosen)
     float8.convert_to_float8_training(model, config=float8_linear_config(cfg, dp_mode),
                                       module_filter_fn=lambda _, fqn: fqn in selected)
+    return chosen + convert_experts_to_float8(model, cfg)
+
+
+def grouped_mm_config(recipe: str, emulate: bool) -> Any:
+    """torchao's op config for float8.moe_recipe: Float8TrainingOpConfig (rowwise) or MXFP8TrainingOpConfig (its
+    emulated recipe under float8.emulate). Their output is bf16 (the emulation's torch._grouped_mm runs on the
+    dequantised bf16 operands, and its CPU kernel writes only their dtype)."""
+    try:
+        moe = importlib.import_module("torchao.prototype.moe_training.config")
+    except ImportError as e:
+        raise ConfigError(f"float8.moe_experts = true needs torchao, which is not installed ({e}); "
+                          f"{INSTALL_HINT}") from e
+    if recipe == "mxfp8":
+        name = "MXFP8_EMULATED_RCEIL" if emulate else "MXFP8_RCEIL"
+        config = moe.MXFP8TrainingOpConfig.from_recipe(moe.MXFP8TrainingRecipe[name])
+    else:
+        config = moe.Float8TrainingOpConfig.from_recipe(moe.Float8TrainingRecipe.FP8_ROWWISE)
+    return config
+
+
+def pad_groups(x: torch.Tensor, offsets: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x's rows with each group's padded with zero rows to a multiple of `block`, [R, K]; the padded groups' int32
+    cumulative ends; where each row of x went, [N]) for x [N, K] sorted by group, offsets its int32 cumulative ends.
+    R = N + groups x (block - 1) rounded up to the block: a bound known on the host, so nothing is read back; rows
+    past the last group are zeros that no group holds."""
+    n_rows, groups = x.shape[0], offsets.shape[0]
+    ends = offsets.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded_counts = (counts + block - 1) // block * block
+    padded_ends = padded_counts.cumsum(0)
+    row = torch.arange(n_rows, device=x.device)
+    group = torch.searchsorted(ends, row, right=True).clamp_(max=groups - 1)
+    dest = row - (ends - counts)[group] + (padded_ends - padded_counts)[group]
+    bound = -(-(n_rows + groups * (block - 1)) // block) * block
+    padded = x.new_zeros(bound, x.shape[1]).index_copy(0, dest, x)
+    return padded, padded_ends.to(torch.int32), dest
+
+
+def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, max_group_rows: int | None = None,
+                      *, config: Any, block: int) -> torch.Tensor:
+    """ops.grouped_mm's product (x [N, K] sorted by group, w [G, M, K], int32 cumulative ends) through torchao's
+    dynamically-quantised grouped GEMM of `config` (grouped_mm_config), forward and backward: each group padded to
+    `block` rows (pad_groups), the padding dropped from the output, which is cast back to x's dtype. max_group_rows:
+    unused (no kernel here pads to it)."""
+    from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm
+
+    # A tensor-parallel slice of the ffn dim: converts_experts saw the whole dim.
+    if w.shape[1] % block or w.shape[2] % block:
+        raise ConfigError(f"float8.moe_experts = true: this rank's experts are {list(w.shape)} but the grouped GEMM "
+                          f"needs both matrix dims multiples of {block} (under tensor parallelism moe_ffn_dim / "
+                          f"tp_degree); choose such a tp_degree or set float8.moe_experts = false")
+    padded, ends, rows = pad_groups(x, offsets, block)
+    out = _quantize_then_scaled_grouped_mm(padded, w.transpose(-2, -1), config, offs=ends)
+    return out.index_select(0, rows).to(x.dtype)
+
+
+def experts_grouped_mm(recipe: str, emulate: bool) -> Callable[..., torch.Tensor]:
+    """float8_grouped_mm for float8.moe_recipe, its torchao config and block bound. The emulation runs eagerly under
+    torch.compile (torch 2.13's Inductor fails to generate CPU code for its MXFP8 casts); it is for the numerics."""
+    mm = functools.partial(float8_grouped_mm, config=grouped_mm_config(recipe, emulate), block=MOE_BLOCK[recipe])
+    return torch.compiler.disable(mm) if emulate else mm
+
+
+def convert_experts_to_float8(model: nn.Module, cfg: Float8Config) -> list[str]:
+    """Hand each routed-experts module `converts_experts` picks (a module with a `float8_grouped_mm` slot: models/moe/
+    experts.py's GroupedExperts) torchao's grouped GEMM; the names of those converted."""
+    chosen = []
+    for name, m in model.named_modules():
+        if not hasattr(m, "float8_grouped_mm") or not converts_experts(name, m.w1.shape[2], m.w1.shape[1], cfg):
+            continue
+        m.float8_grouped_mm = experts_grouped_mm(cfg.moe_recipe, cfg.emulate)  # torchao missing: refused here
+        chosen.append(name)
     return chosen
 
 
@@ -158,13 +303,20 @@ def float8_plan(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def describe_float8(cfg: Float8Config, parts: list[nn.Module]) -> str:
-    """A log line: the recipe, and how many of the model's linears run in float8."""
+    """A log line: the recipe, how many of the model's linears run in float8, and with float8.moe_experts how many
+    of its routed-experts modules."""
     linears = [m for part in parts for m in part.modules() if isinstance(m, nn.Linear)]
     converted = sum(type(m).__name__ == "Float8Linear" for m in linears)
     mode = " (emulated: float8 casts, high-precision matmuls)" if cfg.emulate else ""
-    return (f"float8: {cfg.recipe}{mode}, {converted} of {len(linears)} linears converted (skipped: names with "
+    line = (f"float8: {cfg.recipe}{mode}, {converted} of {len(linears)} linears converted (skipped: names with "
             f"{', '.join(cfg.filter_fqns) or 'none'}, dims not multiples of 16"
             f"{', small shapes' if cfg.auto_filter_small_kn else ''})")
+    if not cfg.moe_experts:
+        return line
+    experts = [m for part in parts for m in part.modules() if hasattr(m, "float8_grouped_mm")]
+    grouped = sum(m.float8_grouped_mm is not None for m in experts)
+    return (f"{line}; MoE experts: {cfg.moe_recipe}{' (emulated)' if cfg.emulate else ''} grouped GEMMs in "
+            f"{grouped} of {len(experts)} layers (skipped: dims not multiples of {MOE_BLOCK[cfg.moe_recipe]})")
 
 
 def precompute_float8_scales(parts: list[nn.Module]) -> None:

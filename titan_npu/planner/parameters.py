@@ -18,7 +18,7 @@ from typing import Any
 from titan_npu.errors import LayoutError
 from titan_npu.models.registry import spec_of
 from titan_npu.parallel.arithmetic import chunk_size, expert_coordinates
-from titan_npu.parallel.float8 import converts
+from titan_npu.parallel.float8 import converts, converts_experts
 from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.stages import FIRST_STAGE_KINDS, LAST_STAGE_KINDS, rank_parts
 from titan_npu.trainer.optimizer import takes_muon
@@ -92,6 +92,21 @@ def float8_kinds(job: Job) -> set[str]:
         if converts(fqn, shape[0], shape[1], job.float8):
             kinds.add(kind)
     return kinds
+
+
+def float8_expert_kinds(job: Job) -> set[str]:
+    """The kinds of parameter that are stacked weights of routed experts whose grouped GEMMs run in float8
+    (float8.moe_experts; parallel/float8.py's rule on their shapes, named as the first MoE layer's experts)."""
+    if job.float8 is None or not getattr(job.args, "n_moe_layers", 0):
+        return set()
+    shapes = parameter_kinds(job.args)
+    weights = [k for k in ("feed_forward.experts.w1", "feed_forward.experts.w2", "feed_forward.experts.w3")
+               if k in shapes]
+    if not weights:
+        return set()
+    _, ffn_dim, dim = shapes["feed_forward.experts.w1"]
+    first = next(i for i in range(job.args.n_layers) if job.args.is_moe_layer(i))
+    return set(weights) if converts_experts(f"layers.{first}.feed_forward.experts", dim, ffn_dim, job.float8) else set()
 
 
 def rank_parameter_names(args: Any, layout: Layout, pp_rank: int) -> list[str]:

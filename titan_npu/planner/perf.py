@@ -20,6 +20,7 @@ from titan_npu.planner.communication import context_exchange_bytes, context_exch
 from titan_npu.planner.hardware import Hardware
 from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.parameters import (
+    float8_expert_kinds,
     float8_kinds,
     layers_kinds,
     local_numel_split,
@@ -83,8 +84,10 @@ def grouped_share(args: object) -> float:
 
 # float8 GEMMs reach a smaller share of their peak than bf16 ones of theirs: the dynamic-scaling casts (an amax and a
 # cast of the input, weight and gradient per linear) are memory-bound passes. torchao's published per-linear
-# speed-ups on H100 at large shapes are ~1.5x (tensorwise) and ~1.25x (rowwise) over bf16 for a 2x peak.
-FLOAT8_PEAK_SHARE = {"tensorwise": 0.75, "rowwise": 0.6}
+# speed-ups on H100 at large shapes are ~1.5x (tensorwise) and ~1.25x (rowwise) over bf16 for a 2x peak. The MoE
+# experts' grouped GEMMs (float8.moe_recipe): rowwise as the rowwise linears; mxfp8 ~1.3x over bf16 grouped GEMMs
+# on B200 (torchao's MoE training README: 1.15-1.3x at DeepSeek-V3 shapes, 1.4-1.8x at Llama 4's).
+FLOAT8_PEAK_SHARE = {"tensorwise": 0.75, "rowwise": 0.6, "mxfp8": 0.65}
 
 
 def float8_shares(job: Job) -> tuple[float, float]:
@@ -100,6 +103,17 @@ def float8_shares(job: Job) -> tuple[float, float]:
     dense = sum(numel(shapes[k]) for ks in per_layer.values() for k in ks if not k.startswith("feed_forward.experts."))
     dense += sum(numel(shapes[k]) for k in shapes if not any(k in ks for ks in per_layer.values()))
     return 6.0 * converted / training_flops_per_token(a, job.seq_len), converted / dense
+
+
+def float8_expert_flops_share(job: Job) -> float:
+    """The share of a token's training FLOPs in routed experts whose grouped GEMMs run in float8 (each token's top_k
+    experts per MoE layer); 0 without float8.moe_experts."""
+    kinds = float8_expert_kinds(job)
+    if not kinds:
+        return 0.0
+    a, shapes = job.args, parameter_kinds(job.args)
+    per_expert = sum(numel(shapes[k]) // shapes[k][0] for k in kinds)
+    return 6.0 * a.n_moe_layers * a.moe_args().top_k * per_expert / training_flops_per_token(a, job.seq_len)
 
 
 def training_flops_per_token(args: object, seq_len: int) -> float:
@@ -193,13 +207,16 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
     tokens_per_step = tokens_per_rank * layout.dp
     recompute = recompute_factor(layout, grouped_share(a))
     flops = fpt * tokens_per_rank * recompute / (layout.tp * layout.pp * layout.cp)
-    # float8 linears (float8.enable) run at their share of the float8 peak (emulation: at the bf16 one); the factor
-    # is exactly 1 without float8.
+    # float8 linears (float8.enable) and float8 experts (float8.moe_experts) run at their recipes' shares of the
+    # float8 peak (emulation: at the bf16 one); the factor is exactly 1 without float8.
     f8_flops, f8_params = float8_shares(job)
-    f8_rate = hw.peak_flops
+    f8_experts = float8_expert_flops_share(job)
+    f8_rate = expert_rate = hw.peak_flops
     if job.float8 is not None and not job.float8.emulate:
         f8_rate = hw.peak_float8_flops * FLOAT8_PEAK_SHARE[job.float8.recipe]
-    float8_factor = (1 - f8_flops) + f8_flops * hw.peak_flops / f8_rate
+        expert_rate = hw.peak_float8_flops * FLOAT8_PEAK_SHARE[job.float8.moe_recipe]
+    float8_factor = ((1 - f8_flops - f8_experts) + f8_flops * hw.peak_flops / f8_rate
+                     + f8_experts * hw.peak_flops / expert_rate)
     compute = flops / (hw.peak_flops * efficiency) * float8_factor * (1 + CP_OVERHEAD if layout.cp > 1 else 1)
 
     # Tensor parallel: every block all-gathers its input and reduce-scatters its output (sequence parallel) for

@@ -96,7 +96,8 @@ def _float8_peak(plan: Plan) -> str:
         return ""
     if f.emulate:
         return ", float8 emulated (bf16 speed)"
-    return f", {plan.hw.peak_float8_flops / 1e12:.0f} TFLOP/s float8 ({f.recipe} linears)"
+    experts = f", {f.moe_recipe} experts" if f.moe_experts else ""
+    return f", {plan.hw.peak_float8_flops / 1e12:.0f} TFLOP/s float8 ({f.recipe} linears{experts})"
 
 
 def band_label() -> str:

@@ -3,6 +3,8 @@ sorted by expert as one grouped GEMM per projection (ops.grouped_mm), never a Py
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -49,6 +51,9 @@ class GroupedExperts(nn.Module):
         # ranks; a rank's local experts see every ep rank's tokens, so their gradient is scaled by 1 / ep to be the
         # data-parallel mean that FSDP takes of the other parameters.
         self.grad_scale = 1.0
+        # A float8 grouped GEMM with ops.grouped_mm's signature that float8 conversion installs (float8.moe_experts,
+        # parallel/float8.py); None: the high-precision ops.grouped_mm. The weights stay as they are either way.
+        self.float8_grouped_mm: Callable[..., torch.Tensor] | None = None
 
     def _weights(self, x: torch.Tensor, params: tuple[str, ...] = ("w1", "w2", "w3")) -> tuple[torch.Tensor, ...]:
         """This rank's experts' weights (or the named parameters) in the compute dtype: autocast's when it is on (it
@@ -80,17 +85,18 @@ class GroupedExperts(nn.Module):
         max_group_rows per expert. Returns [N, dim] in the same order."""
         w1, w2, w3 = self._weights(x)
         x = x.to(w1.dtype)
-        gate = ops.grouped_mm(x, w1, offsets, max_group_rows)
-        up = ops.grouped_mm(x, w3, offsets, max_group_rows)
+        grouped_mm = self.float8_grouped_mm or ops.grouped_mm
+        gate = grouped_mm(x, w1, offsets, max_group_rows)
+        up = grouped_mm(x, w3, offsets, max_group_rows)
         if self.b1 is None:
-            return ops.grouped_mm(self._gating(gate, up), w2, offsets, max_group_rows)
+            return grouped_mm(self._gating(gate, up), w2, offsets, max_group_rows)
         b1, b3 = self._weights(x, ("b1", "b3"))
         b2 = self._down_bias(x)
         # Each row's expert, from the cumulative ends (no host read).
         expert = torch.searchsorted(offsets.long(), torch.arange(x.shape[0], device=x.device), right=True)
         expert = expert.clamp_(max=b1.shape[0] - 1)
         hidden = self._gating(gate + b1[expert], up + b3[expert])
-        return ops.grouped_mm(hidden, w2, offsets, max_group_rows) + b2[expert]
+        return grouped_mm(hidden, w2, offsets, max_group_rows) + b2[expert]
 
     def forward_padded(self, x: torch.Tensor, expert: torch.Tensor, slot: torch.Tensor, capacity: int
                        ) -> torch.Tensor:
@@ -101,7 +107,13 @@ class GroupedExperts(nn.Module):
 
     def forward_batched(self, slots: torch.Tensor) -> torch.Tensor:
         """slots [experts held here, rows, dim]: the rows of each expert (empty rows zero). One batched matmul per
-        projection; returns [experts held here, rows, dim]."""
+        projection (converted to float8: one grouped GEMM over the experts' slots); returns [experts held here, rows,
+        dim]."""
+        if self.float8_grouped_mm is not None:
+            experts, rows, dim = slots.shape
+            offsets = torch.arange(1, experts + 1, device=slots.device, dtype=torch.int32) * rows
+            flat = self.forward(slots.reshape(experts * rows, dim), offsets, rows)
+            return flat.view(experts, rows, -1)
         w1, w2, w3 = self._weights(slots)
         slots = slots.to(w1.dtype)
         gate, up = torch.bmm(slots, w1.transpose(1, 2)), torch.bmm(slots, w3.transpose(1, 2))
