@@ -106,7 +106,17 @@ def test_float8_capable_devices_and_emulation_pass_the_gate(monkeypatch):
     check_float8_device(Float8Config(enable=True, emulate=True), "cpu")
     check_float8_device(Float8Config(enable=False), "cpu")
     monkeypatch.setattr(float8, "_npu_has_scaled_mm", lambda: True)
-    check_float8_device(Float8Config(enable=True), "npu")
+    check_float8_device(Float8Config(enable=True), "npu", device_name="Ascend950PR")
+
+
+@pytest.mark.parametrize("name", ["Ascend910B3", "Ascend910_9392", "Ascend910B", ""])
+def test_an_npu_without_float8_units_is_refused_though_torch_npu_registers_scaled_mm(monkeypatch, name):
+    # torch_npu 2.13 registers torch._scaled_mm for the NPU (npu_native_functions_by_codegen.yaml), but only the
+    # 950 family has float8 units: a 910B would fail at the first matmul, so the gate refuses it before the run.
+    monkeypatch.setattr(float8, "_npu_has_scaled_mm", lambda: True)
+    with pytest.raises(ConfigError, match=r"lacks float8 matmul units \(an Ascend 950 part has them") as e:
+        check_float8_device(Float8Config(enable=True), "npu", device_name=name)
+    assert "\n" not in str(e.value)
 
 
 def test_missing_torchao_is_refused_naming_the_install_command(monkeypatch):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +110,13 @@ def _npu_has_scaled_mm() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_scaled_mm", "PrivateUse1")
 
 
+def npu_has_float8_units(device_name: str) -> bool:
+    """Whether the Ascend part `device_name` (torch.npu.get_device_name: "Ascend910B3", "Ascend950PR", ...) has float8
+    matmul units: the 950 family only (torch_npu's API reference gives float8_e4m3fn to "Ascend 950PR/Ascend 950DT"
+    alone; its meta registrations name SocVersion::Ascend950 the first such SoC). The 910B / 910C parts have none."""
+    return re.fullmatch(r"ascend\s*950\w*", device_name.strip().lower()) is not None
+
+
 def _npu_has_grouped_mm() -> bool:
     """Whether the loaded torch_npu registers torch._grouped_mm (what torchao's MXFP8 emulation calls) for the NPU."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_grouped_mm", "PrivateUse1")
@@ -123,9 +131,9 @@ def check_float8_device(cfg: Float8Config, device_type: str, capability: tuple[i
                         device_name: str = "") -> None:
     """ConfigError in one line unless this device runs float8 matmuls (emulation runs anywhere).
 
-    CUDA needs compute capability 8.9 or later; an NPU needs a torch_npu that registers torch._scaled_mm; a CPU
-    only emulates (float8.emulate = true: float8 casts, high-precision matmuls). The MoE experts' grouped GEMMs
-    (float8.moe_experts) have their own gate, _check_moe_device."""
+    CUDA needs compute capability 8.9 or later; an NPU needs an Ascend 950 part and a torch_npu that registers
+    torch._scaled_mm; a CPU only emulates (float8.emulate = true: float8 casts, high-precision matmuls). The MoE
+    experts' grouped GEMMs (float8.moe_experts) have their own gate, _check_moe_device."""
     if not cfg.enable:
         return
     where = f"{device_type} ({device_name})" if device_name else device_type
@@ -139,9 +147,12 @@ def check_float8_device(cfg: Float8Config, device_type: str, capability: tuple[i
         found = "" if capability is None else f", this one is sm{capability[0]}{capability[1]}"
         missing = f"float8 tensor cores (CUDA sm89 or later{found})"
     elif device_type == "npu":
-        if _npu_has_scaled_mm():
+        if not _npu_has_scaled_mm():
+            missing = "a float8 matmul (this torch_npu registers no torch._scaled_mm for the NPU)"
+        elif not npu_has_float8_units(device_name):
+            missing = "float8 matmul units (an Ascend 950 part has them; 910B and 910C parts do not)"
+        else:
             return
-        missing = "a float8 matmul (this torch_npu registers no torch._scaled_mm for the NPU)"
     else:
         missing = "float8 matmul units"
     raise ConfigError(f"float8.enable = true: {where} lacks {missing}; run on such a device, set float8.emulate = "
