@@ -150,9 +150,7 @@ def parallel_workspace(tmp_path_factory) -> Path:
     write_tokens(workdir / "tokens.jsonl")
     run_here([*[partial(write_seed_checkpoint, workdir, model, reference_name(model, "seed_ckpt"))
                    for model in SEED_CHECKPOINTS],
-                 *[tiny_run(workdir, name, batch, model) for name, (batch, model) in REFERENCES.items()],
-                 *[tiny_run(workdir, case.reference, 2 * BATCH) + FLOAT8_RECIPES[case.reference[:-len("_ref_b8")]]
-                   for case in FLOAT8_CASES.values()]])
+                 *[tiny_run(workdir, name, batch, model) for name, (batch, model) in REFERENCES.items()]])
     return workdir
 
 
@@ -164,9 +162,13 @@ def layout_runs(request, parallel_workspace: Path) -> Path:
                                   "test_layout_starts_from_the_single_process_weights",
                                   "test_float8_layout_follows_one_float8_process")
                 for name in selected_ids(request, test)}
+    # The float8 layouts' one-process references (float8 too), only for the layouts selected.
+    float8_dense = [case for case in FLOAT8_CASES.values() if case.name in selected]
     float8_moe = [case for case in FLOAT8_MOE_CASES.values() if case.name in selected]
-    run_here([tiny_run(parallel_workspace, case.reference_run, 2 * BATCH, case.model) + FLOAT8_MOE
-              for case in float8_moe])
+    run_here([tiny_run(parallel_workspace, case.reference, 2 * BATCH) + FLOAT8_RECIPES[case.reference[:-len("_ref_b8")]]
+              for case in float8_dense]
+             + [tiny_run(parallel_workspace, case.reference_run, 2 * BATCH, case.model) + FLOAT8_MOE
+                for case in float8_moe])
     two = [tiny_run(parallel_workspace, case.name, model=case.model) + case.overrides
            for case in TWO_RANKS + float8_moe if case.name in selected]
     run_pool(2, two + resume_runs(parallel_workspace)

@@ -290,6 +290,15 @@ def held_port():
 
 
 @pytest.fixture
+def ctrl_c_interrupts():
+    """Python's KeyboardInterrupt handler for SIGINT, as at a terminal: a shell's background job starts with SIGINT
+    ignored, and Python then installs none (the Ctrl-C cases would train on)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
 def distributed_env_cleared(monkeypatch):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TITAN_DEVICE"):
         monkeypatch.delenv(name, raising=False)
@@ -304,7 +313,8 @@ def test_the_tables_cover_at_least_sixty_bad_inputs_of_every_kind():
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_refused_in_one_line_before_anything_is_written(
-        case, tmp_path, monkeypatch, capsys, trained_checkpoint, held_port, distributed_env_cleared):
+        case, tmp_path, monkeypatch, capsys, trained_checkpoint, held_port, distributed_env_cleared,
+        ctrl_c_interrupts):
     d = tmp_path / "case"
     d.mkdir()
     if case.setup is not None:
