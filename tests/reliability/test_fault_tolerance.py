@@ -32,6 +32,7 @@ from titan_npu.parallel.process_group import free_port
 from .conftest import REPO, clean_env, model_weights, tiny_args, train_script
 
 pytestmark = pytest.mark.distributed
+pytest.importorskip("torchft", reason="fault tolerance needs torchft (pip install 'titan-npu[ft]')")
 
 STEPS = 10
 KILL_AFTER = 3  # group 1 dies once it has logged this step
