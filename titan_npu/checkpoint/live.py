@@ -40,10 +40,15 @@ def live_state(run: RunState) -> dict[str, Any]:
     transfer is done, which the transport waits for before the next optimizer step)."""
     model: dict[str, Any] = {}
     optim: dict[str, Any] = {}
+    # An optimizer that has not stepped yet is sent as none: get_optimizer_state_dict would create its state with a
+    # zero-gradient step, which counts as a step for Adam's bias correction.
+    stepped = any(opt.state for opt in run.optimizers)
     for part, opt in zip(run.model_parts, run.optimizers):
         model.update({k: _local(v) for k, v in get_model_state_dict(part).items()})
-        optim.update({k: _local(v) for k, v in get_optimizer_state_dict(part, opt, options=_OPTIM_OPTIONS).items()})
-    state: dict[str, Any] = {"model": model, "optimizer": optim,
+        if stepped:
+            optim.update({k: _local(v) for k, v in
+                          get_optimizer_state_dict(part, opt, options=_OPTIM_OPTIONS).items()})
+    state: dict[str, Any] = {"model": model, "optimizer": optim if stepped else None,
                              "train_state": {"step": int(run.train_state.step),
                                              "tokens_seen": int(run.train_state.tokens_seen)}}
     if run.lr_scheduler is not None:
@@ -64,6 +69,9 @@ def load_live_state(run: RunState, state: dict[str, Any]) -> None:
     for part, opt in zip(run.model_parts, run.optimizers):
         templates = get_model_state_dict(part)
         set_model_state_dict(part, {k: _like(v, templates[k]) for k, v in state["model"].items() if k in templates})
+        if state["optimizer"] is None:
+            opt.state.clear()
+            continue
         optim = {}
         for key, value in state["optimizer"].items():
             if _param_name(key) not in templates:

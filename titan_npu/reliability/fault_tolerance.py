@@ -125,6 +125,7 @@ class ReplicaGroups:
         self.manager = Manager(
             pg=pg, load_state_dict=None, state_dict=None, min_replica_size=f.min_replicas,
             use_async_quorum=False,  # heal before the forward pass: a recovering group trains its first step too
+            init_sync=False,  # every group starts from the seed's weights (the same in every layout): no transfer
             timeout=timeout, quorum_timeout=timedelta(seconds=f.quorum_timeout_s),
             connect_timeout=timedelta(seconds=f.connect_timeout_s), rank=group_rank, world_size=group_size,
             store_addr=host, store_port=port, lighthouse_addr=address, replica_id=f"titan_npu_{f.replica_id}",
