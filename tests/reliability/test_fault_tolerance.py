@@ -220,6 +220,16 @@ def one_process_reference(run: Path, batch_size: int) -> list[dict]:
     return [r for r in map(json.loads, filter(None, lines)) if "loss" in r]
 
 
+@pytest.mark.slow
+def test_without_live_recovery_the_restarted_group_does_not_end_with_the_survivors_weights(tmp_path):
+    """The same kill with torchft's healing turned off (the restarted group trains on from its own checkpoint):
+    what the assertions above hold the recovery to."""
+    run_with_a_kill(tmp_path, heal=False)
+    assert "healed from a live peer" not in (tmp_path / "group1-restart.log").read_text()
+    a, b = _final_weights(tmp_path, 0), _final_weights(tmp_path, 1)
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("uninterrupted")
