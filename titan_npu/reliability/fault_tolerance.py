@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -140,13 +140,15 @@ class ReplicaGroups:
             log.info("fault tolerance: replica group %d of %d, lighthouse %s, min_replicas %d", f.replica_id,
                      f.num_replica_groups, address, f.min_replicas)
 
-    def attach(self, live_state: Any, load_live_state: Any, train_state: Any) -> None:
-        """Serve live_state() to recovering peers and heal with load_live_state(state); mirror train_state.step."""
+    def attach(self, live_state: Callable[[], dict[str, Any]], load_live_state: Callable[[dict[str, Any]], None],
+               train_state: Any) -> None:
+        """Serve live_state() to recovering peers and heal with load_live_state(state); torchft's step follows
+        train_state.step (the Trainer: its `step` after a resume)."""
         self.manager.register_state_dict_fn("run", self._healed_with(load_live_state), live_state)
         self.train_state = train_state
         self.manager.load_state_dict({"step": int(train_state.step), "batches_committed": 0})
 
-    def _healed_with(self, load: Any) -> Any:
+    def _healed_with(self, load: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
         def heal(state: dict[str, Any]) -> None:
             before = int(self.train_state.step)
             load(state)
