@@ -258,6 +258,9 @@ class Trainer:
             self.tokens_per_step // t.seq_len, t.seq_len, self.tokens_per_step, t.batch_size,
             t.gradient_accumulation_steps, self.dims.dp, t.dtype, self.peak_flops / 1e12,
         )
+        if self.replicas is not None:
+            log.info("fault tolerance: that batch is one replica group's; a step trains it once per group taking "
+                     "part (up to %d)", self.cfg.fault_tolerance.num_replica_groups)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
                          documents: Documents | None = None) -> torch.Tensor:
