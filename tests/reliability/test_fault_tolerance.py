@@ -296,7 +296,8 @@ def test_an_unreachable_lighthouse_is_one_line_naming_it_within_the_connect_time
     rc = cli_main(["train", *args])
     elapsed = time.monotonic() - started
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc != 0 and len(err) == 1, err
+    assert rc == 2 and len(err) == 1, err
+    assert not any(tmp_path.iterdir()), "a refused run wrote into its folder"
     assert err[0].startswith("DeviceError: fault_tolerance.lighthouse " + address + " is unreachable within "
                              "fault_tolerance.connect_timeout_s = 2 s"), err
     assert elapsed < 2 + 10, elapsed  # the timeout, plus the tiny model's set-up
