@@ -106,6 +106,9 @@ class ReplicaGroups:
                  dp_rank: int, dp_degree: int) -> None:
         f = cfg.fault_tolerance
         ft = import_torchft()
+        quiet = logging.getLogger("torchft")
+        if quiet.level == logging.NOTSET:  # its lines (tracebacks of a peer's death) repeat ours, which name the error
+            quiet.setLevel(logging.CRITICAL)
         from torchft.manager import Manager
 
         address = lighthouse_address(f)
