@@ -99,6 +99,28 @@ def test_ranks_see_disjoint_windows_that_cover_the_epoch(numbered, small_cfg):
     assert len(set(per_rank[0]) | set(per_rank[1])) == 19 * 6
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_placing_a_loader_among_fewer_replicas_reads_on_from_the_same_window_and_a_step_can_be_read_again(
+        numbered, small_cfg, workers):
+    """Fault tolerance: each step is split among the replica groups that take part, from one global position."""
+    cfg = small_cfg(str(numbered), batch_size=2, seq_len=10, num_workers=workers)
+    whole = build_dataloader(cfg, None, 0, 1)
+    stream = [w for _ in range(6) for w in _window_ids(next(whole), 10)]  # the windows in order, 2 per batch
+    loader = build_dataloader(cfg, None, 0, 2)
+    loader.place(1, 2)  # step 1 with two groups: this one reads the second slice
+    assert _window_ids(next(loader), 10) == stream[2:4]
+    loader.place(0, 1)  # the other group left: step 2 alone, from the next window on
+    before = loader.position
+    assert _window_ids(next(loader), 10) == stream[4:6]
+    loader.place(0, 1, before)  # step 2 did not commit: it is read again
+    assert _window_ids(next(loader), 10) == stream[4:6]
+    loader.place(1, 2)  # the group is back: step 3 split in two again
+    assert _window_ids(next(loader), 10) == stream[8:10]
+    with pytest.raises(DataError, match="dp_rank=2 is outside dp_world_size=2"):
+        loader.place(2, 2)
+    loader.close()
+
+
 def test_each_epoch_is_a_new_deterministic_shuffle(numbered, small_cfg):
     def epoch_orders(seed: int) -> tuple[list[int], list[int]]:
         cfg = small_cfg(str(numbered), batch_size=4, seq_len=10)

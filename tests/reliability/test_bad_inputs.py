@@ -124,6 +124,16 @@ def _torch_npu_for_another_torch(d: Path) -> None:
 CASES = [
     # ---- configs
     Case("unknown-key", ["--training.bogus", "1"], "ConfigError", r"unknown key 'training.bogus' \(see docs/config"),
+    Case("ft-replica-id-outside", ["--fault_tolerance.enable", "true", "--fault_tolerance.replica_id", "2",
+                                   "--fault_tolerance.num_replica_groups", "2"], "ConfigError",
+         r"fault_tolerance.replica_id = 2 is outside num_replica_groups = 2; give each group an id in 0..1"),
+    Case("ft-min-replicas-too-many", ["--fault_tolerance.enable", "true", "--fault_tolerance.min_replicas", "3",
+                                      "--fault_tolerance.num_replica_groups", "2"], "ConfigError",
+         r"fault_tolerance.min_replicas = 3 is more than num_replica_groups = 2; no step could commit"),
+    Case("ft-with-dp-replicate", ["--fault_tolerance.enable", "true", "--parallel.dp_replicate", "2"], "ConfigError",
+         r"parallel.dp_replicate = 2 with fault_tolerance.enable: the replicas are the replica groups"),
+    Case("ft-no-lighthouse", ["--fault_tolerance.enable", "true"], "ConfigError",
+         r"fault_tolerance.lighthouse is not set \(nor TORCHFT_LIGHTHOUSE\); give the address"),
     Case("unknown-section", ["--config", "{d}/c.toml"], "ConfigError", r"unknown section 'trainig' \(did you mean",
          _write("c.toml", "[trainig]\nbatch_size = 2\n")),
     Case("key-in-wrong-section", ["--training.lr", "1e-3"], "ConfigError", r"unknown key 'training.lr'.*optimizer"),
@@ -300,7 +310,8 @@ def ctrl_c_interrupts():
 
 @pytest.fixture
 def distributed_env_cleared(monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TITAN_DEVICE"):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TITAN_DEVICE",
+                 "TORCHFT_LIGHTHOUSE"):
         monkeypatch.delenv(name, raising=False)
     for name in [n for n in os.environ if n.startswith("TITAN_FAULT_")]:
         monkeypatch.delenv(name)

@@ -169,10 +169,12 @@ def _restore_rank_state(path: Path, info: dict[str, Any], run: RunState, rank: i
     state = read_rank_state(path, source)
     if run.dataloader is not None and state.get("dataloader") is not None:
         reshard = saved[source]["dp_degree"] != run.dp_degree
+        # Fault tolerance re-splits the data among the replica groups each step: the saved split is not the layout's.
+        resplit = state["dataloader"].get("dp_world_size") != getattr(run.dataloader, "dp_world_size", None)
         if reshard and rank == 0:
             log.warning("checkpoint: data-parallel size changed %d -> %d; the data continues at the same global "
                         "position with the new split", saved[source]["dp_degree"], run.dp_degree)
-        if reshard:
+        if reshard or resplit:
             run.dataloader.load_state_dict(state["dataloader"], allow_reshard=True)
         else:
             run.dataloader.load_state_dict(state["dataloader"])

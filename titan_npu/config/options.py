@@ -307,6 +307,16 @@ CONFIG_KEYS: dict[str, Knob] = {
     "reliability.flight_recorder_size": Knob(at_least(0), why="0 = off; 2000 is usual"),
     "reliability.disk_margin": Knob(at_least(1), why="free space needed as a multiple of one checkpoint's size; "
                                 "1.1 is usual"),
+    "fault_tolerance.enable": FREE,
+    "fault_tolerance.replica_id": Knob(at_least(0), why="replica groups count from 0"),
+    "fault_tolerance.num_replica_groups": Knob(at_least(1), why="replica groups of the job"),
+    "fault_tolerance.lighthouse": FREE,
+    "fault_tolerance.min_replicas": Knob(at_least(1), why="replica groups a step needs to commit"),
+    "fault_tolerance.timeout_s": Knob(at_least(1), why="seconds a collective or weight transfer between groups may "
+                                  "take"),
+    "fault_tolerance.quorum_timeout_s": Knob(at_least(1), why="seconds a step waits for the replica set"),
+    "fault_tolerance.connect_timeout_s": Knob(at_least(1), why="seconds to reach the lighthouse and the peers"),
+    "fault_tolerance.hostname": FREE,
 }
 
 _STR, _SWITCH = Knob(kind=str), Knob(kind=bool)

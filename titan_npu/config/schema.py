@@ -257,6 +257,21 @@ class ReliabilityConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """Replica groups that outlive each other's failures, coordinated by a torchft lighthouse (docs/reliability.md)."""
+
+    enable: bool = False
+    replica_id: int = 0  # this replica group, 0 .. num_replica_groups - 1 (one torchrun per group)
+    num_replica_groups: int = 1  # replica groups the job has when all are up; the data is split for this many at most
+    lighthouse: str = ""  # http://host:port of torchft_lighthouse; "" = the TORCHFT_LIGHTHOUSE environment variable
+    min_replicas: int = 1  # a step commits only when at least this many replica groups took part
+    timeout_s: int = 60  # collectives, live-weight transfers and commit votes between groups
+    quorum_timeout_s: int = 120  # how long a step waits for the replica set to form
+    connect_timeout_s: int = 10  # reaching the lighthouse and the peers; an unreachable lighthouse fails within this
+    hostname: str = ""  # the name or address the other groups reach this one at; "" = this machine's hostname
+
+
+@dataclass
 class JobConfig:
     """The whole run: every section of a config file."""
 
@@ -275,3 +290,4 @@ class JobConfig:
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)

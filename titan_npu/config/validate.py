@@ -148,6 +148,24 @@ def _check_checkpoint(cfg: JobConfig) -> None:
 
 def _check_rest(cfg: JobConfig) -> None:
     _check_document_mask(cfg)
+    _check_fault_tolerance(cfg)
+
+
+def _check_fault_tolerance(cfg: JobConfig) -> None:
+    f = cfg.fault_tolerance
+    if not f.enable:
+        return
+    if f.replica_id >= f.num_replica_groups:
+        last = f.num_replica_groups - 1
+        raise fail("fault_tolerance.replica_id", f"fault_tolerance.replica_id = {f.replica_id} is outside "
+                   f"num_replica_groups = {f.num_replica_groups}; give each group an id in 0..{last}")
+    if f.min_replicas > f.num_replica_groups:
+        raise fail("fault_tolerance.min_replicas", f"fault_tolerance.min_replicas = {f.min_replicas} is more than "
+                   f"num_replica_groups = {f.num_replica_groups}; no step could commit, lower it")
+    if cfg.parallel.dp_replicate != 1:
+        raise fail("parallel.dp_replicate", f"parallel.dp_replicate = {cfg.parallel.dp_replicate} with "
+                   "fault_tolerance.enable: the replicas are the replica groups (one torchrun each); set "
+                   "parallel.dp_replicate = 1 and fault_tolerance.num_replica_groups to the replica count")
 
 
 def _check_document_mask(cfg: JobConfig) -> None:

@@ -161,6 +161,30 @@ class TokenLoader:
         self.epoch, self.pos = wrap(self.epoch, self.pos + self.step, self.step, self.windows.num_windows)
         return batch
 
+    @property
+    def position(self) -> tuple[int, int]:
+        """(epoch, pos) of the next batch."""
+        return self.epoch, self.pos
+
+    def place(self, dp_rank: int, dp_world_size: int, position: tuple[int, int] | None = None) -> None:
+        """Read on as dp_rank of dp_world_size from `position` (default: where the loader is).
+
+        Fault tolerance splits each step among the replica groups taking part, and reads a step that did not
+        commit again; the prefetch workers restart only when something changed.
+        """
+        if not 0 <= dp_rank < dp_world_size:
+            raise DataError(f"dp_rank={dp_rank} is outside dp_world_size={dp_world_size}; check the parallel layout")
+        if self.batch_size * dp_world_size > self.windows.num_windows:
+            raise DataError(f"{self.windows.num_windows} window(s) of data are fewer than one global batch of "
+                            f"{self.batch_size * dp_world_size}; use more data or a smaller batch_size / seq_len")
+        epoch, pos = position if position is not None else self.position
+        if (dp_rank, dp_world_size, epoch, pos) == (self.dp_rank, self.dp_world_size, self.epoch, self.pos):
+            return
+        self.close()
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self._dataset.dp_rank = dp_rank
+        self.epoch, self.pos = wrap(epoch, pos, self.step, self.windows.num_windows)
+
     def state_dict(self) -> dict:
         """Where the next batch starts; plain ints and strings (saved per rank in checkpoints)."""
         return {"version": STATE_VERSION, "epoch": self.epoch, "pos": self.pos, "seed": self.seed, "split": self.split,

@@ -24,6 +24,8 @@ def format_step_line(m: dict[str, Any]) -> str:
     parts.append(f"mfu={100 * m['mfu']:.1f}%")
     parts.append(f"mem={m['mem_used_gb']:.1f}GB/{m['mem_total_gb']:.1f}GB")
     parts.append(f"step_time={m['step_time_s']:.2f}s")
+    if "replicas" in m:  # fault tolerance: the replica groups that took part in the step
+        parts.append(f"replicas={m['replicas']}")
     if m.get("eta_s") is not None:
         parts.append(f"eta={format_duration(m['eta_s'])}")
     line = f"[Step {m['step']}] " + ", ".join(parts)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from titan_npu.checkpoint.live import live_state, load_live_state
 from titan_npu.checkpoint.manager import CheckpointManager
 from titan_npu.config import JobConfig
 from titan_npu.config.loader import config_to_dict, save_config
@@ -56,6 +57,7 @@ from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline
 from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, mean_loss, plain_tensor
 from titan_npu.profiling import build_profiler
 from titan_npu.reliability import Reliability, prepare_reliability
+from titan_npu.reliability.fault_tolerance import ReplicaGroups, replica_paths
 from titan_npu.reliability.skip import step_unless, takes_device_flag
 from titan_npu.trainer.advice import speed_hints
 from titan_npu.trainer.loss import cross_entropy_loss, model_loss
@@ -88,6 +90,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         t = cfg.training
+        if cfg.fault_tolerance.enable:  # each replica group checkpoints and logs in its own folder
+            replica_paths(cfg)
 
         # Device and process group: the runtime, allocator and collective variables the launcher has not set are set
         # first (those torch_npu reads at import the launcher set before importing torch), then the device is
@@ -128,6 +132,10 @@ class Trainer:
             cfg, self.tokenizer, self.dp_rank, self.dp_degree, split="train",
             device_type=self.device.type, model_vocab_size=self.model_args.vocab_size,
         )
+        # Fault tolerance: this process group is one replica group of several (docs/reliability.md); each step's
+        # quorum decides which groups average gradients and how the step's data is split among them.
+        self.replicas = ReplicaGroups(cfg, self.rank, self.world_size, self.device.torch_device, self.dataloader,
+                                      self.dp_rank, self.dp_degree) if cfg.fault_tolerance.enable else None
 
         # Model: built on meta (no memory), split into pipeline stages, parallelised, materialised on the device
         # with the seed's weights (the same in every layout). Pure bf16: weights, gradients and optimizer state
@@ -182,6 +190,9 @@ class Trainer:
             layout=self.dims.describe(), extra=extra,
         )
         self.checkpointer.load()
+        if self.replicas is not None:  # a group behind its peers heals from their live state, not from a checkpoint
+            run = self.checkpointer.run
+            self.replicas.attach(lambda: live_state(run), lambda state: load_live_state(run, state), self)
         empty_cache(self.device)  # hand the load's staging buffers back before the first step allocates
         self.tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps * self.dims.dp
         self.flops_per_token = flops_per_token(  # a token meets only its experts of a MoE model: active parameters
@@ -247,6 +258,9 @@ class Trainer:
             self.tokens_per_step // t.seq_len, t.seq_len, self.tokens_per_step, t.batch_size,
             t.gradient_accumulation_steps, self.dims.dp, t.dtype, self.peak_flops / 1e12,
         )
+        if self.replicas is not None:
+            log.info("fault tolerance: that batch is one replica group's; a step trains it once per group taking "
+                     "part (up to %d)", self.cfg.fault_tolerance.num_replica_groups)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
                          documents: Documents | None = None) -> torch.Tensor:
@@ -307,10 +321,15 @@ class Trainer:
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
         params = [p for part in self.model_parts for p in part.parameters()]
+        if self.replicas is not None:  # before clipping: every replica group clips the same averaged gradients
+            self.replicas.average_gradients(params)
         # The norm over every parameter of the model, wherever its shards and stages live.
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, self.dims)
         # Collective: every rank learns of a signal on any rank, and all skip the update of a non-finite step.
         skip = self.reliability.check_step(self.step, loss_sum / accum, grad_norm)
+        if self.replicas is not None and not self.replicas.should_commit():  # the replica set broke mid-step
+            self.optimizer.zero_grad(set_to_none=True)
+            return loss_sum / accum, grad_norm, data_time
         if self.grad_scaler is not None:
             if skip is not True:
                 self.grad_scaler.step(self.optimizer)
@@ -354,12 +373,19 @@ class Trainer:
         self.profiler.start(self.step)
         self.reliability.start()
         while self.step < max_steps:
+            if self.replicas is not None:
+                self.replicas.begin_step()  # the quorum of replica groups; a group behind heals here (sets self.step)
+                if self.step >= max_steps:
+                    break
             self.step += 1
             self.reliability.begin_step(self.step)
             for callback in self.step_start_callbacks:
                 callback(self.step)
             loss, grad_norm, data_time = self.train_step(data_iter)
-            self.tokens_seen += self.tokens_per_step
+            if self.replicas is not None and not self.replicas.committed:
+                self.step -= 1  # not taken by the replica groups: the same step and data run again
+                continue
+            self.tokens_seen += self.tokens_per_step * (self.replicas.participants if self.replicas else 1)
             self.meter.step(loss, data_time)
             self.progress.update(self.step, last.get("loss"))
             if self.step % interval == 0 or self.step == max_steps or self.step == 1:
@@ -395,6 +421,8 @@ class Trainer:
                              self.meter.throughput(window), window, memory_stats(self.device), self.tokens_seen)
         record["eta_s"] = self.progress.eta_seconds()
         record["skipped_steps"] = self.reliability.guard.total
+        if self.replicas is not None:
+            record["replicas"] = self.replicas.participants
         record.update(self.routing.record(self.dims))
         flags = health_flags(window.first_step, window.losses, norm_value, self.spikes)
         if flags:
@@ -408,5 +436,7 @@ class Trainer:
 
         self.reliability.finish()
         self.checkpointer.close()
+        if self.replicas is not None:
+            self.replicas.close()
         self.metrics.close()
         destroy_process_group()
