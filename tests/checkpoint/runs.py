@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 from tiny_run import tiny_args
 
 # Fixed tokens to compare models by their logits.
@@ -127,4 +127,4 @@ def run_distributed(world: int, jobs: list[dict]) -> None:
     from titan_npu.parallel.process_group import free_port
 
     ports = [free_port() for _ in jobs]
-    mp.spawn(_worker, args=(world, ports, jobs), nprocs=world, join=True)
+    spawn_ranks(_worker, (world, ports, jobs), world)

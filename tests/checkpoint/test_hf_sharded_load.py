@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 
 from titan_npu.checkpoint import hf_slices
 from titan_npu.checkpoint.formats import read_weights
@@ -180,7 +180,7 @@ def loads(hf_dirs, tmp_path_factory) -> Path:
     for world, cases in ((2, TWO_RANKS), (4, FOUR_RANKS)):
         jobs = [partial(_load_case, workdir, case, model, overrides, hf_dirs[model])
                 for case, model, overrides in cases]
-        mp.spawn(_worker, args=(world, free_port(), workdir, jobs), nprocs=world, join=True)
+        spawn_ranks(_worker, (world, free_port(), workdir, jobs), world)
     return workdir
 
 

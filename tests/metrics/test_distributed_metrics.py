@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 
 from titan_npu.parallel.process_group import free_port
 
@@ -48,7 +48,7 @@ def worker(rank: int, world: int, port: int, tmp: str) -> None:
 
 @pytest.mark.distributed
 def test_two_ranks_log_dp_mean_loss_and_global_throughput(tmp_path):
-    mp.start_processes(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    spawn_ranks(worker, (2, free_port(), str(tmp_path)), 2)
     records = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     val = [r for r in records if "val_loss" in r]
@@ -121,7 +121,7 @@ def test_validation_with_vocab_sharded_logits_matches_one_process(tmp_path):
     torch.save(model.state_dict(), tmp_path / "weights.pt")
     reference = Validator(cfg, build_tokenizer("byte"), 0, 1, setup_device(), args.vocab_size).run(model, 1)
 
-    mp.start_processes(tp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    spawn_ranks(tp_worker, (2, free_port(), str(tmp_path)), 2)
     tp = json.loads((tmp_path / "tp.json").read_text())
     assert tp["val_tokens"] == reference["val_tokens"] == 2 * BATCH * SEQ
     # Same weights and batches; TP only reorders the matmul sums (fp32).

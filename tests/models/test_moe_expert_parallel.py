@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 
 from titan_npu.parallel.process_group import free_port
 
@@ -110,6 +110,6 @@ def _worker(rank: int, port: int, workdir: str) -> None:
 
 def test_expert_parallel_layer_gives_one_process_outputs_and_every_expert_gradient_eager_compiled_and_capped(
         tmp_path):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD)
     problems = [f"rank {r}: {p}" for r in range(WORLD) for p in json.loads((tmp_path / f"rank{r}.json").read_text())]
     assert not problems, "\n".join(problems)

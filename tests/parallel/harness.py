@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.parallel.dims import ParallelDims
@@ -171,8 +171,8 @@ def _worker(rank: int, world: int, port: int, runs: list[Job]) -> None:
 
 
 def run_pool(world: int, runs: list[Job]) -> None:
-    """Run the jobs one after another in `world` spawned processes; raises if any rank fails."""
-    mp.spawn(_worker, args=(world, free_port(), runs), nprocs=world, join=True)
+    """Run the jobs one after another in `world` new processes (tests/ranks.py); raises if any rank fails."""
+    spawn_ranks(_worker, (world, free_port(), runs), world)
 
 
 def run_here(runs: list[Job]) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 
 from titan_npu.config.loader import load_config
 from titan_npu.models.llama import Transformer
@@ -67,7 +67,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: Path) -> None:
 def fsdp_logits(tmp_path_factory) -> Path:
     """The first logits of every model of MODELS under bf16 FSDP(2), in <model>.pt (one pool of two ranks)."""
     out = tmp_path_factory.mktemp("fsdp_bf16")
-    mp.spawn(_fsdp_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    spawn_ranks(_fsdp_worker, (2, free_port(), out), 2)
     return out
 
 
