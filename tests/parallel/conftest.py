@@ -90,7 +90,9 @@ CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # schedule on the same stages that pp_1f1b and pp_interleaved_1f1b run). gpt-oss under FSDP alone (gpt_oss_fsdp_ep2
 # runs FSDP 2 with expert parallelism on top) and in two pipeline stages (the stage split is the MoE decoder's, which
 # Qwen3-MoE's pipeline layouts run by default).
-SLOW_CASES = ("qwen2_fsdp", "qwen2_tp", "qwen3_fsdp", "pp_gpipe", "gpt_oss_fsdp", "gpt_oss_pp_1f1b")
+# Qwen3 at tp 2 x pp 2 (4 ranks, the slowest default case) composes tp2_pp2 (TP inside pipeline stages), qwen3_tp (its
+# head-sharded q/k norms under TP) and qwen3_pp_1f1b (its untied output across stages).
+SLOW_CASES = ("qwen2_fsdp", "qwen2_tp", "qwen3_fsdp", "pp_gpipe", "gpt_oss_fsdp", "gpt_oss_pp_1f1b", "qwen3_tp2_pp2")
 
 # float8 in torchao's emulation (docs/float8.md), FSDP 2 x TP 2 against one process in float8: tensorwise (the weights
 # all-gathered in float8 with their scales precomputed after each step, torchao's float8 TP styles) and rowwise

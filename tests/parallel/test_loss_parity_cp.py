@@ -85,8 +85,10 @@ CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # compiled (cp2_compile: the cp seam compiled; ulysses_cp2: Ulysses eager), Qwen2 under cp (qwen3_cp2: a Qwen family
 # through the ring; test_loss_parity.py's qwen2_fsdp2_tp2: Qwen2's biases) and Qwen3 at fsdp 2 x cp 2 (fsdp2_cp2
 # and qwen3_cp2).
+# Qwen3's Ulysses cp 2 x tp 2 (4 ranks) composes cp2_tp2 (the tp ranks splitting each cp rank's chunks) and
+# qwen3_ulysses_cp2 (Qwen3's q/k norms through Ulysses).
 SLOW_CASES = ("qwen3_ulysses_cp2_pp2_interleaved", "cp2_ac_selective_ops", "ulysses_cp2_compile", "qwen2_cp2",
-              "qwen3_fsdp2_cp2")
+              "qwen3_fsdp2_cp2", "qwen3_ulysses_cp2_tp2")
 
 RESUME_BASE = ["--parallel.cp_degree=2", "--lr_scheduler.decay_type=constant"]
 
