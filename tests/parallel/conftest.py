@@ -83,6 +83,11 @@ TWO_RANKS += [Case("gpt_oss_fsdp", [], "ref_b8", "gpt_oss"),
               Case("gpt_oss_tp", ["--parallel.tp_degree=2"], "ref_b4", "gpt_oss"),
               Case("gpt_oss_pp_1f1b", ["--parallel.pp_degree=2", "--parallel.pp_schedule=1F1B"], "ref_b4", "gpt_oss")]
 
+# Qwen3-Next (linear-attention layers, the gated shared expert) under FSDP 2 with its experts split over the 2 ranks,
+# and the dense Qwen3.5 under FSDP 2 (tensor and context parallelism are refused for the family).
+TWO_RANKS += [Case("qwen3_next_fsdp_ep2", ["--parallel.ep_degree=2"], "ref_b8", "qwen3_next"),
+              Case("qwen3_5_fsdp", [], "ref_b8", "qwen3_5")]
+
 CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # With -m slow: Qwen2 under FSDP alone and TP alone; qwen2_fsdp2_tp2 (its biases FSDP-sharded after their TP cut)
 # stays in the default run, with test_tp_gradients.py's qwen2_tp2 (the biases' TP gradients). Qwen3 under FSDP alone
