@@ -93,3 +93,25 @@ def test_on_the_cpu_the_entry_point_runs_the_reference():
     ids = torch.tensor([[0] * 4 + [1] * 5])
     assert torch.equal(gated_delta_rule(q, k, v, g, beta, segments=ids, cu_seqlens=[4, 9]),
                        chunk_gated_delta_rule(q, k, v, g, beta, segments=ids))
+
+
+def test_the_fast_path_gets_each_document_as_one_varlen_sequence(monkeypatch):
+    """flash-linear-attention's varlen contract (one row, cu_seqlens the documents' ends), held to the reference by
+    a stand-in that runs each document alone: the batch's rows and documents reach the kernel as documents."""
+    from titan_npu.ops import delta_rule
+
+    def varlen(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens):
+        assert q.shape[0] == 1 and use_qk_l2norm_in_kernel and scale == q.shape[-1] ** -0.5
+        ends = cu_seqlens.tolist()
+        parts = [chunk_gated_delta_rule(*(x[:, lo:hi] for x in (q, k, v, g, beta)))
+                 for lo, hi in zip(ends[:-1], ends[1:])]
+        return torch.cat(parts, dim=1), None
+
+    monkeypatch.setattr(delta_rule, "_fla_chunk", lambda: varlen)
+    monkeypatch.setattr(delta_rule, "fla_available", lambda x: True)
+    q, k, v, g, beta = _inputs(2, 9)
+    ids = torch.tensor([[0] * 4 + [1] * 5, [0] * 9])
+    fast = gated_delta_rule(q, k, v, g, beta, segments=ids, cu_seqlens=[4, 9, 18])
+    assert (fast - chunk_gated_delta_rule(q, k, v, g, beta, segments=ids)).abs().max().item() < TOL
+    rows = gated_delta_rule(q, k, v, g, beta)
+    assert (rows - chunk_gated_delta_rule(q, k, v, g, beta)).abs().max().item() < TOL

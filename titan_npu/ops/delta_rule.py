@@ -14,8 +14,9 @@ Packed documents (ops/documents.py: a document index per position) restart the r
 at its first position is zero, exactly as if g were -inf there. Inside a chunk this is a mask on the pairwise decays
 (positions of different documents do not interact) and on the reads / writes of the state carried between chunks.
 
-gated_delta_rule is the entry the model calls: flash-linear-attention's chunked kernel on a CUDA tensor where the
-package is installed (documents as its cu_seqlens), the reference above everywhere else (CPU, NPU).
+gated_delta_rule is the entry the model calls: flash-linear-attention's chunked kernel (fla.ops.gated_delta_rule:
+chunk_gated_delta_rule, Triton) on a bf16 / fp16 CUDA tensor where the package is installed (documents as its
+cu_seqlens), the reference above everywhere else (CPU, NPU, fp32).
 """
 
 from __future__ import annotations
@@ -98,8 +99,9 @@ def _fla_chunk() -> Any:
 
 
 def fla_available(x: torch.Tensor) -> bool:
-    """Whether gated_delta_rule runs flash-linear-attention's kernel for tensors like x (CUDA, package installed)."""
-    return x.device.type == "cuda" and _fla_chunk() is not None
+    """Whether gated_delta_rule runs flash-linear-attention's kernel for tensors like x: CUDA, bf16 or fp16 (its
+    kernels refuse fp32), the package installed."""
+    return x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and _fla_chunk() is not None
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -114,7 +116,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if hv != hk:
         q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
     ends = cu_seqlens if cu_seqlens is not None else [(row + 1) * seqlen for row in range(batch)]
-    offsets = torch.tensor([0, *ends], dtype=torch.int32).to(q.device, non_blocking=True)
+    offsets = torch.tensor([0, *ends], dtype=torch.long).to(q.device, non_blocking=True)
 
     def flat(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(1, batch * seqlen, *x.shape[2:])
