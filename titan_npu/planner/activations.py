@@ -107,7 +107,7 @@ def is_hybrid(args: object) -> bool:
     return hasattr(args, "linear_n_k_heads")
 
 
-def linear_attention_bytes(job: Job) -> tuple[int, int, int]:
+def linear_attention_bytes(job: Job, tp: int = 1) -> tuple[int, int, int]:
     """Per token, a gated DeltaNet layer's (saved bytes, bytes op-level checkpointing keeps, backward transient),
     in place of attention's, with the reference chunked delta rule (ops/delta_rule.py, chunk C = 64, fp32 inside).
 
@@ -117,10 +117,11 @@ def linear_attention_bytes(job: Job) -> tuple[int, int, int]:
     the chunk's pairwise decays, UT system and intra-chunk scores (4 Hv 3 C) and the state entering each chunk
     (4 Hv dk dv / C); the gated norm's fp32 input, z and its product (12 Vd). Op-level checkpointing keeps the
     projections' outputs and the delta rule's output; the transient is the fp32 gradients of the chunk's q, k, v.
+    Sizes are a tensor-parallel rank's (its heads).
     """
     a, c, chunk = job.args, job.compute_bytes, 64
-    kd, vd, hv, dk, dv = a.linear_key_dim, a.linear_value_dim, a.linear_n_v_heads, a.linear_k_head_dim, \
-        a.linear_v_head_dim
+    kd, vd, hv = a.linear_key_dim // tp, a.linear_value_dim // tp, a.linear_n_v_heads // tp
+    dk, dv = a.linear_k_head_dim, a.linear_v_head_dim
     projections = c * (2 * kd + 2 * vd + 2 * hv)
     saved = (projections + 3 * c * (2 * kd + vd) + 4 * hv * (6 * dk + 3 * dv) + 4 * hv * 3 * chunk
              + 4 * hv * dk * dv // chunk + 12 * vd)
@@ -183,7 +184,7 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
         per_token += mla
         attn_op_saves = c * (q + d + q) + mla_op_saves
     if linear:
-        mixer, mixer_op_saves, mixer_transient = linear_attention_bytes(job)
+        mixer, mixer_op_saves, mixer_transient = linear_attention_bytes(job, tp)
         full = tokens * (per_token - (qk_width * (q + kv) + 4 * (heads + kv_heads) if a.qk_norm else 0) + mixer)
         op_saves = tokens * (d * residual // sp + mixer_op_saves + ffn_op_saves)
         return BlockBytes(full, tokens * d * residual // sp, op_saves, tokens * max(ffn_transient, mixer_transient))

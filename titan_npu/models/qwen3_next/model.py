@@ -20,11 +20,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
 from titan_npu import ops
 from titan_npu.errors import ConfigError
 from titan_npu.models.decoder.model import Attention, FeedForward, Linear, RMSNorm, TransformerBlock, precompute_rope
 from titan_npu.models.init import ParamInit, constant, prefixed, trunc_normal
+from titan_npu.models.moe.dispatch import all_reduce_grad
 from titan_npu.models.moe_decoder.model import MoEBlock, MoETransformer
 from titan_npu.models.qwen3_next.args import Qwen3NextArgs
 from titan_npu.ops.delta_rule import gated_delta_rule
@@ -33,6 +36,11 @@ from titan_npu.ops.short_conv import causal_conv1d_silu
 
 # log A's distribution at initialisation: A spread over transformers' (0.01, 16), centred near 4.
 A_LOG_INIT = trunc_normal(1.0, mean=1.386, low=0.0, high=2.773)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor-parallel parameter (the tensor itself when it is not split)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class ZeroCenteredRMSNorm(RMSNorm):
@@ -79,7 +87,7 @@ class GatedAttention(Attention):
         rows = slice(seqlen) if documents is None or documents.positions is None else documents.positions
         xq, xk = rotate_half(xq, cos[rows], sin[rows]), rotate_half(xk, cos[rows], sin[rows])
         out = ops.attention(xq, xk, xv, causal=True, use_flash=self.use_flash, documents=documents)
-        out = out.reshape(bs, seqlen, -1) * torch.sigmoid(gate.reshape(bs, seqlen, -1))
+        out = out.reshape(bs, seqlen, -1) * torch.sigmoid(local(gate).reshape(bs, seqlen, -1))
         return self.wo(out)
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
@@ -106,6 +114,9 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(heads))
         self.norm_weight = nn.Parameter(torch.empty(args.linear_v_head_dim))
         self.out = Linear(value, d)
+        # Set by tensor parallelism (parallelize.py): the group over which this rank's heads are a part, whose
+        # gradients of the gated norm's weight (replicated, applied to every head) are partial and get summed.
+        self.tp_group: ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 documents: Documents | None = None) -> torch.Tensor:
@@ -114,12 +125,12 @@ class GatedDeltaNet(nn.Module):
         segments = None if documents is None else documents.ids
         q, k, v = self.in_q(x), self.in_k(x), self.in_v(x)
         conv = causal_conv1d_silu(torch.cat((q, k, v), dim=-1),
-                                  torch.cat((self.conv_q, self.conv_k, self.conv_v)), segments)
+                                  torch.cat([local(w) for w in (self.conv_q, self.conv_k, self.conv_v)]), segments)
         q, k, v = conv.split((q.shape[-1], k.shape[-1], v.shape[-1]), dim=-1)
         q, k = q.view(bs, seqlen, -1, self.k_head_dim), k.view(bs, seqlen, -1, self.k_head_dim)
         v = v.view(bs, seqlen, -1, self.v_head_dim)
         beta = torch.sigmoid(self.in_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_a(x).float() + self.dt_bias)
+        g = -local(self.A_log).float().exp() * F.softplus(self.in_a(x).float() + local(self.dt_bias))
         out = gated_delta_rule(q, k, v, g, beta, segments=segments,
                                cu_seqlens=None if documents is None else documents.cu_seqlens)
         out = self.gated_norm(out, self.in_z(x).view(bs, seqlen, -1, self.v_head_dim))
@@ -128,9 +139,12 @@ class GatedDeltaNet(nn.Module):
     def gated_norm(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each value head of out, times its weight and silu(z) (transformers' Qwen3NextRMSNormGated)."""
         dtype = out.dtype
+        weight = local(self.norm_weight)
+        if self.tp_group is not None:
+            weight = all_reduce_grad(weight, self.tp_group)
         h = out.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.norm_weight * h.to(dtype) * F.silu(z.float())).to(dtype)
+        return (weight * h.to(dtype) * F.silu(z.float())).to(dtype)
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         """Projections ~ N(0, 0.02), out ~ N(0, init_std); the convolution ~ N(0, K^-1/2); log A spread as

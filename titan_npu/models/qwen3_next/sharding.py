@@ -1,7 +1,8 @@
 """Every kind of parameter of a Qwen3-Next / Qwen3.5 model: the MoE decoder's (or the dense decoder's when nothing is
 routed) with the gated attention's doubled q projection and zero-centred norms, the linear layers' own kinds, and the
-shared expert's gate. The model is not split by tensor parallelism (parallelize.py refuses it), so no kind has a
-tensor-parallel dim here beyond the ones the decoder's table names."""
+shared expert's gate. Under tensor parallelism (parallelize.py) a linear layer's projections, convolution channels and
+per-head decay parameters are split by head (dim 0), its output projection row-wise (dim 1), its gated norm's weight
+and the shared expert's gate replicated."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def parameter_kinds(args: Qwen3NextArgs) -> dict[str, tuple[tuple[int, ...], int
     d, kd, vd, h, w = args.dim, args.linear_key_dim, args.linear_value_dim, args.linear_n_v_heads, \
         args.linear_conv_kernel
     kinds = moe_kinds(args) if args.n_experts else decoder_kinds(args)
-    linear = {"attention.conv_q": ((kd, w), None), "attention.conv_k": ((kd, w), None),
-              "attention.conv_v": ((vd, w), None), "attention.A_log": ((h,), None), "attention.dt_bias": ((h,), None),
+    linear = {"attention.conv_q": ((kd, w), 0), "attention.conv_k": ((kd, w), 0),
+              "attention.conv_v": ((vd, w), 0), "attention.A_log": ((h,), 0), "attention.dt_bias": ((h,), 0),
               "attention.norm_weight": ((args.linear_v_head_dim,), None), "attention.in_q.weight": ((kd, d), 0),
               "attention.in_k.weight": ((kd, d), 0), "attention.in_v.weight": ((vd, d), 0),
               "attention.in_z.weight": ((vd, d), 0), "attention.in_b.weight": ((h, d), 0),
