@@ -24,8 +24,11 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY = ["--training.seq_len", "64", "--training.batch_size", "2"]
 
 
+# Expert parallelism under FSDP with -m slow: the shipped 80B-A3B config's shards (tests/config) and the 2-rank pool's
+# run cover it by default.
 @pytest.mark.parametrize(("config", "overrides"), [
-    ("debug_qwen3_next.toml", ["--parallel.dp_shard", "4", "--parallel.ep_degree", "2"]),
+    pytest.param("debug_qwen3_next.toml", ["--parallel.dp_shard", "4", "--parallel.ep_degree", "2"],
+                 marks=pytest.mark.slow),
     ("debug_qwen3_next.toml", ["--parallel.dp_shard", "2", "--parallel.tp_degree", "2"]),
     ("debug_qwen3_5.toml", ["--parallel.dp_shard", "2", "--parallel.pp_degree", "2", "--parallel.pp_microbatches",
                             "2"])], ids=["moe_ep_under_fsdp", "moe_fsdp_tp", "dense_pipeline"])
