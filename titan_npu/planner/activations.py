@@ -294,7 +294,7 @@ def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str
     is_moe = getattr(job.args, "is_moe_layer", None)
     is_linear = getattr(job.args, "is_linear_layer", None)
     kinds = {(m, lin): block_bytes(job, layout, mb, device_type, moe=m, linear=lin)
-             for m in ((False, True) if is_moe and job.args.n_moe_layers else (False,))
+             for m in ((False, True) if is_moe and getattr(job.args, "n_moe_layers", 1) else (False,))
              for lin in ((False, True) if is_linear else (False,))}
     saved_by, recompute_by, transients = [], [], []
     for layer in part.layers:
