@@ -37,8 +37,12 @@ EXPECTED = {
     "deepseek_v3_16b.toml": ("deepseek_v3", "16B"),
     "deepseek_v3_671b.toml": ("deepseek_v3", "671B"),
     "debug_gpt_oss.toml": ("gpt_oss", "debug"),
+    "debug_qwen3_next.toml": ("qwen3_next", "debug"),
+    "debug_qwen3_5.toml": ("qwen3_next", "debug-dense"),
     "gpt_oss_20b.toml": ("gpt_oss", "20B"),
     "gpt_oss_120b.toml": ("gpt_oss", "120B"),
+    "qwen3_5_9b.toml": ("qwen3_next", "3.5-9B"),
+    "qwen3_next_80b_a3b.toml": ("qwen3_next", "80B-A3B"),
 }
 # The cards a Qwen config's header names (nodes, 910B per node) and a rank whose dry run is checked.
 QWEN_CLUSTERS = {"qwen3_32b.toml": (2, 8, 6), "qwen3_8b.toml": (1, 8, 7), "qwen2_7b.toml": (1, 4, 3)}
@@ -77,12 +81,15 @@ def test_qwen_configs_hold_the_planners_first_layout_and_dry_run_to_its_bytes(na
 
 # The cards a MoE config's header names (nodes, 910B per node), a rank whose dry run is checked, and its ep degree.
 MOE_CLUSTERS = {"qwen3_30b_a3b.toml": (1, 8, 7, 1), "qwen3_235b_a22b.toml": (16, 8, 77, 8),
-                "gpt_oss_20b.toml": (1, 8, 7, 4)}
+                "gpt_oss_20b.toml": (1, 8, 7, 4), "qwen3_5_9b.toml": (1, 8, 7, 1)}
 
 
 # The search over 8 ranks takes seconds, over 128 minutes: the 235B one runs with the slow tests (its fit and dry run
 # below run by default).
+# Qwen3.5-9B is dense, but its dry run checks shards only too: a forward of fake tensors through the chunked delta
+# rule's loop (64 chunks x 24 linear layers) takes minutes (tests/tools/test_plan_qwen3_next.py runs the debug one's).
 @pytest.mark.parametrize("name", [pytest.param("qwen3_30b_a3b.toml"), pytest.param("gpt_oss_20b.toml"),
+                                  pytest.param("qwen3_5_9b.toml"),
                                   pytest.param("qwen3_235b_a22b.toml", marks=pytest.mark.slow)])
 def test_moe_configs_hold_the_planners_first_layout_and_dry_run_to_its_bytes(name):
     from titan_npu.planner.dry_run import dry_run
@@ -104,7 +111,7 @@ def test_moe_configs_hold_the_planners_first_layout_and_dry_run_to_its_bytes(nam
 # The large MoE configs: (nodes, 910B per node) of the header, a rank whose dry run is checked, (ep, dp_replicate).
 DEEPSEEK_CLUSTERS = {"deepseek_v3_16b.toml": (1, 8, 7, (8, 1)), "deepseek_v3_671b.toml": (64, 8, 77, (128, 1))}
 FIT_CLUSTERS = {**DEEPSEEK_CLUSTERS, "qwen3_235b_a22b.toml": (16, 8, 77, (8, 1)),
-                "gpt_oss_120b.toml": (8, 8, 63, (8, 1))}
+                "gpt_oss_120b.toml": (8, 8, 63, (8, 1)), "qwen3_next_80b_a3b.toml": (4, 8, 31, (8, 4))}
 
 
 @pytest.mark.parametrize("name", list(FIT_CLUSTERS))

@@ -78,10 +78,11 @@ def memorisable_batches(vocab_size: int, seq_len: int, steps: int, seed: int = 8
 
 
 def adamw_steps(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                loss_fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]) -> list[float]:
+                loss_fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor], lr: float = 3e-3
+                ) -> list[float]:
     """One AdamW step (fixed lr, clipping at 1.0, for-loop kernels) per batch on loss_fn(model, inputs, labels);
     the losses."""
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                             foreach=False)
     losses = []
     for tokens, labels in batches:

@@ -83,6 +83,14 @@ TWO_RANKS += [Case("gpt_oss_fsdp", [], "ref_b8", "gpt_oss"),
               Case("gpt_oss_tp", ["--parallel.tp_degree=2"], "ref_b4", "gpt_oss"),
               Case("gpt_oss_pp_1f1b", ["--parallel.pp_degree=2", "--parallel.pp_schedule=1F1B"], "ref_b4", "gpt_oss")]
 
+# Qwen3-Next (linear-attention layers, the gated shared expert) under FSDP 2 with its experts split over the 2 ranks
+# and under TP 2 (the linear layers split by head, the shared gate replicated), the dense Qwen3.5 under FSDP 2 and
+# TP 2 (context parallelism is refused for the family).
+TWO_RANKS += [Case("qwen3_next_fsdp_ep2", ["--parallel.ep_degree=2"], "ref_b8", "qwen3_next"),
+              Case("qwen3_next_tp", ["--parallel.tp_degree=2"], "ref_b4", "qwen3_next"),
+              Case("qwen3_5_fsdp", [], "ref_b8", "qwen3_5"),
+              Case("qwen3_5_tp", ["--parallel.tp_degree=2"], "ref_b4", "qwen3_5")]
+
 CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # With -m slow: Qwen2 under FSDP alone and TP alone; qwen2_fsdp2_tp2 (its biases FSDP-sharded after their TP cut)
 # stays in the default run, with test_tp_gradients.py's qwen2_tp2 (the biases' TP gradients). Qwen3 under FSDP alone
@@ -91,8 +99,10 @@ CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # runs FSDP 2 with expert parallelism on top) and in two pipeline stages (the stage split is the MoE decoder's, which
 # Qwen3-MoE's pipeline layouts run by default).
 # Qwen3 at tp 2 x pp 2 (4 ranks, the slowest default case) composes tp2_pp2 (TP inside pipeline stages), qwen3_tp (its
-# head-sharded q/k norms under TP) and qwen3_pp_1f1b (its untied output across stages).
-SLOW_CASES = ("qwen2_fsdp", "qwen2_tp", "qwen3_fsdp", "pp_gpipe", "gpt_oss_fsdp", "gpt_oss_pp_1f1b", "qwen3_tp2_pp2")
+# head-sharded q/k norms under TP) and qwen3_pp_1f1b (its untied output across stages). Qwen3.5 dense under FSDP and
+# under TP (its token mixers are Qwen3-Next's, which the default run splits both ways).
+SLOW_CASES = ("qwen2_fsdp", "qwen2_tp", "qwen3_fsdp", "pp_gpipe", "gpt_oss_fsdp", "gpt_oss_pp_1f1b", "qwen3_tp2_pp2",
+              "qwen3_5_fsdp", "qwen3_5_tp")
 
 # float8 in torchao's emulation (docs/float8.md), FSDP 2 x TP 2 against one process in float8: tensorwise (the weights
 # all-gathered in float8 with their scales precomputed after each step, torchao's float8 TP styles) and rowwise

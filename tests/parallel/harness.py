@@ -29,6 +29,8 @@ MODEL = {"name": "llama3", "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads":
 # size (32) set apart from dim / n_heads (16) and a tied output (untied for pipeline parallelism, which refuses a
 # tied one); Qwen2's q/k/v biases, grouped-query attention 4:1 and a tied output.
 _QWEN3 = {**MODEL, "name": "qwen3", "head_dim": 32, "ffn_dim": 192, "tie_embeddings": True}
+_HYBRID = {**MODEL, "head_dim": 16, "full_attention_interval": 2, "linear_n_k_heads": 2, "linear_n_v_heads": 4,
+           "linear_k_head_dim": 16, "linear_v_head_dim": 16}
 MODELS = {
     "llama3": MODEL,
     "qwen3": _QWEN3,
@@ -37,6 +39,11 @@ MODELS = {
     # gpt-oss: attention sinks, a window of 8 of the 32 positions on alternate layers, YaRN, 4 biased experts top-2.
     "gpt_oss": {**MODEL, "name": "gpt_oss", "head_dim": 16, "n_experts": 4, "top_k": 2, "moe_ffn_dim": 64,
                 "sliding_window": 8, "yarn_original_seq_len": 16},
+    # Qwen3-Next: gated DeltaNet and gated attention layers alternating, 4 experts top-2 with a gated shared expert;
+    # Qwen3.5 dense: the same mixers, SwiGLU feed-forwards.
+    "qwen3_next": {**_HYBRID, "name": "qwen3_next", "n_experts": 4, "top_k": 2, "moe_ffn_dim": 64,
+                   "shared_ffn_dim": 32},
+    "qwen3_5": {**_HYBRID, "name": "qwen3_5", "flavor": "debug-dense", "ffn_dim": 128},
 }
 
 

@@ -80,6 +80,16 @@ def test_a_moe_run_reads_device_values_on_the_host_only_at_log_steps(tmp_path, o
     assert [r for r in reads.reads if r[0] not in (0, 1, 5, 10, 12)] == []
 
 
+@pytest.mark.slow  # a 12-step trainer run of its own; the document-masking runs above hold the loop to it by default
+def test_a_hybrid_linear_attention_run_with_documents_reads_on_the_host_only_at_log_steps(tmp_path, one_thread):
+    # Qwen3-Next: the chunked delta rule loops over chunks by shape, its document resets are device masks.
+    trainer = _trainer(tmp_path, model__name="qwen3_next", model__n_layers=2, model__full_attention_interval=2,
+                       data__document_mask=True)
+    reads = HostReads(trainer)
+    _train(trainer, reads)
+    assert [r for r in reads.reads if r[0] not in (0, 1, 5, 10, 12)] == []
+
+
 @pytest.mark.parametrize("reset", [False, True], ids=["document_mask", "reset_position_ids"])
 def test_a_document_masking_run_reads_device_values_on_the_host_only_at_log_steps(tmp_path, one_thread, reset):
     # The documents' boundaries come with the batch from the loader (host ints and a tensor sent to the device).

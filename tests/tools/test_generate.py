@@ -205,3 +205,14 @@ def test_trained_debug_model_writes_corpus_like_text_and_a_random_one_does_not(t
     assert t_print > 0.95, trained
     assert r_print < 0.7, random
     assert t_common > 0.12 and t_common > 4 * r_common, (t_common, r_common, trained, random)
+
+
+def test_a_hybrid_linear_attention_model_is_refused_in_one_line():
+    from titan_npu.models.qwen3_next.args import Qwen3NextArgs
+    from titan_npu.models.qwen3_next.model import Qwen3NextTransformer
+
+    args = Qwen3NextArgs(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, vocab_size=64, ffn_dim=32,
+                         max_seq_len=32, family="qwen3_next", n_experts=0, full_attention_interval=2,
+                         linear_n_k_heads=1, linear_n_v_heads=2, linear_k_head_dim=8, linear_v_head_dim=8)
+    with pytest.raises(ConfigError, match="no cached decoding for qwen3_next"):
+        CachedLlama(Qwen3NextTransformer(args), max_len=16)

@@ -60,6 +60,10 @@ def model_section(args) -> str:
     for key in ("sliding_window", "layer_types", "swiglu_limit"):  # gpt-oss's attention and experts
         if hasattr(args, key):
             lines.append(f"{key} = {json.dumps(getattr(args, key))}")
+    if hasattr(args, "linear_n_k_heads"):  # Qwen3-Next / Qwen3.5's linear layers and gated shared expert
+        lines += [f"{key} = {json.dumps(getattr(args, key))}" for key in (
+            "shared_ffn_dim", "full_attention_interval", "partial_rotary_factor", "linear_n_k_heads",
+            "linear_n_v_heads", "linear_k_head_dim", "linear_v_head_dim", "linear_conv_kernel", "variant")]
     return "\n".join(lines)
 
 

@@ -45,9 +45,10 @@ KEY_ALIASES: dict[tuple[str, str], tuple[str, str]] = {
 SUBSECTION_ALIASES: dict[tuple[str, str], str] = {("training", "checkpoint"): "checkpoint"}
 
 def normalize_flavor(flavor: str) -> str:
-    """'7b' -> '7B', '3.1-8b' -> '3.1-8B', 'Debug' -> 'debug': flavors are matched case-insensitively."""
+    """'7b' -> '7B', '3.1-8b' -> '3.1-8B', 'Debug' -> 'debug', 'Debug-Dense' -> 'debug-dense': flavors are matched
+    case-insensitively."""
     flavor = flavor.strip()
-    return "debug" if flavor.lower() == "debug" else flavor.upper()
+    return flavor.lower() if flavor.lower().split("-")[0] == "debug" else flavor.upper()
 
 
 def canonicalize(

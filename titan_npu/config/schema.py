@@ -62,9 +62,19 @@ class ModelConfig:
     mtp_loss_coef: float | None = None  # weight of the multi-token prediction loss
     # gpt-oss (gpt_oss; docs/models.md): attention sinks, sliding-window layers, clamped SwiGLU experts.
     sliding_window: int | None = None  # keys a sliding layer's query sees (128 in the published flavors)
-    layer_types: list[str] | None = None  # per layer "sliding_attention" / "full_attention"; unset = alternating
+    layer_types: list[str] | None = None  # per layer "sliding_attention" / "full_attention" (gpt-oss; unset =
+    # alternating) or "linear_attention" / "full_attention" (qwen3_next; unset = full_attention_interval)
     swiglu_limit: float | None = None  # the experts' SwiGLU clamp (7.0)
     yarn_truncate: bool | None = None  # round YaRN's ramp bounds to whole dims (false in gpt-oss's flavors)
+    # Qwen3-Next / Qwen3.5 (qwen3_next; docs/models.md): gated DeltaNet linear layers between gated attention ones.
+    full_attention_interval: int | None = None  # every n-th layer is full attention when layer_types is unset (4)
+    partial_rotary_factor: float | None = None  # share of each attention head that RoPE rotates (0.25)
+    linear_n_k_heads: int | None = None  # the linear layers' query / key heads
+    linear_n_v_heads: int | None = None  # their value heads (a multiple of the key heads)
+    linear_k_head_dim: int | None = None
+    linear_v_head_dim: int | None = None
+    linear_conv_kernel: int | None = None  # width of the short causal convolution (4)
+    variant: str | None = None  # Hugging Face layout for export: qwen3_next | qwen3_5
     use_flash_attention: bool = True
     attention_backend: str = "auto"  # CUDA SDPA kernel: auto (by GPU capability) | cudnn | flash | efficient
     rope_fp32: bool = False  # NPU: npu_rotary_mul on fp32 q/k and tables (cast back), as torchtitan-npu runs RoPE

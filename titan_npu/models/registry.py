@@ -17,13 +17,14 @@ from titan_npu.models.llama.spec import LLAMA2, LLAMA3
 from titan_npu.models.qwen2.spec import QWEN2
 from titan_npu.models.qwen3.spec import QWEN3
 from titan_npu.models.qwen3_moe.spec import QWEN3_MOE
+from titan_npu.models.qwen3_next.spec import QWEN3_NEXT
 from titan_npu.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from titan_npu.config.schema import ModelConfig
 
 SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA2, LLAMA3, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3,
-                                                        GPT_OSS)}
+                                                        GPT_OSS, QWEN3_NEXT)}
 
 
 def family_names() -> list[str]:

@@ -73,6 +73,9 @@ class ModelSpec:
     # args -> {parameter kind: (full shape, tensor-parallel dim or None)}; a block parameter's kind is its name
     # inside the block ("attention.wq.weight"), a root one's its own name; the planner sizes every shard from it.
     parameter_kinds: Callable[[Any], dict[str, tuple[tuple[int, ...], int | None]]]
+    # Whether block `layer_id` holds a parameter of this kind as far as its token mixer goes: (args, layer id, kind);
+    # a hybrid's linear and full-attention blocks hold different kinds (the feed-forward's follow is_moe_layer).
+    layer_holds: Callable[[Any, int, str], bool] = lambda args, layer_id, kind: True
     hf: HFAdapter | None = None
     # args as a checkpoint's info stores them (dataclasses.asdict) -> args
     args_from_dict: Callable[[dict[str, Any]], Any] = dict

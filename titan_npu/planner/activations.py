@@ -102,8 +102,34 @@ def has_sink_attention(args: object) -> bool:
     return hasattr(args, "sliding_window")
 
 
-def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "cpu", moe: bool = False
-                ) -> BlockBytes:
+def is_hybrid(args: object) -> bool:
+    """Whether the model mixes tokens by linear attention in some layers (Qwen3-Next's gated DeltaNet)."""
+    return hasattr(args, "linear_n_k_heads")
+
+
+def linear_attention_bytes(job: Job, tp: int = 1) -> tuple[int, int, int]:
+    """Per token, a gated DeltaNet layer's (saved bytes, bytes op-level checkpointing keeps, backward transient),
+    in place of attention's, with the reference chunked delta rule (ops/delta_rule.py, chunk C = 64, fp32 inside).
+
+    The projections' outputs (c (2 Kd + 2 Vd + 2 Hv): q, k, v, z, b, a); the convolution's input and its SiLU's
+    input and output (c 3 (2 Kd + Vd)); inside the delta rule, fp32 per value head: q and k after the key heads'
+    repetition, their L2 norms' inputs, v, k beta, v beta, u, w and the decay-weighted q and k (4 Hv (6 dk + 3 dv)),
+    the chunk's pairwise decays, UT system and intra-chunk scores (4 Hv 3 C) and the state entering each chunk
+    (4 Hv dk dv / C); the gated norm's fp32 input, z and its product (12 Vd). Op-level checkpointing keeps the
+    projections' outputs and the delta rule's output; the transient is the fp32 gradients of the chunk's q, k, v.
+    Sizes are a tensor-parallel rank's (its heads).
+    """
+    a, c, chunk = job.args, job.compute_bytes, 64
+    kd, vd, hv = a.linear_key_dim // tp, a.linear_value_dim // tp, a.linear_n_v_heads // tp
+    dk, dv = a.linear_k_head_dim, a.linear_v_head_dim
+    projections = c * (2 * kd + 2 * vd + 2 * hv)
+    saved = (projections + 3 * c * (2 * kd + vd) + 4 * hv * (6 * dk + 3 * dv) + 4 * hv * 3 * chunk
+             + 4 * hv * dk * dv // chunk + 12 * vd)
+    return saved, projections + c * (vd + a.dim), 4 * hv * (2 * dk + dv)
+
+
+def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "cpu", moe: bool = False,
+                linear: bool = False) -> BlockBytes:
     """Saved-tensor bytes of one transformer block for one micro-batch (the reference ops).
 
     Per token, with c the compute dtype's bytes and sizes local to a tensor-parallel rank: each RMSNorm keeps its
@@ -117,7 +143,9 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     dtype: its input (c (q + kv)) and rstd (4 per head) with the cpu reference, else the fp32 input and
     normalised value (8 (q + kv)) and rstd; it runs on the heads a tensor-parallel rank holds, so sequence
     parallelism does not split it further. Qwen2's q/k/v biases keep nothing (an add's backward needs no input).
-    Sink attention (has_sink_attention: gpt-oss) keeps what eager attention keeps. A MoE block (`moe`) keeps
+    Sink attention (has_sink_attention: gpt-oss) keeps what eager attention keeps. A linear-attention block
+    (`linear`: Qwen3-Next's gated DeltaNet) keeps linear_attention_bytes in place of attention's (its norms and
+    feed-forward as any block's); a gated attention block keeps its output gate (c q) besides. A MoE block (`moe`) keeps
     moe_ffn_bytes in place of the SwiGLU's 4 c F; multi-head latent attention
     (DeepSeek-V3) keeps mla_bytes on top of the kernel's q, k, v and output. Under context parallelism (tokens =
     the rank's seq_len / cp of each sequence) attention keeps what flash attention keeps, whatever
@@ -155,6 +183,13 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
         mla, mla_op_saves = mla_bytes(job, layout, device_type)
         per_token += mla
         attn_op_saves = c * (q + d + q) + mla_op_saves
+    if linear:
+        mixer, mixer_op_saves, mixer_transient = linear_attention_bytes(job, tp)
+        full = tokens * (per_token - (qk_width * (q + kv) + 4 * (heads + kv_heads) if a.qk_norm else 0) + mixer)
+        op_saves = tokens * (d * residual // sp + mixer_op_saves + ffn_op_saves)
+        return BlockBytes(full, tokens * d * residual // sp, op_saves, tokens * max(ffn_transient, mixer_transient))
+    if is_hybrid(a):
+        per_token += 2 * c * q  # the output gate and the gated output
     if layout.cp > 1:
         full = tokens * (per_token + c * (2 * q + 2 * kv) + stats + c * q + 4 * (a.q_dim // a.n_heads))
     elif a.use_flash_attention and not has_sink_attention(a):
@@ -257,11 +292,13 @@ def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str
     mb = layout.micro_batch
     tokens = local_tokens(job, layout, mb)
     is_moe = getattr(job.args, "is_moe_layer", None)
-    dense = block_bytes(job, layout, mb, device_type)
-    moe = block_bytes(job, layout, mb, device_type, moe=True) if is_moe else dense
+    is_linear = getattr(job.args, "is_linear_layer", None)
+    kinds = {(m, lin): block_bytes(job, layout, mb, device_type, moe=m, linear=lin)
+             for m in ((False, True) if is_moe and getattr(job.args, "n_moe_layers", 1) else (False,))
+             for lin in ((False, True) if is_linear else (False,))}
     saved_by, recompute_by, transients = [], [], []
     for layer in part.layers:
-        b = moe if is_moe and is_moe(layer) else dense
+        b = kinds[(bool(is_moe and is_moe(layer)), bool(is_linear and is_linear(layer)))]
         transients.append(b.backward_transient)
         kind = checkpoint_kind(layer, layout)
         saved_by.append({"none": b.full, "full": b.block_input, "ops": b.op_saves}[kind])

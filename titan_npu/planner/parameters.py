@@ -60,11 +60,14 @@ def layers_kinds(args: Any, layer_ids: Iterable[int]) -> dict[int, list[str]]:
     up to a hundred blocks each)."""
     kinds = block_kinds(args)
     is_moe = getattr(args, "is_moe_layer", None)
+    holds = spec_of(args).layer_holds
     if is_moe is None:
-        return {i: kinds for i in layer_ids}
-    by_kind = {moe: [k for k in kinds if not k.startswith("feed_forward.") or (k in DENSE_FFN_KINDS) != moe]
-               for moe in (False, True)}
-    return {i: by_kind[bool(is_moe(i))] for i in layer_ids}
+        by_layer = {i: kinds for i in layer_ids}
+    else:
+        by_kind = {moe: [k for k in kinds if not k.startswith("feed_forward.") or (k in DENSE_FFN_KINDS) != moe]
+                   for moe in (False, True)}
+        by_layer = {i: by_kind[bool(is_moe(i))] for i in layer_ids}
+    return {i: [k for k in ks if holds(args, i, k)] for i, ks in by_layer.items()}
 
 
 def is_expert_kind(kind: str) -> bool:

@@ -122,9 +122,10 @@ def training_flops_per_token(args: object, seq_len: int) -> float:
     The decoders' attention is 12 L D S (metrics/throughput.py, what the trainer's MFU counts); DeepSeek-V3's
     multi-head latent attention multiplies H heads of qk_nope + qk_rope by H of v_head_dim instead,
     6 L' H S (qk + v), L' counting the multi-token prediction blocks too (their parameters are in the active ones);
-    gpt-oss counts 12 H head_dim times the keys each layer's query sees (GptOssArgs.num_flops_per_token).
+    gpt-oss counts 12 H head_dim times the keys each layer's query sees (GptOssArgs.num_flops_per_token); Qwen3-Next
+    12 H head_dim S per full layer and the chunked delta rule's matmuls per linear layer (its num_flops_per_token).
     """
-    if hasattr(args, "sliding_window"):  # gpt-oss: a windowed layer's query sees at most the window (its own count)
+    if hasattr(args, "sliding_window") or hasattr(args, "linear_n_k_heads"):  # their own counts (see above)
         return float(args.num_flops_per_token(seq_len))
     active = getattr(args, "num_active_params", args.num_params)(exclude_embedding=True)
     if not hasattr(args, "v_head_dim"):

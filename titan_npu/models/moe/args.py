@@ -21,6 +21,8 @@ class MoEArgs:
     # are dropped (their weight is lost, the residual carries the token). None = dropless.
     capacity_factor: float | None = None
     shared_ffn_dim: int = 0  # width of an always-on shared SwiGLU expert added to the routed output; 0 = none
+    # Qwen3-Next: the shared expert's output times sigmoid(x @ w) of a learned w [dim] per token (shared_gate).
+    shared_gate: bool = False
     # A per-expert bias added to the scores for the choice of experts only (aux-loss-free balancing, DeepSeek-V3);
     # False = no bias buffer at all.
     score_bias: bool = False
@@ -62,6 +64,8 @@ class MoEArgs:
                               f"model.topk_groups or lower model.n_groups")
         if self.shared_ffn_dim < 0:
             raise ConfigError(f"model.shared_ffn_dim={self.shared_ffn_dim} must be 0 (no shared expert) or positive")
+        if self.shared_gate and not self.shared_ffn_dim:
+            raise ConfigError("a shared-expert gate needs a shared expert; set model.shared_ffn_dim")
 
     def capacity(self, n_tokens: int) -> int:
         """Assignments one expert takes from n_tokens tokens: the capacity, or n_tokens when dropless (an expert
@@ -73,12 +77,12 @@ class MoEArgs:
     def active_params(self) -> int:
         """Parameters one token meets in this layer: the router, top_k experts and the shared expert."""
         return (self.n_experts * self.dim + (self.top_k * self.ffn_dim + self.shared_ffn_dim) * 3 * self.dim
-                + self._bias_params(self.top_k))
+                + self._bias_params(self.top_k) + self.dim * self.shared_gate)
 
     def total_params(self) -> int:
         """Every parameter of the layer."""
         return (self.n_experts * self.dim + (self.n_experts * self.ffn_dim + self.shared_ffn_dim) * 3 * self.dim
-                + self._bias_params(self.n_experts))
+                + self._bias_params(self.n_experts) + self.dim * self.shared_gate)
 
     def _bias_params(self, experts: int) -> int:
         """The router's bias and the biases of `experts` experts (2 ffn_dim + dim each), where the layer has them."""

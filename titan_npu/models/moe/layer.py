@@ -27,8 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from titan_npu import ops
-from titan_npu.models.decoder.model import FeedForward
-from titan_npu.models.init import ParamInit, prefixed
+from titan_npu.models.decoder.model import FeedForward, Linear
+from titan_npu.models.init import ParamInit, prefixed, trunc_normal
 from titan_npu.models.moe.args import MoEArgs
 from titan_npu.models.moe.dispatch import all_reduce_grad, run_experts_parallel, run_experts_parallel_padded
 from titan_npu.models.moe.experts import GroupedExperts
@@ -50,6 +50,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.n_experts, args.dim, args.ffn_dim, bias=args.expert_bias,
                                       swiglu_limit=args.swiglu_limit, swiglu_alpha=args.swiglu_alpha)
         self.shared_experts = FeedForward(args.dim, args.shared_ffn_dim) if args.shared_ffn_dim else None
+        self.shared_gate = Linear(args.dim, 1) if args.shared_gate else None
         # The group the experts are split over (expert parallelism, dispatch.py); None = every expert here.
         self.ep_group: ProcessGroup | None = None
         # The tensor-parallel mesh the experts' ffn dim is split over (see the module docstring); None = whole.
@@ -98,6 +99,10 @@ class MoE(nn.Module):
             shared = self.shared_experts(x)
             if isinstance(shared, DTensor):  # tensor parallel: this rank's partial sum, whose gradient is whole
                 shared = shared.to_local(grad_placements=[Replicate()])
+            if self.shared_gate is not None:
+                gate = torch.sigmoid(self.shared_gate(x))
+                # Tensor parallel: the gate meets a partial sum, so its gradient is completed over the ranks.
+                shared = shared * (gate if tp_group is None else all_reduce_grad(gate, tp_group))
             out = out + shared
         out = out.view(shape)
         if tp_group is not None:  # partial sums over the ffn slices -> this rank's sequence shard, summed
@@ -111,4 +116,6 @@ class MoE(nn.Module):
                  **prefixed("experts", self.experts.param_inits(init_std))}
         if self.shared_experts is not None:
             inits.update(prefixed("shared_experts", self.shared_experts.param_inits(init_std)))
+        if self.shared_gate is not None:
+            inits["shared_gate.weight"] = trunc_normal(0.02)
         return inits

@@ -83,6 +83,8 @@ def apply_expert_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                                              stride=param.stride())
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         distribute_module(module.router.gate, tp_mesh, replicate_gate, replicated_input, local_output)
+        if module.shared_gate is not None:  # replicated as the router is; its gradient is completed in layer.py
+            distribute_module(module.shared_gate, tp_mesh, replicate_gate, replicated_input, local_output)
         if module.shared_experts is not None:
             # Column / row parallel; the partial output stays a DTensor for the layer to add before its
             # reduce-scatter (layer.py).
