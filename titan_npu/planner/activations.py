@@ -256,17 +256,9 @@ def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str
     """One micro-batch through one stage: its saved bytes and the peak over a block-by-block walk of backward."""
     mb = layout.micro_batch
     tokens = local_tokens(job, layout, mb)
-    is_moe = getattr(job.args, "is_moe_layer", None)
-    dense = block_bytes(job, layout, mb, device_type)
-    moe = block_bytes(job, layout, mb, device_type, moe=True) if is_moe else dense
-    saved_by, recompute_by, transients = [], [], []
-    for layer in part.layers:
-        b = moe if is_moe and is_moe(layer) else dense
-        transients.append(b.backward_transient)
-        kind = checkpoint_kind(layer, layout)
-        saved_by.append({"none": b.full, "full": b.block_input, "ops": b.op_saves}[kind])
-        recompute_by.append({"none": 0, "full": b.full, "ops": max(0, b.full - b.op_saves)}[kind])
-    saved = sum(saved_by)
+    walk = block_walk(job, layout, device_type)
+    blocks = [walk[kind] for kind in block_kinds(job, layout, part)]
+    saved = sum(block[0] for block in blocks)
     if part.first:
         saved += 8 * tokens  # int64 token ids kept by the embedding
     if part.last:
@@ -281,10 +273,38 @@ def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str
         extra = loss_bytes(job, layout, mb) if part.last else held
         held += tied_output_gradient_bytes(job, layout) if part.last else 0
     freed = 0  # saved bytes of the blocks whose backward already ran
-    for block_saved, recompute, transient in zip(reversed(saved_by), reversed(recompute_by), reversed(transients)):
+    for block_saved, recompute, transient in reversed(blocks):
         extra = max(extra, held + recompute + transient - freed)
         freed += block_saved
     return ActivationPeak(saved, extra)
+
+
+def block_walk(job: Job, layout: Layout, device_type: str) -> dict[tuple[bool, str], tuple[int, int, int]]:
+    """A block's (saved, recomputed in its backward, backward transient) bytes per micro-batch, by (MoE block or
+    not, checkpoint_kind); once per job, layout and device type."""
+    return job.memo(("block_walk", layout, device_type), lambda: _block_walk(job, layout, device_type))
+
+
+def _block_walk(job: Job, layout: Layout, device_type: str) -> dict[tuple[bool, str], tuple[int, int, int]]:
+    """block_walk, computed."""
+    mb = layout.micro_batch
+    dense = block_bytes(job, layout, mb, device_type)
+    moe = block_bytes(job, layout, mb, device_type, moe=True) if getattr(job.args, "is_moe_layer", None) else dense
+    walk = {}
+    for is_moe, b in ((False, dense), (True, moe)):
+        walk[is_moe, "none"] = (b.full, 0, b.backward_transient)
+        walk[is_moe, "full"] = (b.block_input, b.full, b.backward_transient)
+        walk[is_moe, "ops"] = (b.op_saves, max(0, b.full - b.op_saves), b.backward_transient)
+    return walk
+
+
+def block_kinds(job: Job, layout: Layout, part: StagePart) -> list[tuple[bool, str]]:
+    """(MoE block or not, checkpoint_kind) of each block of `part`; once per job, blocks and checkpointing
+    settings (the layout's ac, selective_ops and selective_every: what checkpoint_kind reads)."""
+    key = ("block_kinds", part.layers, layout.ac, layout.selective_ops, layout.selective_every)
+    is_moe = getattr(job.args, "is_moe_layer", None)
+    return job.memo(key, lambda: [(bool(is_moe and is_moe(layer)), checkpoint_kind(layer, layout))
+                                  for layer in part.layers])
 
 
 def in_flight_forwards(layout: Layout, pp_rank: int) -> int:
