@@ -218,6 +218,28 @@ def test_more_devices_at_the_same_global_batch_train_faster():
     assert large.tokens_per_s > small.tokens_per_s
 
 
+def test_a_layouts_estimate_does_not_depend_on_the_layouts_its_job_sized_before():
+    # Job.memo keeps tables per job under what they follow from: a layout sized after many others that share parts
+    # of it (degrees, stages, checkpointing) gets what it gets on a fresh job. 7 layers: the 1F1B and interleaved
+    # splits give pp rank 0 different blocks.
+    args, hw = replace(ARGS, n_layers=7), hardware("910B2")
+    degrees = [Degrees(dp_shard=4), Degrees(dp_shard=2, tp=2), Degrees(dp_replicate=2, dp_shard=2),
+               Degrees(dp_shard=2, pp=2), Degrees(tp=2, pp=2), Degrees(dp_shard=2, cp=2),
+               Degrees(dp_shard=4, fsdp=False)]
+    checkpointing = [("none", False, 2), ("selective", False, 2), ("selective", False, 3), ("selective", True, 2),
+                     ("full", False, 2)]
+    layouts = [Layout(d, ac=ac, selective_ops=ops, selective_every=every, batch_size=batch, pp_schedule=schedule,
+                      pp_virtual_stages=virtual, cpu_offload=offload)
+               for d in degrees for ac, ops, every in checkpointing for batch in (4, 8)
+               for schedule, virtual in ([("1F1B", 0), ("Interleaved1F1B", 3)] if d.pp > 1 else [("1F1B", 0)])
+               for offload in ((False, True) if d.fsdp_enabled else (False,))]
+    shared = Job(args, seq_len=64, dtype="bf16")
+    for layout in layouts:
+        fresh = Job(args, seq_len=64, dtype="bf16")
+        assert estimate_memory(shared, layout, "npu") == estimate_memory(fresh, layout, "npu"), layout.describe()
+        assert estimate_step(shared, layout, hw, 4, 0.4) == estimate_step(fresh, layout, hw, 4, 0.4), layout.describe()
+
+
 @pytest.mark.parametrize("text,expected", [("64GB", 64 * GiB), ("80GiB", 80 * GiB), ("32768MB", 32 * GiB),
                                            ("1.5G", int(1.5 * GiB))])
 def test_device_memory_sizes_parse(text, expected):

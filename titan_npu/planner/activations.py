@@ -291,19 +291,9 @@ def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str
     """One micro-batch through one stage: its saved bytes and the peak over a block-by-block walk of backward."""
     mb = layout.micro_batch
     tokens = local_tokens(job, layout, mb)
-    is_moe = getattr(job.args, "is_moe_layer", None)
-    is_linear = getattr(job.args, "is_linear_layer", None)
-    kinds = {(m, lin): block_bytes(job, layout, mb, device_type, moe=m, linear=lin)
-             for m in ((False, True) if is_moe and getattr(job.args, "n_moe_layers", 1) else (False,))
-             for lin in ((False, True) if is_linear else (False,))}
-    saved_by, recompute_by, transients = [], [], []
-    for layer in part.layers:
-        b = kinds[(bool(is_moe and is_moe(layer)), bool(is_linear and is_linear(layer)))]
-        transients.append(b.backward_transient)
-        kind = checkpoint_kind(layer, layout)
-        saved_by.append({"none": b.full, "full": b.block_input, "ops": b.op_saves}[kind])
-        recompute_by.append({"none": 0, "full": b.full, "ops": max(0, b.full - b.op_saves)}[kind])
-    saved = sum(saved_by)
+    walk = block_walk(job, layout, device_type)
+    blocks = [walk[kind] for kind in block_kinds(job, layout, part)]
+    saved = sum(block[0] for block in blocks)
     if part.first:
         saved += 8 * tokens  # int64 token ids kept by the embedding
     if part.last:
@@ -318,10 +308,43 @@ def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str
         extra = loss_bytes(job, layout, mb) if part.last else held
         held += tied_output_gradient_bytes(job, layout) if part.last else 0
     freed = 0  # saved bytes of the blocks whose backward already ran
-    for block_saved, recompute, transient in zip(reversed(saved_by), reversed(recompute_by), reversed(transients)):
+    for block_saved, recompute, transient in reversed(blocks):
         extra = max(extra, held + recompute + transient - freed)
         freed += block_saved
     return ActivationPeak(saved, extra)
+
+
+def block_walk(job: Job, layout: Layout, device_type: str) -> dict[tuple[bool, bool, str], tuple[int, int, int]]:
+    """A block's (saved, recomputed in its backward, backward transient) bytes per micro-batch, by (MoE block or
+    not, linear-attention block or not, checkpoint_kind); once per job, layout and device type."""
+    return job.memo(("block_walk", layout, device_type), lambda: _block_walk(job, layout, device_type))
+
+
+def _block_walk(job: Job, layout: Layout, device_type: str) -> dict[tuple[bool, bool, str], tuple[int, int, int]]:
+    """block_walk, computed."""
+    mb = layout.micro_batch
+    moe_options = ((False, True) if getattr(job.args, "is_moe_layer", None) and getattr(job.args, "n_moe_layers", 1)
+                   else (False,))
+    linear_options = (False, True) if getattr(job.args, "is_linear_layer", None) else (False,)
+    walk = {}
+    for is_moe in moe_options:
+        for is_linear in linear_options:
+            b = block_bytes(job, layout, mb, device_type, moe=is_moe, linear=is_linear)
+            walk[is_moe, is_linear, "none"] = (b.full, 0, b.backward_transient)
+            walk[is_moe, is_linear, "full"] = (b.block_input, b.full, b.backward_transient)
+            walk[is_moe, is_linear, "ops"] = (b.op_saves, max(0, b.full - b.op_saves), b.backward_transient)
+    return walk
+
+
+def block_kinds(job: Job, layout: Layout, part: StagePart) -> list[tuple[bool, bool, str]]:
+    """(MoE block or not, linear-attention block or not, checkpoint_kind) of each block of `part`; once per job,
+    blocks and checkpointing settings (the layout's ac, selective_ops and selective_every: what checkpoint_kind
+    reads)."""
+    key = ("block_kinds", part.layers, layout.ac, layout.selective_ops, layout.selective_every)
+    is_moe = getattr(job.args, "is_moe_layer", None)
+    is_linear = getattr(job.args, "is_linear_layer", None)
+    return job.memo(key, lambda: [(bool(is_moe and is_moe(layer)), bool(is_linear and is_linear(layer)),
+                                   checkpoint_kind(layer, layout)) for layer in part.layers])
 
 
 def in_flight_forwards(layout: Layout, pp_rank: int) -> int:

@@ -3,8 +3,10 @@ trains (Job), both read from a config, and where a rank sits on the device mesh.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Any, TypeVar
 
 from titan_npu.config.schema import Float8Config, JobConfig
 from titan_npu.errors import LayoutError
@@ -16,6 +18,7 @@ GiB = 1024**3
 MiB = 1024**2
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 AC_MODES = ("none", "selective", "full")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,12 @@ class Layout:
                 f"{self.local_batch} sequences per pipeline step (batch_size x gradient_accumulation_steps) do not "
                 f"split into {self.n_microbatches} micro-batches; make them a multiple of parallel.pp_microbatches"
             )
+
+    @property
+    def sharding(self) -> tuple[Degrees, int]:
+        """What a rank's parameter shards and pipeline stages follow from: the degrees and the stages per pp rank
+        (the key the planner's per-job tables are kept under)."""
+        return self.degrees, self.stages_per_rank
 
     @property
     def loss_chunk(self) -> int:
@@ -110,19 +119,15 @@ class Layout:
         return f"{' '.join(parts)}, AC {ac}, {batch}"
 
 
-class _ReadThrough:
-    """A Degrees attribute read through a Layout: layout.tp is layout.degrees.tp."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __get__(self, layout: Layout | None, owner: type) -> Any:
-        return self if layout is None else getattr(layout.degrees, self.name)
+def _read_through(name: str) -> property:
+    """A Degrees attribute read through a Layout: layout.tp is layout.degrees.tp (a C-level getter: the search reads
+    millions of them)."""
+    return property(attrgetter(f"degrees.{name}"), doc=f"layout.degrees.{name}")
 
 
 for _name in dir(Degrees):
     if not _name.startswith("_") and _name not in vars(Layout) and _name != "from_config":
-        setattr(Layout, _name, _ReadThrough(_name))
+        setattr(Layout, _name, _read_through(_name))
 
 
 @dataclass(frozen=True)
@@ -136,10 +141,19 @@ class Job:
     momentum: float = 0.9  # SGD keeps a momentum buffer only when this is non-zero
     muon_exclude: tuple[str, ...] = ()  # Muon: name patterns of the matrices left to AdamW
     float8: Float8Config | None = None  # float8 matmuls (float8.enable); None = off
+    _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def compute_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """compute(), once per `key` for this job: a search sizes thousands of layouts that share their shards and
+        stages. The key holds every input besides the job's own fields (a job and its args are not changed once
+        made)."""
+        if key not in self._tables:
+            self._tables[key] = compute()
+        return self._tables[key]
 
 
 def job_from_config(cfg: JobConfig) -> Job:

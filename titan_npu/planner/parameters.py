@@ -225,9 +225,19 @@ def _adamw_numel_beside_muon(job: Job, per_name: dict[str, int]) -> int:
     return sum(n for name, n in per_name.items() if parameter_kind(name) not in muon)
 
 
+def rank_numel_split(job: Job, layout: Layout, rank: int) -> tuple[int, int]:
+    """local_numel_split of the job's model, once per job, rank and layout.sharding (all it follows from)."""
+    return job.memo(("numel_split", layout.sharding, rank), lambda: local_numel_split(job.args, layout, rank))
+
+
 def state_bytes(job: Job, layout: Layout, rank: int) -> StateBytes:
     """Exact parameter/gradient/optimizer bytes on `rank` (the model keeps fp32 parameters and fp32 gradients)."""
-    numel = local_numel(job.args, layout, rank)
+    return job.memo(("state_bytes", layout.sharding, rank), lambda: _state_bytes(job, layout, rank))
+
+
+def _state_bytes(job: Job, layout: Layout, rank: int) -> StateBytes:
+    """state_bytes, computed."""
+    numel = sum(rank_numel_split(job, layout, rank))
     param = 4 * numel
     optimizer = optimizer_state_multiplier(job) * param
     if job.optimizer.lower() == "muon":
@@ -239,6 +249,11 @@ def muon_gather_bytes(job: Job, layout: Layout, rank: int) -> int:
     """Bytes `rank` receives per step to orthogonalise its Muon updates (fp32) as whole matrices: every shard of
     a matrix's last two dims is gathered (FSDP's and tensor parallelism's), stacked experts keep their own
     (expert-parallel and FSDP) split of dim 0."""
+    return job.memo(("muon_gather", layout.sharding, rank), lambda: _muon_gather_bytes(job, layout, rank))
+
+
+def _muon_gather_bytes(job: Job, layout: Layout, rank: int) -> int:
+    """muon_gather_bytes, computed."""
     muon = muon_kinds(job)
     if not muon:
         return 0

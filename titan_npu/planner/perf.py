@@ -23,10 +23,10 @@ from titan_npu.planner.parameters import (
     float8_expert_kinds,
     float8_kinds,
     layers_kinds,
-    local_numel_split,
     muon_gather_bytes,
     numel,
     parameter_kinds,
+    rank_numel_split,
 )
 from titan_npu.planner.stages import rank_parts
 
@@ -174,6 +174,12 @@ def moe_layers(args: object, layers: list[int]) -> int:
     return sum(1 for i in layers if is_moe(i)) if is_moe else 0
 
 
+def pipeline_blocks(args: object, layout: Layout) -> tuple[int, int]:
+    """(blocks, MoE blocks) of the pipeline rank that runs the most of each."""
+    rank_layers = [[i for p in rank_parts(args, layout, r) for i in p.layers] for r in range(layout.pp)]
+    return max(len(layers) for layers in rank_layers), max(moe_layers(args, layers) for layers in rank_layers)
+
+
 def expert_exchange_seconds(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, tokens: int,
                             layers: int) -> float:
     """Time of expert parallelism's all-to-alls (communication.expert_all_to_all_bytes) over the ep group's link:
@@ -203,15 +209,15 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
 
         efficiency = calibrated_efficiency(hw.device_type)
     a, c = job.args, job.compute_bytes
-    fpt = training_flops_per_token(a, job.seq_len)
+    # What follows from the job alone, once per job.
+    fpt, grouped, (f8_flops, f8_params), f8_experts = job.memo("step_shares", lambda: (
+        training_flops_per_token(a, job.seq_len), grouped_share(a), float8_shares(job), float8_expert_flops_share(job)))
     tokens_per_rank = layout.local_batch * job.seq_len  # per data-parallel rank, per step
     tokens_per_step = tokens_per_rank * layout.dp
-    recompute = recompute_factor(layout, grouped_share(a))
+    recompute = recompute_factor(layout, grouped)
     flops = fpt * tokens_per_rank * recompute / (layout.tp * layout.pp * layout.cp)
     # float8 linears (float8.enable) and float8 experts (float8.moe_experts) run at their recipes' shares of the
     # float8 peak (emulation: at the bf16 one); the factor is exactly 1 without float8.
-    f8_flops, f8_params = float8_shares(job)
-    f8_experts = float8_expert_flops_share(job)
     f8_rate = expert_rate = hw.peak_flops
     if job.float8 is not None and not job.float8.emulate:
         f8_rate = hw.peak_float8_flops * FLOAT8_PEAK_SHARE[job.float8.recipe]
@@ -223,8 +229,7 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
     # Tensor parallel: every block all-gathers its input and reduce-scatters its output (sequence parallel) for
     # attention and the MLP, in forward and again for the gradients in backward; recomputation repeats forward.
     tp_comm = 0.0
-    rank_layers = [[i for p in rank_parts(a, layout, r) for i in p.layers] for r in range(layout.pp)]
-    blocks = max(len(layers) for layers in rank_layers)
+    blocks, moe_blocks = job.memo(("pipeline_blocks", layout.sharding), lambda: pipeline_blocks(a, layout))
     if layout.tp > 1:
         # 4 collectives per block in forward, 4 in backward, 4 more per recomputed forward (op-level selective
         # checkpointing keeps the reduce-scatters' outputs and repeats only the 2 all-gathers).
@@ -242,7 +247,6 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
         volume = 2 * tokens_per_rank * a.dim * c / layout.tp * layout.stages_per_rank
         pp_comm = volume / _bandwidth(hw, group_crosses_nodes(layout, "pp", devices_per_node))
     bubble_frac = pipeline_bubble(layout)
-    moe_blocks = max(moe_layers(a, layers) for layers in rank_layers)
     ep_comm = expert_exchange_seconds(job, layout, hw, devices_per_node, tokens_per_rank, moe_blocks)
     ep_bytes = expert_all_to_all_bytes(job, layout, tokens_per_rank, moe_blocks)
     cp_comm = context_exchange_seconds(job, layout, hw, devices_per_node, tokens_per_rank // layout.cp, blocks)
@@ -254,7 +258,7 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
     # reduce-scattered after every forward/backward pass; under pipelining gradients are reduced once per step.
     # HSDP adds an all-reduce over the replicas. Overlapped with compute: only the excess is exposed.
     fsdp_comm = 0.0
-    dense, expert = local_numel_split(a, layout, 0)
+    dense, expert = rank_numel_split(job, layout, 0)
     local = dense + expert
     reductions = 1 if layout.pp > 1 else layout.passes
     if layout.fsdp_enabled:

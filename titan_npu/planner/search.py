@@ -34,7 +34,7 @@ class Candidate:
 
     @property
     def fits(self) -> bool:
-        return self.memory.total <= self.usable_bytes
+        return fits_in(self.memory, self.usable_bytes)
 
     def as_dict(self) -> dict:
         lay = self.layout
@@ -62,6 +62,11 @@ def usable_fraction(cfg: JobConfig) -> float:
     return min(FIT_FRACTION, cap) if cap > 0 else FIT_FRACTION
 
 
+def fits_in(memory: MemoryBreakdown, usable_bytes: int) -> bool:
+    """Whether a rank's peak memory fits in what a plan may fill."""
+    return memory.total <= usable_bytes
+
+
 def evaluate(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, efficiency: float | None,
              hccl_buffsize_mb: int = 0, fraction: float = FIT_FRACTION) -> Candidate:
     """Memory and speed of one layout."""
@@ -70,21 +75,39 @@ def evaluate(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, effi
     return Candidate(layout, memory, step, int(hw.memory_bytes * fraction))
 
 
-def config_for_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
-    """A copy of the config that selects `layout` (what config_overrides says on the command line)."""
+def evaluate_fitting(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, efficiency: float | None,
+                     hccl_buffsize_mb: int = 0, fraction: float = FIT_FRACTION) -> Candidate | None:
+    """evaluate() of a layout that fits; None, with no step estimate, for one that does not (the search ranks and
+    counts only layouts that fit: rank_candidates, least_cp)."""
+    memory = estimate_memory(job, layout, hw.device_type, hccl_buffsize_mb)
+    usable = int(hw.memory_bytes * fraction)
+    if not fits_in(memory, usable):
+        return None
+    return Candidate(layout, memory, estimate_step(job, layout, hw, devices_per_node, efficiency), usable)
+
+
+def config_for_layout(cfg: JobConfig, layout: Layout, made: dict | None = None) -> JobConfig:
+    """A copy of the config that selects `layout` (what config_overrides says on the command line); `made` keeps
+    the sections already copied from this `cfg` for reuse (a search makes thousands of configs that share them)."""
     ulysses = layout.cp_ulysses if layout.cp_ulysses > 1 else cfg.parallel.cp_ulysses_degree
-    return replace(
-        cfg,
-        parallel=replace(cfg.parallel, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
-                         tp_degree=layout.tp, pp_degree=layout.pp, pp_microbatches=layout.pp_microbatches,
-                         cp_degree=layout.cp, cp_mode=layout.cp_mode, ep_degree=layout.ep,
-                         cp_ulysses_degree=ulysses,
+    changes = {
+        "parallel": dict(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp_degree=layout.tp,
+                         pp_degree=layout.pp, pp_microbatches=layout.pp_microbatches, cp_degree=layout.cp,
+                         cp_mode=layout.cp_mode, ep_degree=layout.ep, cp_ulysses_degree=ulysses,
                          cpu_offload=layout.cpu_offload),
-        activation_checkpoint=replace(cfg.activation_checkpoint, mode=layout.ac, selective_ops=layout.selective_ops,
+        "activation_checkpoint": dict(mode=layout.ac, selective_ops=layout.selective_ops,
                                       selective_every=layout.selective_every),
-        training=replace(cfg.training, batch_size=layout.batch_size,
-                         gradient_accumulation_steps=layout.grad_accum),
-    )
+        "training": dict(batch_size=layout.batch_size, gradient_accumulation_steps=layout.grad_accum),
+    }
+    if made is None:
+        return replace(cfg, **{name: replace(getattr(cfg, name), **values) for name, values in changes.items()})
+    sections = {}
+    for name, values in changes.items():
+        key = (name, *values.items())
+        if key not in made:
+            made[key] = replace(getattr(cfg, name), **values)
+        sections[name] = made[key]
+    return replace(cfg, **sections)
 
 
 def config_overrides(layout: Layout) -> str:
@@ -116,10 +139,10 @@ def check_layout(cfg: JobConfig, job: Job, degrees: Degrees) -> None:
     spec_of(job.args).check_layout(degrees, job.args, cfg)
 
 
-def is_valid(cfg: JobConfig, job: Job, layout: Layout) -> bool:
-    """Whether the trainer would accept `layout` for this config."""
+def is_valid(cfg: JobConfig, job: Job, layout: Layout, made: dict | None = None) -> bool:
+    """Whether the trainer would accept `layout` for this config (`made`: config_for_layout's)."""
     try:
-        check_layout(config_for_layout(cfg, layout), job, layout.degrees)
+        check_layout(config_for_layout(cfg, layout, made), job, layout.degrees)
     except LayoutError:
         return False
     return True
@@ -138,7 +161,8 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
     a = job.args
     acs = [("none", False), ("selective", False), ("selective", True), ("full", False)]
     n_experts = getattr(a, "n_experts", 0) if getattr(a, "n_moe_layers", 0) else 0
-    out = []
+    out: list[Layout] = []
+    made: dict = {}  # config sections shared by the candidates' configs
     for tp, cp, cp_mode, cp_ulysses in _model_parallel_degrees(job, world_size, devices_per_node):
         for pp in divisors(world_size // (tp * cp)):
             if pp > min(MAX_PP, a.n_layers):
@@ -152,6 +176,10 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
             for dp_replicate, ep in [(r, e) for r in replicas
                                      for e in divisors(dp // r * cp) if e == 1 or n_experts % e == 0]:
                 dp_shard = dp // dp_replicate
+                try:
+                    degrees = Degrees(dp_replicate, dp_shard, tp, pp, cp, ep, cp_mode, cp_ulysses, base.fsdp)
+                except LayoutError:
+                    continue
                 for mb in MICRO_BATCHES:
                     if local % mb:
                         continue
@@ -165,13 +193,11 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
                             if offload and not (base.fsdp and dp_shard > 1):
                                 continue
                             try:
-                                degrees = Degrees(dp_replicate, dp_shard, tp, pp, cp, ep, cp_mode, cp_ulysses,
-                                                  base.fsdp)
                                 layout = replace(base, degrees=degrees, ac=ac, selective_ops=ops,
                                                  cpu_offload=offload, **split)
                             except LayoutError:
                                 continue
-                            if is_valid(cfg, job, layout):
+                            if is_valid(cfg, job, layout, made):
                                 out.append(layout)
     return out
 
@@ -284,8 +310,10 @@ def make_plan(cfg: JobConfig, nodes: int, devices_per_node: int, hw: Hardware, e
                       reshard_after_forward=p.reshard_after_forward, loss_chunk_tokens=cfg.training.loss_chunk_tokens)
         # Without a valid layout the global batch is the config's per-rank batch over pure data parallelism.
         global_batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps * world
-    candidates = [evaluate(job, lay, hw, devices_per_node, efficiency, buffsize, fraction)
-                  for lay in candidate_layouts(cfg, job, base, world, devices_per_node, global_batch)]
+    # Only the layouts that fit are ranked or counted below: the others are dropped unestimated.
+    evaluated = (evaluate_fitting(job, lay, hw, devices_per_node, efficiency, buffsize, fraction)
+                 for lay in candidate_layouts(cfg, job, base, world, devices_per_node, global_batch))
+    candidates = [c for c in evaluated if c is not None]
     # Offload is the last resort (rank_candidates): a cp that fits only with it counts only when nothing fits without.
     fitting = [c for c in candidates if c.fits and not c.layout.cpu_offload] or [c for c in candidates if c.fits]
     least_cp = min((c.layout.cp for c in fitting), default=0)

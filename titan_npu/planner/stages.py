@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from titan_npu.models.registry import spec_of
@@ -34,9 +35,16 @@ class StagePart:
 
 def rank_parts(args: Any, layout: Layout, pp_rank: int) -> list[StagePart]:
     """The stages pipeline rank `pp_rank` runs (looped: pp_rank, pp_rank + pp, ...), cut as the trainer cuts them."""
-    if layout.pp == 1:
-        return [StagePart(0, tuple(range(args.n_layers)), True, True)]
-    n_stages = layout.pp * layout.stages_per_rank
-    layers = spec_of(args).split_layers(args.n_layers, n_stages)
-    ids = stage_ids_for_rank(pp_rank, layout.pp, layout.stages_per_rank)
-    return [StagePart(i, tuple(layers[i]), i == 0, i == n_stages - 1) for i in ids]
+    return list(_rank_parts(spec_of(args).split_layers, args.n_layers, layout.pp, layout.stages_per_rank, pp_rank))
+
+
+@lru_cache(maxsize=4096)
+def _rank_parts(split_layers: Callable[[int, int], list[list[int]]], n_layers: int, pp: int, stages_per_rank: int,
+                pp_rank: int) -> tuple[StagePart, ...]:
+    """rank_parts from everything it depends on (a search asks for the same few splits thousands of times)."""
+    if pp == 1:
+        return (StagePart(0, tuple(range(n_layers)), True, True),)
+    n_stages = pp * stages_per_rank
+    layers = split_layers(n_layers, n_stages)
+    ids = stage_ids_for_rank(pp_rank, pp, stages_per_rank)
+    return tuple(StagePart(i, tuple(layers[i]), i == 0, i == n_stages - 1) for i in ids)

@@ -45,32 +45,60 @@ def unsharded_numel(kind: str, shape: tuple[int, ...], tp_dim: int | None, layou
     return whole // layout.ep
 
 
-def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int, device_type: str = "cpu",
-                    local_param_bytes: int = 0) -> TemporaryBytes:
-    """Temporary buffers of a pipeline rank; local_param_bytes sizes the optimizer step's intermediates."""
+@dataclass(frozen=True)
+class RankBlocks:
+    """What FSDP and autocast hold of a pipeline rank's parameters, in elements (bytes where named)."""
+
+    n_blocks: int
+    unsharded: int  # every block's unsharded_numel summed
+    block: int  # the largest block's
+    gathered_bytes: int  # the largest block as FSDP all-gathers it (compute dtype, float8 weights at 1 byte)
+    root: int  # the embedding, norm and output the rank holds, over tp
+    matrices: int  # the blocks' 2-D weights, over tp (what autocast copies)
+    output: int  # the last stage's output matrix (tied: the embedding's) over tp; 0 on the other ranks
+
+
+def rank_blocks(job: Job, layout: Layout, pp_rank: int) -> RankBlocks:
+    """The blocks and root parameters of a pipeline rank, once per job, pp rank and layout.sharding (all they
+    follow from)."""
+    return job.memo(("rank_blocks", layout.sharding, pp_rank), lambda: _rank_blocks(job, layout, pp_rank))
+
+
+def _rank_blocks(job: Job, layout: Layout, pp_rank: int) -> RankBlocks:
+    """rank_blocks, computed."""
     kinds = parameter_kinds(job.args)
     tp_dims = tensor_parallel_dims(job.args)
     tp, c = layout.tp, job.compute_bytes
     parts = rank_parts(job.args, layout, pp_rank)
     layers = [i for p in parts for i in p.layers]
-    n_blocks = len(layers)
     # The rank's largest block (a MoE one where some are dense) sizes what FSDP holds unsharded at once.
     per_layer = layers_kinds(job.args, layers)
     # Blocks of the same kinds unshard the same elements: sized once each.
     block_sizes = {ks: sum(unsharded_numel(k, kinds[k], tp_dims[k], layout) for k in ks)
                    for ks in dict.fromkeys(map(tuple, per_layer.values()))}
     sizes = [block_sizes[tuple(per_layer[i])] for i in layers]
-    block = max(sizes, default=0)
     # What an unsharded block takes: its float8 linears' weights at 1 byte under FSDP2's float8 all-gather.
     float8 = float8_kinds(job) if job.float8 is not None and wants_float8_all_gather(job.float8) else set()
     gathered = max((sum(unsharded_numel(k, kinds[k], tp_dims[k], layout) * (1 if k in float8 else c) for k in ks)
                     for ks in dict.fromkeys(map(tuple, per_layer.values()))), default=0)
     root = sum(numel(kinds[k]) for p in parts for k in p.root_kinds(kinds)) // tp
+    matrices = sum(numel(kinds[k]) for i in layers for k in per_layer[i] if len(kinds[k]) == 2) // tp
+    last = any(p.last for p in parts)
+    output = numel(kinds.get("output.weight", kinds["tok_embeddings.weight"])) // tp if last else 0
+    return RankBlocks(len(layers), sum(sizes), max(sizes, default=0), gathered, root, matrices, output)
+
+
+def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int, device_type: str = "cpu",
+                    local_param_bytes: int = 0) -> TemporaryBytes:
+    """Temporary buffers of a pipeline rank; local_param_bytes sizes the optimizer step's intermediates."""
+    c = job.compute_bytes
+    r = rank_blocks(job, layout, pp_rank)
+    n_blocks, block, gathered, root = r.n_blocks, r.block, r.gathered_bytes, r.root
     fsdp = autocast = 0
     if layout.dp_enabled and layout.pp > 1:
         # Under pipelining the schedule skips FSDP's resharding and gradient reduction until the last micro-batch:
         # every block of the rank stays unsharded (compute dtype) and accumulates an unsharded fp32 gradient.
-        fsdp = (sum(sizes) + root) * (c + 4)
+        fsdp = (r.unsharded + root) * (c + 4)
     elif layout.dp_enabled:
         # Unsharded copies in the compute dtype: the block being computed and the one prefetched (the last block
         # is never resharded after forward), and the root (embedding, norm, output); in backward, the block's
@@ -81,11 +109,9 @@ def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int,
             fsdp += max(0, n_blocks - 2) * gathered
     elif c < 4:
         # autocast caches one low-precision copy of every matmul weight for backward (not the embedding table).
-        autocast = sum(numel(kinds[k]) for i in layers for k in per_layer[i]
-                       if len(kinds[k]) == 2) // tp * c
-        if any(p.last for p in parts) and not layout.loss_chunk:  # the chunked loss rounds it itself, briefly
-            output = kinds.get("output.weight", kinds["tok_embeddings.weight"])  # tied: the embedding's matrix
-            autocast += numel(output) // tp * c
+        autocast = r.matrices * c
+        if not layout.loss_chunk:  # the chunked loss rounds the output's matrix itself, briefly
+            autocast += r.output * c
     # foreach AdamW (the NPU default) materialises sqrt(exp_avg_sq) for every parameter at once; fused kernels
     # (cuda, cpu) need no such buffer.
     optimizer_step = local_param_bytes if device_type == "npu" and optimizer_state_multiplier(job) == 2 else 0
