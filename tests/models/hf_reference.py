@@ -140,6 +140,15 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).item()
 
 
+def save_hf_dir(state: dict[str, torch.Tensor], config: dict, path: Path) -> None:
+    """A Hugging Face directory at `path` (new): `state` as model.safetensors and `config` as config.json."""
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config))
+
+
 def export_and_compare(tmp_path: Path, ours: torch.nn.Module) -> torch.nn.Module:
     """`titan-npu export --format hf` of tmp_path/ckpt's latest checkpoint to tmp_path/out, loaded by transformers:
     it must give `ours` (the model holding that checkpoint) logits within 1e-5; the loaded model."""

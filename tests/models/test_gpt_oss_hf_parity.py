@@ -14,6 +14,7 @@ from hf_reference import (
     memorisable_batches,
     random_tokens,
     randomise,
+    save_hf_dir,
     use_reference_kernels,
 )
 
@@ -137,15 +138,8 @@ def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_au
     tokens = random_tokens(args.vocab_size, SEQ_LEN, 10)
     assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() < TOL
     spec = get_spec("gpt_oss")
-    out = tmp_path / "back"
-    out.mkdir()
-    from safetensors.torch import save_file
-
-    exported = spec.hf.to_hf(ours.state_dict(), weights.args)
-    save_file({k: v.contiguous() for k, v in exported.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(spec.hf.config(weights.args)))
-    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    save_hf_dir(spec.hf.to_hf(ours.state_dict(), weights.args), spec.hf.config(weights.args), tmp_path / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
     for field in ("num_local_experts", "num_experts_per_tok", "sliding_window", "layer_types", "swiglu_limit",
                   "router_aux_loss_coef", "head_dim", "rope_parameters"):
         assert getattr(back.config, field) == getattr(hf.config, field), field

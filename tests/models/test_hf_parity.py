@@ -19,6 +19,7 @@ from hf_reference import (
     memorisable_batches,
     random_tokens,
     randomise,
+    save_hf_dir,
     use_reference_kernels,
 )
 
@@ -214,14 +215,6 @@ def test_training_steps_from_imported_weights_track_a_transformers_training_loop
         assert abs(a - b) <= STEP_RTOL * abs(b), f"step {step + 1}: ours {a} vs transformers {b}"
 
 
-def _save(state: dict, config: dict, path):
-    from safetensors.torch import save_file
-
-    path.mkdir()
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config))
-
-
 @pytest.mark.parametrize(("name", "shape"), _cases(lambda f: f.directory))
 def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_auto_model(name, shape, tmp_path):
     family = FAMILIES[name]
@@ -242,7 +235,7 @@ def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_au
     spec = get_spec(args.family)
     exported = spec.hf.to_hf(ours.state_dict(), weights.args)
     assert all(key in exported for key in family.exported_keys)
-    _save(exported, spec.hf.config(weights.args), tmp_path / "back")
+    save_hf_dir(exported, spec.hf.config(weights.args), tmp_path / "back")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
     for field in family.config_fields:
         if family.fields_may_be_absent:
@@ -357,7 +350,7 @@ def test_an_fp8_checkpoint_with_block_scales_imports_dequantised(tmp_path):
             quantised[key] = expected[key] = tensor
     config = {**get_spec("deepseek_v3").hf.config(args),
               "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
-    _save(quantised, config, tmp_path / "fp8")
+    save_hf_dir(quantised, config, tmp_path / "fp8")
     weights = read_weights(tmp_path / "fp8")
     want = get_spec("deepseek_v3").hf.from_hf(expected, args)
     assert weights.state_dict.keys() == want.keys()

@@ -16,6 +16,7 @@ from hf_reference import (
     logits,
     memorisable_batches,
     random_tokens,
+    save_hf_dir,
     use_reference_kernels,
 )
 
@@ -149,15 +150,8 @@ def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_au
     tokens = random_tokens(args.vocab_size, SEQ_LEN, 10)
     assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() < TOL
     spec = get_spec("qwen3_next")
-    out = tmp_path / "back"
-    out.mkdir()
-    from safetensors.torch import save_file
-
-    exported = spec.hf.to_hf(ours.state_dict(), weights.args)
-    save_file({k: v.contiguous() for k, v in exported.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(spec.hf.config(weights.args)))
-    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    save_hf_dir(spec.hf.to_hf(ours.state_dict(), weights.args), spec.hf.config(weights.args), tmp_path / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
     assert back.config.model_type == config["model_type"]
     assert (logits(back, tokens) - logits(hf, tokens)).abs().max().item() < TOL
 
