@@ -149,6 +149,26 @@ def save_hf_dir(state: dict[str, torch.Tensor], config: dict, path: Path) -> Non
     (path / "config.json").write_text(json.dumps(config))
 
 
+def round_trip_hf_dir(hf: torch.nn.Module, family: str, tmp_path: Path) -> tuple[Any, torch.nn.Module, torch.nn.Module]:
+    """`hf` saved by save_pretrained to tmp_path/hf, which must name `family` by its model_type; our model built from
+    what read_weights reads there; exported back through the family's conversion to tmp_path/back and loaded by
+    transformers' Auto class (eager attention). Returns (the weights read, ours, the model loaded back)."""
+    import transformers
+
+    from titan_npu.checkpoint.formats import read_weights
+    from titan_npu.models.registry import build_model, get_spec, spec_for_hf_config
+
+    hf.save_pretrained(tmp_path / "hf")
+    assert spec_for_hf_config(json.loads((tmp_path / "hf" / "config.json").read_text())).name == family
+    weights = read_weights(tmp_path / "hf")
+    ours = build_model(weights.args)
+    ours.load_state_dict(weights.state_dict, strict=True)
+    spec = get_spec(family)
+    save_hf_dir(spec.hf.to_hf(ours.state_dict(), weights.args), spec.hf.config(weights.args), tmp_path / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
+    return weights, ours, back
+
+
 def export_and_compare(tmp_path: Path, ours: torch.nn.Module) -> torch.nn.Module:
     """`titan-npu export --format hf` of tmp_path/ckpt's latest checkpoint to tmp_path/out, loaded by transformers:
     it must give `ours` (the model holding that checkpoint) logits within 1e-5; the loaded model."""

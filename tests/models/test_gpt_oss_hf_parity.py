@@ -2,7 +2,6 @@
 (sinks, sliding windows, YaRN, biased router and experts, clamped SwiGLU), the same first-step loss, losses that track
 a plain transformers training loop for 20 steps, and MXFP4 expert weights dequantised as transformers does."""
 
-import json
 
 import pytest
 import torch
@@ -14,14 +13,13 @@ from hf_reference import (
     memorisable_batches,
     random_tokens,
     randomise,
-    save_hf_dir,
+    round_trip_hf_dir,
     use_reference_kernels,
 )
 
-from titan_npu.checkpoint.formats import read_weights
 from titan_npu.models.gpt_oss.args import FULL, SLIDING, GptOssArgs
 from titan_npu.models.gpt_oss.mxfp4 import dequantize_mxfp4
-from titan_npu.models.registry import build_model, get_spec, spec_for_hf_config
+from titan_npu.models.registry import build_model, get_spec
 
 transformers = pytest.importorskip("transformers")
 
@@ -128,18 +126,10 @@ def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_au
     args = SHAPES["custom-layers-plain-rope"]
     hf = hf_model("gpt_oss", args)
     _randomise(hf, seed=9)
-    hf.save_pretrained(tmp_path / "hf")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert spec_for_hf_config(config).name == "gpt_oss"
-    weights = read_weights(tmp_path / "hf")
+    weights, ours, back = round_trip_hf_dir(hf, "gpt_oss", tmp_path)
     assert weights.format == "hf" and weights.args == args
-    ours = build_model(weights.args)
-    ours.load_state_dict(weights.state_dict, strict=True)
     tokens = random_tokens(args.vocab_size, SEQ_LEN, 10)
     assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() < TOL
-    spec = get_spec("gpt_oss")
-    save_hf_dir(spec.hf.to_hf(ours.state_dict(), weights.args), spec.hf.config(weights.args), tmp_path / "back")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
     for field in ("num_local_experts", "num_experts_per_tok", "sliding_window", "layer_types", "swiglu_limit",
                   "router_aux_loss_coef", "head_dim", "rope_parameters"):
         assert getattr(back.config, field) == getattr(hf.config, field), field

@@ -4,7 +4,6 @@ centred norms, gated attention with partial RoPE, gated shared expert), packed d
 alone through transformers, the same first-step loss, losses that track a plain transformers training loop for 20
 steps, and an export transformers loads as the same model."""
 
-import json
 
 import numpy as np
 import pytest
@@ -16,13 +15,12 @@ from hf_reference import (
     logits,
     memorisable_batches,
     random_tokens,
-    save_hf_dir,
+    round_trip_hf_dir,
     use_reference_kernels,
 )
 
-from titan_npu.checkpoint.formats import read_weights
 from titan_npu.models.qwen3_next.args import Qwen3NextArgs
-from titan_npu.models.registry import build_model, get_spec, spec_for_hf_config
+from titan_npu.models.registry import build_model, get_spec
 from titan_npu.ops.documents import Documents
 
 transformers = pytest.importorskip("transformers")
@@ -140,19 +138,11 @@ def test_twenty_steps_from_imported_weights_track_a_transformers_training_loop(s
 def test_an_hf_directory_reads_by_its_model_type_and_exports_back_loadable_by_auto_model(tmp_path, shape):
     args = SHAPES[shape]
     hf, _ = _pair(shape, seed=9)
-    hf.save_pretrained(tmp_path / "hf")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert spec_for_hf_config(config).name == "qwen3_next"
-    weights = read_weights(tmp_path / "hf")
+    weights, ours, back = round_trip_hf_dir(hf, "qwen3_next", tmp_path)
     assert weights.format == "hf" and weights.args == args
-    ours = build_model(weights.args)
-    ours.load_state_dict(weights.state_dict, strict=True)
     tokens = random_tokens(args.vocab_size, SEQ_LEN, 10)
     assert (logits(ours, tokens) - logits(hf, tokens)).abs().max().item() < TOL
-    spec = get_spec("qwen3_next")
-    save_hf_dir(spec.hf.to_hf(ours.state_dict(), weights.args), spec.hf.config(weights.args), tmp_path / "back")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
-    assert back.config.model_type == config["model_type"]
+    assert back.config.model_type == hf.config.model_type
     assert (logits(back, tokens) - logits(hf, tokens)).abs().max().item() < TOL
 
 
