@@ -140,6 +140,19 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).item()
 
 
+def first_step_is_the_references(hf: torch.nn.Module, record: dict, tmp_path: Path, rtol: float = 1e-5,
+                                  aux: bool = False) -> None:
+    """The step-1 record of the run in tmp_path logs `hf`'s cross entropy on the run's own first batch (the same
+    tokens the loader gives first) to rtol, and with aux, transformers' aux loss (MoE) to 1e-5."""
+    inputs, labels = first_batch(tmp_path)
+    with torch.no_grad():
+        out = hf(inputs, output_router_logits=True) if aux else hf(inputs)
+    ce = cross_entropy(out.logits, labels)
+    assert abs(record["loss"] - ce) <= rtol * ce, (record["loss"], ce)  # the imported model's cross entropy
+    if aux:
+        assert abs(record["aux_loss"] - out.aux_loss.item()) <= 1e-5 * out.aux_loss.item()
+
+
 def save_hf_dir(state: dict[str, torch.Tensor], config: dict, path: Path) -> None:
     """A Hugging Face directory at `path` (new): `state` as model.safetensors and `config` as config.json."""
     from safetensors.torch import save_file

@@ -12,7 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from hf_reference import cross_entropy, export_and_compare, first_batch, train_from_the_import
+from hf_reference import (
+    export_and_compare,
+    first_step_is_the_references,
+    train_from_the_import,
+)
 
 from titan_npu.checkpoint.formats import read_weights
 from titan_npu.cli import main
@@ -99,14 +103,7 @@ def test_import_train_from_the_hf_directory_and_export_back(family, tmp_path, ca
     assert case.read in output
     # The step-1 loss is the imported model's: below a fresh model's ln(512) = 6.24 would be no proof, so compare
     # with transformers on the run's own first batch: the same tokens the loader gives first.
-    inputs, labels = first_batch(tmp_path)
-    with torch.no_grad():
-        out = hf(inputs, output_router_logits=True) if family == "qwen3_moe" else hf(inputs)
-    ce = cross_entropy(out.logits, labels)
-    assert abs(records[0]["loss"] - ce) <= case.loss_rtol * ce  # the logged loss: the imported model's cross entropy
-    if family == "qwen3_moe":
-        aux = out.aux_loss.item()
-        assert abs(records[0]["aux_loss"] - aux) <= 1e-5 * aux
+    first_step_is_the_references(hf, records[0], tmp_path, case.loss_rtol, aux=family == "qwen3_moe")
 
     ours = build_model(case.args)
     ours.load_state_dict(read_weights(tmp_path / "ckpt" / f"step-{case.steps}").state_dict, strict=True)
