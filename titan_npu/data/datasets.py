@@ -5,18 +5,33 @@ Every dataset is a list of documents whose tokens already end with EOS, so packi
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
 
 from titan_npu.atomic import atomic_path
+from titan_npu.data.files import (
+    DIGEST_SCHEME,
+    content_digest,
+    not_regular,
+    open_input,
+    os_error,
+    read_bytes,
+    regular_stat,
+    sampled_blocks,
+    warn_once,
+)
 from titan_npu.data.sources import (
     PREPARED_FORMAT,
     BadRecords,
     builtin_corpus_path,
     discover_inputs,
     iter_documents,
+    missing_input,
     source_kind,
 )
 from titan_npu.data.tokenizer import Tokenizer
@@ -26,6 +41,7 @@ INDEX_FILE = "index.json"
 PROGRESS_FILE = ".progress.json"
 TOKENS_JSONL = "tokens.jsonl"
 INDEX_FORMAT = PREPARED_FORMAT
+INDEX_VERSION = 2  # 2: a checksum per shard (shard_checksum) and of tokens.jsonl; 1: sizes only
 RAW_LIMIT_BYTES = 1 << 30  # raw text above this is tokenised once with prepare-data, not at every start
 _JSONL_INDEX_SUFFIX = ".titan-index.npz"
 
@@ -52,6 +68,10 @@ class TokenDataset:
         """Tokens lo:hi of document doc."""
         raise NotImplementedError
 
+    def where(self, doc: int) -> str:
+        """The file that holds document doc, for messages."""
+        return self.description
+
     def write_caches(self) -> None:
         """Write what makes the next start faster beside the data; called only once the input is validated, so a
         refused run leaves the user's data folder as it was."""
@@ -72,34 +92,102 @@ class InMemoryDataset(TokenDataset):
         return self.tokens[start + lo : start + hi]
 
 
+_REPREPARE = "re-run titan-npu prepare-data into a new --output"
+
+
+def shard_checksum(folder: Path, shard: dict, dtype: np.dtype) -> str:
+    """The checksum of one shard: its tokens (whole, or sampled when large: files.py) and its entry in index.json."""
+    entry = {k: shard[k] for k in ("file", "docs", "num_tokens", "num_docs", "max_token_id")}
+    entry["dtype"] = np.dtype(dtype).name
+    return content_digest(folder / shard["file"], json.dumps(entry, sort_keys=True).encode())
+
+
+def jsonl_checksum(path: Path, index: dict) -> str:
+    """The checksum of a prepared tokens.jsonl: its bytes (whole, or sampled when large) and the index's counts."""
+    entry = {k: index[k] for k in ("num_documents", "num_tokens", "max_token_id")}
+    return content_digest(path, json.dumps(entry, sort_keys=True).encode())
+
+
+def _load_ends(path: Path, num_docs: int, num_tokens: int, checksum: str | None) -> np.ndarray:
+    """shard_NNNNN.docs.npy: the documents' end offsets, checked against the index (never unpickled)."""
+    if checksum is not None and content_digest(path) != checksum:
+        raise DataError(f"{path} does not match its checksum in {INDEX_FILE} (rewritten, damaged or from another "
+                        f"run); {_REPREPARE}")
+    data = read_bytes(path, f"{_REPREPARE}")
+    try:
+        ends = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, EOFError, OSError) as e:  # truncated, not .npy, an object array
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"{path} is not a valid document index ({why}); {_REPREPARE}") from None
+    if ends.ndim != 1 or ends.dtype.kind not in "iu":
+        raise DataError(f"{path} holds a {ends.dtype} array of shape {ends.shape}, not the documents' end offsets; "
+                        f"{_REPREPARE}")
+    ends = ends.astype(np.int64)
+    if len(ends) != num_docs or (len(ends) and (ends[-1] != num_tokens or ends[0] <= 0 or np.any(np.diff(ends) <= 0))):
+        raise DataError(f"{path} disagrees with {INDEX_FILE}; {_REPREPARE}")
+    return ends
+
+
 class ShardDataset(TokenDataset):
-    """prepare-data output: shard_*.bin (uint16/uint32) memory-mapped, document ends in shard_*.docs.npy."""
+    """prepare-data output: shard_*.bin (uint16/uint32) memory-mapped, document ends in shard_*.docs.npy.
+
+    Opening checks the folder against index.json by content, at a bounded cost: the shards listed and no others,
+    each of the size its entry says, its checksum (files.content_digest: whole when small, sampled blocks when large)
+    and its document index; the maxima the index states agree with its shards' entries, which the checksums cover.
+    A folder prepared before the checksums (index version 1) is read with the size checks and a warning line.
+    """
 
     def __init__(self, folder: Path, index: dict):
         self.folder = folder
         self.description = str(folder)
-        self.dtype = np.dtype(index["dtype"])
-        self.max_token_id = int(index["max_token_id"])
-        self.tokenizer_fingerprint = index["tokenizer"]["fingerprint"]
-        self.tokenizer_spec = index["tokenizer"].get("spec")
-        self.shard_files = [s["file"] for s in index["shards"]]
-        if index["shards"]:
-            top = max(index["shards"], key=lambda s: s["max_token_id"])
+        try:
+            self.dtype = np.dtype(index["dtype"])
+            self.max_token_id = int(index["max_token_id"])
+            self.tokenizer_fingerprint = index["tokenizer"]["fingerprint"]
+            self.tokenizer_spec = index["tokenizer"].get("spec")
+            vocab = int(index["tokenizer"]["vocab_size"])
+            shards = list(index["shards"])
+            for shard in shards:
+                for key in ("file", "docs", "num_tokens", "num_docs", "max_token_id"):
+                    shard[key]  # noqa: B018 -- a KeyError names the missing key
+            version = int(index.get("version", 1))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise DataError(f"{folder / INDEX_FILE} is damaged or edited ({type(e).__name__}: {e}); "
+                            f"{_REPREPARE}") from None
+        if self.dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)):
+            raise DataError(f"{folder / INDEX_FILE} names dtype {self.dtype}, not uint16 or uint32; {_REPREPARE}")
+        self.shard_files = [s["file"] for s in shards]
+        self._check_folder(shards, vocab)
+        checked = version >= 2 and all("checksum" in s for s in shards)
+        if not checked:
+            warn_once(f"{folder} was prepared before shard checksums ({INDEX_FILE} version {version}): its shards "
+                      f"are checked by size only; {_REPREPARE} to have them checked by content")
+        if shards:
+            top = max(shards, key=lambda s: s["max_token_id"])
             self.max_token_where = str(folder / top["file"])
         lengths, shard_of, starts = [], [], []
-        for s_i, shard in enumerate(index["shards"]):
+        for s_i, shard in enumerate(shards):
             path = folder / shard["file"]
             expected = int(shard["num_tokens"]) * self.dtype.itemsize
-            actual = path.stat().st_size if path.is_file() else -1
+            if not os.path.lexists(path):
+                raise DataError(f"shard {path} is missing but {INDEX_FILE} lists it (deleted or not copied?); "
+                                f"{_REPREPARE}")
+            actual = regular_stat(path, _REPREPARE).st_size
             if actual != expected:
-                found = "missing" if actual < 0 else f"{actual} bytes"
                 raise DataError(
-                    f"shard {path} is {found} but {INDEX_FILE} says {expected} bytes (truncated or replaced); "
-                    "re-run titan-npu prepare-data into a new --output"
+                    f"shard {path} is {actual} bytes but {INDEX_FILE} says {expected} bytes (truncated or replaced); "
+                    f"{_REPREPARE}"
                 )
-            ends = np.load(folder / shard["docs"], allow_pickle=False).astype(np.int64)
-            if len(ends) != int(shard["num_docs"]) or (len(ends) and ends[-1] != int(shard["num_tokens"])):
-                raise DataError(f"{folder / shard['docs']} disagrees with {INDEX_FILE}; re-run titan-npu prepare-data")
+            if checked and shard_checksum(folder, shard, self.dtype) != shard["checksum"]:
+                raise DataError(f"shard {path} does not match its entry in {INDEX_FILE} (rewritten, damaged or "
+                                f"edited: its tokens, size or max token id); {_REPREPARE}")
+            if not checked:  # no checksum: at least a bounded sample of its ids against the entry's maximum
+                sample = np.frombuffer(sampled_blocks(path, self.dtype.itemsize), dtype=self.dtype)
+                if len(sample) and int(sample.max()) > int(shard["max_token_id"]):
+                    raise DataError(f"shard {path} holds token id {int(sample.max())} but {INDEX_FILE} says its "
+                                    f"largest is {shard['max_token_id']} (rewritten or edited); {_REPREPARE}")
+            ends = _load_ends(folder / shard["docs"], int(shard["num_docs"]), int(shard["num_tokens"]),
+                              shard.get("docs_checksum") if checked else None)
             begins = np.concatenate([[0], ends[:-1]])
             lengths.append(ends - begins)
             starts.append(begins)
@@ -109,17 +197,46 @@ class ShardDataset(TokenDataset):
         self.doc_begin = np.concatenate(starts) if starts else np.zeros(0, np.int64)
         self._maps: dict[int, np.memmap] = {}
 
+    def _check_folder(self, shards: list[dict], vocab: int) -> None:
+        """The shard files on disk are the ones the index lists; its maxima agree with its shards' entries."""
+        index = self.folder / INDEX_FILE
+        listed = {s["file"] for s in shards} | {s["docs"] for s in shards}
+        try:
+            on_disk = {p.name for p in self.folder.iterdir() if p.name.startswith("shard_")
+                       and (p.name.endswith(".bin") or p.name.endswith(".docs.npy"))}
+        except OSError as e:
+            raise os_error(self.folder, e, "list the folder") from None
+        extra = sorted(on_disk - listed)
+        if extra:
+            raise DataError(f"{self.folder / extra[0]} is not listed in {index} ({len(extra)} such file(s): left from "
+                            f"another run or copied in?); {_REPREPARE}")
+        top = max((int(s["max_token_id"]) for s in shards), default=-1)
+        if top != self.max_token_id:
+            raise DataError(f"{index} says max_token_id {self.max_token_id} but its shards' entries say {top} "
+                            f"(edited?); {_REPREPARE}")
+        if self.max_token_id >= vocab:
+            raise DataError(f"{index} says its tokens go up to id {self.max_token_id}, beyond its tokenizer's "
+                            f"vocab_size {vocab} (edited, or shards from another tokenizer); {_REPREPARE}")
+
     def __getstate__(self) -> dict:
         # Each worker process maps the files itself; pickling a memmap would copy the data.
         state = dict(self.__dict__)
         state["_maps"] = {}
         return state
 
+    def where(self, doc: int) -> str:
+        return str(self.folder / self.shard_files[int(self.doc_shard[doc])])
+
     def read(self, doc: int, lo: int, hi: int) -> np.ndarray:
         s = int(self.doc_shard[doc])
         shard = self._maps.get(s)
         if shard is None:
-            shard = self._maps[s] = np.memmap(self.folder / self.shard_files[s], dtype=self.dtype, mode="r")
+            path = self.folder / self.shard_files[s]
+            try:
+                with open_input(path, _REPREPARE) as f:
+                    shard = self._maps[s] = np.memmap(f, dtype=self.dtype, mode="r")
+            except OSError as e:  # found unreadable mid-run
+                raise os_error(path, e) from None
         begin = self.doc_begin[doc]
         return shard[begin + lo : begin + hi]
 
@@ -155,9 +272,17 @@ class TokensJsonlDataset(TokenDataset):
     def read(self, doc: int, lo: int, hi: int) -> np.ndarray:
         if self._cached is None or self._cached[0] != doc:
             if self._file is None:
-                self._file = open(self.path, "rb")  # noqa: SIM115 -- kept open for the life of the dataset
-            self._file.seek(int(self.offsets[doc]))
-            tokens = json.loads(self._file.readline())["tokens"]
+                self._file = open_input(self.path)  # kept open for the life of the dataset
+            try:
+                self._file.seek(int(self.offsets[doc]))
+                line = self._file.readline()
+            except OSError as e:  # found unreadable mid-run
+                raise os_error(self.path, e) from None
+            try:
+                tokens = json.loads(line)["tokens"]
+            except (ValueError, KeyError, TypeError):
+                raise DataError(f"{self.path} changed since it was opened (no token record at byte "
+                                f"{int(self.offsets[doc])}); restart the run") from None
             if self.append_eos[doc]:
                 tokens.append(self.eos_id)
             self._cached = (doc, np.asarray(tokens, dtype=np.int64))
@@ -166,41 +291,62 @@ class TokensJsonlDataset(TokenDataset):
 
 def _jsonl_index(path: Path) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, int, int], tuple | None]:
     """(byte offset, token count, last token) per line, the max id and its line; read from the cache beside the file
-    when it is current, else computed and returned with the arguments of _save_jsonl_index (None when cached)."""
-    stat = path.stat()
+    when it is current, else computed and returned with the arguments of _save_jsonl_index (None when cached).
+
+    The cache is current when its key matches the file's: size, mtime and ctime (any write or utime changes ctime)
+    and a digest of its content (files.content_digest: whole when small, sampled when large), so a file rewritten
+    with its size and mtime kept, or a cache copied beside another file, is rebuilt rather than trusted.
+    """
+    with open_input(path) as f:
+        st = os.fstat(f.fileno())
     cache = path.with_name(path.name + _JSONL_INDEX_SUFFIX)
-    key = np.array([stat.st_size, stat.st_mtime_ns], dtype=np.int64)
-    if cache.is_file():
+    key = np.array([st.st_size, st.st_mtime_ns, st.st_ctime_ns], dtype=np.int64)
+    digest = content_digest(path)
+    if os.path.isfile(cache):
         try:
-            with np.load(cache, allow_pickle=False) as z:
-                if np.array_equal(z["key"], key):
-                    return (z["offsets"], z["lengths"], z["last"], int(z["max_id"]), int(z["max_line"])), None
-        except (OSError, ValueError, KeyError):
+            with open_input(cache) as raw, np.load(raw, allow_pickle=False) as z:
+                if np.array_equal(z["key"], key) and str(z["digest"]) == digest and str(z["scheme"]) == DIGEST_SCHEME:
+                    cached = (z["offsets"], z["lengths"], z["last"], int(z["max_id"]), int(z["max_line"]))
+                    if _plausible(cached, st.st_size):
+                        return cached, None
+        except (OSError, ValueError, KeyError, DataError, EOFError):
             pass  # stale or damaged cache: rebuild it
     offsets, lengths, last = [], [], []
     max_id, max_line = -1, 0
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         offset = 0
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                tokens = _parse_tokens_line(line, f"{path}:{lineno}")
-                offsets.append(offset)
-                lengths.append(len(tokens))
-                last.append(tokens[-1])
-                if max(tokens) > max_id:
-                    max_id, max_line = max(tokens), lineno
-            offset += len(line)
+        try:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    tokens = _parse_tokens_line(line, f"{path}:{lineno}")
+                    offsets.append(offset)
+                    lengths.append(len(tokens))
+                    last.append(tokens[-1])
+                    if max(tokens) > max_id:
+                        max_id, max_line = max(tokens), lineno
+                offset += len(line)
+        except OSError as e:
+            raise os_error(path, e) from None
     if not offsets:
         raise DataError(f"{path} holds no token records; check the file")
     result = (np.array(offsets, np.int64), np.array(lengths, np.int64), np.array(last, np.int64), max_id, max_line)
-    return result, (cache, key, result)
+    return result, (cache, key, digest, result)
 
 
-def _save_jsonl_index(cache: Path, key: np.ndarray, result: tuple) -> None:
+def _plausible(index: tuple, size: int) -> bool:
+    """A cached offset index that could be the file's: one entry per record, offsets rising inside the file."""
+    offsets, lengths, last, max_id, _ = index
+    n = len(offsets)
+    return (n > 0 and offsets.ndim == 1 and len(lengths) == n and len(last) == n and offsets.dtype.kind == "i"
+            and bool(np.all(np.diff(offsets) > 0)) and 0 <= int(offsets[0]) and int(offsets[-1]) < size
+            and bool(np.all(lengths > 0)) and int(last.max()) <= max_id)
+
+
+def _save_jsonl_index(cache: Path, key: np.ndarray, digest: str, result: tuple) -> None:
     try:
         with atomic_path(cache) as tmp, open(tmp, "wb") as out:
-            np.savez(out, key=key, offsets=result[0], lengths=result[1], last=result[2], max_id=np.int64(result[3]),
-                     max_line=np.int64(result[4]))
+            np.savez(out, key=key, digest=np.array(digest), scheme=np.array(DIGEST_SCHEME), offsets=result[0],
+                     lengths=result[1], last=result[2], max_id=np.int64(result[3]), max_line=np.int64(result[4]))
     except OSError:
         pass  # a read-only data folder only costs a rebuild next time
 
@@ -224,8 +370,8 @@ def read_index(folder: Path) -> dict:
     """index.json of a prepare-data output folder."""
     path = folder / INDEX_FILE
     try:
-        index = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+        index = json.loads(read_bytes(path, _REPREPARE).decode("utf-8"))
+    except ValueError as e:
         raise DataError(f"{path} cannot be read ({e}); re-run titan-npu prepare-data into a new --output") from None
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
         raise DataError(f"{path} is not a titan-npu prepare-data index; point data.path at a prepare-data output")
@@ -262,7 +408,7 @@ def _raw_dataset(paths: list[Path], tokenizer: Tokenizer | None, text_field: str
 
 
 def _first_record(path: Path) -> object:
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         for line in f:
             if line.strip():
                 try:
@@ -277,17 +423,25 @@ def open_dataset(path: str, tokenizer: Tokenizer | None, text_field: str = "text
     if not path:
         return _raw_dataset([builtin_corpus_path()], tokenizer, "text", "built-in corpus (Python docs)")
     p = Path(path).expanduser()
-    if not p.exists():
-        raise DataError(f"data path {path} does not exist; set data.path to a file or folder (or '' for the built-in)")
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        if os.path.lexists(p):
+            raise missing_input(p, path, "data path") from None
+        raise DataError(f"data path {path} does not exist; set data.path to a file or folder (or '' for the built-in)"
+                        ) from None
+    except OSError as e:
+        raise os_error(p, e, "look at") from None
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+        raise not_regular(path, mode, "set data.path to a regular file or a folder (copy a stream into a file first)")
     eos = tokenizer.eos_id if tokenizer is not None else None
-    if p.is_dir():
-        if (p / INDEX_FILE).is_file():
+    if stat.S_ISDIR(mode):
+        if os.path.lexists(p / INDEX_FILE):
             index = read_index(p)
-            if index["kind"] == "jsonl":
-                return TokensJsonlDataset(p / TOKENS_JSONL, index["tokenizer"]["eos_id"],
-                                          index["tokenizer"]["fingerprint"], index["tokenizer"].get("spec"))
+            if index.get("kind") == "jsonl":
+                return _prepared_jsonl(p, index)
             return ShardDataset(p, index)
-        if (p / PROGRESS_FILE).is_file():
+        if os.path.lexists(p / PROGRESS_FILE):
             raise DataError(f"{path} is an unfinished prepare-data output; re-run the same prepare-data to finish it")
         return _raw_dataset(discover_inputs([str(p)]), tokenizer, text_field, str(p))
     kind = source_kind(p)
@@ -296,6 +450,31 @@ def open_dataset(path: str, tokenizer: Tokenizer | None, text_field: str = "text
         if isinstance(record, dict) and "tokens" in record:
             return TokensJsonlDataset(p, eos)
     return _raw_dataset([p], tokenizer, text_field, str(p))
+
+
+def _prepared_jsonl(folder: Path, index: dict) -> TokensJsonlDataset:
+    """A prepare-data --format jsonl output, its tokens.jsonl checked against the index's checksum when it has one."""
+    path = folder / TOKENS_JSONL
+    try:
+        tok = index["tokenizer"]
+        expected = index.get("checksum")
+        actual = jsonl_checksum(path, index) if expected is not None and os.path.lexists(path) else expected
+    except (KeyError, TypeError) as e:
+        raise DataError(f"{folder / INDEX_FILE} is damaged or edited ({type(e).__name__}: {e}); {_REPREPARE}") from None
+    if not os.path.lexists(path):
+        raise DataError(f"{path} is missing but {folder / INDEX_FILE} names it; {_REPREPARE}")
+    if expected is None:
+        warn_once(f"{folder} was prepared before checksums ({INDEX_FILE} version {index.get('version', 1)}): "
+                  f"{TOKENS_JSONL} is not checked against it; {_REPREPARE} to have it checked by content")
+    elif actual != expected:
+        raise DataError(f"{path} does not match its checksum in {INDEX_FILE} (rewritten, damaged or edited); "
+                        f"{_REPREPARE}")
+    ds = TokensJsonlDataset(path, tok["eos_id"], tok["fingerprint"], tok.get("spec"))
+    vocab = tok.get("vocab_size")
+    if isinstance(vocab, int) and ds.max_token_id >= vocab:
+        raise DataError(f"{ds.max_token_where} holds token id {ds.max_token_id}, beyond the tokenizer's vocab_size "
+                        f"{vocab} in {folder / INDEX_FILE}; {_REPREPARE}")
+    return ds
 
 
 def verify_dataset(ds: TokenDataset, tokenizer: Tokenizer | None, model_vocab_size: int | None) -> None:

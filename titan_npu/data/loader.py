@@ -62,6 +62,20 @@ class PackedWindows:
             pos, i = hi, i + 1
         return np.concatenate(pieces) if len(pieces) > 1 else np.asarray(pieces[0])
 
+    def first_over(self, w: int, limit: int) -> tuple[str, int]:
+        """(file, id) of the first document piece in window w holding an id >= limit, for messages."""
+        start, stop = w * self.seq_len, w * self.seq_len + self.seq_len + 1
+        i = int(np.searchsorted(self.ends, start, side="right"))
+        pos = start
+        while pos < stop and i < len(self.ends):
+            doc_start = int(self.ends[i] - self.lengths[i])
+            hi = min(int(self.ends[i]), stop)
+            piece = self.dataset.read(int(self.doc_ids[i]), pos - doc_start, hi - doc_start)
+            if len(piece) and int(piece.max()) >= limit:
+                return self.dataset.where(int(self.doc_ids[i])), int(piece.max())
+            pos, i = hi, i + 1
+        return self.dataset.description, limit
+
     def doc_starts(self, w: int) -> np.ndarray:
         """Offsets inside window w where a document begins (for document masking)."""
         start, stop = w * self.seq_len, w * self.seq_len + self.seq_len + 1
@@ -70,14 +84,27 @@ class PackedWindows:
         return (begins[lo:hi] - start).astype(np.int64)
 
 
+class _Refused:
+    """A DataError met in a loader worker, handed back as the batch: the main process raises it as one line
+    (the DataLoader would wrap a raised one in the worker's traceback)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
 class _BatchDataset(Dataset):
-    """Key (epoch, pos) -> this rank's (inputs, labels[, documents]); runs in the loader's worker processes."""
+    """Key (epoch, pos) -> this rank's (inputs, labels[, documents]); runs in the loader's worker processes.
+
+    Every batch is checked against vocab_limit (the model's vocab_size) before it leaves: an id the model has no
+    embedding for never reaches it, whatever the dataset's index said (the check costs one max over the batch).
+    """
 
     def __init__(self, windows: PackedWindows, batch_size: int, dp_rank: int, seed: int, shuffle: bool,
-                 documents: str = ""):
+                 documents: str = "", vocab_limit: int | None = None):
         self.windows, self.batch_size, self.dp_rank = windows, batch_size, dp_rank
         self.seed, self.shuffle = seed, shuffle
         self.documents = documents  # "" none, "mask" document ids, "positions" ids and positions inside documents
+        self.vocab_limit = vocab_limit
         self._perm: tuple[int, np.ndarray] | None = None
 
     def permutation(self, epoch: int) -> np.ndarray:
@@ -87,11 +114,24 @@ class _BatchDataset(Dataset):
             self._perm = (epoch, order)
         return self._perm[1]
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple:
+    def __getitem__(self, key: tuple[int, int]) -> tuple | _Refused:
+        try:
+            return self._batch(key)
+        except DataError as e:
+            return _Refused(str(e))
+
+    def _batch(self, key: tuple[int, int]) -> tuple:
         epoch, pos = key
         first = pos + self.dp_rank * self.batch_size
         ids = self.permutation(epoch)[first : first + self.batch_size]
-        batch = torch.from_numpy(np.stack([self.windows.window(int(w)) for w in ids]).astype(np.int64))
+        rows = np.stack([self.windows.window(int(w)) for w in ids])
+        if self.vocab_limit is not None and rows.size and int(rows.max()) >= self.vocab_limit:
+            w = next(int(w) for w, row in zip(ids, rows) if int(row.max()) >= self.vocab_limit)
+            where, top = self.windows.first_over(w, self.vocab_limit)
+            raise DataError(f"{where} holds token id {top} but model.vocab_size is {self.vocab_limit} (an id its "
+                            "index did not show: the data changed after it was prepared?); re-tokenise the data "
+                            "(re-run titan-npu prepare-data into a new --output)")
+        batch = torch.from_numpy(rows.astype(np.int64))
         if not self.documents:
             return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         documents = Documents.from_starts([self.windows.doc_starts(int(w)) for w in ids], self.windows.seq_len,
@@ -123,7 +163,7 @@ class TokenLoader:
 
     def __init__(self, windows: PackedWindows, batch_size: int, dp_rank: int, dp_world_size: int, seed: int,
                  num_workers: int = 0, pin_memory: bool = False, shuffle: bool = True, split: str = "train",
-                 documents: str = ""):
+                 documents: str = "", vocab_limit: int | None = None):
         if not 0 <= dp_rank < dp_world_size:
             raise DataError(f"dp_rank={dp_rank} is outside dp_world_size={dp_world_size}; check the parallel layout")
         global_batch = batch_size * dp_world_size
@@ -138,7 +178,7 @@ class TokenLoader:
         self.seed, self.shuffle, self.split = seed, shuffle, split
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.epoch, self.pos = 0, 0
-        self._dataset = _BatchDataset(windows, batch_size, dp_rank, seed, shuffle, documents)
+        self._dataset = _BatchDataset(windows, batch_size, dp_rank, seed, shuffle, documents, vocab_limit)
         self._iter: Iterator | None = None
 
     @property
@@ -157,6 +197,9 @@ class TokenLoader:
                                 worker_init_fn=leave_signals_to_parent if self.num_workers else None)
             self._iter = iter(loader)
         batch = next(self._iter)
+        if isinstance(batch, _Refused):
+            self.close()
+            raise DataError(batch.message)
         # What was handed out, not what the workers prefetched, is the state.
         self.epoch, self.pos = wrap(self.epoch, self.pos + self.step, self.step, self.windows.num_windows)
         return batch
@@ -245,7 +288,8 @@ def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer | None, dp_rank: int, 
     pin = device_type in ("cuda", "npu") and _accelerator_available()
     loader = TokenLoader(PackedWindows(dataset, doc_ids, seq_len), batch_size, dp_rank, dp_world_size,
                          seed=cfg.training.seed, num_workers=max(0, cfg.data.num_workers), pin_memory=pin,
-                         shuffle=split == "train", split=split, documents=batch_documents(cfg))
+                         shuffle=split == "train", split=split, documents=batch_documents(cfg),
+                         vocab_limit=model_vocab_size)
     dataset.write_caches()  # the data is accepted: now its index may be kept beside it
     return loader
 

@@ -19,7 +19,17 @@ import numpy as np
 
 from titan_npu.atomic import atomic_path, atomic_write_json
 from titan_npu.config.options import COMMAND_OPTIONS
-from titan_npu.data.datasets import INDEX_FILE, INDEX_FORMAT, PROGRESS_FILE, TOKENS_JSONL, read_index
+from titan_npu.data.datasets import (
+    INDEX_FILE,
+    INDEX_FORMAT,
+    INDEX_VERSION,
+    PROGRESS_FILE,
+    TOKENS_JSONL,
+    jsonl_checksum,
+    read_index,
+    shard_checksum,
+)
+from titan_npu.data.files import content_digest, os_error
 from titan_npu.data.progress import Progress
 from titan_npu.data.sources import BadRecords, DocumentReader, discover_inputs
 from titan_npu.data.tokenizer import Tokenizer, build_tokenizer
@@ -135,8 +145,12 @@ class _ShardWriter:
         with atomic_path(self.folder / f"{name}.docs.npy") as tmp, open(tmp, "wb") as f:
             np.save(f, np.array(self._ends, dtype=np.int64))
         os.replace(self.folder / f"{name}.bin.tmp", self.folder / f"{name}.bin")
-        self.shards.append({"file": f"{name}.bin", "docs": f"{name}.docs.npy", "num_tokens": self._tokens,
-                            "num_docs": len(self._ends), "max_token_id": self._max_id})
+        shard = {"file": f"{name}.bin", "docs": f"{name}.docs.npy", "num_tokens": self._tokens,
+                 "num_docs": len(self._ends), "max_token_id": self._max_id}
+        # What the loader verifies at open (datasets.ShardDataset): read back from the disk it was written to.
+        shard["checksum"] = shard_checksum(self.folder, shard, self.dtype)
+        shard["docs_checksum"] = content_digest(self.folder / shard["docs"])
+        self.shards.append(shard)
         self._ends, self._tokens, self._max_id = [], 0, -1
         self.on_shard_done()
 
@@ -260,33 +274,55 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
                              len(existing.get("shards", [])), existing.get("bad_records_skipped", 0),
                              input_bytes=input_bytes)
     created = _first_missing(output)  # what to remove again if the input is refused: the output and new parents
-    output.mkdir(parents=True, exist_ok=True)
-    for stale in output.glob("*.tmp"):  # leftovers of an interrupted run: never complete
-        stale.unlink()
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        for stale in output.glob("*.tmp"):  # leftovers of an interrupted run: never complete
+            stale.unlink()
+    except OSError as e:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise os_error(e.filename or output, e, "write") from None
     shards: list[dict] = list(existing["shards"]) if state == "resume" and fmt == "bin" else []
     skip_docs = sum(s["num_docs"] for s in shards)
 
     def save_progress() -> None:
         atomic_write_json(output / PROGRESS_FILE, {"settings": settings, "sources": sources, "shards": shards})
 
-    save_progress()
-    writer = _ShardWriter(output, dtype, shard_size, shards, save_progress) if fmt == "bin" else _JsonlWriter(output)
-    bad = BadRecords(skip=skip_bad_records, hint="fix or remove that record, or pass --skip-bad-records")
-    progress = progress or Progress(input_bytes)
-    position = [0]
-    try:
-        _tokenize_all(_chunks(paths, text_field, doc_sep, bad, skip_docs, position), writer, tokenizer, tok, dtype,
-                      max_seq_len, workers, progress, position)
-        writer.close()
-    except DataError:
-        writer.abort()
+    def leave(kept: int) -> None:
+        """Remove what this run wrote; finished shards stay (kept > 0) where a re-run resumes after them."""
+        if writer is not None:
+            writer.abort()
+        if kept:
+            return
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)  # bad input: leave nothing behind
         else:
             _remove_ours(output)
+
+    writer = None
+    shards_before = len(shards)
+    try:
+        save_progress()
+        writer = _ShardWriter(output, dtype, shard_size, shards, save_progress) if fmt == "bin" \
+            else _JsonlWriter(output)
+        bad = BadRecords(skip=skip_bad_records, hint="fix or remove that record, or pass --skip-bad-records")
+        progress = progress or Progress(input_bytes)
+        position = [0]
+        _tokenize_all(_chunks(paths, text_field, doc_sep, bad, skip_docs, position), writer, tokenizer, tok, dtype,
+                      max_seq_len, workers, progress, position)
+        writer.close()
+    except DataError:
+        leave(0)
         raise
+    except OSError as e:  # writing the output: no space left, a read-only or vanished folder, an I/O error
+        kept = len(shards) - shards_before if fmt == "bin" else 0
+        leave(kept)
+        resume = f"; the {kept} shard(s) finished are kept in {output}: re-run the same command to resume" \
+            if kept else ""
+        raise os_error(e.filename or output, e, "write", _write_fix(e) + resume) from None
     except BaseException:
-        writer.abort()  # interrupted: finished shards and .progress.json stay for the resume
+        if writer is not None:
+            writer.abort()  # interrupted: finished shards and .progress.json stay for the resume
         raise
     num_docs = sum(s["num_docs"] for s in shards) if fmt == "bin" else progress.docs
     if num_docs == 0:
@@ -299,7 +335,7 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
     num_tokens = sum(s["num_tokens"] for s in shards) if fmt == "bin" else writer.num_tokens
     max_id = max(s["max_token_id"] for s in shards) if fmt == "bin" else writer.max_id
     index = {
-        "format": INDEX_FORMAT, "version": 1, "kind": fmt, "dtype": dtype.name,
+        "format": INDEX_FORMAT, "version": INDEX_VERSION, "kind": fmt, "dtype": dtype.name,
         "num_documents": num_docs, "num_tokens": num_tokens, "max_token_id": max_id,
         "tokenizer": {"spec": tokenizer, "fingerprint": tok.fingerprint(), "vocab_size": tok.vocab_size,
                       "bos_id": tok.bos_id, "eos_id": tok.eos_id},
@@ -309,10 +345,27 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
         index["shards"] = shards
     else:
         index["file"] = TOKENS_JSONL
-    atomic_write_json(output / INDEX_FILE, index)
+    try:
+        if fmt == "jsonl":
+            index["checksum"] = jsonl_checksum(output / TOKENS_JSONL, index)
+        atomic_write_json(output / INDEX_FILE, index)
+    except OSError as e:
+        if fmt == "jsonl":
+            leave(0)
+        resume = f"; the finished shards are kept in {output}: re-run the same command to finish" \
+            if fmt == "bin" else ""
+        raise os_error(e.filename or output / INDEX_FILE, e, "write", _write_fix(e) + resume) from None
     (output / PROGRESS_FILE).unlink()
     return PrepareResult(output, False, num_docs, num_tokens, len(shards), bad.count, bad.examples,
                          resumed_docs=skip_docs, seconds=progress.elapsed(), input_bytes=input_bytes)
+
+
+def _write_fix(e: OSError) -> str:
+    if e.errno == 28:  # ENOSPC
+        return "free space there or choose an --output on another disk"
+    if e.errno in (1, 13, 30):  # EPERM, EACCES, EROFS
+        return "choose an --output you can write to"
+    return "check the output's disk and re-run"
 
 
 def _refuse_overlap(output: Path, inputs: list[Path]) -> None:

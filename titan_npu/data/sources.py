@@ -6,12 +6,16 @@ import glob
 import gzip
 import io
 import json
+import os
+import stat
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 from titan_npu.atomic import atomic_path
+from titan_npu.data.files import not_regular, open_input, os_error, regular_stat, warn_once
 from titan_npu.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
@@ -92,19 +96,47 @@ def prepared_folder(path: Path) -> Path | None:
     return None
 
 
-def _corpus_files(folder: Path, seen: set[Path] | None = None) -> list[Path]:
-    """Supported files under folder, sorted, leaving out prepare-data outputs found inside it (our own files)."""
+def _corpus_files(folder: Path, skipped: list[str], seen: set[Path] | None = None) -> list[Path]:
+    """Supported files under folder, sorted, leaving out prepare-data outputs found inside it (our own files);
+    what else it holds is named in `skipped`. DataError for an unreadable folder or a FIFO / device among them."""
     seen = set() if seen is None else seen
     if folder.resolve() in seen or is_prepared(folder):
         return []
     seen.add(folder.resolve())  # a symlink back up the tree is walked once
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError as e:
+        raise os_error(folder, e, "list the folder") from None
     found = []
-    for entry in sorted(folder.iterdir()):
-        if entry.is_dir():
-            found += _corpus_files(entry, seen)
-        elif entry.is_file() and _is_supported(entry):
+    for entry in entries:
+        try:
+            mode = entry.stat().st_mode
+        except FileNotFoundError:
+            skipped.append(f"{entry} (a symlink to {os.readlink(entry)}, which does not exist)")
+            continue
+        except OSError as e:  # a symlink loop, a path too long, a permission on the way
+            skipped.append(f"{entry} ({e.strerror or type(e).__name__})")
+            continue
+        if stat.S_ISDIR(mode):
+            found += _corpus_files(entry, skipped, seen)
+        elif not _is_supported(entry):
+            if not entry.name.endswith(_OUR_CACHES):
+                skipped.append(f"{entry} (not .txt/.jsonl/.json/.parquet)")
+        elif not stat.S_ISREG(mode):
+            raise not_regular(entry, mode, "remove it from the folder or replace it by a regular file")
+        else:
             found.append(entry)
     return found
+
+
+_OUR_CACHES = (".titan-index.npz",)  # the offset index kept beside a tokens JSONL (datasets.py)
+
+
+def _warn_skipped(spec: str, skipped: list[str]) -> None:
+    if skipped:
+        more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+        warn_once(f"{spec}: skipped {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} that are not inputs: "
+                  f"{'; '.join(skipped[:3])}{more}")
 
 
 def _not_prepared(path: Path, spec: str) -> None:
@@ -114,30 +146,64 @@ def _not_prepared(path: Path, spec: str) -> None:
                         "train on it with data.path")
 
 
+def _mode(path: Path) -> int | None:
+    """st_mode of path (links followed); None when nothing is there (or a link points nowhere)."""
+    try:
+        return path.stat().st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise os_error(path, e, "look at") from None
+
+
+def missing_input(path: Path, spec: str, what: str = "input") -> DataError:
+    """The refusal of a path where no file is: a dangling symlink is said to be one."""
+    if os.path.lexists(path):
+        return DataError(f"{what} {spec} is a symlink to {os.readlink(path)}, which does not exist; fix or remove "
+                         "the link")
+    return DataError(f"{what} {spec} does not exist; check the path")
+
+
 def discover_inputs(inputs: list[str]) -> list[Path]:
     """Files named by inputs (files, directories searched recursively, globs), sorted within each input, no repeats.
 
-    Never our own outputs: folders that prepare-data wrote are skipped in a search and refused when named.
+    Never our own outputs: folders that prepare-data wrote are skipped in a search and refused when named. Entries
+    of a folder or a glob that are not inputs (other types, dangling symlinks) are named in one warning line; a FIFO
+    or a device is refused (reading one could block or never end).
     """
     found: list[Path] = []
     for spec in inputs:
         path = Path(spec).expanduser()
-        if path.is_dir():
+        mode = _mode(path)
+        skipped: list[str] = []
+        if mode is not None and stat.S_ISDIR(mode):
             _not_prepared(path, spec)
-            matches = _corpus_files(path)
+            matches = _corpus_files(path, skipped)
             if not matches:
                 raise DataError(f"directory {spec} holds no .txt/.jsonl/.json/.parquet files; check the path")
-        elif path.is_file():
+        elif mode is not None and stat.S_ISREG(mode):
             _not_prepared(path, spec)
             source_kind(path)
             matches = [path]
-        elif glob.has_magic(spec):
-            matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True)
-                             if _is_supported(Path(p)) and prepared_folder(Path(p)) is None)
+        elif mode is not None:
+            raise not_regular(spec, mode, "give a regular file or a folder of them (copy a stream into a file first)")
+        elif glob.has_magic(spec) and not os.path.lexists(path):
+            matches = []
+            for p in sorted(Path(p) for p in glob.glob(str(path), recursive=True)):
+                m = _mode(p)
+                if m is None:
+                    skipped.append(f"{p} (a symlink to {os.readlink(p)}, which does not exist)")
+                elif stat.S_ISDIR(m) or not _is_supported(p) or prepared_folder(p) is not None:
+                    continue
+                elif not stat.S_ISREG(m):
+                    raise not_regular(p, m, "leave it out of the pattern or replace it by a regular file")
+                else:
+                    matches.append(p)
             if not matches:
                 raise DataError(f"pattern {spec} matches no .txt/.jsonl/.json/.parquet files; check the pattern")
         else:
-            raise DataError(f"input {spec} does not exist; check the path")
+            raise missing_input(path, spec)
+        _warn_skipped(spec, skipped)
         for m in matches:
             if m.resolve() not in {f.resolve() for f in found}:
                 found.append(m)
@@ -176,6 +242,18 @@ def _open_stream(raw: BinaryIO, path: Path) -> BinaryIO:
     return raw
 
 
+def _stream_errors() -> tuple[type[BaseException], ...]:
+    """What reading a damaged, truncated or mislabelled (.gz / .zst) input raises, besides DataError."""
+    errors: list[type[BaseException]] = [OSError, EOFError, zlib.error]
+    try:
+        import zstandard
+
+        errors.append(zstandard.ZstdError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
 class DocumentReader:
     """Iterates the documents (non-empty strings) of one input file; bytes_read tracks progress on disk."""
 
@@ -188,13 +266,13 @@ class DocumentReader:
         self.doc_sep = doc_sep
         self.bad = bad or BadRecords()
         self.bytes_read = 0
-        self.size = path.stat().st_size
+        self.size = regular_stat(path).st_size
 
     def __iter__(self) -> Iterator[str]:
-        if self.kind == "parquet":
-            yield from self._parquet()
-            return
-        with open(self.path, "rb") as raw:
+        with open_input(self.path) as raw:
+            if self.kind == "parquet":
+                yield from self._parquet(raw)
+                return
             stream = _open_stream(raw, self.path)
             try:
                 if self.kind == "txt":
@@ -203,8 +281,11 @@ class DocumentReader:
                     yield from self._jsonl(stream, raw)
                 else:
                     yield from self._json_array(stream)
-            except (OSError, EOFError) as e:  # corrupt compressed stream
-                raise DataError(f"{self.path}: cannot be read ({e}); check or re-download the file") from None
+            except _stream_errors() as e:  # a corrupt or mislabelled compressed stream, a read error mid-file
+                what = f"is not a valid {self.path.suffix} file or is damaged" \
+                    if self.path.suffix.lower() in COMPRESSED_SUFFIXES else "cannot be read"
+                why = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
+                raise DataError(f"{self.path}: {what} ({why}); check or re-download the file") from None
             finally:
                 self.bytes_read = self.size
 
@@ -291,23 +372,29 @@ class DocumentReader:
             if text is not None:
                 yield text
 
-    def _parquet(self) -> Iterator[str]:
+    def _parquet(self, raw: BinaryIO) -> Iterator[str]:
         try:
             import pyarrow.parquet as pq
         except ImportError:
             raise DataError(f"{self.path}: reading .parquet needs the 'pyarrow' package; pip install pyarrow") from None
         try:
-            pf = pq.ParquetFile(self.path)
+            pf = pq.ParquetFile(raw)
+            columns = pf.schema_arrow.names
         except Exception as e:  # pyarrow raises ArrowInvalid and friends
             raise DataError(f"{self.path}: not a readable Parquet file ({e}); check the file") from None
-        columns = pf.schema_arrow.names
         if self.text_field not in columns:
             raise DataError(
                 f"{self.path}: no '{self.text_field}' column (columns: {', '.join(columns)}); set --text-field"
             )
         row = 0
         for group in range(pf.num_row_groups):
-            for value in pf.read_row_group(group, columns=[self.text_field]).column(0).to_pylist():
+            try:
+                values = pf.read_row_group(group, columns=[self.text_field]).column(0).to_pylist()
+            except Exception as e:  # a damaged page or row group, a read error mid-file
+                why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise DataError(f"{self.path}: row group {group} cannot be read ({why}); check or re-download the "
+                                "file") from None
+            for value in values:
                 row += 1
                 if not isinstance(value, str) or not value.strip():
                     self.bad.report(f"{self.path}:row {row}", f"empty or non-string '{self.text_field}'")
