@@ -125,6 +125,7 @@ class Case:
     setup: Callable[[Path, Path], None] | None
     path: str  # data.path; {d} = the case's folder
     message: str  # a regex the line after 'DataError: ' matches: the file, the problem and the fix
+    tokenizer: str = "byte"  # data.tokenizer
 
 
 def _reverse_shard(folder: Path) -> None:
@@ -163,6 +164,9 @@ CASES = [
     Case("data-path-is-a-fifo", _fifo("t.jsonl"), "{d}/t.jsonl",
          r"t.jsonl is a FIFO \(named pipe\), not a regular file; set data.path to a regular file"),
     Case("data-path-is-a-char-device", None, "/dev/zero", r"^/dev/zero is a character device, not a regular file"),
+    Case("tokenizer-is-a-fifo", _fifo("tok/tokenizer.json"), "{d}/corpus",
+         r"tokenizer.json is a FIFO \(named pipe\), not a regular file; point data.tokenizer",
+         "{d}/tok/tokenizer.json"),
     Case("fifo-in-a-corpus-folder", _fifo("corpus/b.txt"), "{d}/corpus",
          r"corpus/b.txt is a FIFO \(named pipe\), not a regular file; remove it from the folder"),
     Case("shard-is-a-fifo", _shard_damage(_replace_by_fifo("shard_00001.bin")), "{d}/shards",
@@ -206,6 +210,9 @@ CASES = [
     # tokens JSONL
     Case("stale-jsonl-cache-same-size-and-mtime", _stale_cache, "{d}/t.jsonl",
          r"t.jsonl:1 holds token id 900 but model.vocab_size is 512"),
+    Case("jsonl-token-id-beyond-int64", lambda d, p: (d / "t.jsonl").write_text(
+         '{"tokens": [1, 2, 99999999999999999999999]}\n' * 40), "{d}/t.jsonl",
+         r"t.jsonl:1: 'tokens' must be a non-empty list of non-negative ints \(token ids below 2\*\*31\)"),
     Case("prepared-jsonl-rewritten-at-the-same-size", _prepared_jsonl_rewritten, "{d}/pj",
          r"pj/tokens.jsonl does not match its checksum in .*index.json .*; " + REPREPARE),
 ]
@@ -227,7 +234,8 @@ def test_bad_data_is_refused_in_one_line_before_a_step_and_changes_nothing(case,
     before = snapshot(d) if not any(p.is_fifo() for p in d.rglob("*")) else _names(d)
     capsys.readouterr()
 
-    rc = cli_main(["train", *tiny_args(d, training__max_steps=1), "--data.path", case.path.format(d=d)])
+    rc = cli_main(["train", *tiny_args(d, training__max_steps=1), "--data.path", case.path.format(d=d),
+                   "--data.tokenizer", case.tokenizer.format(d=d)])
 
     out, err = capsys.readouterr()
     line = _error_line(err)
@@ -309,7 +317,23 @@ PREPARE_CASES = [
      r"c.txt.gz: is not a valid .gz file or is damaged"),
     ("parquet-that-is-not-parquet", _write("c.parquet", b"PAR1 and then nothing of the kind PAR1"),
      ["{d}/c.parquet"], r"c.parquet: not a readable Parquet file \(.*\); check the file"),
+    ("parquet-with-a-damaged-row-group", lambda d: _damaged_parquet(d / "c.parquet"), ["{d}/c.parquet"],
+     r"c.parquet: row group 1 cannot be read \(.*\); check or re-download the file"),
 ]
+
+
+def _damaged_parquet(path: Path) -> None:
+    """A Parquet file whose second row group's pages are overwritten (its footer intact)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [f"document {i} " + "words " * 50 for i in range(200)]}), path,
+                   row_group_size=100, compression="snappy")
+    meta = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    start = meta.dictionary_page_offset or meta.data_page_offset
+    data = bytearray(path.read_bytes())
+    data[start : start + 64] = b"\xff" * 64
+    path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("case", PREPARE_CASES, ids=[c[0] for c in PREPARE_CASES])

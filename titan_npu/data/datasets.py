@@ -44,6 +44,7 @@ INDEX_FORMAT = PREPARED_FORMAT
 INDEX_VERSION = 2  # 2: a checksum per shard (shard_checksum) and of tokens.jsonl; 1: sizes only
 RAW_LIMIT_BYTES = 1 << 30  # raw text above this is tokenised once with prepare-data, not at every start
 _JSONL_INDEX_SUFFIX = ".titan-index.npz"
+_MAX_ID = 1 << 31  # no vocabulary comes near; larger numbers in a tokens JSONL are not token ids
 
 
 class TokenDataset:
@@ -357,8 +358,9 @@ def _parse_tokens_line(line: bytes, where: str) -> list[int]:
     except ValueError as e:
         raise DataError(f"{where}: malformed JSON ({e.args[0].split(':')[0]}); fix or remove the line") from None
     tokens = record.get("tokens") if isinstance(record, dict) else None
-    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) and t >= 0 for t in tokens):
-        raise DataError(f"{where}: 'tokens' must be a non-empty list of non-negative ints; fix or remove the line")
+    if not isinstance(tokens, list) or not tokens or not all(type(t) is int and 0 <= t < _MAX_ID for t in tokens):
+        raise DataError(f"{where}: 'tokens' must be a non-empty list of non-negative ints (token ids below 2**31); "
+                        "fix or remove the line")
     if "length" in record and record["length"] != len(tokens):
         raise DataError(
             f"{where}: 'length' is {record['length']} but 'tokens' has {len(tokens)}; fix the line"

@@ -282,6 +282,10 @@ def _special_tokens_beside(folder: Path) -> dict[str, str]:
             cfg = json.loads(f.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
             raise DataError(f"{f} is not valid JSON ({e}); fix or remove it") from None
+        except OSError as e:
+            from titan_npu.data.files import os_error
+
+            raise os_error(f, e) from None
         for key in ("bos_token", "eos_token", "pad_token"):
             value = cfg.get(key)
             if isinstance(value, dict):  # {"content": "<s>", "lstrip": false, ...}
@@ -315,16 +319,21 @@ def build_tokenizer(spec: str) -> Tokenizer:
     """'byte', a tokenizer.json, a tokenizer.model (SentencePiece or tiktoken format) or a directory holding one."""
     if spec in BYTE_TOKENIZER_NAMES:
         return ByteTokenizer()
+    from titan_npu.data.files import open_input, os_error
+
     path = Path(spec).expanduser()
     if path.is_dir():
         path = _find_in_dir(path)
-    if not path.is_file():
+    if not path.exists():
         raise DataError(
             f"tokenizer '{spec}' not found: use 'byte', a tokenizer.json / tokenizer.model file or a directory "
             "holding one"
         )
-    with open(path, "rb") as f:
-        first = f.read(64).lstrip()
+    with open_input(path, "point data.tokenizer (--tokenizer) at a regular tokenizer.json / tokenizer.model") as f:
+        try:
+            first = f.read(64).lstrip()
+        except OSError as e:
+            raise os_error(path, e) from None
     if path.suffix == ".json" or first.startswith(b"{"):
         return HFTokenizer(path)
     if _is_tiktoken_file(path):
