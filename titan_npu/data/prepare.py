@@ -319,7 +319,7 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
         leave(kept)
         resume = f"; the {kept} shard(s) finished are kept in {output}: re-run the same command to resume" \
             if kept else ""
-        raise os_error(e.filename or output, e, "write", _write_fix(e) + resume) from None
+        raise os_error(output, e, "write", _write_fix(e) + resume) from None
     except BaseException:
         if writer is not None:
             writer.abort()  # interrupted: finished shards and .progress.json stay for the resume
