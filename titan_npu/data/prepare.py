@@ -24,6 +24,7 @@ from titan_npu.data.progress import Progress
 from titan_npu.data.sources import BadRecords, DocumentReader, discover_inputs
 from titan_npu.data.tokenizer import Tokenizer, build_tokenizer
 from titan_npu.errors import DataError
+from titan_npu.outputs import refuse_protected
 
 CHUNK_CHARS = 1 << 20  # text per tokenisation task: large enough to amortise process hand-off
 CHUNK_DOCS = 4096
@@ -244,6 +245,7 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
     output = Path(output).expanduser()
     paths = discover_inputs(inputs)
     _refuse_overlap(output, [Path(i).expanduser() for i in inputs if Path(i).expanduser().exists()] + paths)
+    refuse_protected("--output", output, DataError, allow="prepared dataset")  # never into a checkpoint or dataset
     tok: Tokenizer = build_tokenizer(tokenizer)
     if tok.eos_id is None:
         raise DataError(f"tokenizer {tok.name} has no EOS token to separate documents; set eos_token in its config")

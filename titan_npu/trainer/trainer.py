@@ -57,6 +57,7 @@ from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline
 from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, mean_loss, plain_tensor
 from titan_npu.profiling import build_profiler
 from titan_npu.reliability import Reliability, prepare_reliability
+from titan_npu.reliability.dirs import mark_log_dir
 from titan_npu.reliability.fault_tolerance import ReplicaGroups, replica_paths
 from titan_npu.reliability.skip import step_unless, takes_device_flag
 from titan_npu.trainer.advice import speed_hints
@@ -206,6 +207,8 @@ class Trainer:
         ) if self.device.type == "cuda" and self.model_args.use_flash_attention else ""
         set_rope_fp32(cfg.model.rope_fp32)
         self.peak_flops = peak_flops(self.device, compute_dtype, cfg.metrics.peak_tflops, tf32=self.tf32)
+        if self.rank == 0:  # before any file of the run's goes there: which files of metrics.log_dir are the run's
+            mark_log_dir(Path(cfg.metrics.log_dir))
         self.metrics = MetricsLogger(cfg.metrics.log_dir, self.rank, tensorboard=cfg.metrics.tensorboard,
                                      wandb=cfg.metrics.wandb, run_config=config_to_dict(cfg))
         if self.rank == 0:
