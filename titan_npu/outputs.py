@@ -18,6 +18,7 @@ checkpoint and a prepared dataset are the ones checkpoint/storage.py and data/so
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import zipfile
@@ -47,8 +48,8 @@ def write_marker(folder: Path, command: str, files: Iterable[str], **extra: obje
                       {**extra, "format": f"titan-npu-{command}", "files": sorted(set(files))}, indent=2)
 
 
-def marker_files(folder: Path, command: str) -> set[str] | None:
-    """The names `command`'s marker in `folder` lists (the marker included), or None when it has none."""
+def read_marker(folder: Path, command: str) -> dict | None:
+    """`command`'s marker in `folder` (its "files" a list), or None when it has none."""
     try:
         marker = json.loads((folder / marker_name(command)).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -56,7 +57,24 @@ def marker_files(folder: Path, command: str) -> set[str] | None:
     if not isinstance(marker, dict) or marker.get("format") != f"titan-npu-{command}" or \
             not isinstance(marker.get("files"), list):
         return None
+    return marker
+
+
+def marker_files(folder: Path, command: str) -> set[str] | None:
+    """The names `command`'s marker in `folder` lists (the marker included), or None when it has none."""
+    marker = read_marker(folder, command)
+    if marker is None:
+        return None
     return {str(name) for name in marker["files"]} | {marker_name(command)}
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes (hex): whether a file is still as a command wrote it."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def is_checkpoint(folder: Path) -> bool:
@@ -198,13 +216,26 @@ def foreign_step_names(folder: Path) -> list[str]:
 
 
 def run_log_files_ours(folder: Path) -> Callable[[str], bool]:
-    """Which of RUN_LOG_FILES in a metrics.log_dir a training run wrote: those its marker lists, or all of them in
-    the log dir of a run from before markers (its run_info.json says so)."""
-    listed = marker_files(folder, "train") or set()
+    """Which of RUN_LOG_FILES in a metrics.log_dir a training run wrote: those its marker lists (a file whose
+    digest it recorded only while unchanged: a config.toml the user edited since is theirs), or all of them in the
+    log dir of a run from before markers (its run_info.json says so)."""
+    marker = read_marker(folder, "train")
+    listed = {str(n) for n in marker["files"]} if marker else set()
+    digests = marker.get("digests") if marker else None
+    digests = digests if isinstance(digests, dict) else {}
     try:
         info = json.loads((folder / "run_info.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         info = None
-    if isinstance(info, dict) and {"tokens_per_step", "layout", "flops_per_token"} <= info.keys():
-        listed |= set(RUN_LOG_FILES)
-    return lambda name: name in listed
+    if marker is None and isinstance(info, dict) and {"tokens_per_step", "layout", "flops_per_token"} <= info.keys():
+        listed = set(RUN_LOG_FILES)
+
+    def ours(name: str) -> bool:
+        if name not in listed:
+            return False
+        try:
+            return name not in digests or file_digest(folder / name) == digests[name]
+        except OSError:
+            return False
+
+    return ours

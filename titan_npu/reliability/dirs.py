@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from titan_npu import outputs
+from titan_npu.config.loader import save_config
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import ConfigError
 
@@ -52,6 +53,9 @@ def check_output_contents(cfg: JobConfig) -> None:
     check_log_dir(Path(cfg.metrics.log_dir))
     if cfg.checkpoint.enable:
         check_checkpoint_dir(Path(cfg.checkpoint.dir))
+    if cfg.profiling.enable:
+        outputs.refuse_protected("profiling.trace_dir =", Path(cfg.profiling.trace_dir), ConfigError,
+                                 fix="pass --profiling.trace_dir a folder outside it")
 
 
 def check_log_dir(log_dir: Path) -> None:
@@ -62,10 +66,15 @@ def check_log_dir(log_dir: Path) -> None:
                                  f"move it away or pass --metrics.log_dir another folder, e.g. {log_dir / 'logs'}")
 
 
-def mark_log_dir(log_dir: Path) -> None:
-    """Rank 0, before the run writes there: the files of metrics.log_dir that are the run's (check_log_dir)."""
+def start_log_dir(cfg: JobConfig) -> None:
+    """Rank 0, before the run writes anything else there: mark which files of metrics.log_dir are the run's
+    (check_log_dir), then write the resolved config.toml, recording its digest (edited later, it is the user's)."""
+    log_dir = Path(cfg.metrics.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     outputs.write_marker(log_dir, "train", outputs.RUN_LOG_FILES)
+    save_config(cfg, log_dir / "config.toml")
+    outputs.write_marker(log_dir, "train", outputs.RUN_LOG_FILES,
+                         digests={"config.toml": outputs.file_digest(log_dir / "config.toml")})
 
 
 def check_checkpoint_dir(root: Path) -> None:
