@@ -135,7 +135,7 @@ def refuse_protected(flag: str, path: Path, error: type[TitanError], fix: str | 
     raise error(f"{flag} {path} {relation} the {what} {folder}; {fix}")
 
 
-def _shown(folder: Path, names: list[str]) -> str:
+def shown(folder: Path, names: list[str]) -> str:
     """Up to three of `names`, checkpoints, prepared datasets and exports first and named as such."""
     kinds = {n: kind_of(folder / n) or "" for n in names}
     listed = sorted(names, key=lambda n: (not kinds[n], kinds[n], n))[:3]
@@ -165,7 +165,7 @@ def check_folder_output(flag: str, output: Path, command: str, overwrite: bool, 
     theirs = sorted(p.name for p in output.iterdir() if ours is None or p.name not in ours)
     if theirs:
         what = f"is not an earlier {label}" if ours is None else f"holds files an earlier {label} did not write"
-        raise error(f"{flag} {output} {what}; --overwrite would delete {_shown(output, theirs)}: move them away or "
+        raise error(f"{flag} {output} {what}; --overwrite would delete {shown(output, theirs)}: move them away or "
                     "choose another path")
 
 

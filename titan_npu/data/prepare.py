@@ -24,7 +24,7 @@ from titan_npu.data.progress import Progress
 from titan_npu.data.sources import BadRecords, DocumentReader, discover_inputs
 from titan_npu.data.tokenizer import Tokenizer, build_tokenizer
 from titan_npu.errors import DataError
-from titan_npu.outputs import refuse_protected
+from titan_npu.outputs import refuse_protected, shown
 
 CHUNK_CHARS = 1 << 20  # text per tokenisation task: large enough to amortise process hand-off
 CHUNK_DOCS = 4096
@@ -204,8 +204,10 @@ def _check_output(output: Path, settings: dict, sources: list[dict]) -> tuple[st
             f"--output {output} holds an unfinished run of other inputs or settings (inputs changed since?); "
             "delete that folder or choose a new --output"
         )
-    if any(output.iterdir()):
-        raise DataError(f"--output {output} is not empty and not a prepare-data output; choose a new or empty folder")
+    theirs = sorted(p.name for p in output.iterdir())
+    if theirs:
+        raise DataError(f"--output {output} is not empty and not a prepare-data output (it holds "
+                        f"{shown(output, theirs)}); choose a new or empty folder")
     return "new", None
 
 

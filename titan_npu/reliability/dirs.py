@@ -83,5 +83,5 @@ def check_checkpoint_dir(root: Path) -> None:
     foreign = outputs.foreign_step_names(root)
     if foreign:
         step = foreign[0].removeprefix("step-")
-        raise ConfigError(f"checkpoint.dir = {root} holds {foreign[0]}, which is not a checkpoint and the save of "
-                          f"step {step} would replace; move it away or pass --checkpoint.dir another folder")
+        raise ConfigError(f"checkpoint.dir = {root} holds {foreign[0]}, which is not a checkpoint: the save of step "
+                          f"{step} would replace it; move it away or pass --checkpoint.dir another folder")
