@@ -164,6 +164,14 @@ def test_init_weights_overwrite_replaces_its_own_seed_checkpoint_but_not_files_a
     assert "holds files an earlier seed checkpoint did not write; --overwrite would delete README.md" in line, line
 
 
+def test_init_weights_never_removes_a_folder_in_the_way_of_its_temporary_name(world, capsys, tmp_path):
+    (tmp_path / "seed.tmp").mkdir()
+    (tmp_path / "seed.tmp" / "notes.txt").write_text("mine")
+    line = _refused(capsys, ["init-weights", "--config", str(world / "T.toml"), "--output", str(tmp_path / "seed")],
+                    tmp_path)
+    assert "seed.tmp, where init-weights writes first, holds files it did not write" in line, line
+
+
 def test_import_never_writes_into_a_checkpoint(world, capsys, tmp_path):
     ckcopy = tmp_path / "ckcopy"
     shutil.copytree(world / "run" / "ckpt", ckcopy)

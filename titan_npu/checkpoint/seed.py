@@ -48,6 +48,10 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | Path, overwrite: bool =
     # checkpoint, a run's checkpoint.dir or a folder of the user's files.
     outputs.check_folder_output("--output", output, SEED_COMMAND, overwrite, CheckpointError, "seed checkpoint",
                                 allow="checkpoint")
+    tmp = output.parent / f"{output.name}{storage.TMP_SUFFIX}"  # written first; only an unfinished seed is removed
+    if (tmp.exists() or tmp.is_symlink()) and outputs.read_marker(tmp, SEED_COMMAND) is None:
+        raise CheckpointError(f"--output {output}: {tmp}, where init-weights writes first, holds files it did not "
+                              "write; move it away or choose another path")
     device = setup_device(cfg.parallel.backend)
     rank, world_size = init_process_group(device, cfg.comm)
     try:
@@ -61,10 +65,10 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | Path, overwrite: bool =
         state = {}
         for part in parts:
             state.update(get_model_state_dict(part))
-        tmp = output.parent / f"{output.name}{storage.TMP_SUFFIX}"
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
+            outputs.write_marker(tmp, SEED_COMMAND, [])  # an interrupted write is ours to remove
             save_config(cfg, tmp / storage.CONFIG_FILE)
         if world_size > 1:
             dist.barrier()
