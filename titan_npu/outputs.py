@@ -13,7 +13,7 @@
 
 Imports only the standard library (and the project's errors): any module may use it. The names that recognise a
 checkpoint and a prepared dataset are the ones checkpoint/storage.py and data/sources.py write
-(tests/structure/test_outputs_names.py holds them equal).
+(tests/reliability/test_bad_inputs_outputs.py holds them equal).
 """
 
 from __future__ import annotations
