@@ -582,7 +582,7 @@ COMMANDS = [
             "DataError", r"--out .*mine holds a report.md that titan-npu report did not write; move it away",
             _both(_run_copy, _folder_of_mine, _write("mine/report.md", "# my own notes\n"))),
     Command("report-out-inside-a-checkpoint", ["report", "{d}/logs", "--out", "{d}/ckpt/step-2", "--no-plots"],
-            "DataError", r"--out .*step-2 lies inside the checkpoint .*step-2; write the report elsewhere", _run_copy),
+            "DataError", r"--out .*step-2 is the checkpoint .*step-2; write the report elsewhere", _run_copy),
     # the dispatcher
     Command("unknown-command", ["exprot", "--checkpoint", "{d}"], "titan-npu",
             r"unknown command 'exprot' \(did you mean 'export'\?\)"),

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from titan_npu import outputs
 from titan_npu.atomic import atomic_dir, atomic_path
 from titan_npu.checkpoint import storage
 from titan_npu.checkpoint.dcp_io import load_tensors, read_metadata, tensor_entries
@@ -31,8 +32,7 @@ log = logging.getLogger("titan_npu")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-EXPORT_MARKER = ".titan-export.json"  # in a Hugging Face export: the files it wrote (what --overwrite may replace)
-EXPORT_FORMAT = "titan-npu-export"
+EXPORT_MARKER = outputs.marker_name("export")  # in a Hugging Face export: its files (what --overwrite may replace)
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -155,7 +155,7 @@ def export_checkpoint(
     args = checkpoint_model_args(source, info)
     extra = tokenizer_files(info.get("tokenizer") if tokenizer is None else tokenizer)
     output.parent.mkdir(parents=True, exist_ok=True)
-    marker = {"format": EXPORT_FORMAT, "checkpoint": str(source.resolve()), "step": info["step"]}
+    marker = {"checkpoint": str(source.resolve()), "step": info["step"]}
     return _export_hf(source, metadata, model, output, dtype, args, max_shard_bytes, extra, marker)
 
 
@@ -179,55 +179,18 @@ def refuse_overlap(flag: str, output: Path, what: str, source: Path) -> None:
         raise CheckpointError(f"{flag} {output} {relation} the {what} {source}; {fix}")
 
 
-def _checkpoint_at(path: Path) -> tuple[str, Path] | None:
-    """('is' | 'lies inside', the checkpoint directory) when `path` is a checkpoint or lies inside one."""
-    resolved = path.resolve()
-    for folder in (resolved, *resolved.parents):
-        if (folder / storage.DCP_METADATA).is_file() or (folder / storage.INFO_FILE).is_file():
-            return ("is" if folder == resolved else "lies inside"), folder
-    return None
-
-
-def export_marker_files(folder: Path) -> set[str] | None:
-    """The names an earlier Hugging Face export wrote into `folder` (its marker's list), or None if not one."""
-    try:
-        marker = json.loads((folder / EXPORT_MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(marker, dict) or marker.get("format") != EXPORT_FORMAT or not isinstance(marker.get("files"),
-                                                                                                list):
-        return None
-    return {str(name) for name in marker["files"]} | {EXPORT_MARKER}
-
-
 def check_output(source: Path, output: Path, fmt: str, overwrite: bool) -> None:
-    """Refuse an --output whose writing would destroy something: the checkpoint itself (or a folder holding it),
-    any checkpoint's files, or with --overwrite a folder that is not an earlier export."""
+    """Refuse an --output whose writing would destroy something (outputs.py's rule): the checkpoint itself (or a
+    folder holding it), any checkpoint's or prepared dataset's files, or with --overwrite what is not an earlier
+    export."""
     refuse_overlap("--output", output, "checkpoint", source)
-    found = _checkpoint_at(output)
-    if found is not None:
-        relation, checkpoint = found
-        raise CheckpointError(f"--output {output} {relation} the checkpoint {checkpoint}; "
-                              + ("choose another path" if relation == "is" else "write to a path outside it"))
-    if not output.exists() and not output.is_symlink():
-        return
-    if not overwrite:
-        raise CheckpointError(f"--output {output} already exists; remove it, choose another path or pass --overwrite")
     if fmt == "pt":
-        if output.is_dir():
-            raise CheckpointError(f"--output {output} is a folder; --format pt writes one file: name a file such as "
+        outputs.check_file_output("--output", output, overwrite, CheckpointError, "export",
+                                  f"is a folder; --format pt writes one file: name a file such as "
                                   f"{output / 'model.pt'}")
-        return
-    if not output.is_dir():
-        raise CheckpointError(f"--output {output} is a file; --format hf writes a folder: remove the file or choose "
-                              "another path")
-    ours = export_marker_files(output)
-    theirs = sorted(p.name for p in output.iterdir() if ours is None or p.name not in ours)
-    if theirs:
-        what = "is not an earlier export" if ours is None else "holds files an earlier export did not write"
-        shown = ", ".join(theirs[:3]) + (f" and {len(theirs) - 3} more" if len(theirs) > 3 else "")
-        raise CheckpointError(f"--output {output} {what}; --overwrite would delete {shown}: move them away or "
-                              "choose another path")
+    else:
+        outputs.check_folder_output("--output", output, "export", overwrite, CheckpointError, "export",
+                                    allow="export")
 
 
 def current_umask() -> int:
@@ -293,5 +256,5 @@ def _export_hf(source: Path, metadata, model: dict, output: Path, dtype: torch.d
         files = sorted(p.name for p in tmp.iterdir())
         for name in files:  # safetensors and mkstemp-style writers make 0600: the team must be able to read them
             os.chmod(tmp / name, 0o666 & ~current_umask())
-        (tmp / EXPORT_MARKER).write_text(json.dumps({**marker, "files": files}, indent=2))  # opened with the umask
+        outputs.write_marker(tmp, "export", files, **marker)
     return [output / name for name in files]

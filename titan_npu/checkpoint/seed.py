@@ -19,11 +19,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from titan_npu import outputs
 from titan_npu.checkpoint import storage
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import CheckpointError
 
 log = logging.getLogger("titan_npu")
+
+SEED_COMMAND = "init-weights"  # the command whose marker a seed checkpoint carries
 
 
 def create_seed_checkpoint(cfg: JobConfig, output: str | Path, overwrite: bool = False) -> int:
@@ -41,8 +44,14 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | Path, overwrite: bool =
     from titan_npu.parallel.parallelize import build_model_parts
 
     output = Path(output)
-    if output.exists() and not overwrite:
-        raise CheckpointError(f"--output {output} already exists; remove it, choose another path or pass --overwrite")
+    # Replaces only an earlier seed checkpoint holding nothing else (its marker lists its files), never a training
+    # checkpoint, a run's checkpoint.dir or a folder of the user's files.
+    outputs.check_folder_output("--output", output, SEED_COMMAND, overwrite, CheckpointError, "seed checkpoint",
+                                allow="checkpoint")
+    tmp = output.parent / f"{output.name}{storage.TMP_SUFFIX}"  # written first; only an unfinished seed is removed
+    if (tmp.exists() or tmp.is_symlink()) and outputs.read_marker(tmp, SEED_COMMAND) is None:
+        raise CheckpointError(f"--output {output}: {tmp}, where init-weights writes first, holds files it did not "
+                              "write; move it away or choose another path")
     device = setup_device(cfg.parallel.backend)
     rank, world_size = init_process_group(device, cfg.comm)
     try:
@@ -56,10 +65,10 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | Path, overwrite: bool =
         state = {}
         for part in parts:
             state.update(get_model_state_dict(part))
-        tmp = output.parent / f"{output.name}{storage.TMP_SUFFIX}"
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
+            outputs.write_marker(tmp, SEED_COMMAND, [])  # an interrupted write is ours to remove
             save_config(cfg, tmp / storage.CONFIG_FILE)
         if world_size > 1:
             dist.barrier()
@@ -79,6 +88,8 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | Path, overwrite: bool =
                 "export_dtype": cfg.checkpoint.export_dtype,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
+            # the marker lists checkpoint.json too, which publish writes next
+            outputs.write_marker(tmp, SEED_COMMAND, [p.name for p in tmp.iterdir()] + [storage.INFO_FILE])
             if output.exists():
                 storage.remove_checkpoint(output)
             storage.publish(tmp, output, info)

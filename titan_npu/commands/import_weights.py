@@ -9,6 +9,7 @@ from pathlib import Path
 from titan_npu.atomic import atomic_path
 from titan_npu.commands.parsing import CommandParser, parse
 from titan_npu.errors import CheckpointError
+from titan_npu.outputs import check_file_output
 
 
 def build_parser() -> CommandParser:
@@ -83,10 +84,8 @@ def main(argv: list[str]) -> int:
 
     output = Path(args.output)
     refuse_overlap("--output", output, "input", Path(args.input))
-    if output.exists() and not args.overwrite:
-        raise CheckpointError(f"--output {output} already exists; remove it, choose another path or pass --overwrite")
-    if output.is_dir():
-        raise CheckpointError(f"--output {output} is a directory; give a file name such as model.pt")
+    check_file_output("--output", output, args.overwrite, CheckpointError, "weights file",
+                      "is a directory; give a file name such as model.pt")
     weights = read_weights(args.input, None if args.dtype == "keep" else DTYPES[args.dtype])
     output.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(output) as tmp:

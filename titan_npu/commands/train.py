@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
         return 0
     if args.dry_run:
         from titan_npu.planner import dry_run
+        from titan_npu.reliability.dirs import check_output_contents
+
+        check_output_contents(cfg)  # the refusals the run would give its folders
 
         world = args.world_size or (int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
         return dry_run.run(cfg, world, args.rank, args.device_type)

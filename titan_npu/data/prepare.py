@@ -34,6 +34,7 @@ from titan_npu.data.progress import Progress
 from titan_npu.data.sources import BadRecords, DocumentReader, discover_inputs
 from titan_npu.data.tokenizer import Tokenizer, build_tokenizer
 from titan_npu.errors import DataError
+from titan_npu.outputs import refuse_protected, shown
 
 CHUNK_CHARS = 1 << 20  # text per tokenisation task: large enough to amortise process hand-off
 CHUNK_DOCS = 4096
@@ -217,8 +218,10 @@ def _check_output(output: Path, settings: dict, sources: list[dict]) -> tuple[st
             f"--output {output} holds an unfinished run of other inputs or settings (inputs changed since?); "
             "delete that folder or choose a new --output"
         )
-    if any(output.iterdir()):
-        raise DataError(f"--output {output} is not empty and not a prepare-data output; choose a new or empty folder")
+    theirs = sorted(p.name for p in output.iterdir())
+    if theirs:
+        raise DataError(f"--output {output} is not empty and not a prepare-data output (it holds "
+                        f"{shown(output, theirs)}); choose a new or empty folder")
     return "new", None
 
 
@@ -258,6 +261,7 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
     output = Path(output).expanduser()
     paths = discover_inputs(inputs)
     _refuse_overlap(output, [Path(i).expanduser() for i in inputs if Path(i).expanduser().exists()] + paths)
+    refuse_protected("--output", output, DataError, allow="prepared dataset")  # never into a checkpoint or dataset
     tok: Tokenizer = build_tokenizer(tokenizer)
     if tok.eos_id is None:
         raise DataError(f"tokenizer {tok.name} has no EOS token to separate documents; set eos_token in its config")

@@ -18,6 +18,7 @@ from titan_npu.metrics.markdown import REPORT_HEADING, render_markdown
 from titan_npu.metrics.plots import plot_report, require_matplotlib
 from titan_npu.metrics.run_info import read_run_info
 from titan_npu.metrics.run_metrics import read_metrics
+from titan_npu.outputs import protected_at, run_log_files_ours
 
 log = logging.getLogger("titan_npu")
 
@@ -41,9 +42,9 @@ def check_report_dir(out: Path) -> None:
     named like the folder, a report.md written by someone else, or a checkpoint's files."""
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} is a file; name a folder for report.md and report.png")
-    for folder in (out.resolve(), *out.resolve().parents):
-        if (folder / ".metadata").is_file() or (folder / "checkpoint.json").is_file():
-            raise DataError(f"--out {out} lies inside the checkpoint {folder}; write the report elsewhere")
+    found = protected_at(out)
+    if found is not None:
+        raise DataError(f"--out {out} {found[0]} the {found[1]} {found[2]}; write the report elsewhere")
     md = out / "report.md"
     if md.is_file():
         with open(md, encoding="utf-8", errors="replace") as f:
@@ -51,6 +52,10 @@ def check_report_dir(out: Path) -> None:
         if not ours:
             raise DataError(f"--out {out} holds a report.md that titan-npu report did not write; move it away or "
                             "choose another --out")
+    elif (out / "report.png").exists() and not run_log_files_ours(out)("report.png"):
+        # report.png is ours beside our report.md, or in a run's log dir
+        raise DataError(f"--out {out} holds a report.png that titan-npu report did not write; move it away or "
+                        "choose another --out")
 
 
 def write_report(log_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,

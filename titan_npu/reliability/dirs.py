@@ -1,10 +1,17 @@
-"""Folders a run writes to (checkpoint.dir, metrics.log_dir): checked before anything is built, nothing created."""
+"""Folders a run writes to (checkpoint.dir, metrics.log_dir): checked before anything is built, nothing created.
+
+Beyond being writable, neither may be or lie inside a checkpoint, a prepared dataset or an export, and the run never
+replaces a file it did not write (outputs.py's rule): in metrics.log_dir the files of the names it writes
+(config.toml, metrics.jsonl, ...) are the run's only where its marker (or an earlier run's run_info.json) says so.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from titan_npu import outputs
+from titan_npu.config.loader import save_config
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import ConfigError
 
@@ -32,3 +39,49 @@ def check_output_folders(cfg: JobConfig) -> None:
         if problem:
             raise ConfigError(f"{key} = {path} cannot be created or written: {problem}; "
                               f"pass --{key} a folder this user can create or write")
+    check_output_contents(cfg)
+
+
+def check_output_contents(cfg: JobConfig) -> None:
+    """ConfigError when the run would write into a checkpoint, a prepared dataset or an export, or replace a file
+    it did not write (also what a dry run checks: it reads the folders, whether or not this machine can write)."""
+    folders = [("metrics.log_dir", cfg.metrics.log_dir)]
+    if cfg.checkpoint.enable:
+        folders.insert(0, ("checkpoint.dir", cfg.checkpoint.dir))
+    for key, path in folders:
+        outputs.refuse_protected(f"{key} =", Path(path), ConfigError, fix=f"pass --{key} a folder outside it")
+    check_log_dir(Path(cfg.metrics.log_dir))
+    if cfg.checkpoint.enable:
+        check_checkpoint_dir(Path(cfg.checkpoint.dir))
+    if cfg.profiling.enable:
+        outputs.refuse_protected("profiling.trace_dir =", Path(cfg.profiling.trace_dir), ConfigError,
+                                 fix="pass --profiling.trace_dir a folder outside it")
+
+
+def check_log_dir(log_dir: Path) -> None:
+    """ConfigError when the files a run writes into metrics.log_dir would replace ones it did not write (a config
+    the user keeps there, their own metrics.jsonl): the log dir of an earlier run, resumed or not, is the run's."""
+    outputs.refuse_foreign_names("metrics.log_dir =", log_dir, outputs.RUN_LOG_FILES,
+                                 outputs.run_log_files_ours(log_dir), ConfigError, "a training run",
+                                 f"move it away or pass --metrics.log_dir another folder, e.g. {log_dir / 'logs'}")
+
+
+def start_log_dir(cfg: JobConfig) -> None:
+    """Rank 0, before the run writes anything else there: mark which files of metrics.log_dir are the run's
+    (check_log_dir), then write the resolved config.toml, recording its digest (edited later, it is the user's)."""
+    log_dir = Path(cfg.metrics.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    outputs.write_marker(log_dir, "train", outputs.RUN_LOG_FILES)
+    save_config(cfg, log_dir / "config.toml")
+    outputs.write_marker(log_dir, "train", outputs.RUN_LOG_FILES,
+                         digests={"config.toml": outputs.file_digest(log_dir / "config.toml")})
+
+
+def check_checkpoint_dir(root: Path) -> None:
+    """ConfigError when checkpoint.dir holds an entry named like a checkpoint (step-N) that is not one: a save of
+    that step would replace it."""
+    foreign = outputs.foreign_step_names(root)
+    if foreign:
+        step = foreign[0].removeprefix("step-")
+        raise ConfigError(f"checkpoint.dir = {root} holds {foreign[0]}, which is not a checkpoint: the save of step "
+                          f"{step} would replace it; move it away or pass --checkpoint.dir another folder")

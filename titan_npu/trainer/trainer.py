@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,7 +12,7 @@ import torch
 from titan_npu.checkpoint.live import live_state, load_live_state
 from titan_npu.checkpoint.manager import CheckpointManager
 from titan_npu.config import JobConfig
-from titan_npu.config.loader import config_to_dict, save_config
+from titan_npu.config.loader import config_to_dict
 from titan_npu.config.validate import check_seq_len
 from titan_npu.data import build_dataloader, build_tokenizer, check_vocab
 from titan_npu.device import (
@@ -57,6 +56,7 @@ from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline
 from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, mean_loss, plain_tensor
 from titan_npu.profiling import build_profiler
 from titan_npu.reliability import Reliability, prepare_reliability
+from titan_npu.reliability.dirs import start_log_dir
 from titan_npu.reliability.fault_tolerance import ReplicaGroups, replica_paths
 from titan_npu.reliability.skip import step_unless, takes_device_flag
 from titan_npu.trainer.advice import speed_hints
@@ -206,11 +206,11 @@ class Trainer:
         ) if self.device.type == "cuda" and self.model_args.use_flash_attention else ""
         set_rope_fp32(cfg.model.rope_fp32)
         self.peak_flops = peak_flops(self.device, compute_dtype, cfg.metrics.peak_tflops, tf32=self.tf32)
+        if self.rank == 0:  # the marker of the run's files in metrics.log_dir, and config.toml
+            start_log_dir(cfg)
         self.metrics = MetricsLogger(cfg.metrics.log_dir, self.rank, tensorboard=cfg.metrics.tensorboard,
                                      wandb=cfg.metrics.wandb, run_config=config_to_dict(cfg))
         if self.rank == 0:
-            Path(cfg.metrics.log_dir).mkdir(parents=True, exist_ok=True)
-            save_config(cfg, Path(cfg.metrics.log_dir) / "config.toml")
             write_run_info(cfg.metrics.log_dir, run_info(
                 self.model_args, self.dims.describe(), self.device, self.world_size, self.tokens_per_step,
                 self.flops_per_token, self.peak_flops, cfg.checkpoint.dir))
