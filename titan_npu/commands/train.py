@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
         cfg = load_config(args.config, overrides)
         if not args.print_config and not args.dry_run:
             check_before_process_group(cfg)
-    except TitanError as e:
+    except (TitanError, OSError) as e:
         e.same_on_every_rank = True  # found before any process group: every rank sees it, rank 0 says it
         raise
     if args.print_config:

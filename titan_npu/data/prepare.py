@@ -285,6 +285,11 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
         else:
             _remove_ours(output)
         raise
+    except OSError as e:  # no space, quota, I/O error: finished shards and .progress.json stay for the resume
+        writer.abort()
+        if e.filename is None and e.errno is not None:  # a write into the output: file objects do not say which
+            raise OSError(e.errno, e.strerror, str(output)) from e
+        raise
     except BaseException:
         writer.abort()  # interrupted: finished shards and .progress.json stay for the resume
         raise
