@@ -34,6 +34,7 @@ def _usage() -> str:
 
 EXIT_REFUSED = 2  # bad input refused (or a run halted) with one line saying why; see docs/reliability.md
 PEER_REPORT_WAIT_S = 60.0  # how long a silent rank waits for local rank 0 to have said the same refusal
+LOST_PEER_WAIT_S = 10.0  # how long a rank whose peer ended waits for torchrun to stop it (it polls every 0.1 s)
 
 
 def run_command(func, argv: list[str]) -> int:
@@ -55,6 +56,8 @@ def run_command(func, argv: list[str]) -> int:
         if debug:
             raise
         _report(f"{type(e).__name__}: {e}", getattr(e, "same_on_every_rank", False))
+        if getattr(e, "peer_lost", False):
+            _wait_to_be_stopped()
         return EXIT_REFUSED
     except OSError as e:  # a file the command read or wrote: no space, permission denied, read-only, ...
         if debug:
@@ -80,6 +83,16 @@ def _report(line: str, same_on_every_rank: bool) -> None:
     else:
         _record_for_torchrun(line)
         print(f"[rank{rank}] {line}", file=sys.stderr)
+
+
+def _wait_to_be_stopped() -> None:
+    """A rank that stops because a peer of its node ended: under torchrun, give the launcher (which stops every
+    worker once one has ended) the time to see that peer first, so that its summary names the lost rank as the root
+    cause, not this one."""
+    import time
+
+    if _env_flag("TORCHELASTIC_ERROR_FILE"):
+        time.sleep(LOST_PEER_WAIT_S)
 
 
 def _record_for_torchrun(line: str) -> None:

@@ -71,15 +71,24 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
         world = args.world_size or (int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
         return dry_run.run(cfg, world, args.rank, args.device_type)
 
+    from titan_npu.parallel.process_group import lost_rank_error
     from titan_npu.trainer import Trainer
 
-    trainer = Trainer(cfg)
+    trainer = None
     try:
+        trainer = Trainer(cfg)
         if setup is not None:
             setup(trainer)
         trainer.train()
+    except Exception as e:  # a peer rank that ended takes this one down: say which, not gloo's frames
+        where = f"at step {trainer.step}" if trainer is not None and trainer.step else "while the run started"
+        lost = lost_rank_error(e, where)
+        if lost is None:
+            raise
+        raise lost from e
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
     return 0
 
 
