@@ -54,6 +54,8 @@ def init_process_group(device: DeviceInfo, comm: CommConfig) -> tuple[int, int]:
         set_collective_timeout(dist.group.WORLD, comm.timeout_s)
     except Exception as e:
         lost = lost_rank_error(e, "before the process group formed")
+        if lost is None and isinstance(e, dist.DistStoreError):  # the store answered every rank: a peer is missing
+            lost = _stalled_peers_error(e, world_size, comm.init_timeout_s)
         raise lost or DeviceError(init_failure_message(e, **failure)) from e
     return dist.get_rank(), dist.get_world_size()
 
@@ -194,6 +196,19 @@ def lost_rank_error(error: BaseException, when: str) -> DeviceError | None:
     return DeviceError(
         f"a peer rank of {_world} stopped answering {when} ({detail}); its own output says why (killed, out of "
         "memory, or its node failed); with checkpoints the same command resumes from the last one"
+    )
+
+
+def _stalled_peers_error(error: dist.DistStoreError, world_size: int, timeout_s: float) -> DeviceError:
+    """One line for ranks that reached the job's store (wait_for_ranks) but never published their backend's address:
+    the store's timeout names the keys it waited for, each ending in the rank ("/0//cpu//0/1")."""
+    keys = re.search(r"keys: (.*)", str(error))
+    ranks = sorted({int(k) for k in re.findall(r"/(\d+)\s*(?:,|\]|$)", keys.group(1))}) if keys else []
+    which = f"rank(s) {', '.join(map(str, ranks))}" if ranks else "a peer rank"
+    return DeviceError(
+        f"{which} of {world_size} reached the job's store but did not join the process group within "
+        f"comm.init_timeout_s={timeout_s:g}s: ended or stuck while starting (its output says why); if only slow to "
+        "start, raise comm.init_timeout_s"
     )
 
 
