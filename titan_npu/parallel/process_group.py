@@ -56,6 +56,7 @@ def init_process_group(device: DeviceInfo, comm: CommConfig) -> tuple[int, int]:
         lost = lost_rank_error(e, "before the process group formed")
         if lost is None and isinstance(e, dist.DistStoreError):  # the store answered every rank: a peer is missing
             lost = _stalled_peers_error(e, world_size, comm.init_timeout_s)
+        _forget_peers()
         raise lost or DeviceError(init_failure_message(e, **failure)) from e
     return dist.get_rank(), dist.get_world_size()
 
@@ -138,6 +139,12 @@ def _remember_node_peers(store: dist.Store, rank: int, world_size: int) -> None:
             _node_peers[r] = int(pid)
 
 
+def _forget_peers() -> None:
+    global _world
+    _world = 1
+    _node_peers.clear()
+
+
 def _process_ended(pid: int) -> bool:
     """Whether the process `pid` has ended (gone, or a zombie its launcher has not reaped yet)."""
     try:
@@ -179,7 +186,9 @@ def lost_rank_error(error: BaseException, when: str) -> DeviceError | None:
         return None
     text = str(error)
     gone = any(s in text.lower() for s in _PEER_GONE)
-    ended = lost_ranks(LOST_RANK_WAIT_S if gone else 0.0)
+    if not (gone or isinstance(error, dist.DistError)):
+        return None  # this rank's own error (a file, a bug): said as it is, even if a peer ended meanwhile
+    ended = lost_ranks(LOST_RANK_WAIT_S)
     if ended:
         which = f"rank {ended[0]}" if len(ended) == 1 else f"ranks {', '.join(map(str, ended))}"
         lost = DeviceError(
@@ -230,6 +239,7 @@ def set_collective_timeout(group: dist.ProcessGroup, seconds: float) -> None:
 
 def destroy_process_group() -> None:
     """Leave the process group if one was joined."""
+    _forget_peers()
     if dist.is_initialized():
         dist.destroy_process_group()
 
