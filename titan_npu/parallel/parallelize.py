@@ -97,8 +97,9 @@ def check_fits(model: nn.Module, device: torch.device) -> None:
 
 def _too_large(model: nn.Module, device: torch.device, why: str) -> str:
     params = sum(p.numel() for p in model.parameters())
+    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
     offload = "" if device.type == "cpu" else " or offload it to the host (parallel.cpu_offload)"
-    return (f"the model is too large for this rank's {device.type} memory: {params / 1e9:.2f}B parameters, "
+    return (f"the model is too large for this rank's {device.type} memory: {size} parameters, "
             f"{local_bytes(model) / GB:.1f} GB of weights on this rank alone, and {why}; choose a smaller model "
             f"(model.flavor, model.dim, model.n_layers), shard it over more ranks (parallel.dp_shard, tp, pp)"
             f"{offload}, and check the whole run's memory with `titan-npu plan`")
