@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
         if setup is not None:
             setup(trainer)
         trainer.train()
-    except Exception as e:  # a peer rank that ended takes this one down: say which, not gloo's frames
+    except BaseException as e:  # a peer rank that ended takes this one down (also inside a DCP save): say which
         where = f"at step {trainer.step}" if trainer is not None and trainer.step else "while the run started"
         lost = lost_rank_error(e, where)
         if lost is None:
