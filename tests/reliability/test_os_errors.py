@@ -121,13 +121,14 @@ def test_prepare_data_on_an_unreadable_folder_names_it(tmp_path, capsys, monkeyp
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("code, words", [
-    (errno.EACCES, "check its permissions"),
-    (errno.EIO, "check the device"),
-    (errno.EMFILE, "ulimit -n"),
+@pytest.mark.parametrize("code, words, workers", [
+    (errno.EACCES, "check its permissions", 0),
+    (errno.EACCES, "check its permissions", 1),  # raised in a loader worker, re-raised in the run as text
+    (errno.EIO, "check the device", 0),
+    (errno.EMFILE, "ulimit -n", 0),
 ])
 def test_a_training_shard_that_cannot_be_read_mid_run_ends_the_run_in_one_line(tmp_path, capsys, monkeypatch,
-                                                                               code, words):
+                                                                               code, words, workers):
     from titan_npu.cli import run_command
     from titan_npu.commands.train import main as train_main
 
@@ -138,7 +139,7 @@ def test_a_training_shard_that_cannot_be_read_mid_run_ends_the_run_in_one_line(t
     def deny_shards(trainer) -> None:  # the run has started: its index and documents are read, the shards not yet
         _fail_open(monkeypatch, lambda p: p.endswith(".bin"), code)
 
-    args = tiny_args(tmp_path, training__max_steps=2, data__path=tmp_path / "shards")
+    args = tiny_args(tmp_path, training__max_steps=2, data__path=tmp_path / "shards", data__num_workers=workers)
     assert run_command(lambda argv: train_main(argv, setup=deny_shards), args) == 2
     line = _one_line(capsys)
     assert os.strerror(code) in line and str(tmp_path / "shards") in line and words in line, line
@@ -200,3 +201,18 @@ def test_the_real_commands_say_an_os_error_in_one_line(trained, tmp_path):
                            cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert train.returncode == 2 and "Traceback" not in train.stderr, train.stderr[-3000:]
     assert str(tmp_path / "a_file") in train.stderr.strip().splitlines()[-1]
+
+
+def test_an_os_error_re_raised_as_text_is_still_said_with_its_file_and_fix():
+    from titan_npu.os_errors import describe_os_error
+
+    # What torch's DataLoader re-raises in the main process for an error in a worker: the type, a message only.
+    worker = PermissionError("Caught PermissionError in DataLoader worker process 0.\nOriginal Traceback (most "
+                             "recent call last):\n  File \"x.py\", line 1, in f\nPermissionError: [Errno 13] "
+                             "Permission denied: '/data/shard_00001.bin'\n")
+    assert describe_os_error(worker) == ("Permission denied (EACCES): /data/shard_00001.bin; check its permissions "
+                                         "and owner (ls -l), or choose another folder")
+    assert describe_os_error(OSError("8192 requested and 0 written")) == (
+        "8192 requested and 0 written; check the path, its permissions and the filesystem")
+    assert describe_os_error(OSError(errno.EXDEV, os.strerror(errno.EXDEV), "/a", "/b")).startswith(
+        "Invalid cross-device link (EXDEV): /a -> /b; ")
