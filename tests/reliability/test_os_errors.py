@@ -214,5 +214,5 @@ def test_an_os_error_re_raised_as_text_is_still_said_with_its_file_and_fix():
                                          "and owner (ls -l), or choose another folder")
     assert describe_os_error(OSError("8192 requested and 0 written")) == (
         "8192 requested and 0 written; check the path, its permissions and the filesystem")
-    assert describe_os_error(OSError(errno.EXDEV, os.strerror(errno.EXDEV), "/a", "/b")).startswith(
+    assert describe_os_error(OSError(errno.EXDEV, os.strerror(errno.EXDEV), "/a", None, "/b")).startswith(
         "Invalid cross-device link (EXDEV): /a -> /b; ")
