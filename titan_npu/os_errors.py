@@ -32,6 +32,7 @@ _FIX = {
     errno.ENOMEM: "the system is out of memory: free memory, or use fewer data workers / a smaller batch",
     errno.EFBIG: "the file is larger than the filesystem allows: choose another filesystem or smaller shards",
     errno.ESTALE: "the network filesystem's handle went stale: remount it or retry",
+    errno.EPIPE: "what read this command's output stopped reading it (a pipe into head?)",
 }
 _DEFAULT_FIX = "check the path, its permissions and the filesystem"
 # `RuntimeError: ... [Errno 13] Permission denied: '/x'` as a worker process re-raises it (DataLoader) or as a
