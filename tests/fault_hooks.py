@@ -8,6 +8,8 @@ environment variables through tests/train_with_faults.py:
     TITAN_FAULT_SIGNAL_AT_STEP=k        SIGTERM to itself at the start of step k (the preemption path)
     TITAN_FAULT_HANG_AT_STEP=k          stop answering at the start of step k (sleep for an hour)
     TITAN_FAULT_KILL_IN_SAVE_AT_STEP=k  SIGKILL while step k's checkpoint is being written
+    TITAN_FAULT_OSERROR_AT_STEP=k       at the start of step k, a PermissionError on a data shard (as the kernel
+                                        raises it when a shard's permissions change under a run)
     TITAN_FAULT_RANK=r                  only rank r misbehaves (default: every rank)
     TITAN_FAULT_WAIT_AT_STEP=k          at the start of step k, wait until the file TITAN_FAULT_WAIT_FOR exists
                                         (a test holds a replica group there while it restarts a peer)
@@ -23,6 +25,7 @@ like a bad batch that is bad each time it is read.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -33,7 +36,7 @@ from typing import Any
 import torch
 
 ENV_PREFIX = "TITAN_FAULT_"
-_KINDS = ("NAN", "KILL", "SIGNAL", "HANG", "KILL_IN_SAVE")
+_KINDS = ("NAN", "KILL", "SIGNAL", "HANG", "KILL_IN_SAVE", "OSERROR")
 
 
 def _step_from_env(env: Mapping[str, str], name: str) -> int:
@@ -56,6 +59,7 @@ class Faults:
     wait_for: str = ""
     no_heal: bool = False
     start_when: str = ""
+    oserror_at: int = 0
 
     @classmethod
     def from_env(cls, rank: int, env: Mapping[str, str] = os.environ) -> Faults:
@@ -69,7 +73,7 @@ class Faults:
             return cls(nan_at=steps["NAN"], no_heal=no_heal)
         return cls(steps["NAN"], steps["KILL"], steps["SIGNAL"], steps["HANG"], steps["KILL_IN_SAVE"],
                    _step_from_env(env, f"{ENV_PREFIX}WAIT_AT_STEP"), env.get(f"{ENV_PREFIX}WAIT_FOR", ""), no_heal,
-                   env.get(f"{ENV_PREFIX}START_WHEN", ""))
+                   env.get(f"{ENV_PREFIX}START_WHEN", ""), steps["OSERROR"])
 
     def install(self, trainer: Any) -> None:
         """Hook the faults into `trainer` (a titan_npu Trainer, before train())."""
@@ -92,6 +96,8 @@ class Faults:
             time.sleep(3600)
         if step == self.wait_at:
             _wait_for_file(self.wait_for)
+        if step == self.oserror_at:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), "/data/shards/shard_00003.bin")
 
     def corrupt_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """The loss, or NaN with the same graph at the step asked for (its gradients become NaN too)."""

@@ -9,6 +9,7 @@ umask gives any file the user writes. Imports only the standard library: any mod
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -31,6 +32,8 @@ def _beside(target: Path, suffix: str, create: Callable[[Path], None]) -> Path:
             create(candidate)
         except FileExistsError:
             continue
+        except OSError as e:  # no space, read-only, permission denied: said of the target, not the hidden name
+            raise OSError(e.errno, e.strerror, str(target)) from e
         return candidate
     raise FileExistsError(f"no free temporary name beside {target} after {_ATTEMPTS} tries; "
                           f"remove the stale .{target.name}.*{suffix} entries there")
@@ -38,6 +41,39 @@ def _beside(target: Path, suffix: str, create: Callable[[Path], None]) -> Path:
 
 def _create_file(path: Path) -> None:
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # mode 0o666 & ~umask, as open() gives
+
+
+LOW_SPACE_BYTES = 1 << 20  # a write that failed on a filesystem with less free than this ran out of space
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)  # errors only a write meets
+
+
+def as_os_error(error: BaseException, target: str | os.PathLike[str]) -> BaseException:
+    """The error a write to `target` raised, as an OSError naming `target` where the writer did not say which
+    file, or that the disk was full: torch.save and safetensors raise RuntimeError ("file write failed"), numpy
+    an OSError with no errno ("8192 written"), a plain write OSError(ENOSPC) with no file name, torch's
+    distributed checkpoint any of these inside a CheckpointException. Any other error is returned as it is."""
+    target = Path(target)
+    failures = getattr(error, "failures", None)  # torch.distributed.checkpoint's CheckpointException: per rank
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))  # (exception, its stack)
+        inner = inner[0] if isinstance(inner, tuple) and inner else inner
+        if isinstance(inner, BaseException):
+            translated = as_os_error(inner, target)
+            return translated if isinstance(translated, OSError) else error
+    if isinstance(error, OSError) and error.errno is not None:
+        if error.filename is None and error.errno in _WRITE_ERRNOS:
+            return OSError(error.errno, error.strerror, str(target))
+        return error
+    if not isinstance(error, (OSError, RuntimeError)) and type(error).__name__ != "SafetensorError":
+        return error  # the writer's own refusal (a TitanError), not the filesystem's
+    try:
+        stat = os.statvfs(target.parent)
+        full = stat.f_bavail * stat.f_frsize < LOW_SPACE_BYTES
+    except OSError:
+        full = False
+    if full or "No space left on device" in str(error):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
+    return error
 
 
 def _mode(target: Path, created: int) -> int:
@@ -74,9 +110,12 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         _fsync(tmp)
         os.chmod(tmp, _mode(target, created))  # also when the writer replaced the temporary with a private file
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
+        translated = as_os_error(e, target)  # before the temporary goes: it may be what filled the disk
         tmp.unlink(missing_ok=True)
-        raise
+        if translated is e:
+            raise
+        raise translated from e
     _fsync(target.parent)
 
 
@@ -135,6 +174,9 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
         _fsync_tree(tmp)
         os.chmod(tmp, _mode(target, created))
         replace_dir(tmp, target, target.parent / f".{target.name}.{secrets.token_hex(4)}{OLD_SUFFIX}")
-    except BaseException:
+    except BaseException as e:
+        translated = as_os_error(e, target)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if translated is e:
+            raise
+        raise translated from e

@@ -34,10 +34,12 @@ def _usage() -> str:
 
 EXIT_REFUSED = 2  # bad input refused (or a run halted) with one line saying why; see docs/reliability.md
 PEER_REPORT_WAIT_S = 60.0  # how long a silent rank waits for local rank 0 to have said the same refusal
+LOST_PEER_WAIT_S = 10.0  # how long a rank whose peer ended waits for torchrun to stop it (it polls every 0.1 s)
 
 
 def run_command(func, argv: list[str]) -> int:
-    """Run a command's main; a TitanError becomes one line on stderr and exit code 2 (traceback with --debug).
+    """Run a command's main; a TitanError, or an OSError on a file it read or wrote (no space, permission denied,
+    ...), becomes one line on stderr and exit code 2 (traceback with --debug or TITAN_DEBUG=1).
 
     Under a launcher (torchrun), an error that every rank meets alike (marked `same_on_every_rank`: found before
     the process group forms) is printed once per node, by local rank 0; one found later is printed by each rank
@@ -45,6 +47,7 @@ def run_command(func, argv: list[str]) -> int:
     torchrun's failure summary names it.
     """
     from titan_npu.errors import TitanError
+    from titan_npu.os_errors import describe_os_error
 
     debug = "--debug" in argv or bool(_env_flag("TITAN_DEBUG"))
     try:
@@ -52,23 +55,44 @@ def run_command(func, argv: list[str]) -> int:
     except TitanError as e:
         if debug:
             raise
-        line = f"{type(e).__name__}: {e}"
-        rank, local_rank = _env_flag("RANK"), _env_flag("LOCAL_RANK") or _env_flag("RANK")
-        if not local_rank.isdigit() or local_rank == "0":  # a rank that is not a number is reported as such
-            print(line, file=sys.stderr, flush=True)
-            _record_for_torchrun(line)  # after the line is out: the other ranks wait for this file
-        elif getattr(e, "same_on_every_rank", False):
-            _record_for_torchrun(line)
-            # torchrun stops every worker once one has exited: stay until local rank 0 has said it.
-            if not _local_rank_zero_reported():
-                print(f"[rank{rank}] {line}", file=sys.stderr)
-        else:
-            _record_for_torchrun(line)
-            print(f"[rank{rank}] {line}", file=sys.stderr)
+        _report(f"{type(e).__name__}: {e}", getattr(e, "same_on_every_rank", False))
+        if getattr(e, "peer_lost", False):
+            _wait_to_be_stopped()
+        return EXIT_REFUSED
+    except OSError as e:  # a file the command read or wrote: no space, permission denied, read-only, ...
+        if debug:
+            raise
+        _report(f"{type(e).__name__}: {describe_os_error(e)}", getattr(e, "same_on_every_rank", False))
         return EXIT_REFUSED
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _report(line: str, same_on_every_rank: bool) -> None:
+    """Say a refusal's line on stderr (once per node when every rank met it alike) and in torchrun's error file."""
+    rank, local_rank = _env_flag("RANK"), _env_flag("LOCAL_RANK") or _env_flag("RANK")
+    if not local_rank.isdigit() or local_rank == "0":  # a rank that is not a number is reported as such
+        print(line, file=sys.stderr, flush=True)
+        _record_for_torchrun(line)  # after the line is out: the other ranks wait for this file
+    elif same_on_every_rank:
+        _record_for_torchrun(line)
+        # torchrun stops every worker once one has exited: stay until local rank 0 has said it.
+        if not _local_rank_zero_reported():
+            print(f"[rank{rank}] {line}", file=sys.stderr)
+    else:
+        _record_for_torchrun(line)
+        print(f"[rank{rank}] {line}", file=sys.stderr)
+
+
+def _wait_to_be_stopped() -> None:
+    """A rank that stops because a peer of its node ended: under torchrun, give the launcher (which stops every
+    worker once one has ended) the time to see that peer first, so that its summary names the lost rank as the root
+    cause, not this one."""
+    import time
+
+    if _env_flag("TORCHELASTIC_ERROR_FILE"):
+        time.sleep(LOST_PEER_WAIT_S)
 
 
 def _record_for_torchrun(line: str) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from titan_npu import outputs
+from titan_npu.atomic import as_os_error
 from titan_npu.checkpoint import storage
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import CheckpointError
@@ -76,7 +77,15 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | Path, overwrite: bool =
             # one process saves without a process group on purpose: DCP's warning that it assumes so is noise
             warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or "
                                     r"uninitialized", category=UserWarning)
-            dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=world_size == 1)
+            try:
+                dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=world_size == 1)
+            except BaseException as e:  # no space, read-only, ...: said of --output, and no half checkpoint left
+                translated = as_os_error(e, output)  # before the temporary goes: it may be what filled the disk
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                if translated is e:
+                    raise
+                raise translated from e
         if rank == 0:
             info = {
                 "step": 0,

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
         cfg = load_config(args.config, overrides)
         if not args.print_config and not args.dry_run:
             check_before_process_group(cfg)
-    except TitanError as e:
+    except (TitanError, OSError) as e:
         e.same_on_every_rank = True  # found before any process group: every rank sees it, rank 0 says it
         raise
     if args.print_config:
@@ -74,15 +74,24 @@ def main(argv: list[str] | None = None, setup: Callable[[Trainer], None] | None 
         world = args.world_size or (int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
         return dry_run.run(cfg, world, args.rank, args.device_type)
 
+    from titan_npu.parallel.process_group import lost_rank_error
     from titan_npu.trainer import Trainer
 
-    trainer = Trainer(cfg)
+    trainer = None
     try:
+        trainer = Trainer(cfg)
         if setup is not None:
             setup(trainer)
         trainer.train()
+    except BaseException as e:  # a peer rank that ended takes this one down (also inside a DCP save): say which
+        where = f"at step {trainer.step}" if trainer is not None and trainer.step else "while the run started"
+        lost = lost_rank_error(e, where)
+        if lost is None:
+            raise
+        raise lost from e
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
     return 0
 
 

@@ -38,6 +38,22 @@ def _machine_ram_bytes() -> int:
         return 0
 
 
+def available_bytes(device_type: str, index: int | None = None) -> int | None:
+    """Memory this process could still allocate: free device memory on an accelerator, the machine's available
+    RAM (MemAvailable) on cpu; None where it cannot be told."""
+    mod = device_module(device_type)
+    try:
+        if mod is None:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+            return None
+        return int(mod.mem_get_info(index if index is not None else mod.current_device())[0])
+    except (OSError, ValueError, RuntimeError, AttributeError):
+        return None
+
+
 def memory_stats(device: DeviceInfo) -> MemoryStats:
     """Memory figures for the log line: device memory on npu/cuda/xpu, process RSS on cpu."""
     mod = device_module(device.type)

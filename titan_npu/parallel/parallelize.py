@@ -9,11 +9,14 @@ the spec in, so this package never imports a model.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from titan_npu.errors import DeviceError
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.float8 import convert_to_float8
 from titan_npu.parallel.pipeline import split_for_pipeline
@@ -56,8 +59,57 @@ def materialize(model: nn.Module, device: torch.device, cfg: JobConfig) -> None:
     With CPU offload the sharded parameters live in host memory; only the buffers go to the device.
     """
     param_device = torch.device("cpu") if cfg.parallel.cpu_offload else device
-    model.to_empty(device=param_device)
-    with torch.no_grad():
-        model.init_weights(buffer_device=device, seed=cfg.training.seed)
+    check_fits(model, param_device)
+    try:
+        model.to_empty(device=param_device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=device, seed=cfg.training.seed)
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and not _is_allocation_failure(e):
+            raise
+        raise DeviceError(_too_large(model, param_device, f"allocating it failed ({_first_line(e)})")) from None
     # Gradient hooks must go on the real parameters (to_empty replaced the meta ones they would have been on).
     install_requested_grad_hooks(model)
+
+
+GB = 1024**3
+_ALLOCATION_FAILURE = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory")
+
+
+def local_bytes(model: nn.Module) -> int:
+    """Bytes this rank's parameters and buffers take once materialised (its shards only, for DTensors)."""
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        total += local.numel() * local.element_size()
+    return total
+
+
+def check_fits(model: nn.Module, device: torch.device) -> None:
+    """DeviceError before any allocation when this rank's weights alone exceed the memory it has free (the
+    gradients, optimizer state and activations need more still: no run refused here could have fitted)."""
+    from titan_npu.device.memory import available_bytes
+
+    free = available_bytes(device.type, device.index)
+    if free is not None and local_bytes(model) > free:
+        raise DeviceError(_too_large(model, device, f"{free / GB:.1f} GB is free"))
+
+
+def _too_large(model: nn.Module, device: torch.device, why: str) -> str:
+    params = sum(p.numel() for p in model.parameters())
+    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    offload = "" if device.type == "cpu" else " or offload it to the host (parallel.cpu_offload)"
+    return (f"the model is too large for this rank's {device.type} memory: {size} parameters, "
+            f"{local_bytes(model) / GB:.1f} GB of weights on this rank alone, and {why}; choose a smaller model "
+            f"(model.flavor, model.dim, model.n_layers), shard it over more ranks (parallel.dp_shard, tp, pp)"
+            f"{offload}, and check the whole run's memory with `titan-npu plan`")
+
+
+def _is_allocation_failure(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(s in text for s in _ALLOCATION_FAILURE)
+
+
+def _first_line(error: BaseException) -> str:
+    text = re.sub(r"^\[enforce fail at [^\]]*\]\s*", "", str(error).strip())
+    return text.splitlines()[0] if text else type(error).__name__

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -11,7 +12,7 @@ import torch.distributed as dist
 
 from titan_npu.device.detect import DeviceInfo
 from titan_npu.device.env import init_failure_message
-from titan_npu.errors import DeviceError
+from titan_npu.errors import DeviceError, TitanError
 
 if TYPE_CHECKING:
     from titan_npu.config.schema import CommConfig
@@ -40,7 +41,9 @@ def init_process_group(device: DeviceInfo, comm: CommConfig) -> tuple[int, int]:
         store = job_store(rank, world_size, comm.init_timeout_s)
     except Exception as e:
         raise DeviceError(init_failure_message(e, **failure)) from e
+    announce_process(store, rank)
     wait_for_ranks(store, rank, world_size, comm.join_timeout_s)
+    _remember_node_peers(store, rank, world_size)
     try:
         # The init timeout bounds the backend's own connections; collectives then get their own.
         dist.init_process_group(
@@ -50,7 +53,11 @@ def init_process_group(device: DeviceInfo, comm: CommConfig) -> tuple[int, int]:
         )
         set_collective_timeout(dist.group.WORLD, comm.timeout_s)
     except Exception as e:
-        raise DeviceError(init_failure_message(e, **failure)) from e
+        lost = lost_rank_error(e, "before the process group formed")
+        if lost is None and isinstance(e, dist.DistStoreError):  # the store answered every rank: a peer is missing
+            lost = _stalled_peers_error(e, world_size, comm.init_timeout_s)
+        _forget_peers()
+        raise lost or DeviceError(init_failure_message(e, **failure)) from e
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -96,6 +103,124 @@ def wait_for_ranks(store: dist.Store, rank: int, world_size: int, timeout_s: flo
         ) from None
 
 
+# Each rank's process (host and pid) under the job's store, so that a survivor can tell which peer of its node ended.
+_PROCESS_KEY = "titan/process/{}"
+_node_peers: dict[int, int] = {}  # rank -> pid of the other ranks of this node, read once the job has formed
+_world = 1
+LOST_RANK_WAIT_S = 3.0  # how long a survivor waits for a failing peer of its node to have ended
+# What gloo, NCCL and the store say when the other end of a connection is gone.
+_PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket closed",
+              "connection refused", "remote process exited", "end of file", "connection reset")
+
+
+def announce_process(store: dist.Store, rank: int) -> None:
+    """Leave this rank's host and pid in the store (before announcing that it joined)."""
+    import socket
+
+    store.set(_PROCESS_KEY.format(rank), f"{socket.gethostname()} {os.getpid()}")
+
+
+def _remember_node_peers(store: dist.Store, rank: int, world_size: int) -> None:
+    """Read the pids of the other ranks on this host (torchrun numbers a node's ranks contiguously)."""
+    import socket
+
+    global _world
+    _world = world_size
+    _node_peers.clear()
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    first = rank - local_rank
+    peers = [r for r in range(first, first + local_world) if r != rank and 0 <= r < world_size]
+    if not peers:
+        return
+    host = socket.gethostname()
+    for r, value in zip(peers, store.multi_get([_PROCESS_KEY.format(r) for r in peers])):
+        name, _, pid = value.decode().rpartition(" ")
+        if name == host and pid.isdigit():
+            _node_peers[r] = int(pid)
+
+
+def _forget_peers() -> None:
+    global _world
+    _world = 1
+    _node_peers.clear()
+
+
+def _process_ended(pid: int) -> bool:
+    """Whether the process `pid` has ended (gone, or a zombie its launcher has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        return False
+
+
+def lost_ranks(wait_s: float = 0.0) -> list[int]:
+    """The ranks of this node whose process has ended, waiting up to `wait_s` for one to end."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        ended = sorted(r for r, pid in _node_peers.items() if _process_ended(pid))
+        if ended or time.monotonic() >= deadline:
+            return ended
+        time.sleep(0.05)
+
+
+def lost_rank_error(error: BaseException, when: str) -> DeviceError | None:
+    """One line for an error that a lost peer caused (a rank of this node whose process ended, or a connection
+    that its other end closed), naming the rank where it is known; None for any other error.
+
+    The DeviceError is marked `peer_lost` when the lost rank is on this node: its launcher sees that rank end
+    too, and is given the time to stop this one (cli.run_command), so that torchrun names the lost rank as the
+    first failure.
+    """
+    if isinstance(error, TitanError) or _world == 1:
+        return None
+    text = str(error)
+    gone = any(s in text.lower() for s in _PEER_GONE)
+    if not (gone or isinstance(error, dist.DistError)):
+        return None  # this rank's own error (a file, a bug): said as it is, even if a peer ended meanwhile
+    ended = lost_ranks(LOST_RANK_WAIT_S)
+    if ended:
+        which = f"rank {ended[0]}" if len(ended) == 1 else f"ranks {', '.join(map(str, ended))}"
+        lost = DeviceError(
+            f"{which} of {_world} ended {when} (killed, e.g. by kill -9 or the out-of-memory killer, or it "
+            "failed: its own output says why); this rank stops too. With checkpoints the same command resumes "
+            "from the last one (torchrun --max-restarts N does so by itself)"
+        )
+        lost.peer_lost = True
+        return lost
+    if not gone:
+        return None
+    # A peer on another node: gloo names its address ("[/path/pair.cc:537] Read error [10.0.0.2]:4321: ...").
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0]) if text.strip() else type(error).__name__
+    return DeviceError(
+        f"a peer rank of {_world} stopped answering {when} ({detail}); its own output says why (killed, out of "
+        "memory, or its node failed); with checkpoints the same command resumes from the last one"
+    )
+
+
+def _stalled_peers_error(error: dist.DistStoreError, world_size: int, timeout_s: float) -> DeviceError:
+    """One line for ranks that reached the job's store (wait_for_ranks) but never published their backend's address:
+    the store's timeout names the keys it waited for, each ending in the rank ("/0//cpu//0/1")."""
+    keys = re.search(r"keys: (.*)", str(error))
+    ranks = sorted({int(k) for k in re.findall(r"/(\d+)\s*(?:,|\]|$)", keys.group(1))}) if keys else []
+    which = f"rank(s) {', '.join(map(str, ranks))}" if ranks else "a peer rank"
+    return DeviceError(
+        f"{which} of {world_size} reached the job's store but did not join the process group within "
+        f"comm.init_timeout_s={timeout_s:g}s: ended or stuck while starting (its output says why); if only slow to "
+        "start, raise comm.init_timeout_s"
+    )
+
+
 def set_collective_timeout(group: dist.ProcessGroup, seconds: float) -> None:
     """Set the collective timeout of each backend of a group (gloo, nccl, hccl).
 
@@ -114,6 +239,7 @@ def set_collective_timeout(group: dist.ProcessGroup, seconds: float) -> None:
 
 def destroy_process_group() -> None:
     """Leave the process group if one was joined."""
+    _forget_peers()
     if dist.is_initialized():
         dist.destroy_process_group()
 
