@@ -40,6 +40,11 @@ _DEFAULT_FIX = "check the path, its permissions and the filesystem"
 _ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^:\n]+)(?:: '([^'\n]*)')?(?: -> '([^'\n]*)')?")
 
 
+def fix_for(code: int | None) -> str:
+    """What to do about an OS error of errno `code` (a general advice for an unknown one)."""
+    return _FIX.get(code, _DEFAULT_FIX) if code is not None else _DEFAULT_FIX
+
+
 def describe_os_error(error: OSError) -> str:
     """One line: '<reason> (<errno name>): <file> [-> <file2>]; <fix>'."""
     code, reason = error.errno, error.strerror
@@ -56,4 +61,4 @@ def describe_os_error(error: OSError) -> str:
     name = errno.errorcode.get(code, str(code))
     where = " -> ".join(os.fsdecode(f) if isinstance(f, bytes) else str(f) for f in files)
     on = f": {where}" if where else ""
-    return f"{reason} ({name}){on}; {_FIX.get(code, _DEFAULT_FIX)}"
+    return f"{reason} ({name}){on}; {fix_for(code)}"

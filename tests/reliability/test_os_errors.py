@@ -40,8 +40,8 @@ def _one_line(capsys) -> str:
 
 
 def _fail_open(monkeypatch, matches: Callable[[str], bool], code: int) -> None:
-    """open() (builtins and io, as numpy, pathlib and the tokenizers call it) raises OSError(code) for the paths
-    `matches` accepts, as the kernel would."""
+    """open() (builtins, io and os, as numpy, pathlib, the tokenizers and the data path call it) raises
+    OSError(code) for the paths `matches` accepts, as the kernel would."""
     real = builtins.open
 
     def fake(file, *args, **kwargs):
@@ -49,8 +49,16 @@ def _fail_open(monkeypatch, matches: Callable[[str], bool], code: int) -> None:
             raise OSError(code, os.strerror(code), os.fspath(file))  # PermissionError for EACCES, ...
         return real(file, *args, **kwargs)
 
+    real_os_open = os.open
+
+    def fake_os_open(path, *args, **kwargs):  # the data path opens with os.open (never blocking on a FIFO)
+        if isinstance(path, (str, os.PathLike)) and matches(os.fspath(path)):
+            raise OSError(code, os.strerror(code), os.fspath(path))
+        return real_os_open(path, *args, **kwargs)
+
     monkeypatch.setattr(builtins, "open", fake)
     monkeypatch.setattr(io, "open", fake)
+    monkeypatch.setattr(os, "open", fake_os_open)
 
 
 def _disk_full(monkeypatch, folder: Path) -> None:
@@ -98,7 +106,8 @@ def test_prepare_data_on_a_full_disk_names_the_output_and_keeps_what_a_rerun_res
     out = tmp_path / "shards"
     assert cli_main(["prepare-data", str(_corpus(tmp_path)), "--output", str(out), "--progress", "lines"]) == 2
     line = _one_line(capsys)
-    assert line.startswith("OSError: No space left on device (ENOSPC): " + str(out)) and "free space" in line, line
+    assert line.startswith(f"DataError: cannot write {out} (No space left on device)"), line
+    assert "free space" in line, line
     assert not list(out.glob("*.tmp"))
 
 

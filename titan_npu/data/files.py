@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from titan_npu.errors import DataError
+from titan_npu.os_errors import fix_for
 
 FULL_DIGEST_BYTES = 16 << 20
 DIGEST_BLOCKS = 64
@@ -50,18 +51,9 @@ def not_regular(path: Path | str, mode: int, fix: str = "") -> DataError:
 
 
 def os_error(path: Path | str, e: OSError, doing: str = "read", fix: str = "") -> DataError:
-    """An OS error on a data file as one line: the file, what failed and why, and the fix."""
+    """An OS error on a data file as one line: the file, what failed and why, and the fix (by errno unless given)."""
     why = e.strerror or type(e).__name__
-    if not fix:
-        if e.errno in (13, 1):  # EACCES, EPERM
-            fix = "check its permissions (and those of its folders)"
-        elif e.errno == 28:  # ENOSPC
-            fix = "free space there or write to another disk"
-        elif e.errno == 2:  # ENOENT
-            fix = "check the path (was it removed or moved?)"
-        else:
-            fix = "check the file and its disk"
-    return DataError(f"cannot {doing} {path} ({why}); {fix}")
+    return DataError(f"cannot {doing} {path} ({why}); {fix or fix_for(e.errno)}")
 
 
 def regular_stat(path: Path, fix: str = "") -> os.stat_result:

@@ -7,6 +7,7 @@ records finished shards so an interrupted run resumes after the last of them.
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -34,6 +35,7 @@ from titan_npu.data.progress import Progress
 from titan_npu.data.sources import BadRecords, DocumentReader, discover_inputs
 from titan_npu.data.tokenizer import Tokenizer, build_tokenizer
 from titan_npu.errors import DataError
+from titan_npu.os_errors import fix_for
 from titan_npu.outputs import refuse_protected, shown
 
 CHUNK_CHARS = 1 << 20  # text per tokenisation task: large enough to amortise process hand-off
@@ -365,11 +367,11 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
 
 
 def _write_fix(e: OSError) -> str:
-    if e.errno == 28:  # ENOSPC
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return "free space there or choose an --output on another disk"
-    if e.errno in (1, 13, 30):  # EPERM, EACCES, EROFS
+    if e.errno in (errno.EPERM, errno.EACCES, errno.EROFS):
         return "choose an --output you can write to"
-    return "check the output's disk and re-run"
+    return fix_for(e.errno)
 
 
 def _refuse_overlap(output: Path, inputs: list[Path]) -> None:
