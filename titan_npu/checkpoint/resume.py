@@ -77,20 +77,20 @@ def choose_resume_target(cfg: CheckpointConfig) -> tuple[str | None, int | None]
 
 def _latest_intact(root: Path, existing: list[storage.CheckpointRef]) -> str | None:
     """The newest checkpoint whose files are the ones it saved; each damaged one skipped is named in a warning."""
-    skipped = []
+    skipped: list[tuple[int, str]] = []
     for ref in reversed(existing):
         problem = storage.recorded_problem(ref.path)
         if problem is None:
+            for step, why in skipped:
+                log.warning("checkpoint: skipping damaged step %d: %s", step, why)
             if skipped:
                 log.warning("checkpoint: resuming from step %d, the newest intact checkpoint in %s", ref.step, root)
             return str(ref.path)
-        skipped.append(ref.step)
-        log.warning("checkpoint: skipping damaged step %d: %s", ref.step, problem)
+        skipped.append((ref.step, problem))
     if skipped:
         raise CheckpointError(
-            f"every checkpoint in {root} is damaged (steps {', '.join(map(str, reversed(skipped)))}, see above); "
-            "restore their files, or start over in another checkpoint.dir (or checkpoint.resume=never with "
-            "checkpoint.overwrite=true, which deletes them)"
+            f"every checkpoint in {root} is damaged ({'; '.join(f'step {s}: {why}' for s, why in skipped)}); "
+            "restore their files, or start over in another checkpoint.dir"
         )
     return None
 

@@ -183,11 +183,12 @@ def file_digest(path: str | Path) -> str:
 
 
 def file_manifest(folder: Path) -> dict[str, dict[str, Any]]:
-    """Every file of a checkpoint being published (checkpoint.json aside) -> its size and digest."""
+    """Every file of a checkpoint being published -> its size and digest (checkpoint.json aside, and the copy of
+    the config, config.toml, which holds no state and which a person may annotate)."""
     out = {}
     for file in sorted(folder.rglob("*")):
         rel = file.relative_to(folder).as_posix()
-        if file.is_file() and rel != INFO_FILE:
+        if file.is_file() and rel not in (INFO_FILE, CONFIG_FILE):
             out[rel] = {"size": file.stat().st_size, "digest": file_digest(file)}
     return out
 
