@@ -34,10 +34,10 @@ _held: dict[str, DirLock] = {}  # this process's locks by directory: a POSIX loc
 class DirLock:
     """This process's lock on one checkpoint directory; release() (or the process's end) gives it up."""
 
-    def __init__(self, root: Path, fd: int, created_dir: bool) -> None:
+    def __init__(self, root: Path, fd: int, created: list[Path]) -> None:
         self.root = root
         self.fd = fd
-        self.created_dir = created_dir
+        self.created = created  # the folders acquire() made, deepest first
         self.users = 1
 
     def release(self) -> None:
@@ -52,11 +52,7 @@ class DirLock:
             pass
         os.close(self.fd)
         self.fd = -1
-        if self.created_dir:
-            try:
-                self.root.rmdir()  # only if empty: a refused or checkpoint-less run leaves no folder behind
-            except OSError:
-                pass
+        _remove_empty(self.created)  # a refused or checkpoint-less run leaves no folder behind
 
 
 def owner_record() -> dict[str, Any]:
@@ -73,7 +69,7 @@ def acquire(root: str | Path) -> DirLock:
     if held is not None:
         held.users += 1
         return held
-    created_dir = not root.exists()
+    created = [p for p in (root, *root.parents) if not p.exists()]
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -88,8 +84,6 @@ def acquire(root: str | Path) -> DirLock:
         owner = read_owner(root)
         same_job = bool(me["job"]) and owner.get("job") == me["job"] and int(owner.get("restart", 0)) < me["restart"]
         if not same_job:
-            if created_dir:
-                _rmdir_quietly(root)
             raise CheckpointError(
                 f"checkpoint.dir={root} is in use by another run ({describe_owner(owner)}); wait for it to end or stop "
                 f"it, or give this run another --checkpoint.dir"
@@ -104,7 +98,7 @@ def acquire(root: str | Path) -> DirLock:
         time.sleep(_POLL_S)
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
-    lock = DirLock(root, fd, created_dir)
+    lock = DirLock(root, fd, created)
     _held[str(root)] = lock
     atexit.register(lock.release)
     return lock
@@ -148,8 +142,10 @@ def describe_owner(owner: dict[str, Any]) -> str:
     return f"pid {owner['pid']} on host {owner.get('host', '?')} since {owner.get('since', '?')}"
 
 
-def _rmdir_quietly(path: Path) -> None:
-    try:
-        path.rmdir()
-    except OSError:
-        pass
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove these folders, deepest first, while they are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
