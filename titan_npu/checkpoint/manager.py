@@ -105,7 +105,8 @@ class CheckpointManager:
             if self.enabled:
                 target, self._saver.stale_above = self.group.agree(lambda: choose_resume_target(self.cfg), self.root)
             if target is not None:
-                self.load_checkpoint(target, verified=True)  # choose_resume_target checked its files
+                # resume=auto chose it for its files' digests; a step or path the user named is checked as it loads.
+                self.load_checkpoint(target, verified=str(self.cfg.resume).strip() == "auto")
                 return True
             if self.cfg.initial_load:
                 load_initial_weights(self.run.model_parts, self.cfg.initial_load, self.model_args,

@@ -21,7 +21,6 @@ from titan_npu.checkpoint.dcp_io import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     checkpoint_entries,
-    damaged,
     expected_entries,
     read_metadata,
 )
@@ -61,10 +60,7 @@ def choose_resume_target(cfg: CheckpointConfig) -> tuple[str | None, int | None]
         return None, -1 if existing else None
     if resume == "auto":
         return _latest_intact(root, existing), None
-    ref = storage.resolve_checkpoint(resume, root)
-    problem = storage.recorded_problem(ref.path)
-    if problem is not None:
-        raise damaged(ref.path, problem)
+    ref = storage.resolve_checkpoint(resume, root)  # its files are checked when it is loaded (load_checkpoint)
     later = [c.step for c in existing if c.step > ref.step]
     if later and not cfg.overwrite:
         raise CheckpointError(

@@ -237,7 +237,9 @@ def recorded_problem(path: str | Path) -> str | None:
     if problem is not None:
         return problem
     info = json.loads((Path(path) / INFO_FILE).read_text())
-    return content_problem(path, info) if isinstance(info, dict) else None
+    if not isinstance(info, dict) or info.get("format") != FORMAT_NAME or not isinstance(info.get("step"), int):
+        return f"{Path(path) / INFO_FILE} is not a {FORMAT_NAME} info file (corrupt, or written by another program)"
+    return content_problem(path, info)
 
 
 def publish(tmp: Path, final: Path, info: dict[str, Any]) -> None:
