@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_npu.checkpoint.lock import LOCK_FILE, read_owner
+from titan_npu.checkpoint.lock import LOCK_FILE, current_owner, read_owner
 
 from .conftest import REPO, checkpoint_steps, clean_env, run_train, tiny_args, torchrun
 
@@ -126,3 +126,15 @@ def test_the_restarted_attempt_of_the_same_job_waits_for_its_previous_attempt_to
         _kill(new)
     finally:
         _kill(old)
+
+
+def test_current_owner_names_the_process_holding_the_lock_and_none_once_it_is_gone(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert current_owner(ckpt) is None and not ckpt.exists()  # looks only
+    holder = _holder(ckpt)
+    try:
+        assert current_owner(ckpt)["pid"] == holder.pid
+        assert current_owner(ckpt)["pid"] == holder.pid  # asking does not take it away
+    finally:
+        _kill(holder)
+    assert current_owner(ckpt) is None  # kill -9: the file stays, the lock went with the process

@@ -7,6 +7,9 @@ any way (kill -9 included), so a crash never leaves it stuck; the file itself ma
 run takes it over. A POSIX lock belongs to the process, not to its forked children (data-loader workers never hold
 it), and is also what NFS locks across nodes (NLM / NFSv4): there, a node that dies holds it until the server's
 lease runs out (about 90 s), which the restarted attempt of the same torchrun job waits for.
+
+A POSIX lock is dropped when its process closes any descriptor of the file: the owner never opens the lock file
+again (read_owner and current_owner are for other processes; current_owner checks this process's locks first).
 """
 
 from __future__ import annotations
@@ -133,6 +136,27 @@ def read_owner(root: str | Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return owner if isinstance(owner, dict) else {}
+
+
+def current_owner(root: str | Path) -> dict[str, Any] | None:
+    """The owner record when another process holds the lock of checkpoint directory `root`, else None (a command
+    that writes into a checkpoint directory asks this; nothing is created)."""
+    root = Path(root).expanduser().absolute()
+    if str(root) in _held:
+        return None  # this process owns it (and must not open the file again)
+    try:
+        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None  # no lock file (or not ours to test): nobody holds it
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EAGAIN):
+            return read_owner(root) or {"pid": 0}
+        return None
+    finally:
+        os.close(fd)  # also drops the lock it may just have taken
+    return None
 
 
 def describe_owner(owner: dict[str, Any]) -> str:
