@@ -4,7 +4,8 @@ A checkpoint holds the model and optimizer in their canonical, layout-independen
 tokens seen (all in DCP; state.py), each rank's data-loader position and RNG states (ranks/rank-R.pt;
 rank_state.py), the resolved config (config.toml) and checkpoint.json, written last (storage.py). The manager is
 what the trainer holds; the work is done by save.py and async_save.py (saving), resume.py (resuming) and
-initial_load.py (starting from pretrained weights), over the gloo group of group.py. See docs/checkpointing.md.
+initial_load.py (starting from pretrained weights), over the gloo group of group.py. Rank 0 holds the lock of
+checkpoint.dir for the manager's life (lock.py): one run at a time. See docs/checkpointing.md.
 
 Saves are collective: every rank calls save()/maybe_save() at the same step. Asynchronous saves copy the state to
 host memory, return, and write in a background thread over their own gloo process group (training collectives on

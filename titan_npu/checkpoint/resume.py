@@ -1,8 +1,10 @@
 """Resuming a run: which checkpoint to continue from, whether it fits the run, and restoring the run from it.
 
-Rank 0 chooses the checkpoint (checkpoint.resume: auto, never, a step or a path) and every rank follows its choice.
-Before DCP reads anything, the checkpoint's entries are compared with what the model and optimizer expect, so that
-a misfit is one line naming the cause rather than a DCP stack trace.
+Rank 0 chooses the checkpoint (checkpoint.resume: auto, never, a step or a path) and every rank follows its choice;
+`auto` skips a damaged checkpoint (files that are not the ones checkpoint.json recorded) for the newest intact one.
+Before DCP reads anything, rank 0 checks the files, the model family and definition saved in checkpoint.json are
+compared with the run's, and the checkpoint's entries with what the model and optimizer expect, so that a misfit
+is one line naming the cause rather than a DCP stack trace.
 """
 
 from __future__ import annotations
