@@ -5,6 +5,7 @@ torchrun job whose rank 0 died takes the lock over and resumes. Real processes t
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from titan_npu.checkpoint import storage
 from titan_npu.checkpoint.lock import LOCK_FILE, current_owner, read_owner
 
 from .conftest import REPO, checkpoint_steps, clean_env, run_train, tiny_args, torchrun
@@ -94,6 +96,15 @@ def test_torchrun_restarts_after_rank_0_is_killed_take_the_lock_over_and_resume(
     assert "checkpoint: loaded step 2 from" in proc.stdout + proc.stderr
     assert checkpoint_steps(tmp_path)[-1] == 4
     assert not (tmp_path / "ckpt" / LOCK_FILE).exists()
+    # Rank 0 recorded both ranks' files; two rank files swapped are found out by content.
+    step4 = tmp_path / "ckpt" / "step-4"
+    assert {"ranks/rank-1.pt", "__1_0.distcp"} <= set(storage.read_info(step4)[storage.FILES_KEY])
+    ranks = step4 / "ranks"
+    (ranks / "rank-0.pt").rename(ranks / "swap")
+    (ranks / "rank-1.pt").rename(ranks / "rank-0.pt")
+    (ranks / "swap").rename(ranks / "rank-1.pt")
+    assert re.search(r"rank-0\.pt (is not the file this checkpoint saved|is \d+ bytes but checkpoint.json recorded)",
+                     storage.recorded_problem(step4))
 
 
 _HOLD = ("import sys, time; from titan_npu.checkpoint.lock import acquire; acquire(sys.argv[1]); "
