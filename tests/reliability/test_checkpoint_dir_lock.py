@@ -149,3 +149,18 @@ def test_current_owner_names_the_process_holding_the_lock_and_none_once_it_is_go
     finally:
         _kill(holder)
     assert current_owner(ckpt) is None  # kill -9: the file stays, the lock went with the process
+
+
+def test_a_run_on_a_checkpoint_dir_in_use_is_refused_before_it_builds_anything(tmp_path, capsys):
+    from titan_npu.cli import main as cli_main
+
+    holder = _holder(tmp_path / "ckpt")
+    try:
+        capsys.readouterr()
+        rc = cli_main(["train", *tiny_args(tmp_path, training__max_steps=1)])
+        err = capsys.readouterr().err
+    finally:
+        _kill(holder)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"is in use by another run (pid {holder.pid} on host {socket.gethostname()} since" in err
+    assert not (tmp_path / "logs").exists()

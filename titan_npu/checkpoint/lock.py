@@ -20,6 +20,8 @@ import fcntl
 import json
 import os
 import socket
+import struct
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ LOCK_FILE = ".titan-npu.lock"
 # How long the restarted attempt of the job that owns the lock waits for its previous attempt's lock to go.
 RESTART_WAIT_S = 120.0
 _POLL_S = 0.2
+_FLOCK = "@hhqqi4x"  # Linux's struct flock (x86_64, aarch64)
 
 _held: dict[str, DirLock] = {}  # this process's locks by directory: a POSIX lock is per process, not per file
 
@@ -85,12 +88,8 @@ def acquire(root: str | Path) -> DirLock:
         if fd is not None:
             break
         owner = read_owner(root)
-        same_job = bool(me["job"]) and owner.get("job") == me["job"] and int(owner.get("restart", 0)) < me["restart"]
-        if not same_job:
-            raise CheckpointError(
-                f"checkpoint.dir={root} is in use by another run ({describe_owner(owner)}); wait for it to end or stop "
-                f"it, or give this run another --checkpoint.dir"
-            )
+        if not _same_job(owner, me):
+            raise _in_use(root, owner)
         # The restarted attempt of the same torchrun job: its previous attempt's lock goes when that process does.
         deadline = deadline or time.monotonic() + RESTART_WAIT_S
         if time.monotonic() > deadline:
@@ -139,24 +138,49 @@ def read_owner(root: str | Path) -> dict[str, Any]:
 
 
 def current_owner(root: str | Path) -> dict[str, Any] | None:
-    """The owner record when another process holds the lock of checkpoint directory `root`, else None (a command
-    that writes into a checkpoint directory asks this; nothing is created)."""
+    """The owner record when another process holds the lock of checkpoint directory `root`, else None.
+
+    Asks the kernel (F_GETLK) without taking the lock, so that any number of processes may ask at once; creates
+    nothing. Linux only (elsewhere None: acquire() still refuses).
+    """
     root = Path(root).expanduser().absolute()
-    if str(root) in _held:
-        return None  # this process owns it (and must not open the file again)
+    if str(root) in _held or not sys.platform.startswith("linux"):
+        return None  # this process owns it (and must not open the file again), or no struct flock layout known
     try:
-        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(root / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return None  # no lock file (or not ours to test): nobody holds it
+        return None  # no lock file: nobody holds it
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno in (errno.EACCES, errno.EAGAIN):
-            return read_owner(root) or {"pid": 0}
+        # struct flock on Linux: short l_type, short l_whence, off_t l_start, off_t l_len, pid_t l_pid.
+        query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+        l_type, _, _, _, pid = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, query))
+    except OSError:
         return None
     finally:
-        os.close(fd)  # also drops the lock it may just have taken
-    return None
+        os.close(fd)
+    if l_type == fcntl.F_UNLCK:
+        return None
+    return read_owner(root) or {"pid": pid}
+
+
+def refuse_if_owned(root: str | Path) -> None:
+    """Before a run builds anything: refuse checkpoint.dir when another run owns it (one line naming the owner).
+
+    The restarted attempt of the owner's own torchrun job is let through: acquire() waits for its predecessor.
+    """
+    owner = current_owner(root)
+    if owner is not None and not _same_job(owner, owner_record()):
+        raise _in_use(Path(root).expanduser().absolute(), owner)
+
+
+def _same_job(owner: dict[str, Any], me: dict[str, Any]) -> bool:
+    """`me` is a later attempt of the torchrun job that `owner` belongs to."""
+    return bool(me["job"]) and owner.get("job") == me["job"] and int(owner.get("restart", 0) or 0) < me["restart"]
+
+
+def _in_use(root: Path, owner: dict[str, Any]) -> CheckpointError:
+    return CheckpointError(f"checkpoint.dir={root} is in use by another run ({describe_owner(owner)}); wait for it "
+                           "to end or stop it, or give this run another --checkpoint.dir")
 
 
 def describe_owner(owner: dict[str, Any]) -> str:
