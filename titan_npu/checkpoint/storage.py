@@ -155,13 +155,24 @@ def read_info(path: str | Path) -> dict[str, Any]:
     info_path = Path(path) / INFO_FILE
     problem = info_problem(path)
     if problem is not None:
-        from titan_npu.checkpoint.dcp_io import damaged  # dcp_io builds on this module
-
-        raise damaged(Path(path), problem)
+        raise CheckpointError(f"{problem}; the checkpoint {path} is damaged: {_earlier_step_hint(Path(path))}")
     info = json.loads(info_path.read_text())
     if not isinstance(info, dict) or info.get("format") != FORMAT_NAME or not isinstance(info.get("step"), int):
         raise CheckpointError(f"{info_path} is not a {FORMAT_NAME} info file; is {path} a titan-npu checkpoint?")
     return info
+
+
+def _earlier_step_hint(path: Path) -> str:
+    """What to use instead of the damaged checkpoint `path`: the newest earlier one that checkpoint.json vouches for
+    (dcp_io.damaged also checks the DCP index; this module is below it)."""
+    match = _STEP_DIR.fullmatch(path.name)
+    step = int(match.group(1)) if match else None
+    for ref in reversed(list_checkpoints(path.parent)):
+        if (step is None or ref.step < step) and ref.path.resolve() != path.resolve() \
+                and recorded_problem(ref.path) is None:
+            return (f"use the intact step {ref.step} before it (train: --checkpoint.resume {ref.step}; export, "
+                    f"generate: --checkpoint {ref.path})")
+    return f"no earlier intact checkpoint is in {path.parent}; start again or restore the files"
 
 
 def file_digest(path: str | Path) -> str:
