@@ -105,3 +105,12 @@ def test_moe_routing_arguments_are_part_of_the_definition():
 def test_a_checkpoint_without_recorded_model_args_is_checked_by_shapes_only():
     args = build_model_args(ModelConfig(name="llama3"))
     assert definition_diffs({"model_args": None}, args) == [] and definition_diffs({}, args) == []
+
+
+def test_initial_load_of_a_step_of_another_family_names_both_families(trained, tmp_path, capsys):
+    capsys.readouterr()
+    rc = cli_main(["train", *tiny_args(tmp_path / "new", training__max_steps=1), "--model.name", "qwen3",
+                   "--checkpoint.initial_load", str(trained / "ckpt" / "step-2")])
+    line = _refused(rc, capsys.readouterr().err)
+    assert "is a llama3 model, this run is qwen3" in line and "point checkpoint.initial_load at qwen3 weights" in line
+    assert not (tmp_path / "new").exists()

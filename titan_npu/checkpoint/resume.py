@@ -105,7 +105,7 @@ def load_checkpoint(path: str | Path, job: JobConfig, run: RunState, group: Chec
     # One rank checks the files against the index (and, unless done already, their digests); all refuse together.
     group.agree(lambda: _verify(path, digests=not verified), path)
     info = storage.read_info(path)
-    check_model_family(path, info, model_args)
+    check_model_family(path, info, model_args, resume=sections is None)
     t0 = time.perf_counter()
     state = run.state_dict(for_load=True, sections=sections)
     _check_fits(path, state, run, model_args, job.optimizer.name, group.rank, definition_diffs(info, model_args))
@@ -152,15 +152,17 @@ def definition_diffs(info: dict[str, Any], model_args: Any) -> list[str]:
             if key in saved and key not in _DEFINITION_NEUTRAL and _plain(saved[key]) != value]
 
 
-def check_model_family(path: Path, info: dict[str, Any], model_args: Any) -> None:
+def check_model_family(path: Path, info: dict[str, Any], model_args: Any, resume: bool = True) -> None:
     """Refuse a checkpoint of another model family than the run's, saying both families."""
     saved = info.get("model_args")
     family = getattr(model_args, "family", None)
     if isinstance(saved, dict) and saved.get("family") not in (None, family) and family is not None:
+        other = "give this run another checkpoint.dir" if resume else \
+            f"point checkpoint.initial_load at {family} weights"
         raise CheckpointError(
             f"checkpoint {path.name} in {path.parent} is a {saved['family']} model, this run is {family}: set "
-            f"model.name = \"{saved['family']}\" (and its [model] settings) to continue it, or give this run "
-            "another checkpoint.dir"
+            f"model.name = \"{saved['family']}\" (and its [model] settings) to {'continue' if resume else 'use'} "
+            f"it, or {other}"
         )
 
 
