@@ -82,6 +82,15 @@ def _damaged(rel: str, damage: Callable[[Path], None]) -> Callable[[Path], None]
     return setup
 
 
+def _legacy(setup: Callable[[Path], None]) -> Callable[[Path], None]:
+    """The run's checkpoints as saved before checkpoint.json recorded digests (the rank file is read to find out)."""
+    def legacy(d: Path) -> None:
+        setup(d)
+        for info in (d / "ckpt").glob("step-*/checkpoint.json"):
+            info.write_text(json.dumps({k: v for k, v in json.loads(info.read_text()).items() if k != "files"}))
+    return legacy
+
+
 def _cut(size: int) -> Callable[[Path], None]:
     def damage(path: Path) -> None:
         with open(path, "r+b") as f:
@@ -247,25 +256,27 @@ CASES = [
     Case("disk-margin-below-one", ["--reliability.disk_margin", "0.5"], "ConfigError",
          r"reliability.disk_margin = 0.5 must be >= 1"),
     # ---- more checkpoints: every file of a checkpoint, damaged, is one line naming it and the intact step before
-    Case("resume-truncated-distcp", [], "CheckpointError",
+    Case("resume-truncated-distcp", ["--checkpoint.resume", "2"], "CheckpointError",
          r"step-2/__0_0.distcp is 1000 bytes but its index \(.metadata\) needs \d+ .* damaged: use the intact step 1 "
          r"before it \(train: --checkpoint.resume 1;", _damaged("step-2/__0_0.distcp", _cut(1000))),
     Case("resume-empty-distcp", ["--checkpoint.resume", "2"], "CheckpointError",
          r"__0_0.distcp is 0 bytes .*--checkpoint.resume 1", _damaged("step-2/__0_0.distcp", _cut(0))),
-    Case("resume-truncated-metadata", [], "CheckpointError",
+    Case("resume-truncated-metadata", ["--checkpoint.resume", "2"], "CheckpointError",
          r"step-2/.metadata is unreadable .*--checkpoint.resume 1", _damaged("step-2/.metadata", _cut(50))),
     Case("resume-empty-rank-file", [], "CheckpointError",
          r"ranks/rank-0.pt is unreadable \(EOFError: the file ends early: empty or cut short\); .*resume 1",
-         _damaged("step-2/ranks/rank-0.pt", _cut(0))),
+         _legacy(_damaged("step-2/ranks/rank-0.pt", _cut(0)))),
     Case("resume-truncated-rank-file", [], "CheckpointError",
          r"ranks/rank-0.pt is unreadable \(RuntimeError: PytorchStreamReader failed reading zip archive: failed "
-         r"finding central directory\); .*--checkpoint.resume 1", _damaged("step-2/ranks/rank-0.pt", _cut(100))),
+         r"finding central directory\); .*--checkpoint.resume 1",
+         _legacy(_damaged("step-2/ranks/rank-0.pt", _cut(100)))),
     Case("resume-rank-file-with-objects", [], "CheckpointError",
          r"rank-0.pt is unreadable \(UnpicklingError: it holds Python objects besides tensors and plain values, which "
-         r"could run code when loaded\);", _damaged("step-2/ranks/rank-0.pt", _pickled_object)),
-    Case("resume-missing-rank-file", [], "CheckpointError", r"rank-0.pt is missing; .*--checkpoint.resume 1",
+         r"could run code when loaded\);", _legacy(_damaged("step-2/ranks/rank-0.pt", _pickled_object))),
+    Case("resume-missing-rank-file", ["--checkpoint.resume", "2"], "CheckpointError",
+         r"rank-0.pt is missing; .*--checkpoint.resume 1",
          _damaged("step-2/ranks/rank-0.pt", Path.unlink)),
-    Case("resume-nothing-intact-before", [], "CheckpointError",
+    Case("resume-nothing-intact-before", ["--checkpoint.resume", "1"], "CheckpointError",
          r"step-1/__0_0.distcp is 10 bytes .* no earlier intact checkpoint is in .*ckpt; start again or restore",
          _both(_damaged("step-1/__0_0.distcp", _cut(10)), lambda d: shutil.rmtree(d / "ckpt" / "step-2"))),
     # ---- signals: Ctrl-C during start-up is one line, exit 130, and leaves nothing

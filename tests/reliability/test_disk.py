@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from titan_npu.checkpoint import free_space, storage
+from titan_npu.checkpoint.lock import LOCK_FILE
 from titan_npu.checkpoint.manager import CheckpointManager
 from titan_npu.cli import main as cli_main
 from titan_npu.config.schema import JobConfig
@@ -72,13 +73,13 @@ def test_free_space_is_read_from_the_nearest_existing_folder(tmp_path):
 def test_a_save_without_room_writes_nothing_and_keeps_the_older_checkpoint(tmp_path, monkeypatch):
     model, _, manager = _trained(tmp_path, keep_last_n=1)
     manager.save(1)
-    before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    before = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name != LOCK_FILE)  # the run's own lock
     need = int(1.1 * free_space.directory_bytes(tmp_path / "ckpt" / "step-1"))
     monkeypatch.setattr(free_space, "free_bytes", lambda path: need - 1)
     with pytest.raises(CheckpointError, match=r"not enough free space for a checkpoint in .* \(rank 0 on .*\): "
                                               r".* GB free, .* GB needed .*lower checkpoint.keep_last_n"):
         manager.save(2)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before == ["step-1"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name != LOCK_FILE) == before == ["step-1"]
     monkeypatch.setattr(free_space, "free_bytes", lambda path: need)
     manager.save(2)
     assert checkpoint_steps(tmp_path) == [2]  # rotation removed step 1 only after step 2 was complete

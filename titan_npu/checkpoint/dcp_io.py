@@ -85,18 +85,40 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def read_metadata(path: str | Path, verify: bool = True) -> Metadata:
+def read_metadata(path: str | Path, verify: bool = True, digests: bool = True) -> Metadata:
     """The DCP index of a checkpoint directory (keys, shapes, dtypes), read safely; with `verify`, every data file
-    it names is checked to be there and as long as the index says (a truncated copy is refused before any read)."""
+    it names is checked to be there and as long as the index says (a truncated copy is refused before any read),
+    and with `digests` every file to be the one the save wrote (by the digests in checkpoint.json)."""
     try:
         metadata = SafeFileSystemReader(str(path)).read_metadata()
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as e:
         raise damaged(Path(path), f"{path}/.metadata is unreadable ({type(e).__name__}: {one_line(e)})") from e
     if verify:
-        problem = data_file_problem(Path(path), metadata)
+        problem = data_file_problem(Path(path), metadata) or (_info_content_problem(Path(path)) if digests else None)
         if problem is not None:
             raise damaged(Path(path), problem)
     return metadata
+
+
+def _info_content_problem(path: Path) -> str | None:
+    """What checkpoint.json says is wrong with the checkpoint's files (or with checkpoint.json itself), or None."""
+    if not (path / storage.INFO_FILE).is_file():
+        return None  # a bare DCP directory (not ours): its index is all there is to check
+    return storage.recorded_problem(path)
+
+
+def integrity_problem(path: str | Path) -> str | None:
+    """Why checkpoint `path` cannot be used as saved (checkpoint.json, its index, its files by size and digest), or
+    None when it is intact."""
+    path = Path(path)
+    problem = storage.info_problem(path)
+    if problem is not None:
+        return problem
+    try:
+        metadata = SafeFileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 -- any unreadable index makes the checkpoint unusable
+        return f"{path}/.metadata is unreadable ({type(e).__name__}: {one_line(e)})"
+    return data_file_problem(path, metadata) or _info_content_problem(path)
 
 
 def one_line(error: BaseException) -> str:
@@ -129,17 +151,13 @@ def data_file_problem(path: Path, metadata: Metadata) -> str | None:
 
 
 def earlier_intact(path: Path) -> storage.CheckpointRef | None:
-    """The newest complete checkpoint beside `path` with a lower step whose data files match its index, if any."""
+    """The newest complete checkpoint beside `path` with a lower step that is intact (integrity_problem), if any."""
     match = re.fullmatch(rf"{storage.PREFIX}(\d+)", path.name)
     step = int(match.group(1)) if match else None
     for ref in reversed(storage.list_checkpoints(path.parent)):
         if step is not None and ref.step >= step or ref.path.resolve() == path.resolve():
             continue
-        try:
-            metadata = SafeFileSystemReader(str(ref.path)).read_metadata()
-        except Exception:  # noqa: BLE001 -- any unreadable index makes that one unusable too
-            continue
-        if data_file_problem(ref.path, metadata) is None:
+        if integrity_problem(ref.path) is None:
             return ref
     return None
 

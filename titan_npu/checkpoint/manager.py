@@ -4,7 +4,8 @@ A checkpoint holds the model and optimizer in their canonical, layout-independen
 tokens seen (all in DCP; state.py), each rank's data-loader position and RNG states (ranks/rank-R.pt;
 rank_state.py), the resolved config (config.toml) and checkpoint.json, written last (storage.py). The manager is
 what the trainer holds; the work is done by save.py and async_save.py (saving), resume.py (resuming) and
-initial_load.py (starting from pretrained weights), over the gloo group of group.py. See docs/checkpointing.md.
+initial_load.py (starting from pretrained weights), over the gloo group of group.py. Rank 0 holds the lock of
+checkpoint.dir for the manager's life (lock.py): one run at a time. See docs/checkpointing.md.
 
 Saves are collective: every rank calls save()/maybe_save() at the same step. Asynchronous saves copy the state to
 host memory, return, and write in a background thread over their own gloo process group (training collectives on
@@ -21,6 +22,7 @@ from torch import nn
 
 from titan_npu.checkpoint.group import CheckpointGroup
 from titan_npu.checkpoint.initial_load import load_initial_weights
+from titan_npu.checkpoint.lock import DirLock, acquire
 from titan_npu.checkpoint.resume import choose_resume_target, load_checkpoint
 from titan_npu.checkpoint.save import Saver
 from titan_npu.checkpoint.state import RunState, Stateful
@@ -62,6 +64,10 @@ class CheckpointManager:
         self.layout = layout
         self.enabled = bool(self.cfg.enable)
         self.group = CheckpointGroup(job.comm.timeout_s)
+        # One run at a time owns checkpoint.dir (rank 0 holds its lock for the run's life; lock.py).
+        self._lock: DirLock | None = None
+        if self.enabled:
+            self.group.agree(self._take_lock, self.root)
         ranks = self.group.all_gather({"dp_rank": dp_rank, "dp_degree": dp_degree})
         self._saver = Saver(job, self.group, self.run, model_args=model_args, layout=layout, ranks=ranks)
 
@@ -79,6 +85,15 @@ class CheckpointManager:
     def last_staging_wait_s(self, seconds: float) -> None:
         self._saver.background.last_staging_wait_s = seconds
 
+    def _take_lock(self) -> None:
+        self._lock = acquire(self.root)
+
+    def release_lock(self) -> None:
+        """Give up checkpoint.dir (rank 0's lock); the run's end, or a refusal before it starts, does it."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
     # ---------------------------------------------------------------- resume
 
     def load(self) -> bool:
@@ -86,24 +101,31 @@ class CheckpointManager:
 
         Collective: every rank calls it. Sets train_state.step / tokens_seen from the checkpoint.
         """
-        target = None
-        if self.enabled:
-            target, self._saver.stale_above = self.group.agree(lambda: choose_resume_target(self.cfg), self.root)
-        if target is not None:
-            self.load_checkpoint(target)
-            return True
-        if self.cfg.initial_load:
-            load_initial_weights(self.run.model_parts, self.cfg.initial_load, self.model_args,
-                                 model_only=self.cfg.initial_load_model_only, manager=self)
-        return False
+        try:
+            target = None
+            if self.enabled:
+                target, self._saver.stale_above = self.group.agree(lambda: choose_resume_target(self.cfg), self.root)
+            if target is not None:
+                # resume=auto chose it for its files' digests; a step or path the user named is checked as it loads.
+                self.load_checkpoint(target, verified=str(self.cfg.resume).strip() == "auto")
+                return True
+            if self.cfg.initial_load:
+                load_initial_weights(self.run.model_parts, self.cfg.initial_load, self.model_args,
+                                     model_only=self.cfg.initial_load_model_only, manager=self)
+            return False
+        except BaseException:
+            self.release_lock()  # a refused resume leaves the directory as it found it
+            raise
 
-    def load_checkpoint(self, path: str | Path, sections: tuple[str, ...] | None = None) -> None:
+    def load_checkpoint(self, path: str | Path, sections: tuple[str, ...] | None = None,
+                        verified: bool = False) -> None:
         """Restore the run from one checkpoint directory (collective).
 
         sections=None restores everything (resume); ("model",) or ("model", "optimizer") start a new run from it.
+        verified: its files were already checked against checkpoint.json (by choose_resume_target).
         """
         load_checkpoint(path, self.job, self.run, self.group, model_args=self.model_args, layout=self.layout,
-                        sections=sections)
+                        sections=sections, verified=verified)
         if sections is None:
             self._saver.last_saved_step = self.run.train_state.step
 
@@ -137,4 +159,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Finish an async save in flight (call before the process group goes away) and free its host buffers."""
-        self._saver.close()
+        try:
+            self._saver.close()
+        finally:
+            self.release_lock()

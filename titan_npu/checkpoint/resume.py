@@ -1,12 +1,16 @@
 """Resuming a run: which checkpoint to continue from, whether it fits the run, and restoring the run from it.
 
-Rank 0 chooses the checkpoint (checkpoint.resume: auto, never, a step or a path) and every rank follows its choice.
-Before DCP reads anything, the checkpoint's entries are compared with what the model and optimizer expect, so that
-a misfit is one line naming the cause rather than a DCP stack trace.
+Rank 0 chooses the checkpoint (checkpoint.resume: auto, never, a step or a path) and every rank follows its choice;
+`auto` skips a damaged checkpoint (files that are not the ones checkpoint.json recorded) for the newest intact one.
+Before DCP reads anything, rank 0 checks the files, the model family and definition saved in checkpoint.json are
+compared with the run's, and the checkpoint's entries with what the model and optimizer expect, so that a misfit
+is one line naming the cause rather than a DCP stack trace.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -57,8 +61,8 @@ def choose_resume_target(cfg: CheckpointConfig) -> tuple[str | None, int | None]
             )
         return None, -1 if existing else None
     if resume == "auto":
-        return (str(existing[-1].path) if existing else None), None
-    ref = storage.resolve_checkpoint(resume, root)
+        return _latest_intact(root, existing), None
+    ref = storage.resolve_checkpoint(resume, root)  # its files are checked when it is loaded (load_checkpoint)
     later = [c.step for c in existing if c.step > ref.step]
     if later and not cfg.overwrite:
         raise CheckpointError(
@@ -69,19 +73,44 @@ def choose_resume_target(cfg: CheckpointConfig) -> tuple[str | None, int | None]
     return str(ref.path), ref.step if later else None
 
 
+def _latest_intact(root: Path, existing: list[storage.CheckpointRef]) -> str | None:
+    """The newest checkpoint whose files are the ones it saved; each damaged one skipped is named in a warning."""
+    skipped: list[tuple[int, str]] = []
+    for ref in reversed(existing):
+        problem = storage.recorded_problem(ref.path)
+        if problem is None:
+            for step, why in skipped:
+                log.warning("checkpoint: skipping damaged step %d: %s", step, why)
+            if skipped:
+                log.warning("checkpoint: resuming from step %d, the newest intact checkpoint in %s", ref.step, root)
+            return str(ref.path)
+        skipped.append((ref.step, problem))
+    if skipped:
+        raise CheckpointError(
+            f"every checkpoint in {root} is damaged ({'; '.join(f'step {s}: {why}' for s, why in skipped)}); "
+            "restore their files, or start over in another checkpoint.dir"
+        )
+    return None
+
+
 def load_checkpoint(path: str | Path, job: JobConfig, run: RunState, group: CheckpointGroup, *, model_args: Any,
-                    layout: str, sections: tuple[str, ...] | None = None) -> None:
+                    layout: str, sections: tuple[str, ...] | None = None, verified: bool = False) -> None:
     """Restore the run from one checkpoint directory (collective).
 
     sections=None restores everything, train_state.step and tokens_seen included (resume); ("model",) or
-    ("model", "optimizer") start a new run from it.
+    ("model", "optimizer") start a new run from it. verified: rank 0 has already checked the files' integrity.
     """
     path = Path(path)
     storage.check_checkpoint_dir(path)
+    # One rank checks the files against the index (and, unless done already, their digests); all refuse together.
+    group.agree(lambda: _verify(path, digests=not verified), path)
     info = storage.read_info(path)
+    check_model_family(path, info, model_args, resume=sections is None)
     t0 = time.perf_counter()
     state = run.state_dict(for_load=True, sections=sections)
-    _check_fits(path, state, run, model_args, job.optimizer.name, group.rank)
+    _check_fits(path, state, run, model_args, job.optimizer.name, group.rank, definition_diffs(info, model_args))
+    if sections is None and not job.checkpoint.allow_model_change:
+        check_model_definition(path, info, model_args)
     dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
              process_group=group.pg, no_dist=not group.distributed)
     run.set_state(state)
@@ -96,6 +125,62 @@ def load_checkpoint(path: str | Path, job: JobConfig, run: RunState, group: Chec
         saved_layout = info.get("layout") or ""
         changed = f" (saved under {saved_layout})" if saved_layout and saved_layout != layout else ""
         log.info("checkpoint: loaded %s from %s in %.1fs%s", what, path, time.perf_counter() - t0, changed)
+
+
+def _verify(path: Path, digests: bool) -> None:
+    """Raise the one-line refusal of a checkpoint whose files are not the ones it saved (rank 0)."""
+    read_metadata(path, verify=True, digests=digests)
+
+
+# Fields of a family's args that do not change the function the weights compute: the kernel choice, the preset's
+# label, and the longest sequence the run allows (raised when a run continues on longer sequences).
+_DEFINITION_NEUTRAL = ("use_flash_attention", "flavor", "max_seq_len")
+
+
+def _plain(value: Any) -> Any:
+    """A value as checkpoint.json holds it (tuples as lists), for comparing saved and current model args."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def definition_diffs(info: dict[str, Any], model_args: Any) -> list[str]:
+    """'field saved vs now' for each field of the family's args that differs from the checkpoint's model_args."""
+    saved = info.get("model_args")
+    if not isinstance(saved, dict) or not dataclasses.is_dataclass(model_args):
+        return []  # a checkpoint from before model_args were recorded: the shapes are all there is to check
+    now = _plain(dataclasses.asdict(model_args))
+    return [f"{key} {_show(saved[key])} vs {_show(value)}" for key, value in now.items()
+            if key in saved and key not in _DEFINITION_NEUTRAL and _plain(saved[key]) != value]
+
+
+def check_model_family(path: Path, info: dict[str, Any], model_args: Any, resume: bool = True) -> None:
+    """Refuse a checkpoint of another model family than the run's, saying both families."""
+    saved = info.get("model_args")
+    family = getattr(model_args, "family", None)
+    if isinstance(saved, dict) and saved.get("family") not in (None, family) and family is not None:
+        other = "give this run another checkpoint.dir" if resume else \
+            f"point checkpoint.initial_load at {family} weights"
+        raise CheckpointError(
+            f"checkpoint {path.name} in {path.parent} is a {saved['family']} model, this run is {family}: set "
+            f"model.name = \"{saved['family']}\" (and its [model] settings) to {'continue' if resume else 'use'} "
+            f"it, or {other}"
+        )
+
+
+def check_model_definition(path: Path, info: dict[str, Any], model_args: Any) -> None:
+    """Refuse to resume a checkpoint saved from another model definition than the run's [model] (same shapes, other
+    function: heads, rope, norm, MoE routing ...), listing the fields; checkpoint.allow_model_change accepts it."""
+    diffs = definition_diffs(info, model_args)
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {path.name} in {path.parent} was saved from another {getattr(model_args, 'family', '')} "
+            f"model definition than [model] ({', '.join(diffs)}; checkpoint vs this run): set [model] as saved to "
+            "resume it, or --checkpoint.allow_model_change true to resume with the new definition; nothing was "
+            "changed on disk"
+        )
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
 
 def _warn_config_changes(job: JobConfig, path: Path) -> None:
@@ -115,12 +200,12 @@ def _warn_config_changes(job: JobConfig, path: Path) -> None:
 
 
 def _check_fits(path: Path, state: dict[str, Any], run: RunState, model_args: Any, optimizer_name: str,
-                rank: int) -> None:
+                rank: int, diffs: list[str] | None = None) -> None:
     """Compare what the run expects with what the checkpoint holds, before DCP reads anything.
 
     Extra states the checkpoint lacks are dropped from `state` (they keep their fresh values).
     """
-    found = checkpoint_entries(read_metadata(path))
+    found = checkpoint_entries(read_metadata(path, verify=False))  # rank 0 verified the files (load_checkpoint)
     expected = expected_entries(state)
 
     def section(prefix: str, table: dict) -> dict[str, tuple]:
@@ -131,7 +216,8 @@ def _check_fits(path: Path, state: dict[str, Any], run: RunState, model_args: An
     model_expected = _full_model_shapes(model_args) or section("model.", expected)
     problem = describe_mismatch(model_expected, section("model.", found))
     if problem:
-        raise CheckpointError(f"checkpoint {path} does not fit the model: {problem}")
+        differs = f" ([model] vs the checkpoint's: {', '.join(diffs)}, checkpoint vs this run)" if diffs else ""
+        raise CheckpointError(f"checkpoint {path} does not fit the model: {problem}{differs}")
     if "optimizer" in state:
         exp_opt = {k: v for k, v in section("optimizer.", expected).items() if k.startswith("state.")}
         got_opt = {k: v for k, v in section("optimizer.", found).items() if k.startswith("state.")}

@@ -8,6 +8,7 @@ renamed to `.step-N.deleting` before removal, so a crash mid-delete never leaves
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -28,6 +29,12 @@ CONFIG_FILE = "config.toml"
 FORMAT_NAME = "titan-npu-dcp"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"step-(\d+)")
+FILES_KEY = "files"  # checkpoint.json: every other file of the checkpoint -> its size and digest
+# A file up to this size is digested whole; a larger one by its size and DIGEST_BLOCKS blocks spread over it
+# (first and last included), so that writing and checking a checkpoint costs a bounded read per file.
+DIGEST_FULL_BYTES = 16 << 20
+DIGEST_BLOCKS = 16
+DIGEST_BLOCK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -132,21 +139,126 @@ def check_checkpoint_dir(path: str | Path) -> None:
         raise CheckpointError(f"{path} is not a checkpoint; {hint}")
 
 
+def info_problem(path: str | Path) -> str | None:
+    """Why checkpoint.json of `path` cannot be read as JSON (cut short, corrupt, unreadable), or None."""
+    info_path = Path(path) / INFO_FILE
+    try:
+        json.loads(info_path.read_text())
+    except (OSError, ValueError) as e:
+        detail = str(e).splitlines()[0] if str(e) else "empty"
+        return f"{info_path} is unreadable, cut short or corrupt ({type(e).__name__}: {detail})"
+    return None
+
+
 def read_info(path: str | Path) -> dict[str, Any]:
     """The checkpoint's checkpoint.json (step, tokens seen, layout, model shapes)."""
     info_path = Path(path) / INFO_FILE
-    try:
-        info = json.loads(info_path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{info_path} is unreadable ({type(e).__name__}: {e}); the checkpoint is damaged, "
-                              "use an earlier one") from e
+    problem = info_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"{problem}; the checkpoint {path} is damaged: {_earlier_step_hint(Path(path))}")
+    info = json.loads(info_path.read_text())
     if not isinstance(info, dict) or info.get("format") != FORMAT_NAME or not isinstance(info.get("step"), int):
         raise CheckpointError(f"{info_path} is not a {FORMAT_NAME} info file; is {path} a titan-npu checkpoint?")
     return info
 
 
+def _earlier_step_hint(path: Path) -> str:
+    """What to use instead of the damaged checkpoint `path`: the newest earlier one that checkpoint.json vouches for
+    (dcp_io.damaged also checks the DCP index; this module is below it)."""
+    match = _STEP_DIR.fullmatch(path.name)
+    step = int(match.group(1)) if match else None
+    for ref in reversed(list_checkpoints(path.parent)):
+        if (step is None or ref.step < step) and ref.path.resolve() != path.resolve() \
+                and recorded_problem(ref.path) is None:
+            return (f"use the intact step {ref.step} before it (train: --checkpoint.resume {ref.step}; export, "
+                    f"generate: --checkpoint {ref.path})")
+    return f"no earlier intact checkpoint is in {path.parent}; start again or restore the files"
+
+
+def file_digest(path: str | Path) -> str:
+    """A digest of a file's content: sha256 of the whole file, or of its size and evenly spread blocks when large."""
+    path = Path(path)
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= DIGEST_FULL_BYTES:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+            return f"sha256:{h.hexdigest()}"
+        h.update(str(size).encode())
+        last = size - DIGEST_BLOCK_BYTES
+        for i in range(DIGEST_BLOCKS):
+            f.seek(last * i // (DIGEST_BLOCKS - 1))
+            h.update(f.read(DIGEST_BLOCK_BYTES))
+    return f"sha256-sampled:{h.hexdigest()}"
+
+
+def file_manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every file of a checkpoint being published -> its size and digest (checkpoint.json aside, and the copy of
+    the config, config.toml, which holds no state and which a person may annotate)."""
+    out = {}
+    for file in sorted(folder.rglob("*")):
+        rel = file.relative_to(folder).as_posix()
+        if file.is_file() and rel not in (INFO_FILE, CONFIG_FILE):
+            out[rel] = {"size": file.stat().st_size, "digest": file_digest(file)}
+    return out
+
+
+def _is_checkpoint_file(rel: str) -> bool:
+    """A name that only a save writes (a DCP data file, a rank's state): one not in the manifest is foreign."""
+    return rel.endswith(".distcp") or rel.startswith("ranks/") or rel == DCP_METADATA
+
+
+def content_problem(path: str | Path, info: dict[str, Any]) -> str | None:
+    """How the files of checkpoint `path` differ from what its checkpoint.json describes, or None.
+
+    Checkpoints written before digests were recorded are checked for their rank files only (one per rank saved).
+    """
+    path = Path(path)
+    files = info.get(FILES_KEY)
+    if not isinstance(files, dict):
+        world = info.get("world_size")
+        if isinstance(world, int):
+            for rank in range(world):
+                if not (path / "ranks" / f"rank-{rank}.pt").is_file():
+                    return f"{path}/ranks/rank-{rank}.pt is missing (the checkpoint was saved by {world} ranks)"
+        return None
+    for rel, entry in sorted(files.items()):
+        file = path / rel
+        if not file.is_file():
+            return f"{file} is missing"
+        size = file.stat().st_size
+        if not isinstance(entry, dict) or size != entry.get("size"):
+            want = entry.get("size") if isinstance(entry, dict) else "?"
+            return f"{file} is {size} bytes but checkpoint.json recorded {want} (replaced, truncated or cut)"
+        if file_digest(file) != entry.get("digest"):
+            return (f"{file} is not the file this checkpoint saved (its content differs from the digest in "
+                    "checkpoint.json: replaced or rewritten since)")
+    for file in sorted(path.rglob("*")):
+        rel = file.relative_to(path).as_posix()
+        if file.is_file() and rel not in files and _is_checkpoint_file(rel):
+            return f"{file} is not part of this checkpoint (not in checkpoint.json; added since the save)"
+    return None
+
+
+def recorded_problem(path: str | Path) -> str | None:
+    """What checkpoint.json says is wrong with checkpoint `path`: itself unreadable, or files not the ones it
+    recorded (content_problem); None when it holds together (its DCP index is checked when it is read)."""
+    problem = info_problem(path)
+    if problem is not None:
+        return problem
+    info = json.loads((Path(path) / INFO_FILE).read_text())
+    if not isinstance(info, dict) or info.get("format") != FORMAT_NAME or not isinstance(info.get("step"), int):
+        return f"{Path(path) / INFO_FILE} is not a {FORMAT_NAME} info file (corrupt, or written by another program)"
+    return content_problem(path, info)
+
+
 def publish(tmp: Path, final: Path, info: dict[str, Any]) -> None:
-    """Write checkpoint.json into `tmp`, flush it to disk and rename `tmp` to `final` (rank 0, after all ranks)."""
+    """Write checkpoint.json into `tmp`, flush it to disk and rename `tmp` to `final` (rank 0, after all ranks).
+
+    checkpoint.json records the size and digest of every other file, checked when the checkpoint is opened.
+    """
+    info = {**info, FILES_KEY: file_manifest(tmp)}
     atomic_write_json(tmp / INFO_FILE, {"format": FORMAT_NAME, "version": FORMAT_VERSION, **info}, indent=2)
     # An existing `final` (checkpoint.overwrite, or a repeated save of the same step) keeps its name until the new one
     # takes it, parked meanwhile as .step-N.deleting, which clean_unfinished removes after a crash.

@@ -252,6 +252,7 @@ CONFIG_KEYS: dict[str, Knob] = {
     "checkpoint.export_dtype": FREE,
     "checkpoint.initial_load": FREE,
     "checkpoint.initial_load_model_only": FREE,
+    "checkpoint.allow_model_change": FREE,
     "checkpoint.enable": FREE,
     "checkpoint.overwrite": FREE,
     "data.path": FREE,

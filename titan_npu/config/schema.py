@@ -194,6 +194,7 @@ class CheckpointConfig:
     initial_load_model_only: bool = True
     enable: bool = True
     overwrite: bool = False  # let resume=never / an older step replace the checkpoints already in dir
+    allow_model_change: bool = False  # resume although [model] differs from the checkpoint's saved model definition
 
 
 @dataclass

@@ -24,6 +24,9 @@ def folder_problem(path: str | Path) -> str:
         existing = existing.parent
     if not existing.is_dir():
         return f"{existing} is a file, not a folder"
+    kind = virtual_filesystem(existing)
+    if kind:
+        return f"{existing} is on the {kind} filesystem, which the kernel makes up and which cannot hold files"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable by this user"
     return ""
@@ -85,3 +88,29 @@ def check_checkpoint_dir(root: Path) -> None:
         step = foreign[0].removeprefix("step-")
         raise ConfigError(f"checkpoint.dir = {root} holds {foreign[0]}, which is not a checkpoint: the save of step "
                           f"{step} would replace it; move it away or pass --checkpoint.dir another folder")
+
+
+# Filesystems whose entries the kernel makes up: nothing written there is kept (or writing fails oddly).
+_VIRTUAL = {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "securityfs", "debugfs", "tracefs", "pstore", "bpf",
+            "configfs", "efivarfs", "fusectl", "mqueue", "binfmt_misc", "nsfs", "selinuxfs", "rpc_pipefs",
+            "hugetlbfs"}
+
+
+def virtual_filesystem(path: str | Path) -> str:
+    """The type of the kernel-made filesystem (proc, sysfs ...) that holds `path`, or "" for one that holds files."""
+    target = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if " - " not in line or len(fields) < 5:
+                    continue
+                mount = fields[4].replace("\\040", " ")
+                fstype = line.split(" - ", 1)[1].split()[0]
+                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, fstype
+    except OSError:  # no /proc (not Linux): nothing known
+        return ""
+    return kind if kind in _VIRTUAL else ""

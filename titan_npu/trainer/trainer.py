@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from titan_npu.checkpoint.live import live_state, load_live_state
+from titan_npu.checkpoint.lock import refuse_if_owned
 from titan_npu.checkpoint.manager import CheckpointManager
 from titan_npu.config import JobConfig
 from titan_npu.config.loader import config_to_dict
@@ -100,6 +101,8 @@ class Trainer:
                                    task_queue=t.npu_task_queue)
         set_memory_fraction(self.device.type, self.device.index, t.memory_fraction)
         prepare_reliability(cfg, self.device.type)  # before the process group: it reads the flight recorder's size
+        if cfg.checkpoint.enable:  # another run's checkpoint.dir: refused before this one allocates anything
+            refuse_if_owned(cfg.checkpoint.dir)
         set_determinism(t.seed, t.deterministic)
         self.rank, self.world_size = init_process_group(self.device, cfg.comm)
         self.dims = ParallelDims.from_config(cfg.parallel, self.world_size)
