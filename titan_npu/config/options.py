@@ -323,6 +323,9 @@ CONFIG_KEYS: dict[str, Knob] = {
 }
 
 _STR, _SWITCH = Knob(kind=str), Knob(kind=bool)
+# The largest job the planner searches (docs/planning.md): 65,536 nodes of up to 1,024 devices (a super-node such as
+# a CloudMatrix 384 fits); beyond them its search would grow without a use, so the numbers are refused.
+MAX_NODES, MAX_DEVICES_PER_NODE = 65_536, 1_024
 _DEBUG = {"--debug": _SWITCH}
 
 # Command options: command -> first flag (a positional's dest) -> row. kind: the type argparse parses it as
@@ -362,8 +365,9 @@ COMMAND_OPTIONS: dict[str, dict[str, Knob]] = {
     "init-weights": {"--config": _STR, "--output": _STR, "--overwrite": _SWITCH, **_DEBUG},
     "plan": {
         "--config": _STR,
-        "--nodes": Knob(at_least(1), kind=int, why="machines in the job"),
-        "--devices-per-node": Knob(at_least(1), kind=int, why="devices on each machine"),
+        "--nodes": Knob(between(1, MAX_NODES), kind=int, why="machines in the job; the planner's largest job"),
+        "--devices-per-node": Knob(between(1, MAX_DEVICES_PER_NODE), kind=int,
+                                   why="devices on each machine; the planner's largest node"),
         "--device": _STR, "--device-memory": _STR,
         "--intra-node-bw": Knob(above(0), kind=float, why="GB/s"),
         "--inter-node-bw": Knob(above(0), kind=float, why="GB/s"),
