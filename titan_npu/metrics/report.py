@@ -59,6 +59,8 @@ def write_report(log_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     log_dir = Path(log_dir)
     out = Path(out_dir) if out_dir is not None else log_dir
     run = read_metrics(log_dir)
+    if run.skipped_lines:
+        log.warning("report: %s", run.skipped_warning())
     config = _read_toml(log_dir / "config.toml")
     info = read_run_info(log_dir)
     check_report_dir(out)
