@@ -106,6 +106,20 @@ def test_plan_reproduce_of_an_unknown_name_lists_the_runs(capsys):
     assert "give a file or one of: mindspeed_llama2_13b_tp8, " in line and "torchtitan_llama3_8b_fsdp8" in line
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["plan", "--config", DEBUG, "--efficiency", "nan"], "--efficiency = nan must be a finite number in (0, 1]"),
+    (["plan", "--config", DEBUG, "--intra-node-bw", "inf"], "--intra-node-bw = inf must be a finite number > 0"),
+    (["doctor", "--timeout", "inf"], "--timeout = inf must be a finite number in (0, 86400]"),
+    (["doctor", "--iters", "1000000000"], "--iters = 1000000000 must be in [1, 1000]"),
+    (["generate", "--checkpoint", "x.pt", "--top-p", "nan"], "--top-p = nan must be a finite number in (0, 1]"),
+    (["generate", "--checkpoint", "x.pt", "--temperature", "1e308"], "--temperature = 1e+308 must be in [0, 100]"),
+], ids=["nan efficiency", "infinite bandwidth", "infinite timeout", "absurd iterations", "nan top-p",
+        "absurd temperature"])
+def test_a_command_number_that_is_not_finite_or_absurd_is_refused_in_one_line(capsys, argv, said):
+    line = _refusal(capsys, argv)
+    assert line.startswith(f"ConfigError: {said}"), line
+
+
 # ----------------------------------------------------------------------------------------------------- doctor
 @pytest.mark.parametrize("value", ["abc", "0", "-1", "2.5", ""])
 def test_doctor_says_an_unparsable_omp_num_threads_is_ignored_and_what_torch_does(monkeypatch, capsys, value):
@@ -169,6 +183,12 @@ def test_generate_within_the_context_says_nothing_about_it(tiny_checkpoint, caps
     argv = ["generate", "--checkpoint", str(tiny_checkpoint), "--max-new-tokens", "5", "--seed", "0"]
     assert cli_main(argv) == 0
     assert "max_seq_len" not in capsys.readouterr().err
+
+
+def test_generate_refuses_more_samples_than_their_cache_can_hold_in_one_line(tiny_checkpoint, capsys):
+    line = _refusal(capsys, ["generate", "--checkpoint", str(tiny_checkpoint), "--num-samples", "1000000000000"])
+    assert line.startswith("ConfigError: --num-samples 1000000000000: the decoder's key/value cache for that many "
+                           "samples does not fit in cpu memory; ask for fewer samples")
 
 
 def test_generate_refuses_a_config_of_another_family_than_the_checkpoints(tiny_checkpoint, capsys):

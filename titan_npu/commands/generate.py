@@ -85,8 +85,15 @@ def main(argv: list[str]) -> int:
     banned = banned_token_mask(vocab, tokenizer.vocab_size, [tokenizer.bos_id, tokenizer.pad_id], device.torch_device)
 
     t0 = time.perf_counter()
-    samples = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                       args.num_samples, tokenizer.eos_id, banned, args.seed)
+    try:
+        samples = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                           args.num_samples, tokenizer.eos_id, banned, args.seed)
+    except RuntimeError as e:  # torch.OutOfMemoryError is one; the CPU allocator raises a plain RuntimeError
+        if "allocate" not in str(e).lower() and "out of memory" not in str(e).lower():
+            raise
+        raise ConfigError(f"--num-samples {args.num_samples}: the decoder's key/value cache for that many samples "
+                          f"does not fit in {device.type} memory; ask for fewer samples (or a shorter prompt and "
+                          f"--max-new-tokens)") from None
     seconds = time.perf_counter() - t0
     for i, ids in enumerate(samples):
         if i:

@@ -35,9 +35,12 @@ class Range:
     also: tuple[tuple[float, str], ...] = ()  # (value, what it means) accepted besides the interval
 
     def allows(self, value: float) -> bool:
-        """True when `value` is in the interval or one of the extra values."""
+        """True when `value` is in the interval or one of the extra values; never NaN or an infinity (a command's
+        float option parses them, the config's keys already refuse them)."""
         if any(value == v for v, _ in self.also):
             return True
+        if not math.isfinite(value):
+            return False
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
             return False
         return not (self.high is not None and (value >= self.high if self.high_open else value > self.high))
@@ -116,7 +119,8 @@ class Knob:
         if self.range is not None:
             for item in (value if self.each else [value]):
                 if isinstance(item, (int, float)) and not isinstance(item, bool) and not self.range.allows(item):
-                    raise option_error(name, f"{name} = {shown} must be {self.range}{hint}")
+                    finite = "" if math.isfinite(item) else "a finite number "
+                    raise option_error(name, f"{name} = {shown} must be {finite}{self.range}{hint}")
         return value
 
     def _choice(self, name: str, value: Any, shown: str) -> str:
@@ -379,14 +383,15 @@ COMMAND_OPTIONS: dict[str, dict[str, Knob]] = {
         "--rank": Knob(at_least(0), kind=int, why="ranks count from 0"), **_DEBUG,
     },
     "doctor": {
-        "--config": _STR, "--timeout": Knob(above(0), kind=float, why="seconds; 60 is usual"), "--sizes": _STR,
-        "--iters": Knob(at_least(1), kind=int, why="timed repetitions"), "--backend": _STR,
+        "--config": _STR, "--timeout": Knob(between(0, 86400, low_open=True), kind=float, why="seconds; 60 is usual"),
+        "--sizes": _STR,
+        "--iters": Knob(between(1, 1000), kind=int, why="timed repetitions; 3 is usual"), "--backend": _STR,
         "--no-collectives": _SWITCH, "--json": _SWITCH, **_DEBUG,
     },
     "generate": {
         "--checkpoint": _STR, "--config": _STR, "--prompt": _STR,
         "--max-new-tokens": Knob(at_least(1), kind=int, why="tokens to sample"),
-        "--temperature": Knob(at_least(0), kind=float, why="0 = greedy"),
+        "--temperature": Knob(between(0, 100), kind=float, why="0 = greedy; above about 2 the samples are noise"),
         "--top-k": Knob(at_least(0), kind=int, why="0 = all tokens"),
         "--top-p": Knob(between(0, 1, low_open=True), kind=float, why="1.0 = off"),
         "--num-samples": Knob(at_least(1), kind=int, why="continuations of the prompt"),
