@@ -191,6 +191,14 @@ def test_generate_refuses_more_samples_than_their_cache_can_hold_in_one_line(tin
                            "samples does not fit in cpu memory; ask for fewer samples")
 
 
+def test_generate_refuses_a_prompt_that_is_not_utf8_in_one_line(tiny_checkpoint, tmp_path):
+    proc = _titan(["generate", "--checkpoint", str(tiny_checkpoint), "--prompt", b"caf\xe9".decode(
+        "utf-8", "surrogateescape")], tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == "ConfigError: --prompt is not UTF-8 text (byte 0xe9 at character 4); pass the " \
+                                  "prompt in UTF-8 (check the terminal's locale)"
+
+
 def test_generate_refuses_a_config_of_another_family_than_the_checkpoints(tiny_checkpoint, capsys):
     moe = str(REPO / "configs" / "debug_moe.toml")
     line = _refusal(capsys, ["generate", "--checkpoint", str(tiny_checkpoint), "--config", moe])

@@ -44,6 +44,11 @@ def build_parser() -> CommandParser:
 def main(argv: list[str]) -> int:
     """`titan-npu generate --checkpoint DIR --prompt "..." --max-new-tokens N --temperature T --top-k K`."""
     args, _ = parse("generate", build_parser(), argv)  # before torch is imported: a refusal is instant
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # a byte of another encoding, kept by Python as a lone surrogate
+        raise ConfigError(f"--prompt is not UTF-8 text (byte 0x{ord(args.prompt[e.start]) & 0xFF:02x} at character "
+                          f"{e.start + 1}); pass the prompt in UTF-8 (check the terminal's locale)") from None
     from titan_npu.checkpoint.formats import read_weights
     from titan_npu.config.loader import load_config
     from titan_npu.data import build_tokenizer
