@@ -112,3 +112,20 @@ def test_train_refuses_a_yaml_alias_bomb_in_a_real_process_and_ends(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "alias bomb" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bomb.yaml"]
+
+
+@pytest.mark.parametrize("suffix, body", [
+    (".toml", '[model]\nname = "llama3"\n[optimizer]\nbetas = ' + "[" * 5000 + "]" * 5000 + "\n"),
+    (".yaml", "model:\n  name: llama3\noptimizer:\n  betas: " + "[" * 5000 + "]" * 5000 + "\n"),
+])
+def test_values_nested_too_deeply_are_refused_in_one_line(tmp_path, capsys, suffix, body):
+    path = tmp_path / f"deep{suffix}"
+    path.write_text(body)
+    line = _refusal(capsys, ["plan", "--config", str(path)])
+    assert line.startswith(f"ConfigError: {path}: values nested too deeply"), line
+
+
+def test_a_very_long_value_is_shown_cut_in_its_one_line(capsys):
+    value = "[" * 3000 + "]" * 3000
+    line = _refusal(capsys, ["plan", "--config", str(REPO / "configs" / "debug.toml"), "--optimizer.betas", value])
+    assert "... (6,002 characters) is not a list of floats" in line and len(line) < 400, line

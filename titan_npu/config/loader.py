@@ -118,7 +118,11 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         line = raw.count(b"\n", 0, e.start) + 1
         raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); save "
                           f"the file as UTF-8") from None
-    data = _parse_toml(text, path) if suffix == ".toml" else _parse_yaml(text, path)
+    try:
+        data = _parse_toml(text, path) if suffix == ".toml" else _parse_yaml(text, path)
+    except RecursionError:  # the parsers recurse once per level of [[[...]]] / {{...}}
+        raise ConfigError(f"{path}: values nested too deeply (lists or tables inside each other hundreds of levels "
+                          f"deep); a config is a few levels deep: check the file's brackets") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

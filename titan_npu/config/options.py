@@ -101,6 +101,7 @@ class Knob:
     kind: type | None = None
     each: bool = False
     nonempty: bool = False  # a string that must hold something
+    most: tuple[float, str] | None = None  # (a documented maximum, what it is): a larger number is refused
     what: str = "value"  # choices: what the value is ("decay type") in the refusal
 
     def check(self, name: str, value: Any) -> Any:
@@ -121,6 +122,8 @@ class Knob:
                 if isinstance(item, (int, float)) and not isinstance(item, bool) and not self.range.allows(item):
                     finite = "" if math.isfinite(item) else "a finite number "
                     raise option_error(name, f"{name} = {shown} must be {finite}{self.range}{hint}")
+                if self.most is not None and isinstance(item, (int, float)) and item > self.most[0]:
+                    raise option_error(name, f"{name} = {shown} is above {self.most[0]:,}, {self.most[1]}")
         return value
 
     def _choice(self, name: str, value: Any, shown: str) -> str:
@@ -369,9 +372,10 @@ COMMAND_OPTIONS: dict[str, dict[str, Knob]] = {
     "init-weights": {"--config": _STR, "--output": _STR, "--overwrite": _SWITCH, **_DEBUG},
     "plan": {
         "--config": _STR,
-        "--nodes": Knob(between(1, MAX_NODES), kind=int, why="machines in the job; the planner's largest job"),
-        "--devices-per-node": Knob(between(1, MAX_DEVICES_PER_NODE), kind=int,
-                                   why="devices on each machine; the planner's largest node"),
+        "--nodes": Knob(at_least(1), kind=int, why="machines in the job",
+                        most=(MAX_NODES, "the most nodes the planner plans (docs/planning.md)")),
+        "--devices-per-node": Knob(at_least(1), kind=int, why="devices on each machine",
+                                   most=(MAX_DEVICES_PER_NODE, "the most devices per node the planner plans")),
         "--device": _STR, "--device-memory": _STR,
         "--intra-node-bw": Knob(above(0), kind=float, why="GB/s"),
         "--inter-node-bw": Knob(above(0), kind=float, why="GB/s"),
@@ -383,15 +387,17 @@ COMMAND_OPTIONS: dict[str, dict[str, Knob]] = {
         "--rank": Knob(at_least(0), kind=int, why="ranks count from 0"), **_DEBUG,
     },
     "doctor": {
-        "--config": _STR, "--timeout": Knob(between(0, 86400, low_open=True), kind=float, why="seconds; 60 is usual"),
+        "--config": _STR,
+        "--timeout": Knob(above(0), kind=float, why="seconds; 60 is usual", most=(86400, "a day: check the value")),
         "--sizes": _STR,
-        "--iters": Knob(between(1, 1000), kind=int, why="timed repetitions; 3 is usual"), "--backend": _STR,
+        "--iters": Knob(at_least(1), kind=int, why="timed repetitions", most=(1000, "the most a check needs")),
+        "--backend": _STR,
         "--no-collectives": _SWITCH, "--json": _SWITCH, **_DEBUG,
     },
     "generate": {
         "--checkpoint": _STR, "--config": _STR, "--prompt": _STR,
         "--max-new-tokens": Knob(at_least(1), kind=int, why="tokens to sample"),
-        "--temperature": Knob(between(0, 100), kind=float, why="0 = greedy; above about 2 the samples are noise"),
+        "--temperature": Knob(at_least(0), kind=float, why="0 = greedy"),
         "--top-k": Knob(at_least(0), kind=int, why="0 = all tokens"),
         "--top-p": Knob(between(0, 1, low_open=True), kind=float, why="1.0 = off"),
         "--num-samples": Knob(at_least(1), kind=int, why="continuations of the prompt"),
