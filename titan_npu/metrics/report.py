@@ -31,9 +31,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except ImportError:  # Python 3.10
         import tomli as tomllib
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except (OSError, ValueError):
+        return tomllib.loads(path.read_bytes().decode("utf-8-sig"))  # a byte-order mark is dropped, as the loader does
+    except (OSError, ValueError):  # UnicodeDecodeError and TOMLDecodeError are ValueErrors: the report says less
         return {}
 
 
