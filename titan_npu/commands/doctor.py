@@ -16,6 +16,8 @@ from titan_npu.tools.doctor.environment import check_environment
 from titan_npu.tools.doctor.report import Report
 from titan_npu.tools.doctor.versions import check_versions
 
+MAX_SIZE_MIB = 16384  # the largest collective message --sizes may ask for: 16 GiB on every device
+
 
 def build_parser() -> CommandParser:
     p = CommandParser(prog="titan-npu doctor",
@@ -38,10 +40,11 @@ def _parse_sizes(text: str) -> list[int]:
 
     try:
         sizes = [int(float(x) * 1024**2) for x in text.split(",") if x.strip()]
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, nan, inf
         sizes = []
-    if not sizes or min(sizes) <= 0:
-        raise ConfigError(f"--sizes {text!r} must be positive MiB values separated by commas, e.g. 1,16,64")
+    if not sizes or min(sizes) <= 0 or max(sizes) > MAX_SIZE_MIB * 1024**2:
+        raise ConfigError(f"--sizes {text!r} must be positive MiB values up to {MAX_SIZE_MIB} (each is a buffer on "
+                          f"every device) separated by commas, e.g. 1,16,64")
     return sizes
 
 

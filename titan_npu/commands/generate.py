@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from titan_npu.commands.parsing import CommandParser, parse
 from titan_npu.errors import CheckpointError, ConfigError
@@ -43,6 +44,11 @@ def build_parser() -> CommandParser:
 def main(argv: list[str]) -> int:
     """`titan-npu generate --checkpoint DIR --prompt "..." --max-new-tokens N --temperature T --top-k K`."""
     args, _ = parse("generate", build_parser(), argv)  # before torch is imported: a refusal is instant
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # a byte of another encoding, kept by Python as a lone surrogate
+        raise ConfigError(f"--prompt is not UTF-8 text (byte 0x{ord(args.prompt[e.start]) & 0xFF:02x} at character "
+                          f"{e.start + 1}); pass the prompt in UTF-8 (check the terminal's locale)") from None
     from titan_npu.checkpoint.formats import read_weights
     from titan_npu.config.loader import load_config
     from titan_npu.data import build_tokenizer
@@ -66,6 +72,8 @@ def main(argv: list[str]) -> int:
         if cfg is None:
             raise ConfigError(f"{ckpt} records no model shapes; pass --config with the config it was trained with")
         model_args = build_model_args(cfg.model)
+    elif cfg is not None:
+        say_what_the_config_loses(ckpt, config_path, model_args, build_model_args(cfg.model), bool(args.config))
     tokenizer = build_tokenizer(args.tokenizer or cfg.data.tokenizer)
 
     device = setup_device()
@@ -82,8 +90,15 @@ def main(argv: list[str]) -> int:
     banned = banned_token_mask(vocab, tokenizer.vocab_size, [tokenizer.bos_id, tokenizer.pad_id], device.torch_device)
 
     t0 = time.perf_counter()
-    samples = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                       args.num_samples, tokenizer.eos_id, banned, args.seed)
+    try:
+        samples = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                           args.num_samples, tokenizer.eos_id, banned, args.seed)
+    except RuntimeError as e:  # torch.OutOfMemoryError is one; the CPU allocator raises a plain RuntimeError
+        if "allocate" not in str(e).lower() and "out of memory" not in str(e).lower():
+            raise
+        raise ConfigError(f"--num-samples {args.num_samples}: the decoder's key/value cache for that many samples "
+                          f"does not fit in {device.type} memory; ask for fewer samples (or a shorter prompt and "
+                          f"--max-new-tokens)") from None
     seconds = time.perf_counter() - t0
     for i, ids in enumerate(samples):
         if i:
@@ -91,4 +106,33 @@ def main(argv: list[str]) -> int:
         print(args.prompt + tokenizer.decode(ids), flush=True)
     n = sum(len(s) for s in samples)
     print(f"\n[{n} tokens in {seconds:.2f}s, {n / max(seconds, 1e-9):.1f} tokens/s on {device.type}]", file=sys.stderr)
+    # The decoder stops where the model's context ends (tools/generate.py): a cut sample is said, not silent.
+    room = limit + 2 - len(prompt_ids)
+    cut = sum(len(ids) >= room for ids in samples)
+    if args.max_new_tokens > room and cut:
+        print(f"generate: stopped at model.max_seq_len={limit + 1}: the {len(prompt_ids)}-token prompt left room for "
+              f"{room} new tokens, so {args.max_new_tokens - room} of the --max-new-tokens {args.max_new_tokens} "
+              f"were not generated ({cut} of {len(samples)} sample(s) reached the end); use a shorter --prompt or "
+              f"a model with a longer context", file=sys.stderr)
     return 0
+
+
+def say_what_the_config_loses(ckpt: Path, config_path: Path, recorded: Any, configured: Any, explicit: bool) -> None:
+    """The checkpoint's recorded model is the one generated with: refuse an explicit --config that names another
+    family, and say in one line which [model] values of the config are not used."""
+    family, other = getattr(recorded, "family", type(recorded).__name__), getattr(configured, "family", None)
+    if type(recorded) is not type(configured) or family != other:
+        if explicit:
+            raise ConfigError(f"--config {config_path} describes a {other} model, but {ckpt} records a {family} "
+                              f"model; pass the config the checkpoint was trained with (or leave --config out: the "
+                              f"checkpoint's own model and the config beside it are used)")
+        print(f"generate: {config_path} describes a {other} model, but {ckpt} records a {family} model; its "
+              f"[model] is not used (the checkpoint's is), only its tokenizer", file=sys.stderr)
+        return
+    differing = [f"{f.name} {getattr(recorded, f.name)!r} (config: {getattr(configured, f.name)!r})"
+                 for f in fields(recorded) if f.name not in ("flavor", "use_flash_attention")
+                 and getattr(recorded, f.name) != getattr(configured, f.name)]
+    if differing:
+        shown = ", ".join(differing[:4]) + (f" and {len(differing) - 4} more" if len(differing) > 4 else "")
+        print(f"generate: {ckpt} records its model's shapes, which are used instead of {config_path}'s [model]: "
+              f"{shown}", file=sys.stderr)

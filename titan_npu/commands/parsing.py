@@ -14,6 +14,10 @@ class CommandParser(argparse.ArgumentParser):
     every other refusal is: a ConfigError that the dispatcher prints and turns into exit code 2."""
 
     def error(self, message: str):  # type: ignore[override]
+        if message.endswith("expected one argument"):
+            # argparse takes a value such as -5GB for an option name and reports the value as missing.
+            option = message.removeprefix("argument ").split(":")[0].split("/")[0]
+            message += f" (if its value starts with '-', write {option}=VALUE)"
         raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 

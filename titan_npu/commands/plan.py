@@ -38,7 +38,8 @@ def build_parser() -> CommandParser:
                    help="fraction of peak FLOPs compute reaches (default: the device type's, fitted on published "
                         "runs)")
     p.add_argument("--reproduce", metavar="RUN",
-                   help="plan a published run (benchmarks/published/<run>.toml) and print estimate / published")
+                   help="plan a published run (its file, or its name as docs/planning.md lists them: the files of "
+                        "benchmarks/published/) and print estimate / published")
     p.add_argument("--top", type=int, default=10, help="how many ranked layouts to show")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--verify", action="store_true",
@@ -84,9 +85,9 @@ def main(argv: list[str]) -> int:
 
 def print_reproduction(path: str, efficiency: float | None, as_json: bool) -> int:
     """`plan --reproduce RUN`: the published run planned, its estimate beside the published figure."""
-    from titan_npu.planner.reproduce import format_reproduction, load_published, reproduce
+    from titan_npu.planner.reproduce import format_reproduction, load_published, published_path, reproduce
 
-    rep = reproduce(load_published(path), efficiency)
+    rep = reproduce(load_published(published_path(path)), efficiency)
     if as_json:
         json.dump({**rep.as_dict(), "estimate_error_band": error_band()}, sys.stdout, indent=2)
         print()

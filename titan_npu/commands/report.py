@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from titan_npu.commands.parsing import CommandParser, parse
 
 
@@ -19,6 +21,10 @@ def main(argv: list[str]) -> int:
     from titan_npu.metrics.report import write_report
 
     args, _ = parse("report", build_parser(), argv)
-    for path in write_report(args.log_dir, args.out, plots=not args.no_plots):
+    for path in write_report(args.log_dir, args.out, plots=not args.no_plots, warn=_to_stderr):
         print(path)
     return 0
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)

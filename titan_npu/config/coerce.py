@@ -40,13 +40,20 @@ def field_types(section: str) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+SHOWN_CHARS = 200  # a longer value is cut in a message, which stays one readable line
+
+
 def show(value: Any) -> str:
-    """A value as a person would write it in a config: strings quoted, booleans and null lower case."""
+    """A value as a person would write it in a config: strings quoted, booleans and null lower case; past
+    SHOWN_CHARS characters, its start and how long it is."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    return repr(value)
+    text = repr(value)
+    if len(text) > SHOWN_CHARS:
+        return f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"
+    return text
 
 
 def type_name(hint: Any) -> str:

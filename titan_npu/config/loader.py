@@ -109,12 +109,20 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if file.is_dir():
         raise ConfigError(f"config file '{path}' is a directory (give the .toml or .yaml file inside it)")
     try:
-        text = file.read_bytes().decode("utf-8")
+        raw = file.read_bytes()
+        # utf-8-sig: a byte-order mark (which some Windows editors write) is dropped, as PyYAML drops it.
+        text = raw.decode("utf-8-sig")
     except OSError as e:
         raise ConfigError(f"config file '{path}' cannot be read: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); save the file as UTF-8") from None
-    data = _parse_toml(text, path) if suffix == ".toml" else _parse_yaml(text, path)
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); save "
+                          f"the file as UTF-8") from None
+    try:
+        data = _parse_toml(text, path) if suffix == ".toml" else _parse_yaml(text, path)
+    except RecursionError:  # the parsers recurse once per level of [[[...]]] / {{...}}
+        raise ConfigError(f"{path}: values nested too deeply (lists or tables inside each other hundreds of levels "
+                          f"deep); a config is a few levels deep: check the file's brackets") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -127,11 +135,78 @@ def _parse_toml(text: str, path: str | os.PathLike[str]) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         # tomllib's message already ends with "(at line L, column C)".
-        raise ConfigError(f"{path}: invalid TOML: {_one_line(str(e))}") from None
+        raise ConfigError(f"{path}: invalid TOML: {_one_line(_name_the_duplicate(str(e), text))}") from None
+
+
+_AT = re.compile(r"\(at line (\d+), column \d+\)$")
+_HEADER = re.compile(r"\s*\[\[?\s*([^\]]+?)\s*\]\]?")
+
+
+def _name_the_duplicate(message: str, text: str) -> str:
+    """tomllib's 'Cannot overwrite a value (at line L, ...)' names no key: say which key (or table) line L sets
+    again, and in which table, so the user knows what to keep."""
+    at = _AT.search(message)
+    declared = re.match(r"Cannot declare \((.*)\) twice", message)
+    if declared and at is not None:
+        name = ".".join(part.strip().strip("'\"") for part in declared.group(1).split(",") if part.strip())
+        return f"table [{name}] is declared twice (the second time at line {at.group(1)}); merge the two into one"
+    if not message.startswith("Cannot overwrite a value") or at is None:
+        return message
+    lines = text.splitlines()
+    number = int(at.group(1))
+    if not 1 <= number <= len(lines):
+        return message
+    line = lines[number - 1]
+    header = _HEADER.match(line)
+    if header:
+        return f"table [{header.group(1)}] at line {number} redefines a key that already holds a value; rename one"
+    key = line.split("=", 1)[0].strip()
+    table = next((m.group(1) for m in map(_HEADER.match, reversed(lines[:number - 1])) if m), None)
+    where = f" in [{table}]" if table else ""
+    return f"key {key}{where} is set twice (the second time at line {number}); keep one"
+
+
+# The most values a YAML config may expand to once its aliases (*name) are followed: a real config has hundreds; an
+# alias bomb ("billion laughs": each list nine aliases of the one before) has billions and would hang the run.
+MAX_YAML_VALUES = 100_000
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last)."""
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last), and a document
+    whose aliases expand it past MAX_YAML_VALUES values (counted on the node graph before anything is built)."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        if _expanded_size(node, {}, set()) > MAX_YAML_VALUES:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"its aliases (*name) expand it past the {MAX_YAML_VALUES:,} values a config may hold "
+                f"(an alias bomb, or an alias inside its own anchor); write the values out or use fewer aliases",
+                node.start_mark)
+        return super().construct_document(node)
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """Values in `node` with every alias followed (a shared node counted each time it is reached), computed once per
+    node, so in time linear in the file; a node that contains itself counts as too many."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_nodes:
+        return MAX_YAML_VALUES + 1  # a recursive alias: expanding it never ends
+    open_nodes.add(key)
+    if isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    else:
+        children = []
+    total = 1
+    for child in children:
+        total += _expanded_size(child, sizes, open_nodes)
+        if total > MAX_YAML_VALUES:
+            break
+    open_nodes.discard(key)
+    sizes[key] = total
+    return total
 
 
 def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:

@@ -35,9 +35,12 @@ class Range:
     also: tuple[tuple[float, str], ...] = ()  # (value, what it means) accepted besides the interval
 
     def allows(self, value: float) -> bool:
-        """True when `value` is in the interval or one of the extra values."""
+        """True when `value` is in the interval or one of the extra values; never NaN or an infinity (a command's
+        float option parses them, the config's keys already refuse them)."""
         if any(value == v for v, _ in self.also):
             return True
+        if not math.isfinite(value):
+            return False
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
             return False
         return not (self.high is not None and (value >= self.high if self.high_open else value > self.high))
@@ -98,6 +101,7 @@ class Knob:
     kind: type | None = None
     each: bool = False
     nonempty: bool = False  # a string that must hold something
+    most: tuple[float, str] | None = None  # (a documented maximum, what it is): a larger number is refused
     what: str = "value"  # choices: what the value is ("decay type") in the refusal
 
     def check(self, name: str, value: Any) -> Any:
@@ -116,7 +120,10 @@ class Knob:
         if self.range is not None:
             for item in (value if self.each else [value]):
                 if isinstance(item, (int, float)) and not isinstance(item, bool) and not self.range.allows(item):
-                    raise option_error(name, f"{name} = {shown} must be {self.range}{hint}")
+                    finite = "" if math.isfinite(item) else "a finite number "
+                    raise option_error(name, f"{name} = {shown} must be {finite}{self.range}{hint}")
+                if self.most is not None and isinstance(item, (int, float)) and item > self.most[0]:
+                    raise option_error(name, f"{name} = {shown} is above {self.most[0]:,}, {self.most[1]}")
         return value
 
     def _choice(self, name: str, value: Any, shown: str) -> str:
@@ -324,6 +331,9 @@ CONFIG_KEYS: dict[str, Knob] = {
 }
 
 _STR, _SWITCH = Knob(kind=str), Knob(kind=bool)
+# The largest job the planner searches (docs/planning.md): 65,536 nodes of up to 1,024 devices (a super-node such as
+# a CloudMatrix 384 fits); beyond them its search would grow without a use, so the numbers are refused.
+MAX_NODES, MAX_DEVICES_PER_NODE = 65_536, 1_024
 _DEBUG = {"--debug": _SWITCH}
 
 # Command options: command -> first flag (a positional's dest) -> row. kind: the type argparse parses it as
@@ -363,8 +373,10 @@ COMMAND_OPTIONS: dict[str, dict[str, Knob]] = {
     "init-weights": {"--config": _STR, "--output": _STR, "--overwrite": _SWITCH, **_DEBUG},
     "plan": {
         "--config": _STR,
-        "--nodes": Knob(at_least(1), kind=int, why="machines in the job"),
-        "--devices-per-node": Knob(at_least(1), kind=int, why="devices on each machine"),
+        "--nodes": Knob(at_least(1), kind=int, why="machines in the job",
+                        most=(MAX_NODES, "the most nodes the planner plans (docs/planning.md)")),
+        "--devices-per-node": Knob(at_least(1), kind=int, why="devices on each machine",
+                                   most=(MAX_DEVICES_PER_NODE, "the most devices per node the planner plans")),
         "--device": _STR, "--device-memory": _STR,
         "--intra-node-bw": Knob(above(0), kind=float, why="GB/s"),
         "--inter-node-bw": Knob(above(0), kind=float, why="GB/s"),
@@ -376,8 +388,11 @@ COMMAND_OPTIONS: dict[str, dict[str, Knob]] = {
         "--rank": Knob(at_least(0), kind=int, why="ranks count from 0"), **_DEBUG,
     },
     "doctor": {
-        "--config": _STR, "--timeout": Knob(above(0), kind=float, why="seconds; 60 is usual"), "--sizes": _STR,
-        "--iters": Knob(at_least(1), kind=int, why="timed repetitions"), "--backend": _STR,
+        "--config": _STR,
+        "--timeout": Knob(above(0), kind=float, why="seconds; 60 is usual", most=(86400, "a day: check the value")),
+        "--sizes": _STR,
+        "--iters": Knob(at_least(1), kind=int, why="timed repetitions", most=(1000, "the most a check needs")),
+        "--backend": _STR,
         "--no-collectives": _SWITCH, "--json": _SWITCH, **_DEBUG,
     },
     "generate": {

@@ -13,6 +13,7 @@ from titan_npu.config.coerce import coerce, field_types, section_types, show
 from titan_npu.config.options import CONFIG_KEYS, option_error, or_list
 from titan_npu.config.schema import JobConfig, ModelConfig
 from titan_npu.errors import ConfigError
+from titan_npu.intmath import divisor_hint
 
 DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32", "float32": "fp32"}
 
@@ -72,7 +73,7 @@ def _check_model(m: ModelConfig) -> None:
         raise fail("model.flavor", "model.flavor is empty (use a size such as 7B, 8B, 13B, 70B, or debug)")
     m.flavor = normalize_flavor(m.flavor)
     if m.n_heads is not None and m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
-        divisors = [str(d) for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]
+        divisors = [str(d) for d in divisor_hint(m.n_heads)]
         raise fail(
             "model.n_kv_heads",
             f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads} "

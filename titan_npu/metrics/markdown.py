@@ -119,6 +119,7 @@ def render_markdown(log_dir: Path, run: RunMetrics, config: dict[str, Any], info
     notes = ["Source: metrics.jsonl, config.toml and run_info.json in this directory. Throughput and MFU are medians "
              "over the logged windows after the first; docs/metrics.md explains every figure."]
     if run.skipped_lines:
-        notes.append(f"{run.skipped_lines} unreadable line(s) of metrics.jsonl were skipped.")
+        notes.append(f"{run.skipped_lines} unreadable line(s) of metrics.jsonl were skipped (the first: "
+                     f"{run.first_skipped}).")
     lines += notes + [""]
     return "\n".join(lines)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except ImportError:  # Python 3.10
         import tomli as tomllib
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except (OSError, ValueError):
+        return tomllib.loads(path.read_bytes().decode("utf-8-sig"))  # a byte-order mark is dropped, as the loader does
+    except (OSError, ValueError):  # UnicodeDecodeError and TOMLDecodeError are ValueErrors: the report says less
         return {}
 
 
@@ -59,11 +59,14 @@ def check_report_dir(out: Path) -> None:
 
 
 def write_report(log_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
-                 plots: bool = True) -> list[Path]:
-    """Write report.png (when matplotlib is there and `plots`) and report.md; returns the files written."""
+                 plots: bool = True, warn: Callable[[str], None] | None = None) -> list[Path]:
+    """Write report.png (when matplotlib is there and `plots`) and report.md; returns the files written. `warn`
+    (default: the titan_npu logger) gets the one line naming the lines of metrics.jsonl that were skipped."""
     log_dir = Path(log_dir)
     out = Path(out_dir) if out_dir is not None else log_dir
     run = read_metrics(log_dir)
+    if run.skipped_lines:
+        (warn or log.warning)(f"report: {run.skipped_warning()}")
     config = _read_toml(log_dir / "config.toml")
     info = read_run_info(log_dir)
     check_report_dir(out)

@@ -28,6 +28,20 @@ class RunMetrics:
     train: list[dict[str, Any]] = field(default_factory=list)
     val: list[dict[str, Any]] = field(default_factory=list)
     skipped_lines: int = 0
+    first_skipped: str = ""  # "metrics.jsonl:LINE: why" of the first skipped line, for the one-line warning
+
+    def skip(self, path: Path, number: int, why: str) -> None:
+        """Count line `number` of `path` as unreadable (the first one is remembered with `why`)."""
+        self.skipped_lines += 1
+        if not self.first_skipped:
+            self.first_skipped = f"{path}:{number}: {why}"
+
+    def skipped_warning(self) -> str:
+        """One line naming the first skipped line and how many were skipped ('' when none)."""
+        if not self.skipped_lines:
+            return ""
+        return (f"{self.first_skipped}; skipped it ({self.skipped_lines} unreadable line(s) of {METRICS} in all: "
+                f"the report leaves them out)")
 
 
 def _append(records: list[dict[str, Any]], rec: dict[str, Any]) -> None:
@@ -45,18 +59,24 @@ def read_metrics(log_dir: str | os.PathLike) -> RunMetrics:
         what = "does not exist" if not where.exists() else f"has no {METRICS}"
         raise DataError(f"{where} {what}; give the metrics.log_dir of a run (the directory holding {METRICS})")
     run = RunMetrics()
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
+    # Read as bytes and decode line by line: one damaged line (a non-UTF-8 byte, a crash mid-write) is skipped and
+    # named, not a traceback or the end of the report.
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                run.skip(path, number, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
+                continue
             if not line:
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
-                run.skipped_lines += 1
+                run.skip(path, number, "not a JSON record")
                 continue
             if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-                run.skipped_lines += 1
+                run.skip(path, number, "not a step record (an object with an integer 'step')")
                 continue
             rec = {k: _number(v) for k, v in rec.items()}
             if "val_loss" in rec:
@@ -64,7 +84,7 @@ def read_metrics(log_dir: str | os.PathLike) -> RunMetrics:
             elif "loss" in rec:
                 _append(run.train, rec)
             else:
-                run.skipped_lines += 1
+                run.skip(path, number, "a record with neither 'loss' nor 'val_loss'")
     if not run.train and not run.val:
         raise DataError(f"{path} holds no step records; the run logged nothing yet (metrics.log_interval steps "
                         f"must pass before the first line after step 1)")

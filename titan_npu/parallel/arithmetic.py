@@ -21,11 +21,6 @@ def mesh_dims(degrees: Mapping[str, int]) -> tuple[str, ...]:
     return CP_MESH_DIMS if "cp" in degrees else MESH_DIMS
 
 
-def divisors(n: int) -> list[int]:
-    """The divisors of n, ascending: the degrees a dimension of n ranks can take."""
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def mesh_coordinates(degrees: Mapping[str, int], rank: int) -> dict[str, int]:
     """A rank's index along each mesh dimension (mesh_dims order), as init_device_mesh lays ranks out (row-major)."""
     names = mesh_dims(degrees)

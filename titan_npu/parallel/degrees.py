@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from titan_npu.errors import LayoutError
-from titan_npu.parallel.arithmetic import divisors, mesh_coordinates, mesh_rank
+from titan_npu.intmath import divisor_hint
+from titan_npu.parallel.arithmetic import mesh_coordinates, mesh_rank
 
 if TYPE_CHECKING:
     from titan_npu.config.schema import ParallelConfig
@@ -55,9 +56,9 @@ class Degrees:
             ranks = (f"dp_shard={self.dp_shard}" if self.cp == 1
                      else f"dp_shard x cp_degree = {self.dp_shard} x {self.cp} = {self.fsdp_shards}")
             raise LayoutError(f"parallel.ep_degree={self.ep} must divide {ranks} (the expert-parallel ranks "
-                              f"are taken from the FSDP ranks); choose ep_degree from {divisors(self.fsdp_shards)}")
+                              f"are taken from the FSDP ranks); choose ep_degree from {divisor_hint(self.fsdp_shards)}")
         if self.hybrid_cp and (self.cp % self.cp_ulysses or not 1 < self.cp_ulysses < self.cp):
-            choices = [d for d in divisors(self.cp) if 1 < d < self.cp]
+            choices = [d for d in divisor_hint(self.cp) if 1 < d < self.cp]
             raise LayoutError(
                 f"parallel.cp_ulysses_degree={self.cp_ulysses}: hybrid context parallelism runs Ulysses within groups "
                 f"of cp_ulysses_degree ranks and the ring between them, so it must divide cp_degree={self.cp} and lie "
@@ -84,7 +85,7 @@ class Degrees:
                 raise LayoutError(
                     f"world size {world_size} is not divisible by dp_replicate*tp_degree*pp_degree{cp_term} = "
                     f"{cfg.dp_replicate}*{cfg.tp_degree}*{cfg.pp_degree}{cp_value} = {fixed}; "
-                    f"choose degrees whose product divides {world_size} (divisors: {divisors(world_size)})"
+                    f"choose degrees whose product divides {world_size} (divisors: {divisor_hint(world_size)})"
                 )
             dp_shard = world_size // fixed
         if dp_shard < 1:

@@ -10,8 +10,8 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from titan_npu.errors import LayoutError
+from titan_npu.intmath import divisor_hint
 from titan_npu.parallel import arithmetic
-from titan_npu.parallel.arithmetic import divisors
 from titan_npu.parallel.degrees import Degrees
 
 if TYPE_CHECKING:
@@ -72,26 +72,31 @@ def _check_data_parallel(dims: Degrees, cfg: JobConfig) -> None:
 
 
 def _check_context_parallel(dims: Degrees, a: Any, cfg: JobConfig) -> None:
-    p, cp = cfg.parallel, dims.cp
-    if not dims.cp_enabled:
-        return
-    if p.cp_mode == "ulysses":
-        _check_ulysses_heads(cp, a, dims.tp)
-    if p.cp_mode == "hybrid":
-        _check_ulysses_heads(dims.cp_ulysses, a, dims.tp, "parallel.cp_ulysses_degree")
+    if dims.cp_enabled:
+        check_context_parallel(dims.cp, cfg.parallel.cp_mode, dims.cp_ulysses, dims.tp, a, cfg)
+
+
+def check_context_parallel(cp: int, cp_mode: str, cp_ulysses: int, tp: int, a: Any, cfg: JobConfig) -> None:
+    """LayoutError when context parallelism over `cp` ranks (cp_mode, its Ulysses group size, beside tensor
+    parallelism over `tp`) cannot split this model's heads or cfg's sequences; the planner asks it before it
+    enumerates the other degrees of a (tp, cp) pair."""
+    if cp_mode == "ulysses":
+        _check_ulysses_heads(cp, a, tp)
+    if cp_mode == "hybrid":
+        _check_ulysses_heads(cp_ulysses, a, tp, "parallel.cp_ulysses_degree")
     seq_len = cfg.training.seq_len
     if seq_len % (2 * cp):
         raise LayoutError(
             f"training.seq_len={seq_len} does not split into 2 * parallel.cp_degree = {2 * cp} equal chunks (each "
             f"cp rank holds an early and a late chunk); use a seq_len that is a multiple of {2 * cp}"
         )
-    if (seq_len // cp) % dims.tp:
-        multiple = math.lcm(2 * cp, cp * dims.tp)
+    if (seq_len // cp) % tp:
+        multiple = math.lcm(2 * cp, cp * tp)
         raise LayoutError(
             f"training.seq_len={seq_len} leaves each cp rank {seq_len // cp} positions, which sequence parallelism "
-            f"cannot split over parallel.tp_degree={dims.tp}; use a seq_len that is a multiple of {multiple}"
+            f"cannot split over parallel.tp_degree={tp}; use a seq_len that is a multiple of {multiple}"
         )
-    if not p.fsdp:
+    if not cfg.parallel.fsdp:
         raise LayoutError(
             f"parallel.cp_degree={cp} with parallel.fsdp=false (the cp ranks shard the parameters with FSDP) is not "
             f"yet available; set parallel.fsdp = true or parallel.cp_degree = 1")
@@ -103,7 +108,7 @@ def _check_ulysses_heads(cp: int, a: Any, tp: int = 1, degree: str = "parallel.c
     ranks that read it); under tensor parallelism, the heads of one tp rank (n_heads / tp, n_kv_heads / tp)."""
     heads, kv_heads = a.n_heads // tp, a.n_kv_heads // tp
     if heads % cp or (kv_heads % cp and cp % kv_heads):
-        choices = _listing([d for d in divisors(heads) if d > 1 and not (kv_heads % d and d % kv_heads)])
+        choices = _listing([d for d in divisor_hint(heads) if d > 1 and not (kv_heads % d and d % kv_heads)])
         per_tp = f" ({heads} / {kv_heads} per rank of tp_degree={tp})" if tp > 1 else ""
         raise LayoutError(
             f"parallel.cp_mode=\"{'ulysses' if degree.endswith('cp_degree') else 'hybrid'}\" splits the attention "
@@ -121,7 +126,7 @@ def _check_expert_parallel(dims: Degrees, a: Any) -> None:
                           f"no MoE layer; set parallel.ep_degree = 1")
     if n_experts % ep:
         raise LayoutError(f"parallel.ep_degree={ep} does not divide model.n_experts={n_experts}: each rank must hold "
-                          f"as many whole experts; choose ep_degree from {_listing(divisors(n_experts))}")
+                          f"as many whole experts; choose ep_degree from {_listing(divisor_hint(n_experts))}")
     not_yet = [(dims.tp_enabled and ep < dims.dp_shard,
                 f"tensor parallelism (tp_degree={dims.tp}) and ep_degree < dp_shard={dims.dp_shard}",
                 f"parallel.ep_degree = {dims.dp_shard} (the experts then need no FSDP)"),
@@ -138,7 +143,8 @@ def _check_expert_parallel(dims: Degrees, a: Any) -> None:
 def _check_tensor_parallel(dims: Degrees, a: Any, cfg: JobConfig) -> None:
     tp = dims.tp
     # Degrees that split heads, kv heads and the FFN evenly (the vocabulary can always be padded).
-    choices = _listing(divisors(math.gcd(a.n_heads, a.n_kv_heads, a.ffn_dim)))
+    if a.n_heads % tp or a.n_kv_heads % tp or a.ffn_dim % tp:
+        choices = _listing(divisor_hint(math.gcd(a.n_heads, a.n_kv_heads, a.ffn_dim)))
     if a.n_heads % tp:
         raise LayoutError(
             f"parallel.tp_degree={tp} does not divide model.n_heads={a.n_heads}: each rank must hold whole "
@@ -175,12 +181,13 @@ def _check_moe_tensor_parallel(tp: int, a: Any) -> None:
     if a.moe_ffn_dim % tp:
         raise LayoutError(
             f"parallel.tp_degree={tp} does not divide model.moe_ffn_dim={a.moe_ffn_dim} (each expert is split on "
-            f"its ffn dim over the tp ranks); choose tp_degree from {_listing(divisors(a.moe_ffn_dim))}"
+            f"its ffn dim over the tp ranks); choose tp_degree from {_listing(divisor_hint(a.moe_ffn_dim))}"
         )
     if getattr(a, "shared_ffn_dim", 0) % tp:
         raise LayoutError(
             f"parallel.tp_degree={tp} does not divide model.shared_ffn_dim={a.shared_ffn_dim} (the shared expert is "
-            f"split on its ffn dim over the tp ranks); choose tp_degree from {_listing(divisors(a.shared_ffn_dim))}"
+            f"split on its ffn dim over the tp ranks); choose tp_degree from "
+            f"{_listing(divisor_hint(a.shared_ffn_dim))}"
         )
 
 
@@ -222,7 +229,7 @@ def _check_pipeline(dims: Degrees, a: Any, cfg: JobConfig) -> None:
             f"step; set parallel.pp_microbatches >= {dims.pp}"
         )
     if local % n_mb:
-        fits = [d for d in divisors(local) if d >= dims.pp]
+        fits = [d for d in divisor_hint(local) if d >= dims.pp]
         fix = f"set parallel.pp_microbatches to one of {_listing(fits)}, or " if fits else ""
         raise LayoutError(
             f"{origin} does not divide the {local} sequences each pipeline runs per step (training.batch_size="

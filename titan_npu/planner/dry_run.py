@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from titan_npu.parallel.dims import ParallelDims
 
 GiB = 1024**3
+MAX_DRY_RUN_WORLD = 65_536  # ranks: a dry run of this many takes seconds, its mesh grows with the world
 
 
 @dataclass
@@ -127,16 +128,22 @@ def optimizer_state_bytes_per_param_byte(cfg: JobConfig, muon: bool = False) -> 
 
 
 def resolve_world_size(cfg: JobConfig, world_size: int | None) -> int:
-    """The dry run's world size: given, else the product of the config's degrees when none is -1."""
+    """The dry run's world size: given, else the product of the config's degrees when none is -1; at most
+    MAX_DRY_RUN_WORLD (its device mesh, built in this process, grows with the world)."""
     if world_size is not None:
         if world_size < 1:
             raise ConfigError(f"--world-size {world_size} must be >= 1")
-        return world_size
-    p = cfg.parallel
-    if p.dp_shard == -1:
-        raise ConfigError("a dry run needs the job's size: pass --world-size N (parallel.dp_shard = -1 means "
-                          "'all remaining ranks', so the config alone does not say how many)")
-    return p.dp_replicate * p.dp_shard * p.tp_degree * p.pp_degree
+    else:
+        p = cfg.parallel
+        if p.dp_shard == -1:
+            raise ConfigError("a dry run needs the job's size: pass --world-size N (parallel.dp_shard = -1 means "
+                              "'all remaining ranks', so the config alone does not say how many)")
+        world_size = p.dp_replicate * p.dp_shard * p.tp_degree * p.pp_degree
+    if world_size > MAX_DRY_RUN_WORLD:
+        raise ConfigError(f"a dry run of {world_size:,} ranks: it builds jobs of at most {MAX_DRY_RUN_WORLD:,} ranks "
+                          f"(the device mesh is built in this process); dry-run a smaller job with the same tp, pp "
+                          f"and cp degrees, or plan this one without --verify / --dry-run")
+    return world_size
 
 
 def build_parallel_model(cfg: JobConfig, dims: ParallelDims) -> list[nn.Module]:

@@ -10,6 +10,7 @@ from titan_npu.errors import ConfigError
 from titan_npu.planner.layout import GiB
 
 GB = 1e9
+MAX_DEVICE_MEMORY = 16 * 1024 * GiB  # per device: no accelerator comes near it; a larger --device-memory is a typo
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,20 @@ DEVICES: dict[str, Hardware] = {
 
 
 def parse_bytes(text: str) -> int:
-    """'64GB' / '64G' / '64GiB' / '65536MB' -> bytes; GB means GiB here, as npu-smi and nvidia-smi count."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    """'64GB' / '64G' / '64GiB' / '65536MB' -> bytes; GB means GiB here, as npu-smi and nvidia-smi count. A size
+    that is not positive, or is above MAX_DEVICE_MEMORY, is refused (ConfigError)."""
+    match = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
     if match is None:
         raise ConfigError(f"--device-memory {text!r} is not a size; write it like 64GB, 80GiB or 32768MB")
     value, unit = float(match.group(1)), match.group(2)
-    return int(value * 1024 ** "_kmgt".index(unit or "_"))
+    size = int(value * 1024 ** "_kmgt".index(unit or "_"))
+    if size <= 0:
+        raise ConfigError(f"--device-memory {text!r}: a device's memory must be positive; write it like 64GB, or "
+                          f"leave the option out to take the device's own")
+    if size > MAX_DEVICE_MEMORY:
+        raise ConfigError(f"--device-memory {text!r} is more than any device holds (at most "
+                          f"{MAX_DEVICE_MEMORY // GiB // 1024} TiB here); write the memory of one device, like 64GB")
+    return size
 
 
 def hardware(name: str, memory: str | None = None, intra_node_gbs: float | None = None,

@@ -9,7 +9,7 @@ from operator import attrgetter
 from typing import Any, TypeVar
 
 from titan_npu.config.schema import Float8Config, JobConfig
-from titan_npu.errors import LayoutError
+from titan_npu.errors import ConfigError, LayoutError
 from titan_npu.models.registry import build_model_args
 from titan_npu.parallel import arithmetic
 from titan_npu.parallel.degrees import Degrees
@@ -18,6 +18,7 @@ GiB = 1024**3
 MiB = 1024**2
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 AC_MODES = ("none", "selective", "full")
+MAX_LAYERS = 10_000  # the deepest model the planner plans: its terms are added up layer by layer
 T = TypeVar("T")
 
 
@@ -157,9 +158,14 @@ class Job:
 
 
 def job_from_config(cfg: JobConfig) -> Job:
-    """The model and training settings of a config, resolved."""
+    """The model and training settings of a config, resolved; ConfigError past MAX_LAYERS layers."""
+    args = build_model_args(cfg.model)
+    if args.n_layers > MAX_LAYERS:
+        raise ConfigError(f"model.n_layers = {args.n_layers}: the planner adds up its estimates layer by layer and "
+                          f"plans models of at most {MAX_LAYERS:,} layers (published models have under 200); set "
+                          f"a smaller model.n_layers")
     return Job(
-        args=build_model_args(cfg.model),
+        args=args,
         seq_len=cfg.training.seq_len,
         dtype=cfg.training.dtype,
         optimizer=cfg.optimizer.name.lower(),

@@ -61,6 +61,29 @@ def load_published(path: str | Path) -> PublishedRun:
     return PublishedRun(id=Path(path).stem, config=config_from_dict(data, str(path)), **fields)
 
 
+# Where the published runs of a source checkout are; `--reproduce NAME` also looks in ./benchmarks/published.
+PUBLISHED_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "published"
+
+
+def published_path(run: str) -> Path:
+    """The file of `plan --reproduce RUN`: RUN itself when it exists, else the published run of that name (as the
+    table in docs/planning.md and `published run NAME` print it) in PUBLISHED_DIR or ./benchmarks/published."""
+    path = Path(run)
+    if path.exists():
+        return path
+    folders = [d for d in dict.fromkeys((PUBLISHED_DIR, Path.cwd() / "benchmarks" / "published")) if d.is_dir()]
+    name = path.name.strip("`").removesuffix(".toml").lower().replace("-", "_")
+    for folder in folders:
+        if (folder / f"{name}.toml").is_file():
+            return folder / f"{name}.toml"
+    if not folders:
+        raise ConfigError(f"--reproduce {run}: no such file, and no benchmarks/published folder here to find a run "
+                          f"of that name in; give the path of a published run's .toml")
+    names = sorted({p.stem for folder in folders for p in folder.glob("*.toml")})
+    raise ConfigError(f"--reproduce {run}: no such file, nor a published run of that name in {folders[0]}; give a "
+                      f"file or one of: {', '.join(names) or '(none there)'}")
+
+
 def published_runs(directory: str | Path) -> list[PublishedRun]:
     """Every published run in `directory` (*.toml), in file-name order."""
     paths = sorted(Path(directory).glob("*.toml"))

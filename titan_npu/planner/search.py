@@ -8,10 +8,10 @@ from dataclasses import dataclass, replace
 from titan_npu.config.schema import JobConfig
 from titan_npu.config.validate import check_seq_len
 from titan_npu.errors import ConfigError, LayoutError
+from titan_npu.intmath import divisors
 from titan_npu.models.registry import spec_of
-from titan_npu.parallel.arithmetic import divisors
 from titan_npu.parallel.degrees import Degrees
-from titan_npu.parallel.layout import validate_layout
+from titan_npu.parallel.layout import check_context_parallel, validate_layout
 from titan_npu.planner.hardware import Hardware
 from titan_npu.planner.layout import GiB, Job, Layout, job_from_config, layout_from_config
 from titan_npu.planner.memory import MemoryBreakdown, estimate_memory
@@ -163,7 +163,7 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
     n_experts = getattr(a, "n_experts", 0) if getattr(a, "n_moe_layers", 0) else 0
     out: list[Layout] = []
     made: dict = {}  # config sections shared by the candidates' configs
-    for tp, cp, cp_mode, cp_ulysses in _model_parallel_degrees(job, world_size, devices_per_node):
+    for tp, cp, cp_mode, cp_ulysses in _model_parallel_degrees(cfg, job, world_size, devices_per_node):
         for pp in divisors(world_size // (tp * cp)):
             if pp > min(MAX_PP, a.n_layers):
                 continue
@@ -172,9 +172,10 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
                 continue
             local = global_batch // dp
             replicas = [1] + [r for r in divisors(dp) if r > 1 and (dp // r) * tp * cp <= devices_per_node]
-            # ep from the FSDP ranks (dp_shard x cp); parallel/layout.py refuses what the MoE layers cannot run.
-            for dp_replicate, ep in [(r, e) for r in replicas
-                                     for e in divisors(dp // r * cp) if e == 1 or n_experts % e == 0]:
+            # ep from the FSDP ranks (dp_shard x cp) for a MoE model only; parallel/layout.py refuses what the MoE
+            # layers cannot run.
+            for dp_replicate, ep in [(r, e) for r in replicas for e in divisors(dp // r * cp)
+                                     if e == 1 or (n_experts and n_experts % e == 0)]:
                 dp_shard = dp // dp_replicate
                 try:
                     degrees = Degrees(dp_replicate, dp_shard, tp, pp, cp, ep, cp_mode, cp_ulysses, base.fsdp)
@@ -202,20 +203,31 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
     return out
 
 
-def _model_parallel_degrees(job: Job, world_size: int, devices_per_node: int) -> list[tuple[int, int, str, int]]:
+def _model_parallel_degrees(cfg: JobConfig, job: Job, world_size: int, devices_per_node: int
+                            ) -> list[tuple[int, int, str, int]]:
     """(tp, cp, cp_mode, cp_ulysses) to try: tp inside a node splitting the heads; cp any divisor of the ranks left,
-    ring, Ulysses, or hybrid with each Ulysses group size between (the layout checks keep those the heads allow)."""
+    ring, Ulysses, or hybrid with each Ulysses group size between, kept only where the layout checks let them split
+    the heads and sequences (so the search does not grow with the divisors of an absurd world size)."""
     a = job.args
     out = []
     for tp in divisors(devices_per_node):
         if tp > MAX_TP or a.n_heads % tp or a.n_kv_heads % tp:
             continue
         for cp in divisors(world_size // tp):
-            out.append((tp, cp, "ring", 1))
+            tries = [(tp, cp, "ring", 1)]
             if cp > 1:
-                out.append((tp, cp, "ulysses", 1))
-                out += [(tp, cp, "hybrid", u) for u in divisors(cp) if 1 < u < cp]
+                tries.append((tp, cp, "ulysses", 1))
+                tries += [(tp, cp, "hybrid", u) for u in divisors(cp) if 1 < u < cp]
+            out += [t for t in tries if t[1] == 1 or _context_parallel_fits(cfg, job, *t)]
     return out
+
+
+def _context_parallel_fits(cfg: JobConfig, job: Job, tp: int, cp: int, cp_mode: str, cp_ulysses: int) -> bool:
+    try:
+        check_context_parallel(cp, cp_mode, cp_ulysses, tp, job.args, cfg)
+    except LayoutError:
+        return False
+    return True
 
 
 def rank_candidates(candidates: list[Candidate]) -> list[Candidate]:

@@ -102,7 +102,8 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
     logits = logits.float()
     if temperature <= 0:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    # In float64: a temperature past float32's range (1e308) would make the logits NaN, not near-uniform.
+    logits = (logits.double() / temperature).float()
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

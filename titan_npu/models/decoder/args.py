@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from titan_npu.errors import ConfigError
+from titan_npu.intmath import divisor_hint
 
 if TYPE_CHECKING:
     from titan_npu.config.schema import ModelConfig
@@ -170,7 +171,7 @@ def _check_heads_divide_dim(args: DecoderArgs) -> None:
         lower = args.dim - args.dim % args.n_heads
         raise ConfigError(
             f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads} "
-            f"(use dim {lower or args.n_heads} or {lower + args.n_heads}, or n_heads from {_divisors(args.dim)}, "
+            f"(use dim {lower or args.n_heads} or {lower + args.n_heads}, or n_heads from {divisor_hint(args.dim)}, "
             f"or set model.head_dim)"
         )
 
@@ -183,7 +184,7 @@ def _validate(args: DecoderArgs) -> None:
     if args.n_heads % args.n_kv_heads:
         raise ConfigError(
             f"model.n_heads={args.n_heads} is not a multiple of model.n_kv_heads={args.n_kv_heads} "
-            f"(choose n_kv_heads from {_divisors(args.n_heads)})"
+            f"(choose n_kv_heads from {divisor_hint(args.n_heads)})"
         )
     if args.head_dim % 2:
         raise ConfigError(
@@ -199,7 +200,3 @@ def _validate(args: DecoderArgs) -> None:
         raise ConfigError(
             f"model.rope_scaling_factor={args.rope_scaling_factor} must be positive (8.0 for Llama 3.1) or unset"
         )
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

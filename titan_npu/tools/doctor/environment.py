@@ -90,6 +90,8 @@ def check_environment(report: Report, device_type: str | None, cfg=None) -> dict
         report.add("info", s, f"{name}={env[name]}" + (f"  -- {meaning}" if meaning else ""))
     if not env:
         report.add("info", s, "no HCCL_/NCCL_/GLOO_ variables set: the libraries' defaults apply")
+    for level, message in thread_count_problems(env) + whole_number_problems(env):
+        report.add(level, s, message)
     nodes = _node_count()
     connect = env.get("HCCL_CONNECT_TIMEOUT")
     if device_type == "npu" and nodes > 1 and connect and connect.isdigit() and int(connect) < 300:
@@ -132,3 +134,40 @@ def _node_count() -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     return max(1, world // max(1, local))
+
+
+# Variables whose value the libraries read as a whole number (torch_npu / HCCL / NCCL); another value is not used as
+# meant, so the doctor says so rather than skipping its own checks of it in silence.
+WHOLE_NUMBER_VARS = ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_BUFFSIZE", "TASK_QUEUE_ENABLE",
+                     "STREAMS_PER_DEVICE", "NCCL_BUFFSIZE")
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, else every core)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def thread_count_problems(env: dict[str, str]) -> list[tuple[str, str]]:
+    """(level, message) for an OMP_NUM_THREADS that OpenMP cannot parse: OpenMP reads a comma-separated list of
+    positive whole numbers (the first is the thread count); anything else it ignores with 'libgomp: Invalid value
+    for environment variable OMP_NUM_THREADS', and torch then runs its default of one thread per core."""
+    value = env.get("OMP_NUM_THREADS")
+    if value is None:
+        return []
+    items = [item.strip() for item in value.split(",")]
+    if all(item.isdigit() and int(item) > 0 for item in items):
+        return []
+    cores = available_cores()
+    return [("warn", f"OMP_NUM_THREADS={value!r} is unparsable (OpenMP wants a positive whole number, such as "
+                     f"{cores}): OpenMP ignores it and torch runs its default, one thread per available core "
+                     f"({cores} here); set it to a positive number or unset it")]
+
+
+def whole_number_problems(env: dict[str, str]) -> list[tuple[str, str]]:
+    """(level, message) for each of WHOLE_NUMBER_VARS set to something other than a whole number."""
+    return [("warn", f"{name}={env[name]!r} is not a whole number, which the library reads it as; it is not used "
+                     f"as meant (ignored or refused at start-up): set a whole number or unset it")
+            for name in WHOLE_NUMBER_VARS if name in env and not env[name].strip().isdigit()]

@@ -42,7 +42,8 @@ def read_cann_version(home: Path) -> str | None:
 def read_npu_driver_version(driver_dir: Path = Path("/usr/local/Ascend/driver")) -> str | None:
     """NPU driver version from driver/version.info, else from `npu-smi info`'s header."""
     try:
-        m = re.search(r"^\s*Version\s*=\s*([0-9][\w.]*)", (driver_dir / "version.info").read_text(), re.MULTILINE)
+        m = re.search(r"^\s*Version\s*=\s*([0-9][\w.]*)", (driver_dir / "version.info").read_text(errors="replace"),
+                      re.MULTILINE)
         if m:
             return m.group(1)
     except OSError:
@@ -69,6 +70,7 @@ def _run(cmd: list[str], timeout: float = 10.0) -> str | None:
     if shutil.which(cmd[0]) is None:
         return None
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False).stdout
+        return subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout,
+                              check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return None
