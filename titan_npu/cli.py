@@ -32,6 +32,7 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
 EXIT_REFUSED = 2  # bad input refused (or a run halted) with one line saying why; see docs/reliability.md
 PEER_REPORT_WAIT_S = 60.0  # how long a silent rank waits for local rank 0 to have said the same refusal
 LOST_PEER_WAIT_S = 10.0  # how long a rank whose peer ended waits for torchrun to stop it (it polls every 0.1 s)
@@ -59,6 +60,15 @@ def run_command(func, argv: list[str]) -> int:
         if getattr(e, "peer_lost", False):
             _wait_to_be_stopped()
         return EXIT_REFUSED
+    except BrokenPipeError as e:
+        if e.filename is not None or debug:
+            raise
+        # What read the output stopped reading (`titan-npu plan ... | head`): quiet, as a shell tool killed by SIGPIPE.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+        except (OSError, ValueError):
+            pass
+        return EXIT_BROKEN_PIPE
     except OSError as e:  # a file the command read or wrote: no space, permission denied, read-only, ...
         if debug:
             raise

@@ -225,3 +225,12 @@ def test_an_os_error_re_raised_as_text_is_still_said_with_its_file_and_fix():
         "8192 requested and 0 written; check the path, its permissions and the filesystem")
     assert describe_os_error(OSError(errno.EXDEV, os.strerror(errno.EXDEV), "/a", None, "/b")).startswith(
         "Invalid cross-device link (EXDEV): /a -> /b; ")
+
+
+def test_output_piped_into_a_reader_that_went_away_ends_quietly_like_a_shell_tool():
+    """`titan-npu plan --reproduce NAME | head -1`: no BrokenPipeError line or traceback, exit 141 (128 + SIGPIPE)."""
+    proc = subprocess.Popen([sys.executable, "-m", "titan_npu.cli", "plan", "--reproduce", "mindspeed_llama2_13b_tp8"],
+                            cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone long before the command has imported torch and written its table
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err
