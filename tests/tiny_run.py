@@ -44,3 +44,15 @@ def train_tiny(run_dir: Path, steps: int = 1, **extra: object) -> Path:
 
     assert main(["train", *tiny_args(run_dir, training__max_steps=steps, checkpoint__async_save=False, **extra)]) == 0
     return run_dir / "ckpt"
+
+
+def refusal_line(capsys, argv: list[str]) -> str:
+    """The one stderr line of `titan-npu ARGV` run in-process, asserting exit 2, one line and no traceback."""
+    from titan_npu.cli import main as cli_main
+
+    capsys.readouterr()
+    assert cli_main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out + err, err
+    return lines[0]

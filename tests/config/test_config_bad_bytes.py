@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_run import refusal_line
 
 from titan_npu.cli import main as cli_main
 from titan_npu.config.loader import MAX_YAML_VALUES, read_config_file
@@ -19,13 +20,6 @@ REPO = Path(__file__).resolve().parents[2]
 LLAMA = b'[model]\nname = "llama3"\nflavor = "debug"\n'
 
 
-def _refusal(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    capsys.readouterr()
-    assert cli_main(argv) == 2
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in out + err, err
-    return lines[0]
 
 
 MUON_EXCLUDE = "model:\n  name: llama3\n  flavor: debug\noptimizer:\n  muon_exclude:\n"
@@ -63,7 +57,7 @@ def test_plan_accepts_a_toml_config_with_a_byte_order_mark(tmp_path, capsys):
 def test_a_duplicate_toml_key_is_named_with_its_line(tmp_path, capsys, text, said):
     path = tmp_path / "dup.toml"
     path.write_bytes(text)
-    line = _refusal(capsys, ["plan", "--config", str(path)])
+    line = refusal_line(capsys, ["plan", "--config", str(path)])
     assert line.startswith(f"ConfigError: {path}: invalid TOML: ")
     assert re.search(said, line), line
 
@@ -73,7 +67,7 @@ def test_a_non_utf8_byte_in_a_config_names_its_line(tmp_path, capsys, suffix):
     path = tmp_path / f"bad{suffix}"
     body = LLAMA if suffix == ".toml" else b"model:\n  name: llama3\n  flavor: debug\n"
     path.write_bytes(body + (b'# caf\xe9\n' if suffix == ".toml" else b"# caf\xe9\n"))
-    line = _refusal(capsys, ["plan", "--config", str(path)])
+    line = refusal_line(capsys, ["plan", "--config", str(path)])
     assert line == f"ConfigError: {path}:4: not UTF-8 text (byte 0xe9 at offset {len(body) + 5}); save the file as " \
                    "UTF-8"
 
@@ -82,7 +76,7 @@ def test_a_non_utf8_byte_in_a_config_names_its_line(tmp_path, capsys, suffix):
 def test_a_yaml_alias_bomb_under_a_valid_key_is_refused_before_it_expands(tmp_path, capsys, head):
     path = tmp_path / "bomb.yaml"
     path.write_text(_bomb(head=head))
-    line = _refusal(capsys, ["plan", "--config", str(path)])
+    line = refusal_line(capsys, ["plan", "--config", str(path)])
     assert f"expand it past the {MAX_YAML_VALUES:,} values a config may hold" in line, line
     assert line.startswith(f"ConfigError: {path}: invalid YAML")
 
@@ -90,7 +84,7 @@ def test_a_yaml_alias_bomb_under_a_valid_key_is_refused_before_it_expands(tmp_pa
 def test_a_yaml_alias_inside_its_own_anchor_is_refused(tmp_path, capsys):
     path = tmp_path / "loop.yaml"
     path.write_text("model: &m\n  name: llama3\n  again: *m\n")
-    assert "an alias inside its own anchor" in _refusal(capsys, ["plan", "--config", str(path)])
+    assert "an alias inside its own anchor" in refusal_line(capsys, ["plan", "--config", str(path)])
 
 
 def test_yaml_aliases_of_an_ordinary_size_still_load(tmp_path):
@@ -121,11 +115,11 @@ def test_train_refuses_a_yaml_alias_bomb_in_a_real_process_and_ends(tmp_path):
 def test_values_nested_too_deeply_are_refused_in_one_line(tmp_path, capsys, suffix, body):
     path = tmp_path / f"deep{suffix}"
     path.write_text(body)
-    line = _refusal(capsys, ["plan", "--config", str(path)])
+    line = refusal_line(capsys, ["plan", "--config", str(path)])
     assert line.startswith(f"ConfigError: {path}: values nested too deeply"), line
 
 
 def test_a_very_long_value_is_shown_cut_in_its_one_line(capsys):
     value = "[" * 3000 + "]" * 3000
-    line = _refusal(capsys, ["plan", "--config", str(REPO / "configs" / "debug.toml"), "--optimizer.betas", value])
+    line = refusal_line(capsys, ["plan", "--config", str(REPO / "configs" / "debug.toml"), "--optimizer.betas", value])
     assert "... (6,002 characters) is not a list of floats" in line and len(line) < 400, line

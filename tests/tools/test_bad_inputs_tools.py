@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_run import train_tiny
+from tiny_run import refusal_line, train_tiny
 
 from titan_npu.cli import main as cli_main
 from titan_npu.intmath import HINT_COUNT, divisor_hint, divisors
@@ -24,14 +24,6 @@ DEBUG = str(REPO / "configs" / "debug.toml")
 RECORDED = REPO / "tests" / "metrics" / "data" / "recorded_run"
 
 
-def _refusal(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    """The one stderr line of a command that exits 2."""
-    capsys.readouterr()
-    assert cli_main(argv) == 2
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in out + err, err
-    return lines[0]
 
 
 def _titan(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -88,12 +80,12 @@ def test_an_absurd_number_is_refused_or_planned_in_bounded_time(tmp_path, args, 
     ("99999999TB", "--device-memory '99999999TB' is more than any device holds (at most 16 TiB here)"),
 ])
 def test_plan_refuses_a_device_memory_that_is_not_positive_or_absurd(capsys, value, said):
-    line = _refusal(capsys, ["plan", "--config", DEBUG, f"--device-memory={value}"])
+    line = refusal_line(capsys, ["plan", "--config", DEBUG, f"--device-memory={value}"])
     assert line.startswith(f"ConfigError: {said}"), line
 
 
 def test_a_negative_value_written_after_a_space_is_answered_with_the_spelling_that_works(capsys):
-    line = _refusal(capsys, ["plan", "--config", DEBUG, "--device-memory", "-5GB"])
+    line = refusal_line(capsys, ["plan", "--config", DEBUG, "--device-memory", "-5GB"])
     assert "(if its value starts with '-', write --device-memory=VALUE)" in line, line
 
 
@@ -106,7 +98,7 @@ def test_plan_reproduce_accepts_a_run_by_the_name_its_table_prints(tmp_path, mon
 
 
 def test_plan_reproduce_of_an_unknown_name_lists_the_runs(capsys):
-    line = _refusal(capsys, ["plan", "--reproduce", "llama_bogus"])
+    line = refusal_line(capsys, ["plan", "--reproduce", "llama_bogus"])
     assert line.startswith("ConfigError: --reproduce llama_bogus: no such file, nor a published run of that name in ")
     assert "give a file or one of: mindspeed_llama2_13b_tp8, " in line and "torchtitan_llama3_8b_fsdp8" in line
 
@@ -122,7 +114,7 @@ def test_plan_reproduce_of_an_unknown_name_lists_the_runs(capsys):
 ], ids=["nan efficiency", "infinite bandwidth", "infinite timeout", "absurd timeout", "absurd iterations", "nan top-p",
         "infinite temperature"])
 def test_a_command_number_that_is_not_finite_or_absurd_is_refused_in_one_line(capsys, argv, said):
-    line = _refusal(capsys, argv)
+    line = refusal_line(capsys, argv)
     assert line.startswith(f"ConfigError: {said}"), line
 
 
@@ -147,7 +139,7 @@ def test_doctor_accepts_an_omp_num_threads_openmp_reads(monkeypatch, capsys, val
 
 @pytest.mark.parametrize("sizes", ["inf", "nan", "1e30", "0", "-1"])
 def test_doctor_refuses_collective_sizes_that_are_not_positive_or_absurd(capsys, sizes):
-    line = _refusal(capsys, ["doctor", f"--sizes={sizes}"])
+    line = refusal_line(capsys, ["doctor", f"--sizes={sizes}"])
     assert line.startswith(f"ConfigError: --sizes {sizes!r} must be positive MiB values up to 16384")
 
 
@@ -192,7 +184,7 @@ def test_generate_within_the_context_says_nothing_about_it(tiny_checkpoint, caps
 
 
 def test_generate_refuses_more_samples_than_their_cache_can_hold_in_one_line(tiny_checkpoint, capsys):
-    line = _refusal(capsys, ["generate", "--checkpoint", str(tiny_checkpoint), "--num-samples", "1000000000000"])
+    line = refusal_line(capsys, ["generate", "--checkpoint", str(tiny_checkpoint), "--num-samples", "1000000000000"])
     assert line.startswith("ConfigError: --num-samples 1000000000000: the decoder's key/value cache for that many "
                            "samples does not fit in cpu memory; ask for fewer samples")
 
@@ -213,7 +205,7 @@ def test_generate_refuses_a_prompt_that_is_not_utf8_in_one_line(tiny_checkpoint,
 
 def test_generate_refuses_a_config_of_another_family_than_the_checkpoints(tiny_checkpoint, capsys):
     moe = str(REPO / "configs" / "debug_moe.toml")
-    line = _refusal(capsys, ["generate", "--checkpoint", str(tiny_checkpoint), "--config", moe])
+    line = refusal_line(capsys, ["generate", "--checkpoint", str(tiny_checkpoint), "--config", moe])
     assert line == (f"ConfigError: --config {moe} describes a qwen3_moe model, but {tiny_checkpoint} records a llama3 "
                     f"model; pass the config the checkpoint was trained with (or leave --config out: the checkpoint's "
                     f"own model and the config beside it are used)")
