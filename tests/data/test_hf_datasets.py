@@ -3,7 +3,7 @@ in the local HF cache by name (hf://namespace/name[/subset][?split=...]), read t
 
 The datasets here are written by the library itself: Dataset / DatasetDict.save_to_disk, and a datasets-cache entry
 prepared by its json builder under the name load_dataset(name) looks up offline. The hub-cache snapshot (what
-`huggingface-cli download` leaves) is laid out as huggingface_hub's cache is: refs/main naming a snapshot folder.
+`hf download` leaves) is laid out as huggingface_hub's cache is: refs/main naming a snapshot folder.
 Reading a name runs in real processes (`titan-npu prepare-data`, `python train.py`) with HF_HOME pointed at a tmp
 cache, since the HF libraries read their cache location once, at import.
 """
@@ -34,8 +34,9 @@ SNAPSHOT_SHA = "0123456789abcdef0123456789abcdef01234567"
 
 
 def _build(root: Path) -> None:
-    """root/one (a Dataset), root/dict (train + test), root/hf: demo/cached (datasets cache, train + validation)
-    and demo/snap (hub cache: jsonl files of splits train and test)."""
+    """root/one (a Dataset), root/dict (train + test), root/no_train (a + b), root/hf: demo/cached (datasets cache,
+    train + validation), demo/snap (hub cache: jsonl files of splits train and test) and demo/partial (the same,
+    downloaded in part)."""
     import datasets
     from datasets.packaged_modules.json.json import Json
 
@@ -65,6 +66,14 @@ def _build(root: Path) -> None:
     (repo / "refs" / "main").write_text(SNAPSHOT_SHA)
     shutil.copy(src / "train.jsonl", data / "train-00000-of-00001.jsonl")
     (data / "test-00000-of-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:20]))
+    # demo/partial: downloaded with --include, so its cached tree listing names a file that is not there.
+    from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
+
+    partial = root / "hf" / "hub" / "datasets--demo--partial"
+    shutil.copytree(repo, partial, symlinks=True)
+    write_tree_cache(str(partial), SNAPSHOT_SHA, {
+        "data/train-00000-of-00001.jsonl": TreeCacheEntry(size=1, blob_id="1" * 40),
+        "other/big-00000-of-00009.parquet": TreeCacheEntry(size=1, blob_id="2" * 40)})
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +157,9 @@ def test_a_dataset_in_the_hf_cache_is_read_by_name_offline(hf_data, tmp_path):
         assert r.returncode == 0, r.stderr
         assert read_index(out)["num_documents"] == len(rows)
         assert _docs(str(out)) == [byte.encode_flat([x["text"]], bos=True, eos=True)[0].tolist() for x in rows]
+    r = _titan(hf_data, "prepare-data", "hf://demo/partial", "-o", str(tmp_path / "partial"))
+    assert r.returncode == 0 and read_index(tmp_path / "partial")["num_documents"] == len(ROWS), r.stderr
+    assert "warning: hf://demo/partial: the cached snapshot" in r.stderr and "holds only part" in r.stderr
     r = _train(hf_data, tmp_path / "run", "hf://demo/cached")
     assert r.returncode == 0, r.stderr
     assert "[Step 2]" in r.stdout + r.stderr
@@ -170,8 +182,8 @@ def _no_state(root: Path) -> Path:
 
 BAD = [  # (id, input, extra prepare-data args, a regex the one line matches)
     ("name_not_on_disk", "hf://demo/absent", [],
-     r"DataError: Hugging Face dataset demo/absent is not on this machine .*huggingface-cli download demo/absent "
-     r"--repo-type dataset.*HF_HUB_OFFLINE=1"),
+     r"DataError: Hugging Face dataset demo/absent is not on this machine .*hf download demo/absent --repo-type "
+     r"dataset \(huggingface-cli download, its older name\).*HF_HUB_OFFLINE=1"),
     ("split_absent_in_cache", "hf://demo/cached?split=nope", [],
      r"has no split 'nope' \(splits: train, validation\)"),
     ("split_absent_in_hub_snapshot", "hf://demo/snap?split=validation", [],
@@ -217,3 +229,39 @@ def test_a_training_run_refuses_a_bad_hf_data_path_in_one_line(case, bad_data, t
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert re.search(message, lines[0]), lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_without_the_datasets_package_an_hf_input_is_refused_naming_the_extra(hf_data, tmp_path):
+    code = ("import sys; sys.modules['datasets'] = None\n"  # the package absent, as on an install without [hf]
+            "from titan_npu.cli import main\n"
+            f"sys.exit(main(['prepare-data', {str(hf_data / 'one')!r}, '-o', {str(tmp_path / 'out')!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(hf_data), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "DataError: reading a Hugging Face dataset needs the 'datasets' package; pip install 'titan-npu[hf]' "
+        "(datasets==5.2.0)"], r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_hf_spelling_names_repo_subset_and_split_in_the_path_or_as_keys():
+    from titan_npu.data.hf_datasets import parse_hf
+    from titan_npu.errors import DataError
+
+    def fields(spec: str, **kw: str) -> tuple[str, str, str]:
+        src = parse_hf(spec, **kw)
+        return src.name, src.subset, src.split
+
+    assert fields("hf://HuggingFaceFW/fineweb-edu") == ("HuggingFaceFW/fineweb-edu", "", "")
+    assert fields("hf://HuggingFaceFW/fineweb-edu/sample-10BT?split=train") == \
+        ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train")
+    assert fields("hf://datasets/HuggingFaceFW/fineweb-edu?subset=sample-10BT") == \
+        ("HuggingFaceFW/fineweb-edu", "sample-10BT", "")
+    assert fields("hf://HuggingFaceFW/fineweb-edu", subset="sample-10BT", split="train") == \
+        ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train")  # a [[data.sources]] entry's subset / split keys
+    for spec, kw, message in (("hf://a/b?split=train", {"split": "test"}, "says split train but split = 'test'"),
+                              ("hf://a/b/c?subset=d", {}, "names two subsets"),
+                              ("hf://a/b/c/d", {}, "is not a dataset name"),
+                              ("hf://", {}, "is not a dataset name"),
+                              ("hf://a/b?split", {}, "cannot read the options")):
+        with pytest.raises(DataError, match=re.escape(message)):
+            parse_hf(spec, **kw)

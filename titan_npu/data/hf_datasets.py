@@ -3,8 +3,9 @@ cache by name (`hf://namespace/name[/subset][?split=train]`), read through the `
 
 Nothing is ever downloaded: every call into the library runs with HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set. A name
 is looked up first in the datasets cache (HF_DATASETS_CACHE, what an earlier `load_dataset(name)` prepared: Arrow,
-memory-mapped), then in the hub cache (HF_HUB_CACHE, what `huggingface-cli download <name> --repo-type dataset`
-fetched: its files are streamed, never converted). Documents are read in batches from Arrow, never all at once.
+memory-mapped), then in the hub cache (HF_HUB_CACHE, what `hf download <name> --repo-type dataset`, formerly
+`huggingface-cli download`, fetched: its files are streamed, never converted; a partial download is read as it is,
+with a warning). Documents are read in batches from Arrow, never all at once.
 
 The split: the one named (`?split=` or the caller's `split`); else the only one; else 'train' when there is one;
 else refused naming the splits there are. The `datasets` package is imported only when such an input is used.
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
+from titan_npu.data.files import warn_once
 from titan_npu.errors import DataError
 
 HF_PREFIX = "hf://"
@@ -216,8 +218,9 @@ def _missing(datasets: Any, src: HFSource) -> DataError:
 
     return DataError(
         f"Hugging Face dataset {src.name} is not on this machine (looked in {datasets.config.HF_DATASETS_CACHE} and "
-        f"{hub_constants.HF_HUB_CACHE}; nothing is downloaded); fetch it first: huggingface-cli download {src.name} "
-        "--repo-type dataset, then run with HF_HUB_OFFLINE=1 (or point HF_HOME at the cache that holds it)")
+        f"{hub_constants.HF_HUB_CACHE}; nothing is downloaded); fetch it first: hf download {src.name} --repo-type "
+        "dataset (huggingface-cli download, its older name), then run with HF_HUB_OFFLINE=1 (or point HF_HOME at the "
+        "cache that holds it)")
 
 
 def _load_cached(datasets: Any, src: HFSource) -> Any:
@@ -230,20 +233,23 @@ def _load_cached(datasets: Any, src: HFSource) -> Any:
         try:
             return datasets.load_dataset(src.name, config)
         except Exception as e:  # a subset not prepared there, several subsets and none chosen, a damaged cache
-            raise DataError(f"{src.spec}: {_why(e)} (in {prepared}); name the subset as hf://{src.name}/<subset>"
+            raise DataError(f"{src.spec}: {_why(e)} (in {prepared}); name one of its subsets: hf://{src.name}/<subset>"
                             ) from None
+    from huggingface_hub.errors import IncompleteSnapshotError
+
     try:
         snapshot = snapshot_download(src.name, repo_type="dataset", local_files_only=True)
-    except Exception as e:  # LocalEntryNotFoundError (not downloaded), IncompleteSnapshotError, a bad repo id
-        if "incomplete" in str(e).lower():
-            raise DataError(f"{src.spec}: {_why(e)}; finish it with huggingface-cli download {src.name} --repo-type "
-                            "dataset") from None
+    except IncompleteSnapshotError as e:  # a download of some files only (--include), or one cut short
+        snapshot = e.snapshot_path
+        warn_once(f"{src.spec}: the cached snapshot {snapshot} holds only part of the repository (downloaded with "
+                  "--include, or interrupted); reading the files that are there")
+    except Exception:  # LocalEntryNotFoundError (not downloaded), a malformed repo id
         raise _missing(datasets, src) from None
     src.folder = Path(snapshot)
     try:
         return datasets.load_dataset(snapshot, config, streaming=True)
     except Exception as e:  # a subset that is not there, several and none chosen, no data files
-        raise DataError(f"{src.spec}: {_why(e)} (in {snapshot}); name the subset as hf://{src.name}/<subset>"
+        raise DataError(f"{src.spec}: {_why(e)} (in {snapshot}); name one of its subsets: hf://{src.name}/<subset>"
                         ) from None
 
 
