@@ -180,6 +180,14 @@ def _no_state(root: Path) -> Path:
     return bad
 
 
+def _truncated(root: Path) -> Path:
+    bad = root / "truncated"
+    shutil.copytree(root / "one", bad)
+    arrow = next(bad.glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])  # a copy that stopped half-way
+    return bad
+
+
 BAD = [  # (id, input, extra prepare-data args, a regex the one line matches)
     ("name_not_on_disk", "hf://demo/absent", [],
      r"DataError: Hugging Face dataset demo/absent is not on this machine .*hf download demo/absent --repo-type "
@@ -196,7 +204,11 @@ BAD = [  # (id, input, extra prepare-data args, a regex the one line matches)
     ("folder_not_a_dataset", "{root}/not_a_dataset", [],
      r"looks like a Hugging Face save_to_disk folder but cannot be loaded"),
     ("folder_without_state", "{root}/no_state", [], r"is not a save_to_disk folder \(no state.json"),
+    ("arrow_truncated", "{root}/truncated", [], r"truncated looks like a Hugging Face save_to_disk folder but cannot "
+     r"be loaded \(.*\); save it again"),
+    ("text_not_a_string", "{root}/one", ["--text-field", "id"], r"one:row 1: empty or non-string 'id'"),
     ("hf_url_of_a_path", "hf:///data/web", [], r"is not a dataset name in the HF cache"),
+    ("invalid_name", "hf://a b/c", [], r"'a b' is not a valid Hugging Face dataset name"),
     ("unknown_option", "hf://demo/cached?splt=train", [], r"unknown option 'splt'"),
 ]
 
@@ -205,6 +217,7 @@ BAD = [  # (id, input, extra prepare-data args, a regex the one line matches)
 def bad_data(hf_data) -> Path:
     _not_a_dataset(hf_data)
     _no_state(hf_data)
+    _truncated(hf_data)
     return hf_data
 
 

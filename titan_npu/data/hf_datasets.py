@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
-from titan_npu.data.files import warn_once
+from titan_npu.data.files import os_error, warn_once
 from titan_npu.errors import DataError
 
 HF_PREFIX = "hf://"
@@ -30,6 +31,7 @@ DATASETS_VERSION = "5.2.0"  # pyproject.toml's hf extra pins it
 _INSTALL = f"pip install 'titan-npu[hf]' (datasets=={DATASETS_VERSION})"
 _BATCH_ROWS = 1024  # rows read from Arrow at a time
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+_REPO_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")  # a namespace or a repo name on the Hub
 
 
 def is_saved_dataset(folder: Path) -> bool:
@@ -136,6 +138,10 @@ def parse_hf(spec: str, subset: str = "", split: str = "") -> HFSource:
         if unknown:
             raise DataError(f"{spec}: unknown option {unknown[0]!r} (only subset and split); {usage}")
     name = "/".join(parts[:2])
+    bad = next((part for part in parts[:2] if not _REPO_PART.fullmatch(part) or ".." in part), None)
+    if bad is not None:
+        raise DataError(f"{spec}: {bad!r} is not a valid Hugging Face dataset name (letters, digits, '-', '_', '.'); "
+                        f"{usage}")
     given = {"subset": parts[2] if len(parts) == 3 else options.get("subset", ""), "split": options.get("split", "")}
     if len(parts) == 3 and "subset" in options and options["subset"] != parts[2]:
         raise DataError(f"{spec} names two subsets ({parts[2]}, {options['subset']}); give one")
@@ -207,7 +213,12 @@ def _load_saved(datasets: Any, src: HFSource) -> Any:
         raise DataError(f"{src.spec} is a save_to_disk folder, which has no subsets; leave subset out")
     try:
         return datasets.load_from_disk(str(src.folder))
-    except Exception as e:  # the library raises FileNotFoundError, ValueError, ArrowInvalid, JSONDecodeError, ...
+    except OSError as e:  # permission denied, an I/O error: the file and the fix, as for any input
+        if e.errno is None:
+            raise DataError(f"{src.spec} looks like a Hugging Face save_to_disk folder but cannot be loaded "
+                            f"({_why(e)}); save it again with Dataset.save_to_disk") from None
+        raise os_error(e.filename or src.folder, e) from None
+    except Exception as e:  # the library raises ValueError, ArrowInvalid, JSONDecodeError, ...
         raise DataError(f"{src.spec} looks like a Hugging Face save_to_disk folder but cannot be loaded ({_why(e)}); "
                         "save it again with Dataset.save_to_disk, or give a folder of .txt/.jsonl/.json/.parquet"
                         ) from None

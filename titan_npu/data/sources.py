@@ -170,7 +170,11 @@ def missing_input(path: Path, spec: str, what: str = "input") -> DataError:
 
 
 def _input_key(item: Input) -> object:
-    return item.spec if isinstance(item, HFSource) else item.resolve()
+    """What makes two inputs the same: a file's real path; an HF dataset's folder (or name) and split."""
+    if isinstance(item, HFSource):
+        return ("hf", str(item.folder.resolve()) if item.folder and not item.name else item.name, item.subset,
+                item.split)
+    return item.resolve()
 
 
 def discover_inputs(inputs: list[str]) -> list[Input]:
@@ -186,7 +190,7 @@ def discover_inputs(inputs: list[str]) -> list[Input]:
         hf = hf_source(spec)
         if hf is not None:
             hf.open()  # a name not on disk, a split or subset not there: refused before anything is written
-            if hf.spec not in {_input_key(f) for f in found}:
+            if _input_key(hf) not in {_input_key(f) for f in found}:
                 found.append(hf)
             continue
         path = Path(spec).expanduser()
