@@ -12,14 +12,18 @@ def build_parser() -> CommandParser:
     p = CommandParser(
         prog="titan-npu prepare-data",
         description="Tokenise .txt/.jsonl/.json/.parquet files (optionally .gz/.zst; files, folders or globs) into "
-        "binary token shards plus index.json, or into the guide's tokens JSONL. Re-running is a no-op when nothing "
+        "binary token shards plus index.json, or into the guide's tokens JSONL; a Hugging Face dataset on disk is an "
+        "input too (a save_to_disk folder, or hf://namespace/name[/subset][?split=...] from the local HF cache, read "
+        "offline). Re-running is a no-op when nothing "
         "changed; an interrupted run resumes after its last finished shard.",
     )
-    p.add_argument("inputs", nargs="+", help="input files, folders (searched recursively) or globs")
+    p.add_argument("inputs", nargs="+", help="input files, folders (searched recursively), globs, save_to_disk folders "
+                   "or hf://namespace/name[/subset][?split=...]")
     p.add_argument("--output", "-o", required=True, help="output folder (new, empty, or an earlier run's)")
     p.add_argument("--tokenizer", default="byte", help="'byte', tokenizer.json, tokenizer.model or a folder")
     p.add_argument("--workers", type=int, default=1, help="tokenising processes (default 1)")
-    p.add_argument("--text-field", default="text", help="text field of .jsonl/.json records and .parquet column")
+    p.add_argument("--text-field", default="text",
+                   help="text field of .jsonl/.json records, .parquet column or HF dataset column")
     p.add_argument("--doc-sep", choices=("blank", "line"), default="blank",
                    help=".txt documents: blocks separated by blank lines (default) or one per line")
     p.add_argument("--format", choices=("bin", "jsonl"), default="bin", dest="fmt",
@@ -44,9 +48,9 @@ def main(argv: list[str]) -> int:
                                 "set by training.seq_len")
     progress = None
     if args.progress != "auto":
-        from titan_npu.data.sources import discover_inputs
+        from titan_npu.data.sources import discover_inputs, input_size
 
-        total = sum(p.stat().st_size for p in discover_inputs(args.inputs))
+        total = sum(input_size(p) for p in discover_inputs(args.inputs))
         progress = Progress(total, bar=args.progress == "bar")
     result = prepare(args.inputs, args.output, tokenizer=args.tokenizer, workers=args.workers,
                      text_field=args.text_field, doc_sep=args.doc_sep, fmt=args.fmt, max_seq_len=args.max_seq_len,

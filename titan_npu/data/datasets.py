@@ -25,11 +25,14 @@ from titan_npu.data.files import (
     sampled_blocks,
     warn_once,
 )
+from titan_npu.data.hf_datasets import hf_source
 from titan_npu.data.sources import (
     PREPARED_FORMAT,
     BadRecords,
+    Input,
     builtin_corpus_path,
     discover_inputs,
+    input_size,
     iter_documents,
     missing_input,
     source_kind,
@@ -393,10 +396,11 @@ def tokenize_documents(texts: list[str], tokenizer: Tokenizer, description: str)
     return InMemoryDataset(tokens, lengths, description)
 
 
-def _raw_dataset(paths: list[Path], tokenizer: Tokenizer | None, text_field: str, description: str) -> InMemoryDataset:
+def _raw_dataset(paths: list[Input], tokenizer: Tokenizer | None, text_field: str, description: str
+                 ) -> InMemoryDataset:
     if tokenizer is None:
         raise DataError(f"{description} is raw text and needs a tokenizer; set data.tokenizer")
-    size = sum(p.stat().st_size for p in paths)
+    size = sum(input_size(p) for p in paths)
     if size > RAW_LIMIT_BYTES:
         raise DataError(
             f"{description} is {size / 2**20:.0f} MiB of raw text, too much to tokenise at every start; "
@@ -420,10 +424,15 @@ def _first_record(path: Path) -> object:
     return None
 
 
-def open_dataset(path: str, tokenizer: Tokenizer | None, text_field: str = "text") -> TokenDataset:
-    """The dataset data.path names: '' = built-in corpus, a prepare-data folder, a tokens JSONL or raw text."""
+def open_dataset(path: str, tokenizer: Tokenizer | None, text_field: str = "text", subset: str = "",
+                 split: str = "") -> TokenDataset:
+    """The dataset data.path names: '' = built-in corpus, a prepare-data folder, a tokens JSONL, raw text, or a
+    Hugging Face dataset on disk (hf://name or a save_to_disk folder; subset/split for those only: hf_datasets.py)."""
     if not path:
         return _raw_dataset([builtin_corpus_path()], tokenizer, "text", "built-in corpus (Python docs)")
+    hf = hf_source(path, subset, split)
+    if hf is not None:  # its documents are tokenised like a raw .jsonl's (prepare-data makes shards of it)
+        return _raw_dataset([hf], tokenizer, text_field, path)
     p = Path(path).expanduser()
     try:
         mode = p.stat().st_mode

@@ -32,7 +32,7 @@ from titan_npu.data.datasets import (
 )
 from titan_npu.data.files import content_digest, os_error
 from titan_npu.data.progress import Progress
-from titan_npu.data.sources import BadRecords, DocumentReader, discover_inputs
+from titan_npu.data.sources import BadRecords, HFSource, Input, discover_inputs, open_reader
 from titan_npu.data.tokenizer import Tokenizer, build_tokenizer
 from titan_npu.errors import DataError
 from titan_npu.os_errors import fix_for
@@ -97,9 +97,12 @@ def _run_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return _WORKER(texts)
 
 
-def _describe_sources(paths: list[Path]) -> list[dict]:
+def _describe_sources(paths: list[Input]) -> list[dict]:
     out = []
     for p in paths:
+        if isinstance(p, HFSource):  # its files' sizes and mtimes, and the subset and split read
+            out.append(p.describe())
+            continue
         st = p.stat()
         out.append({"path": str(p.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
     return out
@@ -227,13 +230,14 @@ def _check_output(output: Path, settings: dict, sources: list[dict]) -> tuple[st
     return "new", None
 
 
-def _chunks(paths: list[Path], text_field: str, doc_sep: str, bad: BadRecords, skip_docs: int, position: list[int]):
+def _chunks(paths: list[Input], text_field: str, doc_sep: str, bad: BadRecords, skip_docs: int,
+            position: list[int]):
     """Lists of documents of about CHUNK_CHARS characters; position[0] tracks input bytes consumed."""
     chunk: list[str] = []
     chars = 0
     done_bytes = 0
     for path in paths:
-        reader = DocumentReader(path, text_field, doc_sep, bad)
+        reader = open_reader(path, text_field, doc_sep, bad)
         for text in reader:
             position[0] = done_bytes + reader.bytes_read
             if skip_docs:
@@ -262,7 +266,9 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
         rows[flag].check(flag, value)
     output = Path(output).expanduser()
     paths = discover_inputs(inputs)
-    _refuse_overlap(output, [Path(i).expanduser() for i in inputs if Path(i).expanduser().exists()] + paths)
+    local = [p.folder if isinstance(p, HFSource) else p for p in paths]
+    _refuse_overlap(output, [Path(i).expanduser() for i in inputs if Path(i).expanduser().exists()]
+                    + [p for p in local if p is not None])
     refuse_protected("--output", output, DataError, allow="prepared dataset")  # never into a checkpoint or dataset
     tok: Tokenizer = build_tokenizer(tokenizer)
     if tok.eos_id is None:

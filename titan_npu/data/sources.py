@@ -16,11 +16,14 @@ from typing import BinaryIO
 
 from titan_npu.atomic import atomic_path
 from titan_npu.data.files import not_regular, open_input, os_error, regular_stat, warn_once
+from titan_npu.data.hf_datasets import HFDocumentReader, HFSource, hf_source, is_saved_dataset
 from titan_npu.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 COMPRESSED_SUFFIXES = (".gz", ".zst")
 BUILTIN_CORPUS = "python_docs.txt.gz"
+
+Input = Path | HFSource  # a file, or a Hugging Face dataset on disk (hf_datasets.py)
 
 
 def builtin_corpus_path() -> Path:
@@ -96,7 +99,7 @@ def prepared_folder(path: Path) -> Path | None:
     return None
 
 
-def _corpus_files(folder: Path, skipped: list[str], seen: set[Path] | None = None) -> list[Path]:
+def _corpus_files(folder: Path, skipped: list[str], seen: set[Path] | None = None) -> list[Input]:
     """Supported files under folder, sorted, leaving out prepare-data outputs found inside it (our own files);
     what else it holds is named in `skipped`. DataError for an unreadable folder or a FIFO / device among them."""
     seen = set() if seen is None else seen
@@ -107,7 +110,7 @@ def _corpus_files(folder: Path, skipped: list[str], seen: set[Path] | None = Non
         entries = sorted(folder.iterdir())
     except OSError as e:
         raise os_error(folder, e, "list the folder") from None
-    found = []
+    found: list[Input] = []
     for entry in entries:
         try:
             mode = entry.stat().st_mode
@@ -117,7 +120,9 @@ def _corpus_files(folder: Path, skipped: list[str], seen: set[Path] | None = Non
         except OSError as e:  # a symlink loop, a path too long, a permission on the way
             skipped.append(f"{entry} ({e.strerror or type(e).__name__})")
             continue
-        if stat.S_ISDIR(mode):
+        if stat.S_ISDIR(mode) and is_saved_dataset(entry):  # a Hugging Face save_to_disk folder: one input
+            found.append(HFSource(str(entry), folder=entry))
+        elif stat.S_ISDIR(mode):
             found += _corpus_files(entry, skipped, seen)
         elif not _is_supported(entry):
             if not entry.name.endswith(_OUR_CACHES):
@@ -164,18 +169,34 @@ def missing_input(path: Path, spec: str, what: str = "input") -> DataError:
     return DataError(f"{what} {spec} does not exist; check the path")
 
 
-def discover_inputs(inputs: list[str]) -> list[Path]:
-    """Files named by inputs (files, directories searched recursively, globs), sorted within each input, no repeats.
+def _input_key(item: Input) -> object:
+    """What makes two inputs the same: a file's real path; an HF dataset's folder (or name) and split."""
+    if isinstance(item, HFSource):
+        return ("hf", str(item.folder.resolve()) if item.folder and not item.name else item.name, item.subset,
+                item.split)
+    return item.resolve()
+
+
+def discover_inputs(inputs: list[str]) -> list[Input]:
+    """Files named by inputs (files, directories searched recursively, globs), sorted within each input, no repeats;
+    a Hugging Face dataset (hf://name or a save_to_disk folder, see hf_datasets.py) is one input of its own.
 
     Never our own outputs: folders that prepare-data wrote are skipped in a search and refused when named. Entries
     of a folder or a glob that are not inputs (other types, dangling symlinks) are named in one warning line; a FIFO
     or a device is refused (reading one could block or never end).
     """
-    found: list[Path] = []
+    found: list[Input] = []
     for spec in inputs:
+        hf = hf_source(spec)
+        if hf is not None:
+            hf.open()  # a name not on disk, a split or subset not there: refused before anything is written
+            if _input_key(hf) not in {_input_key(f) for f in found}:
+                found.append(hf)
+            continue
         path = Path(spec).expanduser()
         mode = _mode(path)
         skipped: list[str] = []
+        matches: list[Input]
         if mode is not None and stat.S_ISDIR(mode):
             _not_prepared(path, spec)
             matches = _corpus_files(path, skipped)
@@ -193,7 +214,8 @@ def discover_inputs(inputs: list[str]) -> list[Path]:
                 m = _mode(p)
                 if m is None:
                     skipped.append(f"{p} (a symlink to {os.readlink(p)}, which does not exist)")
-                elif stat.S_ISDIR(m) or not _is_supported(p) or prepared_folder(p) is not None:
+                elif stat.S_ISDIR(m) or not _is_supported(p) or prepared_folder(p) is not None \
+                        or is_saved_dataset(p.parent):  # a save_to_disk folder's own files are not a corpus
                     continue
                 elif not stat.S_ISREG(m):
                     raise not_regular(p, m, "leave it out of the pattern or replace it by a regular file")
@@ -205,7 +227,7 @@ def discover_inputs(inputs: list[str]) -> list[Path]:
             raise missing_input(path, spec)
         _warn_skipped(spec, skipped)
         for m in matches:
-            if m.resolve() not in {f.resolve() for f in found}:
+            if _input_key(m) not in {_input_key(f) for f in found}:
                 found.append(m)
     if not found:
         raise DataError("no input files given; name files, directories or globs")
@@ -403,8 +425,21 @@ class DocumentReader:
             self.bytes_read = self.size * (group + 1) // pf.num_row_groups
 
 
-def iter_documents(paths: list[Path], text_field: str = "text", doc_sep: str = "blank",
+def open_reader(item: Input, text_field: str = "text", doc_sep: str = "blank",
+                bad: BadRecords | None = None) -> DocumentReader | HFDocumentReader:
+    """The document reader of one input: a file, or a Hugging Face dataset's rows."""
+    if isinstance(item, HFSource):
+        return HFDocumentReader(item, text_field, bad)
+    return DocumentReader(item, text_field, doc_sep, bad)
+
+
+def input_size(item: Input) -> int:
+    """Bytes on disk of one input (a Hugging Face dataset's: the files its split reads)."""
+    return item.size if isinstance(item, HFSource) else item.stat().st_size
+
+
+def iter_documents(paths: list[Input], text_field: str = "text", doc_sep: str = "blank",
                    bad: BadRecords | None = None) -> Iterator[str]:
-    """Documents of every file in order."""
+    """Documents of every input in order."""
     for path in paths:
-        yield from DocumentReader(path, text_field, doc_sep, bad)
+        yield from open_reader(path, text_field, doc_sep, bad)
