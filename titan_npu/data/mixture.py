@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from titan_npu.data.loader import PackedWindows, _Refused
+from titan_npu.data.windows import PackedWindows, Refused
 from titan_npu.errors import DataError
 from titan_npu.ops.documents import Documents
 from titan_npu.reliability.preemption import leave_signals_to_parent
@@ -96,11 +96,11 @@ class _MixtureBatches(Dataset):
             perm = self._perms[(source, epoch)] = np.random.default_rng([*self.seeds[source], epoch]).permutation(n)
         return int(perm[i])
 
-    def __getitem__(self, key: tuple | _Refused) -> tuple | _Refused:
+    def __getitem__(self, key: tuple | Refused) -> tuple | Refused:
         try:
             return self._batch(key)
         except DataError as e:
-            return _Refused(str(e))
+            return Refused(str(e))
 
     def _batch(self, key: tuple) -> tuple:
         rows = [(s, self.window_id(s, k)) for s, k in key]
@@ -181,7 +181,7 @@ class MixtureLoader:
                                 worker_init_fn=leave_signals_to_parent if self.num_workers else None)
             self._iter = iter(loader)
         batch = next(self._iter)
-        if isinstance(batch, _Refused):
+        if isinstance(batch, Refused):
             self.close()
             raise DataError(batch.message)
         # What was handed out, not what the workers prefetched, is the state.
