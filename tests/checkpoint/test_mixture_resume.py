@@ -135,3 +135,34 @@ def test_per_source_validation_equals_a_hand_computation_over_each_held_out_spli
         assert math.isclose(record[f"val_ppl/{name}"], math.exp(expected[name]), rel_tol=1e-5)
     mixture = 0.6 * expected["web"] + 0.3 * expected["code"] + 0.1 * expected["math"]
     assert math.isclose(record["val_loss"], mixture, rel_tol=1e-5)
+
+
+def test_a_mixture_run_killed_at_a_step_resumes_in_a_real_process_with_the_same_losses_and_counts(tmp_path):
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    write_sources(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TITAN_FAULT_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env.update(TITAN_DEVICE="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
+    save = dict(training__max_steps=7, checkpoint__save_interval=2, checkpoint__async_save=False)
+
+    def train(name: str, **fault: str) -> subprocess.CompletedProcess:
+        script = str(repo / "tests" / "train_with_faults.py") if fault else "train.py"
+        return subprocess.run([sys.executable, script, *mixture_args(tmp_path, name, **save)], cwd=repo,
+                              env={**env, **fault}, capture_output=True, text=True, timeout=240)
+
+    assert train("full").returncode == 0
+    killed = train("killed", TITAN_FAULT_KILL_AT_STEP="5")
+    assert killed.returncode != 0
+    assert train("killed").returncode == 0, "the resumed run failed"
+
+    def records(name: str) -> dict[int, dict]:
+        lines = (tmp_path / name / "logs" / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
+
+    full, resumed = records("full"), records("killed")
+    for step in (5, 6, 7):
+        assert resumed[step]["loss"] == full[step]["loss"]
+        assert {k: v for k, v in resumed[step].items() if k.startswith("tokens/")} == \
+            {k: v for k, v in full[step].items() if k.startswith("tokens/")}
