@@ -191,3 +191,11 @@ def test_data_path_alone_and_one_source_give_the_windows_of_the_single_loader(so
                                 TOKENIZER, 0, 1)
     assert isinstance(megatron, TokenLoader)
     assert windows(plain, 40) == windows(megatron, 40)
+
+
+def test_prefetch_workers_hand_out_the_same_windows_and_state(sources):
+    plain = mixture(sources)
+    workers = mixture(sources, (0.6, 0.3, 0.1), 0, 1, 4, "--data.num_workers", "2")
+    assert windows(workers, 12) == windows(plain, 12)
+    assert workers.state_dict() == plain.state_dict()
+    workers.close()

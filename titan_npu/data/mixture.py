@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import zlib
+from collections import deque
 from collections.abc import Iterator
 
 import numpy as np
@@ -132,15 +133,19 @@ def rank_rows(blend: Blend, batch_size: int, dp_rank: int, dp_world_size: int) -
 
 
 class _StepSampler(Sampler):
-    """Keys for every global step from a blend's position on, forever."""
+    """Keys for every global step from a blend's position on, forever; the counts after each step go to `after` (in
+    the main process, as the keys are made), so the loader need not work the blend out a second time."""
 
     def __init__(self, blend: Blend, batch_size: int, dp_rank: int, dp_world_size: int):
         self.blend, self.batch_size, self.dp_rank, self.dp_world_size = blend, batch_size, dp_rank, dp_world_size
+        self.after: deque[list[int]] = deque()
 
     def __iter__(self) -> Iterator[tuple]:
         blend = self.blend.copy()
         while True:
-            yield rank_rows(blend, self.batch_size, self.dp_rank, self.dp_world_size)
+            key = rank_rows(blend, self.batch_size, self.dp_rank, self.dp_world_size)
+            self.after.append(list(blend.counts))
+            yield key
 
 
 class MixtureLoader:
@@ -164,6 +169,7 @@ class MixtureLoader:
         self.retired: dict[str, int] = {}  # windows taken from sources a resumed run no longer has
         self._dataset = _MixtureBatches(windows, names, max_epochs, seed, documents, vocab_limit)
         self._iter: Iterator | None = None
+        self._sampler: _StepSampler | None = None
 
     @property
     def step(self) -> int:
@@ -175,7 +181,7 @@ class MixtureLoader:
 
     def __next__(self) -> tuple:
         if self._iter is None:
-            sampler = _StepSampler(self.blend, self.batch_size, self.dp_rank, self.dp_world_size)
+            self._sampler = sampler = _StepSampler(self.blend, self.batch_size, self.dp_rank, self.dp_world_size)
             loader = DataLoader(self._dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
                                 pin_memory=self.pin_memory, prefetch_factor=2 if self.num_workers else None,
                                 worker_init_fn=leave_signals_to_parent if self.num_workers else None)
@@ -186,7 +192,7 @@ class MixtureLoader:
             raise DataError(batch.message)
         # What was handed out, not what the workers prefetched, is the state.
         before = list(self.blend.counts)
-        self.blend.take(self.step)
+        self.blend.counts = self._sampler.after.popleft()
         self._log_new_epochs(before)
         return batch
 
