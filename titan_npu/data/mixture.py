@@ -44,28 +44,31 @@ class Blend:
         self.weights = list(weights)
         self.counts = list(counts) if counts is not None else [0] * len(weights)
         self.base = list(base) if base is not None else list(self.counts)
+        self._live = [(i, w, 1.0 / w) for i, w in enumerate(self.weights) if w > 0]
 
     @property
     def total(self) -> int:
         """Windows taken from every source together."""
         return sum(self.counts)
 
-    def take(self, n: int) -> list[int]:
-        """The sources of the next n windows (counts advance)."""
-        w, c, b = self.weights, self.counts, self.base
+    def take(self, n: int, first: int = 0, size: int | None = None) -> list[tuple[int, int]]:
+        """Advance by n windows; windows first .. first + size of them (default all) as (source, k): the source's
+        k-th window."""
+        last = n if size is None else first + size
+        c, b, live = self.counts, self.base, self._live
         done = sum(c) - sum(b)
-        live = [i for i, x in enumerate(w) if x > 0]
-        out = []
-        for _ in range(n):
+        rows = []
+        for t in range(n):
             done += 1
-            best, due = live[0], math.inf
-            for i in live:
+            best, due = live[0][0], math.inf
+            for i, w, inv in live:
                 taken = c[i] - b[i]
-                if w[i] * done - taken > _EPS and (taken + 1) / w[i] < due:
-                    best, due = i, (taken + 1) / w[i]
+                if w * done - taken > _EPS and (taken + 1) * inv < due:
+                    best, due = i, (taken + 1) * inv
+            if first <= t < last:
+                rows.append((best, c[best]))
             c[best] += 1
-            out.append(best)
-        return out
+        return rows
 
     def copy(self) -> Blend:
         return Blend(self.weights, self.counts, self.base)
@@ -79,23 +82,19 @@ class _MixtureBatches(Dataset):
         self.windows, self.names, self.max_epochs = windows, names, max_epochs
         self.seeds = [[seed, zlib.crc32(name.encode())] for name in names]
         self.documents, self.vocab_limit = documents, vocab_limit
-        self._perms: dict[tuple[int, int], np.ndarray] = {}
+        self.sizes = [w.num_windows for w in windows]
+        self._perms: list[tuple[int, np.ndarray] | None] = [None] * len(windows)  # per source: its epoch's order
 
-    def window_id(self, source: int, k: int) -> int:
-        """The window of source's k-th draw: its epoch k // n, place k % n of that epoch's permutation."""
-        n = self.windows[source].num_windows
-        epoch, i = divmod(k, n)
+    def _permutation(self, source: int, epoch: int) -> tuple[int, np.ndarray]:
+        """Source's window order in `epoch` (seeded by the run's seed, its name and the epoch), past max_epochs none."""
         if self.max_epochs[source] and epoch >= self.max_epochs[source]:
             raise DataError(
                 f"data source {self.names[source]!r} ({self.windows[source].dataset.description}) has been read "
                 f"{epoch} time(s), its max_epochs = {self.max_epochs[source]}; raise its max_epochs, give it more "
                 "data or lower its weight")
-        perm = self._perms.get((source, epoch))
-        if perm is None:
-            if len(self._perms) > 2 * len(self.windows):
-                self._perms.clear()
-            perm = self._perms[(source, epoch)] = np.random.default_rng([*self.seeds[source], epoch]).permutation(n)
-        return int(perm[i])
+        order = np.random.default_rng([*self.seeds[source], epoch]).permutation(self.sizes[source])
+        self._perms[source] = (epoch, order)
+        return epoch, order
 
     def __getitem__(self, key: tuple | Refused) -> tuple | Refused:
         try:
@@ -104,8 +103,15 @@ class _MixtureBatches(Dataset):
             return Refused(str(e))
 
     def _batch(self, key: tuple) -> tuple:
-        rows = [(s, self.window_id(s, k)) for s, k in key]
-        batch_np = np.stack([self.windows[s].window(w) for s, w in rows])
+        sizes, perms, windows = self.sizes, self._perms, self.windows
+        rows = []
+        for s, k in key:  # source s's k-th window: place k % n of its epoch k // n's permutation
+            epoch, i = divmod(k, sizes[s])
+            perm = perms[s]
+            if perm is None or perm[0] != epoch:
+                perm = self._permutation(s, epoch)
+            rows.append((s, int(perm[1][i])))
+        batch_np = np.stack([windows[s].window(w) for s, w in rows])
         if self.vocab_limit is not None and int(batch_np.max()) >= self.vocab_limit:
             s, w = next((s, w) for (s, w), row in zip(rows, batch_np) if int(row.max()) >= self.vocab_limit)
             where, top = self.windows[s].first_over(w, self.vocab_limit)
@@ -123,13 +129,7 @@ class _MixtureBatches(Dataset):
 
 def rank_rows(blend: Blend, batch_size: int, dp_rank: int, dp_world_size: int) -> tuple[tuple[int, int], ...]:
     """Advance blend by one global step; this rank's rows as (source, k): its k-th window."""
-    running = list(blend.counts)
-    ks = []
-    for s in blend.take(batch_size * dp_world_size):
-        ks.append((s, running[s]))
-        running[s] += 1
-    first = dp_rank * batch_size
-    return tuple(ks[first : first + batch_size])
+    return tuple(blend.take(batch_size * dp_world_size, dp_rank * batch_size, batch_size))
 
 
 class _StepSampler(Sampler):
@@ -191,16 +191,15 @@ class MixtureLoader:
             self.close()
             raise DataError(batch.message)
         # What was handed out, not what the workers prefetched, is the state.
-        before = list(self.blend.counts)
+        before = self.blend.counts
         self.blend.counts = self._sampler.after.popleft()
         self._log_new_epochs(before)
         return batch
 
     def _log_new_epochs(self, before: list[int]) -> None:
-        for s, (was, now) in enumerate(zip(before, self.blend.counts)):
-            n = self.windows[s].num_windows
-            epoch = (now - 1) // n  # of the last window taken (0-based)
-            if now > was and epoch > max(was - 1, 0) // n and self.dp_rank == 0:
+        for s, (was, now, n) in enumerate(zip(before, self.blend.counts, self._dataset.sizes)):
+            if now > was and (now - 1) // n > max(was - 1, 0) // n and self.dp_rank == 0:
+                epoch = (now - 1) // n  # of the last window taken (0-based)
                 log.info("data: source %r ran out after %d epoch(s) of %d windows; epoch %d begins, reshuffled",
                          self.names[s], epoch, n, epoch + 1)
 
