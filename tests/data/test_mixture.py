@@ -199,3 +199,17 @@ def test_prefetch_workers_hand_out_the_same_windows_and_state(sources):
     assert windows(workers, 12) == windows(plain, 12)
     assert workers.state_dict() == plain.state_dict()
     workers.close()
+
+
+def test_place_splits_a_step_among_other_ranks_from_a_saved_position(sources):
+    """Fault tolerance re-splits each step among the replica groups taking part (loader.place)."""
+    one = mixture(sources, batch_size=2)
+    windows(one, 3)
+    position = one.position
+    ahead = [w for step in windows(one, 2) for w in step]
+    halves = []
+    for rank in range(2):
+        loader = mixture(sources, batch_size=2)
+        loader.place(rank, 2, position)
+        halves.append(windows(loader, 1)[0])
+    assert halves[0] + halves[1] == ahead
