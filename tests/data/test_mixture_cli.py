@@ -76,16 +76,32 @@ def test_a_mixture_config_is_written_back_and_reads_the_same(tmp_path, suffix):
 def test_a_mixture_trains_and_accounts_for_each_source(tmp_path):
     sources = [corpus(tmp_path, n, seed=i) for i, n in enumerate(("web", "code", "math"))]
     proc = subprocess.run(
-        [sys.executable, "train.py", *tiny_args(tmp_path, training__max_steps=5), "--data_path",
+        [sys.executable, "train.py", *tiny_args(tmp_path, training__max_steps=5, metrics__tensorboard=True,
+                                                metrics__report=True, data__val_fraction=0.2,
+                                                validation__enable=True, validation__interval=5,
+                                                validation__steps=1), "--data_path",
          *[x for w, p in zip(("0.6", "0.3", "0.1"), sources) for x in (w, str(p))]],
         cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
     assert "mix=web 60%/code 30%/math 10%" in proc.stdout  # step 5: 10 windows, 6/3/1
-    last = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert re.search(r"val_loss=[\d.]+, val_ppl=[\d.]+ \[web=[\d.]+, code=[\d.]+, math=[\d.]+\]", proc.stdout)
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if "loss" in r][-1]
     assert {k: v for k, v in last.items() if k.startswith("tokens/")} == {"tokens/web": 192, "tokens/code": 96,
                                                                          "tokens/math": 32}
     assert last["share/web"] == pytest.approx(0.6) and sum(last["tokens/" + n] for n in ("web", "code", "math")) \
         == last["tokens_seen"]
+    val = [r for r in records if "val_loss" in r][-1]
+    assert {f"val_loss/{n}" for n in ("web", "code", "math")} <= val.keys()
+    report = (tmp_path / "logs" / "report.md").read_text()
+    assert "## Data mixture (step 5)" in report and "| web | 0.600 | 192 | 0.600 |" in report
+    assert (tmp_path / "logs" / "report.png").stat().st_size > 0
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "logs" / "tensorboard"))
+    events.Reload()
+    assert {"tokens/web", "share/math", "val_loss/code"} <= set(events.Tags()["scalars"])
 
 
 def test_one_source_keeps_the_console_line_as_it_was(tmp_path, capsys):

@@ -53,6 +53,11 @@ def build_figure(run: RunMetrics, title: str = ""):
     vloss = finite_points(val, "val_loss")
     if vloss:
         ax_loss.plot(*zip(*vloss), label="validation", color="tab:orange", marker="o", markersize=4, linewidth=1.4)
+    for key in sorted({k for r in val for k in r if k.startswith("val_loss/")}):  # a mixture: each source's
+        points = finite_points(val, key)
+        if points:
+            ax_loss.plot(*zip(*points), label=f"validation {key[len('val_loss/'):]}", marker=".", linestyle="--",
+                         linewidth=1.0)
     flagged = [(r["step"], r["loss"]) for r in train if r.get("flags") and isinstance(r.get("loss"), float)
                and math.isfinite(r["loss"])]
     if flagged:
