@@ -213,3 +213,39 @@ def test_place_splits_a_step_among_other_ranks_from_a_saved_position(sources):
         loader.place(rank, 2, position)
         halves.append(windows(loader, 1)[0])
     assert halves[0] + halves[1] == ahead
+
+
+def test_a_source_added_or_dropped_on_resume_starts_at_zero_or_keeps_its_count(sources, caplog):
+    two = mixture(sources, (0.5, 0.5, None))
+    windows(two, 5)
+    three = mixture(sources, (0.4, 0.4, 0.2))
+    caplog.set_level(logging.INFO, logger="titan_npu")
+    three.load_state_dict(two.state_dict())
+    assert dict(zip(three.names, three.blend.counts)) == {"web": 10, "code": 10, "math": 0}
+    assert any("mixture changed on resume (web=0.5 code=0.5 -> web=0.4 code=0.4 math=0.2)" in r.getMessage()
+               for r in caplog.records)
+    windows(three, 5)
+    assert dict(zip(three.names, three.blend.counts)) == {"web": 18, "code": 18, "math": 4}
+    back = mixture(sources, (0.5, 0.5, None))
+    back.load_state_dict(three.state_dict())
+    assert back.source_tokens() == {"web": 18 * 16, "code": 18 * 16, "math": 4 * 16}  # math's count kept
+
+
+def test_max_epochs_holds_for_a_single_source_too(tmp_path, sources):
+    cfg = tmp_path / "one.toml"
+    cfg.write_text(f'[[data.sources]]\nname = "math"\npath = "{sources["math"]}"\nmax_epochs = 1\n')
+    loader = build_dataloader(load_config(cfg, ["--training.seq_len", "16", "--training.batch_size", "4",
+                                                "--data.num_workers", "0"], model=False), TOKENIZER, 0, 1)
+    assert isinstance(loader, TokenLoader)
+    with pytest.raises(DataError, match=r"^data source 'math' .* has been read 1 time\(s\), its max_epochs = 1"):
+        for _ in range(100):
+            next(loader)
+    assert loader.epoch == 1
+
+
+def test_megatron_lists_in_yaml_read_as_the_one_line_form(tmp_path, sources):
+    yaml = tmp_path / "mix.yaml"
+    yaml.write_text(f"data_path: [0.6, {sources['web']}, 0.3, {sources['code']}, 0.1, {sources['math']}]\n"
+                    "training: {seq_len: 16, batch_size: 4}\ndata: {num_workers: 0}\n")
+    assert windows(build_dataloader(load_config(yaml, model=False), TOKENIZER, 0, 1), 5) == windows(
+        mixture(sources), 5)
