@@ -249,3 +249,14 @@ def test_megatron_lists_in_yaml_read_as_the_one_line_form(tmp_path, sources):
                     "training: {seq_len: 16, batch_size: 4}\ndata: {num_workers: 0}\n")
     assert windows(build_dataloader(load_config(yaml, model=False), TOKENIZER, 0, 1), 5) == windows(
         mixture(sources), 5)
+
+
+def test_document_masking_marks_each_rows_own_documents(sources):
+    masked = mixture(sources, (0.6, 0.3, 0.1), 0, 1, 4, "--data.document_mask", "true")
+    plain = mixture(sources)
+    for _ in range(5):
+        inputs, _, documents = next(masked)
+        assert inputs.tolist() == next(plain)[0].tolist()
+        for row, ids in zip(inputs.tolist(), documents.ids.tolist()):
+            begins = [p for p in range(1, len(row)) if ids[p] != ids[p - 1]]
+            assert begins == [p for p in range(1, len(row)) if row[p - 1] == TOKENIZER.eos_id]

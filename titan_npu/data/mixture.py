@@ -36,8 +36,8 @@ _EPS = 1e-9
 class Blend:
     """Which source each next window comes from: Tijdeman's earliest-due rule, within one window of the weights.
 
-    counts: windows each source has taken; since/base: the total and the counts when these weights took over (a
-    resumed run may change the weights: the new proportions hold for the windows from then on).
+    counts: windows each source has taken; base: the counts when these weights took over (a resumed run may change
+    the weights: the new proportions hold for the windows from then on).
     """
 
     def __init__(self, weights: list[float], counts: list[int] | None = None, base: list[int] | None = None):
