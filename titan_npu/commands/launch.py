@@ -63,7 +63,8 @@ def missing_launch_var(env: Mapping[str, str]) -> tuple[str, str] | None:
 def check_before_process_group(cfg: JobConfig) -> None:
     """The checks that need no process group, made by every rank before one forms (so a refusal costs no
     rendezvous, no device mesh and no collective timeout): the layout against WORLD_SIZE, the model's shapes,
-    seq_len against them, and the tokenizer against the vocabulary. Call it after check_launch_env."""
+    seq_len against them, the tokenizer against the vocabulary, and each source of a data mixture. Call it after
+    check_launch_env."""
     from titan_npu.config.validate import check_seq_len
     from titan_npu.data.tokenizer import build_tokenizer, check_vocab
     from titan_npu.models.registry import build_model_args
@@ -73,7 +74,12 @@ def check_before_process_group(cfg: JobConfig) -> None:
     model_args = build_model_args(cfg.model)
     validate_layout(ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1"))), model_args, cfg)
     check_seq_len(cfg.training.seq_len, model_args.max_seq_len)
-    check_vocab(build_tokenizer(cfg.data.tokenizer), model_args.vocab_size)
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    check_vocab(tokenizer, model_args.vocab_size)
+    if len(cfg.data.sources) > 1:  # every source of a mixture: there, the run's tokenizer, one window of data
+        from titan_npu.data.loader import open_sources
+
+        open_sources(cfg, tokenizer, model_args.vocab_size)
 
 
 def set_launch_env(cfg: JobConfig) -> dict[str, str]:

@@ -21,6 +21,7 @@ SECTION_ALIASES: dict[str, str] = {"distributed": "parallel"}
 TOP_LEVEL_ALIASES: dict[str, tuple[str, str]] = {
     "dtype": ("training", "dtype"),
     "data_dir": ("data", "path"),
+    "data_path": ("data", "sources"),  # Megatron's --data-path "0.7 /data/web 0.3 /data/code"
     "checkpoint_dir": ("checkpoint", "dir"),
     "log_dir": ("metrics", "log_dir"),
 }

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import math
 import types
+from collections.abc import Mapping
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from titan_npu.config.schema import JobConfig
@@ -93,6 +94,8 @@ def coerce(value: Any, hint: Any, label: str) -> Any:
         raise ConfigError(f"{label} = {show(value)} is not a str (write it in quotes)")
     if get_origin(hint) is list:
         return _to_list(value, get_args(hint)[0], hint, label)
+    if dataclasses.is_dataclass(hint):
+        return _to_table(value, hint, label)
     raise TypeError(f"the schema type {hint!r} of {label} has no coercion rule")
 
 
@@ -157,6 +160,8 @@ def _to_float(value: Any, label: str) -> float:
 
 
 def _to_list(value: Any, elem: Any, hint: Any, label: str) -> list:
+    if dataclasses.is_dataclass(elem):
+        return _to_tables(value, elem, label)
     if isinstance(value, str):
         items: list[Any] | None = _split_list(value)
     elif isinstance(value, (list, tuple)):
@@ -181,3 +186,34 @@ def _split_list(text: str) -> list[str] | None:
     items = [item.strip() for item in text.split(",")]
     items = [item[1:-1] if len(item) >= 2 and item[0] == item[-1] and item[0] in "'\"" else item for item in items]
     return None if any(item == "" for item in items) else items
+
+
+def _to_tables(value: Any, elem: type, label: str) -> list:
+    """A list of tables ([[data.sources]]); a string or a list of plain values is Megatron's 'WEIGHT PATH ...'."""
+    from titan_npu.config.mixture import parse_megatron
+
+    if isinstance(value, (list, tuple)) and not any(isinstance(v, (dict, Mapping)) or dataclasses.is_dataclass(v)
+                                                     for v in value):
+        value = " ".join(str(v) for v in value)
+    if isinstance(value, str):
+        value = parse_megatron(value, label)
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{label} = {show(value)} is not a list of tables (write [[{label.split(': ')[-1]}]] "
+                          "tables, or 'WEIGHT PATH WEIGHT PATH ...')")
+    return [_to_table(item, elem, f"{label}[{i}]") for i, item in enumerate(value)]
+
+
+def _to_table(value: Any, cls: type, label: str) -> Any:
+    """One table of a list of tables, each key typed; an unknown key is refused with the known ones."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{label} = {show(value)} is not a table (give its keys, e.g. path = \"...\")")
+    hints = get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    out = {}
+    for key, item in value.items():
+        if str(key) not in known:
+            raise ConfigError(f"{label}: unknown key {str(key)!r} (use {', '.join(known)})")
+        out[str(key)] = coerce(item, hints[str(key)], f"{label}.{key}")
+    return cls(**out)

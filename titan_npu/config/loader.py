@@ -245,6 +245,9 @@ def _parse_yaml(text: str, path: str | os.PathLike[str]) -> Any:
         raise ConfigError(f"{path}: invalid YAML{where}: {_one_line(detail)}") from None
 
 
+_MANY_TOKENS = ("data_path", "data.sources")  # keys whose value may be several tokens: 'WEIGHT PATH WEIGHT PATH ...'
+
+
 def parse_overrides(tokens: Sequence[str]) -> dict[str, Any]:
     """['--model.dim', '64', '--compile.enable', '--x.y=z'] -> {'model': {'dim': '64'}, 'compile': {...}, ...}.
 
@@ -262,6 +265,10 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, Any]:
         if "=" in body:
             name, value = body.split("=", 1)
             i += 1
+        elif body.replace("-", "_") in _MANY_TOKENS:  # Megatron's --data-path 0.7 /data/web 0.3 /data/code
+            end = next((j for j in range(i + 1, len(tokens)) if str(tokens[j]).startswith("--")), len(tokens))
+            name, value = body, " ".join(str(t) for t in tokens[i + 1 : end]) if end > i + 1 else FLAG
+            i = end
         elif i + 1 < len(tokens) and not str(tokens[i + 1]).startswith("--"):
             name, value = body, str(tokens[i + 1])
             i += 2
@@ -308,6 +315,7 @@ def _build(sources: Sequence[tuple[str, Mapping[str, Any]]], lines: Mapping[str,
                     # A flag without its value reads best with the source in front: "command line: --x.y needs..."
                     raise (ConfigError(f"{source}: {e}") if value is FLAG else e) from None
                 origin[(section, key)] = (where, spelling)
+                _one_data_input(merged, origin, section, key, where)
 
     sections = {section: cls(**merged.get(section, {})) for section, cls in section_types().items()}
     cfg = JobConfig(**sections)
@@ -321,6 +329,18 @@ def _build(sources: Sequence[tuple[str, Mapping[str, Any]]], lines: Mapping[str,
         where, spelling = origin[tuple(key.split(".", 1))]  # type: ignore[index]
         note = f" (set as '{spelling}')" if spelling != key else ""
         raise ConfigError(f"{where}: {e}{note}") from None
+
+
+def _one_data_input(merged: dict[str, dict[str, Any]], origin: dict, section: str, key: str, where: str) -> None:
+    """data.path and data.sources name the run's data two ways: a later source setting one drops what an earlier
+    source set for the other (a file's data.path, then --data_path "0.7 web 0.3 code" on the command line)."""
+    other = {"path": "sources", "sources": "path"}.get(key) if section == "data" else None
+    if other is None or not merged["data"][key]:
+        return
+    earlier = origin.get(("data", other))
+    if earlier is not None and earlier[0].split(":")[0] != where.split(":")[0]:
+        merged["data"].pop(other, None)
+        origin.pop(("data", other))
 
 
 def _line_of(text: list[str], spelling: str) -> int | None:

@@ -263,6 +263,7 @@ CONFIG_KEYS: dict[str, Knob] = {
     "checkpoint.enable": FREE,
     "checkpoint.overwrite": FREE,
     "data.path": FREE,
+    "data.sources": FREE,  # each source's weight, name and max_epochs: config/mixture.py check_sources
     "data.tokenizer": Knob(nonempty=True, why="use byte, a tokenizer.json/.model or its directory"),
     "data.num_workers": Knob(at_least(0), why="0 = load in the training process"),
     "data.text_field": Knob(nonempty=True, why="the field of .jsonl records that holds the text, e.g. text"),

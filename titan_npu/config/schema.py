@@ -198,8 +198,20 @@ class CheckpointConfig:
 
 
 @dataclass
+class DataSource:
+    """One source of a data mixture ([[data.sources]]): its own path, weight and text field (docs/data.md)."""
+
+    name: str = ""  # "" = the path's file or folder name
+    path: str = ""  # anything data.path accepts
+    weight: float = 1.0  # normalised over the sources
+    text_field: str = ""  # "" = data.text_field
+    max_epochs: int = 0  # 0 = as many passes as the run needs; else the run stops rather than pass it
+
+
+@dataclass
 class DataConfig:
     path: str = ""  # "" = the corpus that ships with the project
+    sources: list[DataSource] = field(default_factory=list)  # a weighted mixture instead of data.path
     tokenizer: str = "byte"
     num_workers: int = 2
     text_field: str = "text"

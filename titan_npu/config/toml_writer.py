@@ -16,9 +16,19 @@ def dumps_toml(data: Mapping[str, Mapping[str, Any]]) -> str:
     blocks = []
     for section, table in data.items():
         lines = [f"[{section}]"]
-        lines += [f"{key} = {_value(value, f'{section}.{key}')}" for key, value in table.items() if value is not None]
+        lines += [f"{key} = {_value(value, f'{section}.{key}')}" for key, value in table.items()
+                  if value is not None and not _tables(value)]
         blocks.append("\n".join(lines))
+        for key, value in table.items():  # a list of tables ([[data.sources]]) after the section's own keys
+            if value and _tables(value):
+                blocks += [dumps_toml({f"[{section}.{key}]": item}).strip().replace(f"[[[{section}.{key}]]]",
+                                                                                      f"[[{section}.{key}]]")
+                           for item in value]
     return "\n\n".join(blocks) + "\n"
+
+
+def _tables(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, Mapping) for v in value)
 
 
 def _value(value: Any, where: str) -> str:

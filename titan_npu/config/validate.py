@@ -10,6 +10,7 @@ import re
 
 from titan_npu.config.aliases import normalize_flavor
 from titan_npu.config.coerce import coerce, field_types, section_types, show
+from titan_npu.config.mixture import check_sources
 from titan_npu.config.options import CONFIG_KEYS, option_error, or_list
 from titan_npu.config.schema import JobConfig, ModelConfig
 from titan_npu.errors import ConfigError
@@ -148,6 +149,7 @@ def _check_checkpoint(cfg: JobConfig) -> None:
 
 
 def _check_rest(cfg: JobConfig) -> None:
+    check_sources(cfg.data)
     _check_document_mask(cfg)
     _check_fault_tolerance(cfg)
 

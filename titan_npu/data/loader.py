@@ -11,19 +11,27 @@ too are a pure function of (epoch, pos).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from titan_npu.config.schema import JobConfig
+from titan_npu.config.mixture import sources_of
+from titan_npu.config.schema import DataSource, JobConfig
 from titan_npu.data.datasets import TokenDataset, open_dataset, verify_dataset
 from titan_npu.data.tokenizer import Tokenizer
+from titan_npu.data.windows import PackedWindows, Refused
 from titan_npu.errors import DataError
 from titan_npu.ops.documents import Documents
 from titan_npu.reliability.preemption import leave_signals_to_parent
 
+if TYPE_CHECKING:
+    from titan_npu.data.mixture import MixtureLoader
+
+log = logging.getLogger("titan_npu")
 _GOLDEN = 0.6180339887498949  # Weyl sequence step: spreads held-out documents evenly over the corpus
 STATE_VERSION = 1
 
@@ -36,60 +44,6 @@ def split_documents(num_docs: int, val_fraction: float, split: str) -> np.ndarra
         raise DataError(f"split {split!r} is unknown; use 'train' or 'validation'")
     held_out = (np.arange(num_docs, dtype=np.float64) * _GOLDEN) % 1.0 < val_fraction
     return np.flatnonzero(held_out if split == "validation" else ~held_out)
-
-
-class PackedWindows:
-    """The documents doc_ids of a dataset, concatenated, cut into windows of seq_len + 1 tokens (one overlaps)."""
-
-    def __init__(self, dataset: TokenDataset, doc_ids: np.ndarray, seq_len: int):
-        self.dataset = dataset
-        self.doc_ids = doc_ids
-        self.seq_len = seq_len
-        self.lengths = dataset.doc_lengths[doc_ids]
-        self.ends = np.cumsum(self.lengths)
-        self.num_tokens = int(self.ends[-1]) if len(self.ends) else 0
-        self.num_windows = max(0, (self.num_tokens - 1) // seq_len)
-
-    def window(self, w: int) -> np.ndarray:
-        """Tokens [w * seq_len, w * seq_len + seq_len + 1) of the packed stream."""
-        start, stop = w * self.seq_len, w * self.seq_len + self.seq_len + 1
-        i = int(np.searchsorted(self.ends, start, side="right"))
-        pieces, pos = [], start
-        while pos < stop:
-            doc_start = int(self.ends[i] - self.lengths[i])
-            hi = min(int(self.ends[i]), stop)
-            pieces.append(self.dataset.read(int(self.doc_ids[i]), pos - doc_start, hi - doc_start))
-            pos, i = hi, i + 1
-        return np.concatenate(pieces) if len(pieces) > 1 else np.asarray(pieces[0])
-
-    def first_over(self, w: int, limit: int) -> tuple[str, int]:
-        """(file, id) of the first document piece in window w holding an id >= limit, for messages."""
-        start, stop = w * self.seq_len, w * self.seq_len + self.seq_len + 1
-        i = int(np.searchsorted(self.ends, start, side="right"))
-        pos = start
-        while pos < stop and i < len(self.ends):
-            doc_start = int(self.ends[i] - self.lengths[i])
-            hi = min(int(self.ends[i]), stop)
-            piece = self.dataset.read(int(self.doc_ids[i]), pos - doc_start, hi - doc_start)
-            if len(piece) and int(piece.max()) >= limit:
-                return self.dataset.where(int(self.doc_ids[i])), int(piece.max())
-            pos, i = hi, i + 1
-        return self.dataset.description, limit
-
-    def doc_starts(self, w: int) -> np.ndarray:
-        """Offsets inside window w where a document begins (for document masking)."""
-        start, stop = w * self.seq_len, w * self.seq_len + self.seq_len + 1
-        begins = self.ends - self.lengths
-        lo, hi = np.searchsorted(begins, [start, stop])
-        return (begins[lo:hi] - start).astype(np.int64)
-
-
-class _Refused:
-    """A DataError met in a loader worker, handed back as the batch: the main process raises it as one line
-    (the DataLoader would wrap a raised one in the worker's traceback)."""
-
-    def __init__(self, message: str):
-        self.message = message
 
 
 class _BatchDataset(Dataset):
@@ -114,11 +68,11 @@ class _BatchDataset(Dataset):
             self._perm = (epoch, order)
         return self._perm[1]
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple | _Refused:
+    def __getitem__(self, key: tuple[int, int]) -> tuple | Refused:
         try:
             return self._batch(key)
         except DataError as e:
-            return _Refused(str(e))
+            return Refused(str(e))
 
     def _batch(self, key: tuple[int, int]) -> tuple:
         epoch, pos = key
@@ -163,7 +117,7 @@ class TokenLoader:
 
     def __init__(self, windows: PackedWindows, batch_size: int, dp_rank: int, dp_world_size: int, seed: int,
                  num_workers: int = 0, pin_memory: bool = False, shuffle: bool = True, split: str = "train",
-                 documents: str = "", vocab_limit: int | None = None):
+                 documents: str = "", vocab_limit: int | None = None, name: str = "", max_epochs: int = 0):
         if not 0 <= dp_rank < dp_world_size:
             raise DataError(f"dp_rank={dp_rank} is outside dp_world_size={dp_world_size}; check the parallel layout")
         global_batch = batch_size * dp_world_size
@@ -178,6 +132,7 @@ class TokenLoader:
         self.seed, self.shuffle, self.split = seed, shuffle, split
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.epoch, self.pos = 0, 0
+        self.name, self.max_epochs = name, max_epochs  # max_epochs: 0 = no limit
         self._dataset = _BatchDataset(windows, batch_size, dp_rank, seed, shuffle, documents, vocab_limit)
         self._iter: Iterator | None = None
 
@@ -190,6 +145,10 @@ class TokenLoader:
         return self
 
     def __next__(self) -> tuple:
+        if self.max_epochs and self.epoch >= self.max_epochs:
+            raise DataError(f"data source {self.name!r} ({self.windows.dataset.description}) has been read "
+                            f"{self.epoch} time(s), its max_epochs = {self.max_epochs}; raise its max_epochs or give "
+                            "it more data")
         if self._iter is None:
             sampler = _CursorSampler(self.epoch, self.pos, self.step, self.windows.num_windows)
             loader = DataLoader(self._dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
@@ -197,12 +156,21 @@ class TokenLoader:
                                 worker_init_fn=leave_signals_to_parent if self.num_workers else None)
             self._iter = iter(loader)
         batch = next(self._iter)
-        if isinstance(batch, _Refused):
+        if isinstance(batch, Refused):
             self.close()
             raise DataError(batch.message)
         # What was handed out, not what the workers prefetched, is the state.
+        epoch = self.epoch
         self.epoch, self.pos = wrap(self.epoch, self.pos + self.step, self.step, self.windows.num_windows)
+        if self.epoch > epoch and self.split == "train" and self.dp_rank == 0:
+            log.info("data: %s ran out after %d epoch(s) of %d windows; epoch %d begins, reshuffled",
+                     repr(self.name) if self.name else self.windows.dataset.description, self.epoch,
+                     self.windows.num_windows, self.epoch + 1)
         return batch
+
+    def source_tokens(self) -> dict[str, int]:
+        """Tokens per source: one source has only the run's total (see MixtureLoader)."""
+        return {}
 
     @property
     def position(self) -> tuple[int, int]:
@@ -236,6 +204,11 @@ class TokenLoader:
 
     def load_state_dict(self, state: dict, allow_reshard: bool = False) -> None:
         """Continue exactly where state left off; a different dp_world_size needs allow_reshard=True."""
+        if state.get("kind") == "mixture":
+            raise DataError(f"the checkpoint's data position is a mixture of {len(state.get('sources', {}))} sources "
+                            f"({', '.join(state.get('sources', {}))}), this run reads one; resume with the same "
+                            "data.sources, or start the new data as a new run from its weights "
+                            "(--checkpoint.initial_load <checkpoint step folder> with a new --checkpoint_dir)")
         for key in ("epoch", "pos", "seq_len", "num_windows", "dp_world_size", "seed"):
             if key not in state:
                 raise DataError(f"data loader state has no '{key}'; the checkpoint is not from this loader")
@@ -269,29 +242,82 @@ class TokenLoader:
 
 def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer | None, dp_rank: int, dp_world_size: int,
                      split: str = "train", device_type: str = "cpu", model_vocab_size: int | None = None,
-                     ) -> TokenLoader:
-    """The loader for one data-parallel rank: cfg.data (or cfg.validation.data for validation), see module doc."""
+                     source: str | None = None) -> TokenLoader | MixtureLoader:
+    """The loader for one data-parallel rank: cfg.data (or cfg.validation.data for validation), see module doc.
+
+    Training on several data.sources gives a MixtureLoader (data/mixture.py); `source` names one source of the
+    mixture to read alone (its held-out split, for per-source validation).
+    """
     if split not in ("train", "validation"):
         raise DataError(f"split {split!r} is unknown; use 'train' or 'validation'")
     seq_len, batch_size = cfg.training.seq_len, cfg.training.batch_size
     if seq_len < 1 or batch_size < 1:
         raise DataError(f"training.seq_len={seq_len} and training.batch_size={batch_size} must be >= 1")
-    if split == "validation" and cfg.validation.data:
+    pin = device_type in ("cuda", "npu") and _accelerator_available()
+    sources = sources_of(cfg.data)
+    if source is not None:
+        sources = [s for s in sources if s.name == source]
+    if split == "train" and len(sources) > 1:
+        from titan_npu.data.mixture import MixtureLoader
+
+        opened = open_sources(cfg, tokenizer, model_vocab_size)
+        loader = MixtureLoader(
+            [PackedWindows(ds, split_documents(ds.num_docs, cfg.data.val_fraction, "train"), seq_len)
+             for _, ds in opened],
+            [s.name for s, _ in opened], [s.weight for s, _ in opened], [s.max_epochs for s, _ in opened],
+            batch_size, dp_rank, dp_world_size, seed=cfg.training.seed, num_workers=max(0, cfg.data.num_workers),
+            pin_memory=pin, documents=batch_documents(cfg), vocab_limit=model_vocab_size)
+        for _, ds in opened:
+            ds.write_caches()
+        return loader
+    src = sources[0]
+    if split == "validation" and cfg.validation.data and source is None:
         dataset = open_dataset(cfg.validation.data, tokenizer, cfg.data.text_field)
         doc_ids = np.arange(dataset.num_docs)
     else:
-        dataset = open_dataset(cfg.data.path, tokenizer, cfg.data.text_field)
+        dataset = open_dataset(src.path, tokenizer, src.text_field)
         if split == "validation" and cfg.data.val_fraction <= 0:
             raise DataError("no validation data: set data.val_fraction > 0 or validation.data to a path")
         doc_ids = split_documents(dataset.num_docs, cfg.data.val_fraction, split)
     verify_dataset(dataset, tokenizer, model_vocab_size)
-    pin = device_type in ("cuda", "npu") and _accelerator_available()
     loader = TokenLoader(PackedWindows(dataset, doc_ids, seq_len), batch_size, dp_rank, dp_world_size,
                          seed=cfg.training.seed, num_workers=max(0, cfg.data.num_workers), pin_memory=pin,
                          shuffle=split == "train", split=split, documents=batch_documents(cfg),
-                         vocab_limit=model_vocab_size)
+                         vocab_limit=model_vocab_size, name=src.name,
+                         max_epochs=src.max_epochs if split == "train" else 0)
     dataset.write_caches()  # the data is accepted: now its index may be kept beside it
     return loader
+
+
+def open_sources(cfg: JobConfig, tokenizer: Tokenizer | None, model_vocab_size: int | None = None,
+                 ) -> list[tuple[DataSource, TokenDataset]]:
+    """Every source of the run's data, opened and checked: it exists, holds text in its field, was made with the
+    run's tokenizer (and so the same as the others), fits the model's vocabulary, and holds one window of training
+    tokens at least. Nothing is written (caches are written once the whole run is accepted)."""
+    seq_len = cfg.training.seq_len
+    opened: list[tuple[DataSource, TokenDataset]] = []
+    for i, src in enumerate(sources_of(cfg.data)):
+        label = f"data source {src.name!r} (data.sources[{i}])" if cfg.data.sources else "data.path"
+        try:
+            ds = open_dataset(src.path, tokenizer, src.text_field)
+        except DataError as e:
+            raise (DataError(f"{label}: {e}") if cfg.data.sources else e) from None
+        for other, ods in opened:
+            if ds.tokenizer_fingerprint and ods.tokenizer_fingerprint and \
+                    ds.tokenizer_fingerprint != ods.tokenizer_fingerprint:
+                raise DataError(f"{label} was tokenised with another tokenizer ({ds.tokenizer_fingerprint}) than "
+                                f"source {other.name!r} ({ods.tokenizer_fingerprint}); prepare every source with the "
+                                "run's data.tokenizer")
+        try:
+            verify_dataset(ds, tokenizer, model_vocab_size)
+        except DataError as e:
+            raise (DataError(f"{label}: {e}") if cfg.data.sources else e) from None
+        train = PackedWindows(ds, split_documents(ds.num_docs, cfg.data.val_fraction, "train"), seq_len)
+        if train.num_windows < 1:
+            raise DataError(f"{label} ({ds.description}) holds {train.num_tokens} training tokens, fewer than one "
+                            f"window of seq_len+1 = {seq_len + 1}; give it more data or drop it from data.sources")
+        opened.append((src, ds))
+    return opened
 
 
 def batch_documents(cfg: JobConfig) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_npu.errors import ConfigError
+from titan_npu.metrics.mixture import format_mix
 from titan_npu.metrics.progress import format_duration
 
 log = logging.getLogger("titan_npu")
@@ -24,6 +25,9 @@ def format_step_line(m: dict[str, Any]) -> str:
     parts.append(f"mfu={100 * m['mfu']:.1f}%")
     parts.append(f"mem={m['mem_used_gb']:.1f}GB/{m['mem_total_gb']:.1f}GB")
     parts.append(f"step_time={m['step_time_s']:.2f}s")
+    mix = format_mix(m)  # a data mixture: each source's share of the tokens so far
+    if mix:
+        parts.append(mix)
     if "replicas" in m:  # fault tolerance: the replica groups that took part in the step
         parts.append(f"replicas={m['replicas']}")
     if m.get("eta_s") is not None:
@@ -36,8 +40,11 @@ def format_step_line(m: dict[str, Any]) -> str:
 
 
 def format_validation_line(m: dict[str, Any]) -> str:
-    """`[Step 500] val_loss=2.3456, val_ppl=10.45 (10 batches, 20,480 tokens, 1.2s)`."""
-    return (f"[Step {m['step']}] val_loss={m['val_loss']:.4f}, val_ppl={m['val_ppl']:.2f} "
+    """`[Step 500] val_loss=2.3456, val_ppl=10.45 (10 batches, 20,480 tokens, 1.2s)`; a mixture adds each source's
+    `web=2.1012`."""
+    per_source = [f"{k[len('val_loss/'):]}={v:.4f}" for k, v in m.items() if k.startswith("val_loss/")]
+    mix = f" [{', '.join(per_source)}]" if per_source else ""
+    return (f"[Step {m['step']}] val_loss={m['val_loss']:.4f}, val_ppl={m['val_ppl']:.2f}{mix} "
             f"({m['val_batches']} batches, {m['val_tokens']:,} tokens, {m['val_time_s']:.1f}s)")
 
 

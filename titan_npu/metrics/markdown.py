@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from titan_npu.config.mixture import default_name
+from titan_npu.metrics.mixture import SHARE, TOKENS
 from titan_npu.metrics.run_metrics import RunMetrics
 from titan_npu.metrics.summary import human, summary
 
@@ -46,6 +48,26 @@ def _checkpoint_dir(log_dir: Path, info: dict[str, Any], config: dict[str, Any])
     return candidates[0] if candidates else None
 
 
+def mixture_table(run: RunMetrics, data: dict[str, Any]) -> list[str]:
+    """## Data mixture: per source its weight, tokens seen, share and last validation loss ([] for one source)."""
+    last = next((r for r in reversed(run.train) if any(k.startswith(TOKENS) for k in r)), None)
+    if last is None:
+        return []
+    val = next((r for r in reversed(run.val) if any(k.startswith("val_loss/") for k in r)), {})
+    sources = data.get("sources") or []
+    total_w = sum(float(s.get("weight", 0)) for s in sources) or 1.0
+    weights = {s.get("name") or default_name(s.get("path", "")): float(s.get("weight", 0)) / total_w
+               for s in sources}
+    lines = [f"## Data mixture (step {last['step']})", "", "| source | weight | tokens seen | share | val loss |",
+             "|---|---|---|---|---|"]
+    for key, tokens in last.items():
+        if key.startswith(TOKENS):
+            name = key[len(TOKENS):]
+            lines.append(f"| {name} | {_fmt(weights.get(name), '.3f')} | {tokens:,} | "
+                         f"{_fmt(last.get(SHARE + name), '.3f')} | {_fmt(val.get('val_loss/' + name))} |")
+    return lines + [""]
+
+
 def render_markdown(log_dir: Path, run: RunMetrics, config: dict[str, Any], info: dict[str, Any],
                     png_name: str | None) -> str:
     """report.md's text."""
@@ -66,7 +88,9 @@ def render_markdown(log_dir: Path, run: RunMetrics, config: dict[str, Any], info
     if opt:
         rows.append(("optimizer", f"{opt.get('name')} lr={opt.get('lr')} weight_decay={opt.get('weight_decay')}, "
                                   f"{sched.get('decay_type', '?')} schedule, warmup {sched.get('warmup_steps', '?')}"))
-    if data:
+    if data.get("sources"):
+        rows.append(("data", f"a mixture of {len(data['sources'])} sources, below (tokenizer {data.get('tokenizer')})"))
+    elif data:
         rows.append(("data", f"{data.get('path') or 'built-in corpus'} (tokenizer {data.get('tokenizer')})"))
     if info.get("layout"):
         rows.append(("layout", info["layout"]))
@@ -111,6 +135,7 @@ def render_markdown(log_dir: Path, run: RunMetrics, config: dict[str, Any], info
     if png_name:
         lines += [f"![loss, learning rate, throughput and memory against step]({png_name})", ""]
     lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows] + [""]
+    lines += mixture_table(run, data)
     lines.append(f"## Checkpoints ({ckpt_dir if ckpt_dir else 'no checkpoint dir configured'})")
     lines.append("")
     entries = list_checkpoints(ckpt_dir)

@@ -32,11 +32,17 @@ def build_figure(run: RunMetrics, title: str = ""):
     plt = require_matplotlib()
     train, val = run.train, run.val
     load_mean, load_layers = expert_load(train)
-    if load_mean or load_layers:
-        fig = plt.figure(figsize=(12, 11.25), dpi=110)
-        grid = fig.add_gridspec(3, 2)
+    mix = source_tokens(train)
+    extra = [panel for panel, wanted in (("load", load_mean or load_layers), ("mix", mix)) if wanted]
+    if extra:
+        fig = plt.figure(figsize=(12, 7.5 + 3.75 * len(extra)), dpi=110)
+        grid = fig.add_gridspec(2 + len(extra), 2)
         (ax_loss, ax_lr), (ax_tp, ax_mem) = [[fig.add_subplot(grid[row, col]) for col in (0, 1)] for row in (0, 1)]
-        _plot_expert_load(fig.add_subplot(grid[2, :]), load_mean, load_layers)
+        for row, panel in enumerate(extra, 2):
+            if panel == "load":
+                _plot_expert_load(fig.add_subplot(grid[row, :]), load_mean, load_layers)
+            else:
+                _plot_mixture(fig.add_subplot(grid[row, :]), mix)
     else:
         fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), dpi=110)
         (ax_loss, ax_lr), (ax_tp, ax_mem) = axes
@@ -47,6 +53,11 @@ def build_figure(run: RunMetrics, title: str = ""):
     vloss = finite_points(val, "val_loss")
     if vloss:
         ax_loss.plot(*zip(*vloss), label="validation", color="tab:orange", marker="o", markersize=4, linewidth=1.4)
+    for key in sorted({k for r in val for k in r if k.startswith("val_loss/")}):  # a mixture: each source's
+        points = finite_points(val, key)
+        if points:
+            ax_loss.plot(*zip(*points), label=f"validation {key[len('val_loss/'):]}", marker=".", linestyle="--",
+                         linewidth=1.0)
     flagged = [(r["step"], r["loss"]) for r in train if r.get("flags") and isinstance(r.get("loss"), float)
                and math.isfinite(r["loss"])]
     if flagged:
@@ -116,6 +127,28 @@ def _plot_expert_load(ax, mean: list[tuple[int, float]], layers: list[list[tuple
     ax.set_xlabel("step")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, ncol=min(5, len(layers) + 2))
+
+
+def source_tokens(train: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """A data mixture's tokens seen per source against step ({} for one source)."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for r in train:
+        for k, v in r.items():
+            if k.startswith("tokens/") and isinstance(v, (int, float)):
+                out.setdefault(k[len("tokens/"):], []).append((r["step"], float(v)))
+    return out
+
+
+def _plot_mixture(ax, mix: dict[str, list[tuple[int, float]]]) -> None:
+    """The data panel: tokens seen per source against step; the legend gives each one's last share."""
+    total = sum(points[-1][1] for points in mix.values()) or 1.0
+    for name, points in mix.items():
+        ax.plot(*zip(*points), linewidth=1.4, label=f"{name} ({100 * points[-1][1] / total:.1f}%)")
+    ax.set_title("tokens seen per data source")
+    ax.set_ylabel("tokens")
+    ax.set_xlabel("step")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def plot_report(run: RunMetrics, out_png: Path, title: str = "") -> Path:

@@ -35,6 +35,7 @@ from titan_npu.metrics import (
     step_record,
 )
 from titan_npu.metrics.logger import import_wandb
+from titan_npu.metrics.mixture import mixture_record
 from titan_npu.metrics.report import final_report
 from titan_npu.metrics.run_info import run_info, write_run_info
 from titan_npu.models.registry import build_model_args, spec_of
@@ -427,6 +428,7 @@ class Trainer:
         if self.replicas is not None:
             record["replicas"] = self.replicas.participants
         record.update(self.routing.record(self.dims))
+        record.update(mixture_record(self.dataloader.source_tokens()))
         flags = health_flags(window.first_step, window.losses, norm_value, self.spikes)
         if flags:
             record["flags"] = flags

@@ -1,0 +1,62 @@
+"""Documents packed into windows of seq_len + 1 tokens (the unit every loader hands out), and a refusal met in a
+loader worker."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from titan_npu.data.datasets import TokenDataset
+
+
+class PackedWindows:
+    """The documents doc_ids of a dataset, concatenated, cut into windows of seq_len + 1 tokens (one overlaps)."""
+
+    def __init__(self, dataset: TokenDataset, doc_ids: np.ndarray, seq_len: int):
+        self.dataset = dataset
+        self.doc_ids = doc_ids
+        self.seq_len = seq_len
+        self.lengths = dataset.doc_lengths[doc_ids]
+        self.ends = np.cumsum(self.lengths)
+        self.num_tokens = int(self.ends[-1]) if len(self.ends) else 0
+        self.num_windows = max(0, (self.num_tokens - 1) // seq_len)
+
+    def window(self, w: int) -> np.ndarray:
+        """Tokens [w * seq_len, w * seq_len + seq_len + 1) of the packed stream."""
+        start, stop = w * self.seq_len, w * self.seq_len + self.seq_len + 1
+        i = int(np.searchsorted(self.ends, start, side="right"))
+        pieces, pos = [], start
+        while pos < stop:
+            doc_start = int(self.ends[i] - self.lengths[i])
+            hi = min(int(self.ends[i]), stop)
+            pieces.append(self.dataset.read(int(self.doc_ids[i]), pos - doc_start, hi - doc_start))
+            pos, i = hi, i + 1
+        return np.concatenate(pieces) if len(pieces) > 1 else np.asarray(pieces[0])
+
+    def first_over(self, w: int, limit: int) -> tuple[str, int]:
+        """(file, id) of the first document piece in window w holding an id >= limit, for messages."""
+        start, stop = w * self.seq_len, w * self.seq_len + self.seq_len + 1
+        i = int(np.searchsorted(self.ends, start, side="right"))
+        pos = start
+        while pos < stop and i < len(self.ends):
+            doc_start = int(self.ends[i] - self.lengths[i])
+            hi = min(int(self.ends[i]), stop)
+            piece = self.dataset.read(int(self.doc_ids[i]), pos - doc_start, hi - doc_start)
+            if len(piece) and int(piece.max()) >= limit:
+                return self.dataset.where(int(self.doc_ids[i])), int(piece.max())
+            pos, i = hi, i + 1
+        return self.dataset.description, limit
+
+    def doc_starts(self, w: int) -> np.ndarray:
+        """Offsets inside window w where a document begins (for document masking)."""
+        start, stop = w * self.seq_len, w * self.seq_len + self.seq_len + 1
+        begins = self.ends - self.lengths
+        lo, hi = np.searchsorted(begins, [start, stop])
+        return (begins[lo:hi] - start).astype(np.int64)
+
+
+class Refused:
+    """A DataError met in a loader worker, handed back as the batch: the main process raises it as one line
+    (the DataLoader would wrap a raised one in the worker's traceback)."""
+
+    def __init__(self, message: str):
+        self.message = message
