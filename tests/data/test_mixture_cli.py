@@ -104,6 +104,25 @@ def test_a_mixture_trains_and_accounts_for_each_source(tmp_path):
     assert {"tokens/web", "share/math", "val_loss/code"} <= set(events.Tags()["scalars"])
 
 
+def test_a_recipe_mixes_a_saved_hf_dataset_prepared_shards_and_a_raw_jsonl_with_its_own_text_field(tmp_path,
+                                                                                                    capsys):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": make_docs(30, 1)}).save_to_disk(str(tmp_path / "web"))
+    assert cli_main(["prepare-data", str(corpus(tmp_path, "books", seed=2)), "--tokenizer", "byte", "--output",
+                     str(tmp_path / "books_tok"), "--progress", "lines"]) == 0
+    write_jsonl(tmp_path / "code.jsonl", [{"content": doc} for doc in make_docs(30, 3)])
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(f'[[data.sources]]\nname = "web"\npath = "{tmp_path / "web"}"\nweight = 0.5\n\n'
+                      f'[[data.sources]]\nname = "books"\npath = "{tmp_path / "books_tok"}"\nweight = 0.3\n\n'
+                      f'[[data.sources]]\nname = "code"\npath = "{tmp_path / "code.jsonl"}"\nweight = 0.2\n'
+                      'text_field = "content"\n')
+    capsys.readouterr()
+    assert cli_main(["train", "--config", str(recipe), *tiny_args(tmp_path, training__max_steps=5)]) == 0
+    assert "mix=web 50%/books 30%/code 20%" in capsys.readouterr().out  # step 5: 10 windows, 5/3/2
+    last = json.loads((tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert [last[f"tokens/{n}"] for n in ("web", "books", "code")] == [160, 96, 64]
+
+
 def test_one_source_keeps_the_console_line_as_it_was(tmp_path, capsys):
     assert cli_main(["train", *tiny_args(tmp_path, training__max_steps=1)]) == 0
     assert "mix=" not in capsys.readouterr().out
