@@ -242,11 +242,8 @@ def test_a_runs_files_go_beside_unrelated_user_files_which_keep_their_bytes(worl
 def test_the_names_outputs_py_recognises_are_those_the_writers_use():
     from titan_npu import outputs
     from titan_npu.checkpoint import storage
-    from titan_npu.data import sources
     from titan_npu.metrics.run_info import RUN_INFO
     from titan_npu.metrics.run_metrics import METRICS
 
     assert set(outputs.CHECKPOINT_FILES) == {storage.DCP_METADATA, storage.INFO_FILE}
-    assert (outputs.PREPARED_FORMAT, outputs.PREPARED_INDEX, outputs.PREPARED_PROGRESS) == (
-        sources.PREPARED_FORMAT, sources.PREPARED_INDEX, sources.PREPARED_PROGRESS)
     assert {storage.CONFIG_FILE, RUN_INFO, METRICS, "report.md", "report.png"} == set(outputs.RUN_LOG_FILES)

@@ -27,7 +27,6 @@ from titan_npu.data.files import (
 )
 from titan_npu.data.hf_datasets import hf_source
 from titan_npu.data.sources import (
-    PREPARED_FORMAT,
     BadRecords,
     Input,
     builtin_corpus_path,
@@ -39,6 +38,7 @@ from titan_npu.data.sources import (
 )
 from titan_npu.data.tokenizer import Tokenizer
 from titan_npu.errors import DataError
+from titan_npu.outputs import PREPARED_FORMAT
 
 INDEX_FILE = "index.json"
 PROGRESS_FILE = ".progress.json"

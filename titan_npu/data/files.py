@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -142,3 +143,20 @@ def warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         log.warning("warning: %s", message)
+
+
+@dataclass
+class BadRecords:
+    """What to do with a malformed record: raise (default) or count it and carry on."""
+
+    skip: bool = False
+    hint: str = "fix or remove that record"
+    count: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def report(self, where: str, problem: str) -> None:
+        if not self.skip:
+            raise DataError(f"{where}: {problem}; {self.hint}")
+        self.count += 1
+        if len(self.examples) < 5:
+            self.examples.append(f"{where}: {problem}")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
-from titan_npu.data.files import os_error, warn_once
+from titan_npu.data.files import BadRecords, os_error, warn_once
 from titan_npu.errors import DataError
 
 HF_PREFIX = "hf://"
@@ -296,8 +296,6 @@ class HFDocumentReader:
     """Iterates the documents of one HF dataset input, in batches of rows; bytes_read tracks progress."""
 
     def __init__(self, src: HFSource, text_field: str = "text", bad: Any = None):
-        from titan_npu.data.sources import BadRecords
-
         self.path = src
         self.src = src
         self.text_field = text_field

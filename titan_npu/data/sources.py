@@ -10,14 +10,14 @@ import os
 import stat
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 from titan_npu.atomic import atomic_path
-from titan_npu.data.files import not_regular, open_input, os_error, regular_stat, warn_once
+from titan_npu.data.files import BadRecords, not_regular, open_input, os_error, regular_stat, warn_once
 from titan_npu.data.hf_datasets import HFDocumentReader, HFSource, hf_source, is_saved_dataset
 from titan_npu.errors import DataError
+from titan_npu.outputs import is_prepared
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 COMPRESSED_SUFFIXES = (".gz", ".zst")
@@ -70,25 +70,6 @@ def _is_supported(path: Path) -> bool:
     except DataError:
         return False
     return True
-
-
-# What prepare-data writes into its output folder: index.json (this format) when complete, .progress.json before.
-PREPARED_FORMAT = "titan-npu-tokens"
-PREPARED_INDEX, PREPARED_PROGRESS = "index.json", ".progress.json"
-
-
-def is_prepared(folder: Path) -> bool:
-    """True when `folder` is a prepare-data output (finished or not); another tool's index.json is not one."""
-    for name, ours in ((PREPARED_INDEX, lambda d: d.get("format") == PREPARED_FORMAT),
-                       (PREPARED_PROGRESS, lambda d: "settings" in d and "sources" in d)):
-        if (folder / name).is_file():
-            try:
-                data = json.loads((folder / name).read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                continue
-            if isinstance(data, dict) and ours(data):
-                return True
-    return False
 
 
 def prepared_folder(path: Path) -> Path | None:
@@ -232,23 +213,6 @@ def discover_inputs(inputs: list[str]) -> list[Input]:
     if not found:
         raise DataError("no input files given; name files, directories or globs")
     return found
-
-
-@dataclass
-class BadRecords:
-    """What to do with a malformed record: raise (default) or count it and carry on."""
-
-    skip: bool = False
-    hint: str = "fix or remove that record"
-    count: int = 0
-    examples: list[str] = field(default_factory=list)
-
-    def report(self, where: str, problem: str) -> None:
-        if not self.skip:
-            raise DataError(f"{where}: {problem}; {self.hint}")
-        self.count += 1
-        if len(self.examples) < 5:
-            self.examples.append(f"{where}: {problem}")
 
 
 def _open_stream(raw: BinaryIO, path: Path) -> BinaryIO:
