@@ -4,7 +4,8 @@ compares this script's output before and after (`python benchmarks/plan_digest.p
 
 Covered: `plan` and `plan --json` of every config in configs/ on 1 and 2 nodes of 8 910B2 and of 8 H100, `plan
 --reproduce` of every published run, and the dry run of every config at 8 ranks (`train --dry-run --world-size 8`).
-Each line is `<sha256 of the output> <exit code> <command>`; a command's output is its stdout and stderr together.
+Each line is `<sha256 of the output> <exit code> <command>`; a command's output is its stdout and stderr together,
+with wall-clock durations (`0.4s`) masked.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import argparse
 import contextlib
 import hashlib
 import io
+import re
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+_DURATION = re.compile(r"\b\d+(\.\d+)?s\b")  # "checked ...; 0.4s": the one part of an output that is timed
 
 
 def _run(argv: list[str]) -> tuple[int, str]:
@@ -57,6 +60,7 @@ def main() -> int:
     os.chdir(REPO)
     for argv in commands(args.only):
         code, text = _run(argv)
+        text = _DURATION.sub("<t>s", text)
         print(hashlib.sha256(text.encode()).hexdigest()[:16], code, " ".join(argv), flush=True)
     return 0
 
