@@ -252,7 +252,7 @@ CASES = [
     Case("dim-not-multiple-of-heads", ["--model.dim", "63"], "ConfigError",
          r"model.dim = 63 must be a multiple of model.n_heads = 4"),
     Case("negative-loader-workers", ["--data.num_workers", "-1"], "ConfigError", r"data.num_workers = -1 must be >= 0"),
-    Case("nan-lr", ["--optimizer.lr", "nan"], "ConfigError", r"optimizer.lr = 'nan' is not a float"),
+    Case("nan-lr", ["--optimizer.lr", "nan"], "ConfigError", r"optimizer.lr = 'nan' is not a finite number"),
     Case("disk-margin-below-one", ["--reliability.disk_margin", "0.5"], "ConfigError",
          r"reliability.disk_margin = 0.5 must be >= 1"),
     # ---- more checkpoints: every file of a checkpoint, damaged, is one line naming it and the intact step before

@@ -154,8 +154,10 @@ def _to_float(value: Any, label: str) -> float:
             number = float(value.strip())
         except ValueError:
             number = None
-    if number is None or not math.isfinite(number):
+    if number is None:
         raise ConfigError(f"{label} = {show(value)} is not a float")
+    if not math.isfinite(number):
+        raise ConfigError(f"{label} = {show(value)} is not a finite number; give a finite value such as 1.0")
     return number
 
 
