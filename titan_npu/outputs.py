@@ -27,6 +27,7 @@ from pathlib import Path
 
 from titan_npu.atomic import atomic_write_json
 from titan_npu.errors import TitanError
+from titan_npu.regular_files import open_regular, read_regular_text
 
 CHECKPOINT_FILES = (".metadata", "checkpoint.json")  # DCP's metadata, titan-npu's info file: either marks a checkpoint
 PREPARED_FORMAT = "titan-npu-tokens"  # index.json's "format" in a finished prepare-data output
@@ -51,7 +52,7 @@ def write_marker(folder: Path, command: str, files: Iterable[str], **extra: obje
 def read_marker(folder: Path, command: str) -> dict | None:
     """`command`'s marker in `folder` (its "files" a list), or None when it has none."""
     try:
-        marker = json.loads((folder / marker_name(command)).read_text(encoding="utf-8"))
+        marker = json.loads(read_regular_text(folder / marker_name(command)))
     except (OSError, ValueError):
         return None
     if not isinstance(marker, dict) or marker.get("format") != f"titan-npu-{command}" or \
@@ -71,7 +72,7 @@ def marker_files(folder: Path, command: str) -> set[str] | None:
 def file_digest(path: Path) -> str:
     """sha256 of a file's bytes (hex): whether a file is still as a command wrote it."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:  # a FIFO put where the run's config.toml was: refused, never waited on
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -87,7 +88,7 @@ def is_prepared(folder: Path) -> bool:
     for name, ours in ((PREPARED_INDEX, lambda d: d.get("format") == PREPARED_FORMAT),
                        (PREPARED_PROGRESS, lambda d: "settings" in d and "sources" in d)):
         try:
-            data = json.loads((folder / name).read_text(encoding="utf-8"))
+            data = json.loads(read_regular_text(folder / name))
         except (OSError, ValueError):
             continue
         if isinstance(data, dict) and ours(data):
@@ -224,7 +225,7 @@ def run_log_files_ours(folder: Path) -> Callable[[str], bool]:
     digests = marker.get("digests") if marker else None
     digests = digests if isinstance(digests, dict) else {}
     try:
-        info = json.loads((folder / "run_info.json").read_text(encoding="utf-8"))
+        info = json.loads(read_regular_text(folder / "run_info.json"))
     except (OSError, ValueError):
         info = None
     if marker is None and isinstance(info, dict) and {"tokens_per_step", "layout", "flops_per_token"} <= info.keys():

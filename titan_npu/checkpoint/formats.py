@@ -19,6 +19,7 @@ import torch
 from titan_npu.checkpoint import storage
 from titan_npu.errors import CheckpointError
 from titan_npu.models.registry import args_from_dict, read_meta_checkpoint, spec_for_hf_config
+from titan_npu.regular_files import read_regular_text
 
 HF_INDEX = "model.safetensors.index.json"
 HF_BIN_INDEX = "pytorch_model.bin.index.json"
@@ -88,7 +89,7 @@ def read_weights(path: str | Path, dtype: torch.dtype | None = None) -> Weights:
 def read_hf_config(path: Path) -> dict[str, Any]:
     """A Hugging Face config.json as a dict."""
     try:
-        config = json.loads((path / "config.json").read_text())
+        config = json.loads(read_regular_text(path / "config.json"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path / 'config.json'} is unreadable ({type(e).__name__}: {e})") from e
     if not isinstance(config, dict):
@@ -157,7 +158,7 @@ def _read_meta(path: Path) -> tuple[dict[str, torch.Tensor], Any]:
     folder = path if path.is_dir() else path.parent
     shards = sorted(folder.glob("consolidated.*.pth")) if path.is_dir() else [path]
     try:
-        params = json.loads((folder / "params.json").read_text())
+        params = json.loads(read_regular_text(folder / "params.json"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{folder / 'params.json'} is unreadable ({type(e).__name__}: {e})") from e
     loaded = [_torch_load(f) for f in shards]

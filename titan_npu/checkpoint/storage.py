@@ -19,6 +19,7 @@ from typing import Any
 
 from titan_npu.atomic import atomic_write_json, replace_dir
 from titan_npu.errors import CheckpointError
+from titan_npu.regular_files import read_regular_text
 
 PREFIX = "step-"
 TMP_SUFFIX = ".tmp"
@@ -143,7 +144,7 @@ def info_problem(path: str | Path) -> str | None:
     """Why checkpoint.json of `path` cannot be read as JSON (cut short, corrupt, unreadable), or None."""
     info_path = Path(path) / INFO_FILE
     try:
-        json.loads(info_path.read_text())
+        json.loads(read_regular_text(info_path))
     except (OSError, ValueError) as e:
         detail = str(e).splitlines()[0] if str(e) else "empty"
         return f"{info_path} is unreadable, cut short or corrupt ({type(e).__name__}: {detail})"
@@ -156,7 +157,7 @@ def read_info(path: str | Path) -> dict[str, Any]:
     problem = info_problem(path)
     if problem is not None:
         raise CheckpointError(f"{problem}; the checkpoint {path} is damaged: {_earlier_step_hint(Path(path))}")
-    info = json.loads(info_path.read_text())
+    info = json.loads(read_regular_text(info_path))
     if not isinstance(info, dict) or info.get("format") != FORMAT_NAME or not isinstance(info.get("step"), int):
         raise CheckpointError(f"{info_path} is not a {FORMAT_NAME} info file; is {path} a titan-npu checkpoint?")
     return info
@@ -247,7 +248,7 @@ def recorded_problem(path: str | Path) -> str | None:
     problem = info_problem(path)
     if problem is not None:
         return problem
-    info = json.loads((Path(path) / INFO_FILE).read_text())
+    info = json.loads(read_regular_text(Path(path) / INFO_FILE))
     if not isinstance(info, dict) or info.get("format") != FORMAT_NAME or not isinstance(info.get("step"), int):
         return f"{Path(path) / INFO_FILE} is not a {FORMAT_NAME} info file (corrupt, or written by another program)"
     return content_problem(path, info)

@@ -22,6 +22,7 @@ from titan_npu.config.schema import JobConfig
 from titan_npu.config.toml_writer import dumps_toml
 from titan_npu.config.validate import validate
 from titan_npu.errors import ConfigError
+from titan_npu.regular_files import NotRegularFile, read_regular_bytes, read_regular_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -50,7 +51,7 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = 
                               "headers); write the keys to change under their sections, e.g. [training] max_steps = "
                               "100, or leave out --config to run on the defaults")
         sources.append((str(path), data))
-        lines[str(path)] = Path(path).read_text(encoding="utf-8").splitlines()
+        lines[str(path)] = read_regular_text(path, "utf-8-sig").splitlines()
     if overrides:
         sources.append((CLI, parse_overrides(overrides)))
     if not model:
@@ -109,9 +110,12 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if file.is_dir():
         raise ConfigError(f"config file '{path}' is a directory (give the .toml or .yaml file inside it)")
     try:
-        raw = file.read_bytes()
+        raw = read_regular_bytes(file)
         # utf-8-sig: a byte-order mark (which some Windows editors write) is dropped, as PyYAML drops it.
         text = raw.decode("utf-8-sig")
+    except NotRegularFile as e:
+        raise ConfigError(f"config file '{path}' is {e.kind}, not a regular file; give the .toml or .yaml file "
+                          "itself (copy what a pipe brings into a file first)") from None
     except OSError as e:
         raise ConfigError(f"config file '{path}' cannot be read: {e.strerror}") from None
     except UnicodeDecodeError as e:

@@ -20,6 +20,7 @@ from typing import BinaryIO
 
 from titan_npu.errors import DataError
 from titan_npu.os_errors import fix_for
+from titan_npu.regular_files import NotRegularFile, kind_of, open_regular
 
 FULL_DIGEST_BYTES = 16 << 20
 DIGEST_BLOCKS = 64
@@ -28,21 +29,6 @@ DIGEST_SCHEME = f"blake2b-128/full<={FULL_DIGEST_BYTES}/{DIGEST_BLOCKS}x{DIGEST_
 
 log = logging.getLogger("titan_npu")
 _warned: set[str] = set()
-
-
-def kind_of(mode: int) -> str:
-    """What a file that is not a regular file is, in words."""
-    if stat.S_ISFIFO(mode):
-        return "a FIFO (named pipe)"
-    if stat.S_ISCHR(mode):
-        return "a character device"
-    if stat.S_ISBLK(mode):
-        return "a block device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    return "not a regular file"
 
 
 def not_regular(path: Path | str, mode: int, fix: str = "") -> DataError:
@@ -69,25 +55,14 @@ def regular_stat(path: Path, fix: str = "") -> os.stat_result:
 
 
 def open_input(path: Path, fix: str = "") -> BinaryIO:
-    """path opened for binary reading; DataError, at once, when it is not a regular file or cannot be opened.
-
-    The open itself never blocks: O_NONBLOCK lets a FIFO without a writer open at once, and fstat then refuses it.
-    """
+    """path opened for binary reading; DataError, at once, when it is not a regular file or cannot be opened (the
+    open never blocks: regular_files.open_regular)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-                     | getattr(os, "O_BINARY", 0))
+        return open_regular(path)
+    except NotRegularFile as e:
+        raise not_regular(path, e.mode, fix) from None
     except OSError as e:
         raise os_error(path, e) from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise not_regular(path, mode, fix)
-        if hasattr(os, "set_blocking"):
-            os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def read_bytes(path: Path, fix: str = "") -> bytes:

@@ -20,6 +20,7 @@ from titan_npu.metrics.plots import plot_report, require_matplotlib
 from titan_npu.metrics.run_info import read_run_info
 from titan_npu.metrics.run_metrics import read_metrics
 from titan_npu.outputs import protected_at, run_log_files_ours
+from titan_npu.regular_files import read_regular_text
 
 log = logging.getLogger("titan_npu")
 
@@ -32,7 +33,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except ImportError:  # Python 3.10
         import tomli as tomllib
     try:
-        return tomllib.loads(path.read_bytes().decode("utf-8-sig"))  # a byte-order mark is dropped, as the loader does
+        return tomllib.loads(read_regular_text(path, "utf-8-sig"))  # a byte-order mark is dropped, as the loader does
     except (OSError, ValueError):  # UnicodeDecodeError and TOMLDecodeError are ValueErrors: the report says less
         return {}
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_npu.atomic import atomic_write_json
+from titan_npu.regular_files import read_regular_text
 
 RUN_INFO = "run_info.json"
 
@@ -45,7 +46,7 @@ def run_info(model_args: Any, layout: str, device: Any, world_size: int, tokens_
 def read_run_info(log_dir: str | os.PathLike) -> dict[str, Any]:
     """<log_dir>/run_info.json as a dict; {} when it is missing or unreadable (the report then says less)."""
     try:
-        data = json.loads((Path(log_dir) / RUN_INFO).read_text())
+        data = json.loads(read_regular_text(Path(log_dir) / RUN_INFO))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
