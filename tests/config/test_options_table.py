@@ -1,6 +1,7 @@
 """The table of every knob (titan_npu/config/options.py): every config key and every option of every command has a
-row, and every row refuses a value just outside what it accepts, before any work: one line on stderr naming the
-option, the value and the allowed values, exit code 2, nothing on disk changed.
+row, and every row refuses a value just outside what it accepts (past its range, above its documented maximum),
+before any work: one line on stderr naming the option, the value and the allowed values, exit code 2, nothing on
+disk changed.
 
 The commands run in this process through the dispatcher (titan_npu.cli.main), as `titan-npu <command>` runs them;
 tests/reliability/test_bad_inputs.py runs a few of the same refusals as real processes.
@@ -65,7 +66,9 @@ def _outside(knob: Knob, kind: type) -> list[str]:
         return [""]
     if knob.range is None:
         return []
-    values = knob.range.just_outside(kind)
+    values = list(knob.range.just_outside(kind))
+    if knob.most is not None:  # a documented maximum: the next value above it
+        values.append(int(knob.most[0]) + 1 if kind is int else knob.most[0] * 2)
     return [f"[{v}]" if knob.each else repr(v) for v in values]
 
 
@@ -150,13 +153,19 @@ def quiet_dir(tmp_path, monkeypatch):
     return tmp_path / "case"
 
 
+def _says_its_bounds(knob: Knob, line: str) -> bool:
+    """The refusal names the range, or (above it) the documented maximum and what it is."""
+    above = knob.most is not None and f" is above {knob.most[0]:,}, {knob.most[1]}" in line
+    return f" must be {knob.range}" in line or above
+
+
 @pytest.mark.parametrize(("key", "value"), _config_cases(), ids=[f"{k}={v}" for k, v in _config_cases()])
 def test_a_config_key_just_outside_its_range_is_refused_in_one_line(key, value, quiet_dir, capsys):
     line = _refused(["train", f"--{key}={value}"], quiet_dir, capsys)
     knob = CONFIG_KEYS[key]
     assert line.startswith(f"ConfigError: command line: {key} "), line
     if knob.range is not None:
-        assert f" must be {knob.range}" in line, line
+        assert _says_its_bounds(knob, line), line
     elif knob.choices:
         assert f"(use {', '.join(knob.choices[:-1])}" in line, line
     else:
@@ -170,7 +179,7 @@ def test_a_command_option_just_outside_its_range_is_refused_in_one_line(command,
     assert option.startswith("--")  # the positionals (paths) are free
     line = _refused([command, *BASE_ARGV[command], f"{option}={value}"], quiet_dir, capsys)
     assert line.startswith(f"ConfigError: {option} "), line
-    assert (f" must be {knob.range}" if knob.range is not None else f"{option} is empty") in line, line
+    assert _says_its_bounds(knob, line) if knob.range is not None else f"{option} is empty" in line, line
 
 
 @pytest.mark.parametrize("argv", [

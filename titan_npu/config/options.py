@@ -265,7 +265,8 @@ CONFIG_KEYS: dict[str, Knob] = {
     "data.path": FREE,
     "data.sources": FREE,  # each source's weight, name and max_epochs: config/mixture.py check_sources
     "data.tokenizer": Knob(nonempty=True, why="use byte, a tokenizer.json/.model or its directory"),
-    "data.num_workers": Knob(at_least(0), why="0 = load in the training process"),
+    "data.num_workers": Knob(at_least(0), why="0 = load in the training process",
+                             most=(256, "more loader processes than a host has cores: 2-8 are usual")),
     "data.text_field": Knob(nonempty=True, why="the field of .jsonl records that holds the text, e.g. text"),
     "data.val_fraction": Knob(between(0, 1, high_open=True), why="the share of documents held out"),
     "data.document_mask": FREE,
@@ -348,7 +349,8 @@ COMMAND_OPTIONS: dict[str, dict[str, Knob]] = {
     },
     "prepare-data": {
         "inputs": _STR, "--output": _STR, "--tokenizer": _STR,
-        "--workers": Knob(at_least(1), kind=int, why="tokenising processes"),
+        "--workers": Knob(at_least(1), kind=int, why="tokenising processes",
+                          most=(1024, "more tokenising processes than a host has cores")),
         "--text-field": Knob(nonempty=True, kind=str, why="the field of .jsonl records that holds the text"),
         "--doc-sep": Knob(choices=("blank", "line"), kind=str),
         "--format": Knob(choices=("bin", "jsonl"), kind=str),
@@ -358,7 +360,8 @@ COMMAND_OPTIONS: dict[str, dict[str, Knob]] = {
         "--progress": Knob(choices=PROGRESS_STYLES, kind=str), **_DEBUG,
     },
     "train-tokenizer": {
-        "inputs": _STR, "--vocab-size": Knob(at_least(259), kind=int, why="256 bytes, 3 specials and the merges"),
+        "inputs": _STR, "--vocab-size": Knob(at_least(259), kind=int, why="256 bytes, 3 specials and the merges",
+                                               most=(16_777_216, "2**24; published vocabularies hold 32K-256K")),
         "--output": _STR, "--text-field": Knob(nonempty=True, kind=str, why="the field that holds the text"),
         "--doc-sep": Knob(choices=("blank", "line"), kind=str), "--skip-bad-records": _SWITCH, **_DEBUG,
     },
