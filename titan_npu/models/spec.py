@@ -10,7 +10,14 @@ n_heads, n_kv_heads, head_dim, vocab_size, max_seq_len, norm_eps, rope_theta, ro
 use_flash_attention, tie_embeddings, family, flavor, and the methods num_params(exclude_embedding),
 num_active_params(exclude_embedding) (what a token meets: MFU counts these) and num_flops_per_token(seq_len).
 A model that routes tokens (MoE) has auxiliary_loss() and routing_metrics() (trainer/routing.py), and one whose
-routers carry a score bias has score_biases() (its layer ids -> bias tensors).
+routers carry a score bias has score_biases() (its layer ids -> bias tensors); its args have is_moe_layer(layer_id),
+n_moe_layers and moe_args() (models/moe/args.py's MoEArgs), the shared MoE block's interface that expert parallelism
+is planned from (the planner's expert shards, all-to-alls and grouped-GEMM share).
+
+Everything else family-specific that the framework needs is a field below: the planner's activation and FLOPs terms
+(block_costs, training_flops; models/<family>/cost.py), import's printed [model] keys (model_lines), generate's
+refusal, the checkpoint check's extra blocks. tests/structure/test_family_ownership.py holds the rule: no module
+outside models/ names a family or a field only one family's args have.
 """
 
 from __future__ import annotations
