@@ -113,8 +113,8 @@ def test_mismatch_causes(found, cause):
     (1, {"layers.1.w": (1,), "layers.1.e": (1,)}, "the checkpoint was written for another model layout"),
 ], ids=["absent", "partial-second", "extra", "main-layer-missing"])
 def test_mismatch_of_multi_token_prediction_layers_names_mtp_depth(depth, found, cause):
-    class Args:
-        n_layers, mtp_depth = 1, depth
+    class Args:  # the family's ModelSpec.extra_blocks reads mtp_depth
+        n_layers, mtp_depth, family = 1, depth, "deepseek_v3"
 
     expected = {"layers.0.w": (1,), **{f"layers.{1 + k}.{name}": (1,) for k in range(depth) for name in "we"}}
     problem = describe_mismatch(expected, found, Args())

@@ -11,9 +11,11 @@ import pytest
 
 from titan_npu.config.loader import load_config
 from titan_npu.errors import LayoutError
+from titan_npu.models.deepseek_v3.cost import mla_bytes
+from titan_npu.models.moe.cost import moe_ffn_bytes
 from titan_npu.models.registry import build_model_args
 from titan_npu.parallel.degrees import Degrees
-from titan_npu.planner.activations import mla_bytes, moe_ffn_bytes
+from titan_npu.planner.activations import cost_site
 from titan_npu.planner.dry_run import dry_run
 from titan_npu.planner.hardware import hardware
 from titan_npu.planner.layout import Layout, job_from_config
@@ -69,17 +71,17 @@ def test_mla_activations_count_the_latents_their_norms_and_wos_narrower_input():
     # 671B, bf16, one tp rank on the NPU: the 1536 + 512 latents' norms (fp32 input + normalised value, 2 rstd),
     # the up-projections' inputs (bf16) and wo's 128 x 128 input; op-level checkpointing keeps the five
     # projections' outputs besides q and wo's: the latents, the 64-dim RoPE key and wkv_b's 128 x (128 + 128).
-    saved, op_saves = mla_bytes(job, Layout(Degrees(dp_shard=8)), "npu")
+    saved, op_saves = mla_bytes(job.args, cost_site(job, Layout(Degrees(dp_shard=8)), "npu"))
     assert saved == 8 * 2048 + 8 + 2 * 2048 + 2 * 128 * 128
     assert op_saves == 2 * (2048 + 64 + 128 * 256)
     # The latents are replicated over tp, the heads split.
-    half = mla_bytes(job, Layout(Degrees(dp_shard=4, tp=2)), "npu")[0]
+    half = mla_bytes(job.args, cost_site(job, Layout(Degrees(dp_shard=4, tp=2)), "npu"))[0]
     assert half == 8 * 2048 + 8 + 2 * 2048 + 2 * 64 * 128
 
 
 def test_the_group_router_keeps_its_fp32_copy_of_the_input_beside_the_softmax_routers_tensors():
     job = job_from_config(load_config(CONFIGS / "deepseek_v3_671b.toml"))
-    saved, _, _ = moe_ffn_bytes(job, Layout(Degrees(dp_shard=8)))
+    saved = moe_ffn_bytes(job.args, cost_site(job, Layout(Degrees(dp_shard=8)), "cpu")).saved
     # 256 fp32 scores, 8 indices and weights, the fp32 input (7168), 8 routed copies, the 2048-wide shared expert.
     routed = 8 * (24 + 2 * 2 * 7168 + 4 * 2 * 2048)
     assert saved == 4 * 256 + 16 * 8 + 4 * 7168 + routed + 4 * 2 * 2048

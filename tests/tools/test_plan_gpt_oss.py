@@ -45,9 +45,9 @@ def test_flops_count_the_keys_each_layer_sees():
 def test_sink_attention_keeps_the_probabilities_as_eager_attention_does():
     job = job_from_config(load_config(DEBUG, TINY))
     assert job.args.use_flash_attention
-    fused_asked = block_bytes(job, Layout(), 2, moe=True).full
+    fused_asked = block_bytes(job, Layout(), 2).full
     job.args.use_flash_attention = False
-    assert fused_asked == block_bytes(job, Layout(), 2, moe=True).full  # no fused kernel takes a sink
+    assert fused_asked == block_bytes(job, Layout(), 2).full  # no fused kernel takes a sink
 
 
 def test_the_search_leaves_out_context_parallelism_and_tensor_with_expert_parallelism():

@@ -12,7 +12,7 @@ import pytest
 from titan_npu.config.loader import load_config
 from titan_npu.errors import LayoutError
 from titan_npu.parallel.degrees import Degrees
-from titan_npu.planner.activations import block_bytes
+from titan_npu.planner.activations import block_bytes, block_costs
 from titan_npu.planner.dry_run import dry_run
 from titan_npu.planner.hardware import hardware
 from titan_npu.planner.layout import Layout, job_from_config
@@ -50,11 +50,13 @@ def test_flops_count_attention_in_full_layers_and_the_delta_rule_in_linear_ones(
 
 def test_a_linear_block_keeps_its_own_tensors_not_attentions():
     job = job_from_config(load_config(CONFIGS / "debug_qwen3_5.toml", TINY))
-    full, linear = (block_bytes(job, Layout(), 2, linear=lin).full for lin in (False, True))
+    attention = next(b for b in block_costs(job) if b.softmax)
+    delta = next(b for b in block_costs(job) if not b.softmax)
+    full, linear = (block_bytes(job, Layout(), 2, block=b).full for b in (attention, delta))
     assert linear != full
     job.args.linear_n_v_heads *= 2  # more value heads: more state and more per-head tensors in the linear block only
-    assert block_bytes(job, Layout(), 2, linear=True).full > linear
-    assert block_bytes(job, Layout(), 2).full == full
+    assert block_bytes(job, Layout(), 2, block=delta).full > linear
+    assert block_bytes(job, Layout(), 2, block=attention).full == full
 
 
 def test_the_search_leaves_out_context_parallelism():

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from titan_npu.models.registry import spec_of
+
 _SHOWN = 3
 _LAYER = re.compile(r"layers\.(\d+)\.")
 # Prefixes that wrappers add to parameter names when a state dict is taken from the wrapper, not the model.
@@ -31,9 +33,13 @@ def _layer(key: str) -> int | None:
 def _mtp_cause(missing: Sequence[str], unexpected: Sequence[str], expected_keys: Sequence[str],
                found_keys: Sequence[str], args: Any) -> str | None:
     """When every key out of place is a multi-token-prediction layer's (layers.{n_layers + k}, a model with
-    `mtp_depth`): how many the checkpoint holds whole and the mtp_depth that loads them; None otherwise."""
-    depth = getattr(args, "mtp_depth", None)
-    if depth is None or any((_layer(k) or 0) < args.n_layers for k in (*missing, *unexpected)):
+    blocks beyond n_layers, ModelSpec.extra_blocks): how many the checkpoint holds whole and the count
+    that loads them; None otherwise."""
+    extra = None if getattr(args, "family", None) is None else spec_of(args).extra_blocks(args)
+    if extra is None:
+        return None
+    depth, key = extra
+    if any((_layer(k) or 0) < args.n_layers for k in (*missing, *unexpected)):
         return None
     found = set(found_keys)
     if missing:
@@ -44,7 +50,7 @@ def _mtp_cause(missing: Sequence[str], unexpected: Sequence[str], expected_keys:
     else:
         held, whole = _layer_count(found_keys) - args.n_layers, ""
     return (f"the checkpoint holds {held} {whole}multi-token-prediction layer(s) (layers.{args.n_layers} on), the "
-            f"model {depth} (model.mtp_depth): set model.mtp_depth={held}")
+            f"model {depth} (model.{key}): set model.{key}={held}")
 
 
 def likely_cause(missing: Sequence[str], unexpected: Sequence[str], shape_diffs: Sequence[str],

@@ -46,25 +46,10 @@ def model_section(args) -> str:
         lines.append(f"rope_scaling_factor = {args.rope_scaling_factor}")
     for key in ("qkv_bias", "qk_norm", "tie_embeddings"):
         lines.append(f"{key} = {str(bool(getattr(args, key, False))).lower()}")
-    # A mixture-of-experts model's routing and attention shapes (qwen3_moe, deepseek_v3): TOML spells these values
-    # as JSON does.
-    for key in ("n_experts", "top_k", "moe_ffn_dim", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
-                "router_aux_loss_coef", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                "v_head_dim", "n_shared_experts", "n_groups", "topk_groups", "route_scale", "first_k_dense",
-                "mtp_depth"):
-        if hasattr(args, key):
-            lines.append(f"{key} = {json.dumps(getattr(args, key))}")
-    if getattr(args, "yarn_factor", None) is not None:  # DeepSeek's and gpt-oss's YaRN RoPE
-        lines += [f"{key} = {json.dumps(getattr(args, key))}" for key in ("yarn_factor", "yarn_original_seq_len",
-                  "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_truncate")
-                  if hasattr(args, key)]
-    for key in ("sliding_window", "layer_types", "swiglu_limit"):  # gpt-oss's attention and experts
-        if hasattr(args, key):
-            lines.append(f"{key} = {json.dumps(getattr(args, key))}")
-    if hasattr(args, "linear_n_k_heads"):  # Qwen3-Next / Qwen3.5's linear layers and gated shared expert
-        lines += [f"{key} = {json.dumps(getattr(args, key))}" for key in (
-            "shared_ffn_dim", "full_attention_interval", "partial_rotary_factor", "linear_n_k_heads",
-            "linear_n_v_heads", "linear_k_head_dim", "linear_v_head_dim", "linear_conv_kernel", "variant")]
+    # The family's own keys (routing, attention shapes, RoPE scaling): TOML spells these values as JSON does.
+    from titan_npu.models.registry import spec_of
+
+    lines += [f"{key} = {json.dumps(value)}" for key, value in spec_of(args).model_lines(args)]
     return "\n".join(lines)
 
 

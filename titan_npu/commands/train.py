@@ -24,7 +24,7 @@ def build_parser() -> CommandParser:
         f"{', '.join(a for a, _ in short[:-1])} and {short[-1][0]} are short for "
         f"{', '.join(k for _, k in short[:-1])} and {short[-1][1]}.",
         epilog="example: torchrun --nproc_per_node 4 train.py --config configs/llama_7b.toml --data_dir /data/tokens "
-        "--data.tokenizer /models/llama2/tokenizer.model",
+        "--data.tokenizer /models/Llama-2-7b/tokenizer.model",
     )
     p.add_argument("--config", "--config_file", dest="config", help="TOML or YAML config file (default: all defaults)")
     p.add_argument("--print_config", "--print-config", action="store_true", help="print the resolved config and exit")

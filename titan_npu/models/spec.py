@@ -10,7 +10,14 @@ n_heads, n_kv_heads, head_dim, vocab_size, max_seq_len, norm_eps, rope_theta, ro
 use_flash_attention, tie_embeddings, family, flavor, and the methods num_params(exclude_embedding),
 num_active_params(exclude_embedding) (what a token meets: MFU counts these) and num_flops_per_token(seq_len).
 A model that routes tokens (MoE) has auxiliary_loss() and routing_metrics() (trainer/routing.py), and one whose
-routers carry a score bias has score_biases() (its layer ids -> bias tensors).
+routers carry a score bias has score_biases() (its layer ids -> bias tensors); its args have is_moe_layer(layer_id),
+n_moe_layers and moe_args() (models/moe/args.py's MoEArgs), the shared MoE block's interface that expert parallelism
+is planned from (the planner's expert shards, all-to-alls and grouped-GEMM share).
+
+Everything else family-specific that the framework needs is a field below: the planner's activation and FLOPs terms
+(block_costs, training_flops; models/<family>/cost.py), import's printed [model] keys (model_lines), generate's
+refusal, the checkpoint check's extra blocks. tests/structure/test_family_ownership.py holds the rule: no module
+outside models/ names a family or a field only one family's args have.
 """
 
 from __future__ import annotations
@@ -28,6 +35,55 @@ from torch import nn
 from titan_npu.errors import ConfigError
 
 StateDict = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class CostSite:
+    """Where a block runs, as far as its cost terms go (the planner fills it per layout and device type)."""
+
+    compute_bytes: int  # c: bytes of one value in the compute dtype
+    tp: int  # tensor-parallel degree: heads and ffn dims are a rank's share
+    expert_parallel: bool  # whether expert parallelism regroups the routed copies (ep > 1)
+    device_type: str  # "cpu", "cuda", "npu", ...
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """Per token, what one part of a block keeps for backward (sizes a tensor-parallel rank's)."""
+
+    saved: int  # every tensor autograd saves (no checkpointing)
+    op_saves: int  # what op-level selective checkpointing keeps
+    transient: int = 0  # gradients alive beyond the saved tensors while the block's backward runs
+
+
+@dataclass(frozen=True)
+class CostTerm:
+    """One part of a block (its token mixer or its feed-forward) as the planner counts it: a name that tells the
+    kinds apart, and its per-token bytes (args, CostSite) -> TokenBytes."""
+
+    name: str
+    bytes: Callable[[Any, CostSite], TokenBytes]
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block's cost terms: its token mixer and its feed-forward (the planner adds the norms, the residual stream
+    and, for softmax attention, the kernel's q, k, v, output and statistics, eager probabilities and context
+    parallelism's tensors)."""
+
+    mixer: CostTerm
+    ffn: CostTerm
+    # Softmax attention over args.q_dim / kv_dim wide q and k/v (the kernel's tensors are the planner's); False: a
+    # mixer whose TokenBytes are all it keeps (a linear-attention block).
+    softmax: bool = True
+    # Softmax attention that runs the plain path whatever use_flash_attention says (sinks): it keeps the B H S^2
+    # probabilities as eager attention does.
+    eager: bool = False
+
+    @property
+    def kind(self) -> tuple[str, str]:
+        """(mixer, feed-forward) names: blocks of one kind cost the same."""
+        return self.mixer.name, self.ffn.name
 
 
 @dataclass(frozen=True)
@@ -73,6 +129,9 @@ class ModelSpec:
     # args -> {parameter kind: (full shape, tensor-parallel dim or None)}; a block parameter's kind is its name
     # inside the block ("attention.wq.weight"), a root one's its own name; the planner sizes every shard from it.
     parameter_kinds: Callable[[Any], dict[str, tuple[tuple[int, ...], int | None]]]
+    # The planner's activation terms: args -> each block's BlockCost in layer order (a hybrid's linear and
+    # full-attention blocks, a MoE model's dense and MoE ones differ; models/decoder/cost.py has the dense decoder's).
+    block_costs: Callable[[Any], list[BlockCost]]
     # Whether block `layer_id` holds a parameter of this kind as far as its token mixer goes: (args, layer id, kind);
     # a hybrid's linear and full-attention blocks hold different kinds (the feed-forward's follow is_moe_layer).
     layer_holds: Callable[[Any, int, str], bool] = lambda args, layer_id, kind: True
@@ -94,6 +153,19 @@ class ModelSpec:
     # Aux-loss-free balancing's step of one MoE layer's router score bias, in place: (bias, tokens per expert, rate);
     # None for a family without score biases (trainer/routing.py).
     update_score_bias: Callable[[torch.Tensor, torch.Tensor, float], None] | None = None
+    # (args, seq_len) -> training FLOPs per token, the planner's step-time count; None: the standard one,
+    # metrics/throughput.py's 6 N + 12 L D S with N the active non-embedding parameters.
+    training_flops: Callable[[Any, int], float] | None = None
+    # (args) -> the router score bias's step size of aux-loss-free balancing (0: none); trainer/routing.py.
+    bias_update_rate: Callable[[Any], float] = lambda args: 0.0
+    # (args) -> (how many blocks the model has beyond n_layers, the [model] key that sets that count: DeepSeek-V3's
+    # multi-token prediction), or None for a family without such blocks; a checkpoint may hold another count of
+    # them (checkpoint/fit.py says which key fits it).
+    extra_blocks: Callable[[Any], tuple[int, str] | None] = lambda args: None
+    # (args) -> the [model] keys `titan-npu import` prints beyond the decoder's, as (key, value) pairs in order.
+    model_lines: Callable[[Any], list[tuple[str, Any]]] = lambda args: []
+    # (args) -> None when tools/generate.py can decode with this model, else the one line that says why not.
+    generate_refusal: Callable[[Any], str | None] = lambda args: None
 
     def canonical_flavor(self, flavor: str) -> str:
         """The flavor's own spelling ('8b' -> '8B'), or a ConfigError naming the valid ones."""

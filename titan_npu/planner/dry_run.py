@@ -15,7 +15,7 @@ Under context parallelism each rank runs its seq_len / cp tokens of every sequen
     python train.py --config configs/llama3_70b.toml --dry-run --world-size 64 --rank 5
     titan-npu plan --config configs/llama3_70b.toml --nodes 8 --devices-per-node 8 --verify --rank 5
 
-planner/verify.py compares what it measures with the planner's exact numbers.
+planner/verify.py compares what it measures (planner/dry_run_result.py) with the planner's exact numbers.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import math
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,68 +33,14 @@ from torch import nn
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import ConfigError, DeviceError, LayoutError
+from titan_npu.planner.dry_run_result import DryRunResult
+from titan_npu.planner.verify import compare_with_plan
 from titan_npu.trainer.optimizer import clean_name
 
 if TYPE_CHECKING:
     from titan_npu.parallel.dims import ParallelDims
 
-GiB = 1024**3
 MAX_DRY_RUN_WORLD = 65_536  # ranks: a dry run of this many takes seconds, its mesh grows with the world
-
-
-@dataclass
-class DryRunResult:
-    """What one rank of the job holds, measured on the parallelized model."""
-
-    world_size: int
-    rank: int
-    layout: str
-    coordinates: dict[str, int]
-    parameters: dict[str, dict] = field(default_factory=dict)  # name -> global/local shape, dtype, placements
-    parameter_bytes: int = 0
-    gradient_bytes: int = 0
-    optimizer_bytes: int = 0
-    optimizer: str = ""
-    optimizer_gather_bytes: int = 0  # Muon: bytes gathered per step to orthogonalise whole matrices
-    forward_checked: bool = False
-    output_shape: tuple[int, ...] | None = None
-    seconds: float = 0.0
-    uncompiled: bool = False  # compile.enable was on: the model was built and run without torch.compile
-
-    def as_dict(self) -> dict:
-        return {
-            "world_size": self.world_size, "rank": self.rank, "layout": self.layout,
-            "coordinates": self.coordinates, "parameter_bytes": self.parameter_bytes,
-            "gradient_bytes": self.gradient_bytes, "optimizer_bytes": self.optimizer_bytes,
-            "optimizer": self.optimizer, "optimizer_gather_bytes": self.optimizer_gather_bytes,
-            "forward_checked": self.forward_checked,
-            "output_shape": list(self.output_shape) if self.output_shape else None,
-            "n_parameters": len(self.parameters), "seconds": round(self.seconds, 2), "uncompiled": self.uncompiled,
-            "parameters": self.parameters,
-        }
-
-    def format(self) -> str:
-        """A short report: where the rank sits, what it holds, whether forward/backward ran."""
-        coords = " ".join(f"{k}={v}" for k, v in self.coordinates.items())
-        fwd = (f"forward/backward checked (output {list(self.output_shape)})" if self.forward_checked
-               else "forward/backward not run")
-        lines = [
-            f"dry run: rank {self.rank} of {self.world_size} ({coords}); layout {self.layout}",
-            f"  parameters  {_size(self.parameter_bytes):>10} in {len(self.parameters)} local shards",
-            f"  gradients   {_size(self.gradient_bytes):>10}",
-            f"  optimizer   {_size(self.optimizer_bytes):>10} ({self.optimizer})",
-            *([f"  optimizer gathers {_size(self.optimizer_gather_bytes)} per step (Muon's whole matrices)"]
-              if self.optimizer_gather_bytes else []),
-            f"  {fwd}; {self.seconds:.1f}s",
-        ]
-        if self.uncompiled:
-            lines.append("  compile.enable is on: the dry run builds and runs the model uncompiled (compiled graphs "
-                         "cannot run on fake tensors); compile changes no shard or byte count")
-        return "\n".join(lines)
-
-
-def _size(n: int) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.2f} MiB"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -343,8 +289,6 @@ def run(cfg: JobConfig, world_size: int | None, rank: int, device_type: str = "n
         as_json: bool = False) -> int:
     """`train.py --dry-run`: run the dry run, print it with the planner's comparison; 0 when they agree."""
     import json
-
-    from titan_npu.planner.verify import compare_with_plan
 
     result = dry_run(cfg, world_size, rank, device_type, forward)
     comparison = compare_with_plan(result, cfg)

@@ -44,7 +44,7 @@ def block_kinds(args: Any) -> list[str]:
     return [k for k in parameter_kinds(args) if k not in FIRST_STAGE_KINDS + LAST_STAGE_KINDS]
 
 
-# A dense block's SwiGLU; a model with both kinds of layer (DeepSeek-V3's first_k_dense, Qwen3-MoE's mlp_only_layers)
+# A dense block's SwiGLU; a model with both kinds of layer (dense first blocks, or mlp_only_layers)
 # holds these in its dense blocks and the MoE layer's router, experts and shared experts in the others.
 DENSE_FFN_KINDS = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
 

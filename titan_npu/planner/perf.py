@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan_npu.metrics.throughput import flops_per_token
+from titan_npu.models.registry import spec_of
 from titan_npu.parallel.arithmetic import mesh_dims
 from titan_npu.parallel.float8 import wants_float8_all_gather
 from titan_npu.planner.communication import context_exchange_bytes, context_exchange_parts, expert_all_to_all_bytes
@@ -117,21 +118,14 @@ def float8_expert_flops_share(job: Job) -> float:
 
 
 def training_flops_per_token(args: object, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x the active non-embedding parameters plus attention's score and value matmuls.
-
-    The decoders' attention is 12 L D S (metrics/throughput.py, what the trainer's MFU counts); DeepSeek-V3's
-    multi-head latent attention multiplies H heads of qk_nope + qk_rope by H of v_head_dim instead,
-    6 L' H S (qk + v), L' counting the multi-token prediction blocks too (their parameters are in the active ones);
-    gpt-oss counts 12 H head_dim times the keys each layer's query sees (GptOssArgs.num_flops_per_token); Qwen3-Next
-    12 H head_dim S per full layer and the chunked delta rule's matmuls per linear layer (its num_flops_per_token).
-    """
-    if hasattr(args, "sliding_window") or hasattr(args, "linear_n_k_heads"):  # their own counts (see above)
-        return float(args.num_flops_per_token(seq_len))
+    """Training FLOPs per token: 6 x the active non-embedding parameters plus the token mixing's matmuls, the
+    family's count (ModelSpec.training_flops) or the standard one: attention's 12 L D S (metrics/throughput.py,
+    what the trainer's MFU counts)."""
+    count = spec_of(args).training_flops
+    if count is not None:
+        return count(args, seq_len)
     active = getattr(args, "num_active_params", args.num_params)(exclude_embedding=True)
-    if not hasattr(args, "v_head_dim"):
-        return flops_per_token(active, args.n_layers, args.dim, seq_len)
-    layers = args.n_layers + args.mtp_depth
-    return 6.0 * active + 6.0 * layers * args.n_heads * seq_len * (args.head_dim + args.v_head_dim)
+    return flops_per_token(active, args.n_layers, args.dim, seq_len)
 
 
 def pipeline_bubble(layout: Layout) -> float:

@@ -3,9 +3,8 @@ the dry run measured on the parallelized model (`train.py --dry-run`, `titan-npu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from titan_npu.config.schema import JobConfig
+from titan_npu.planner.dry_run_result import DryRunResult
 from titan_npu.planner.layout import job_from_config, layout_from_config
 from titan_npu.planner.parameters import (
     is_expert_kind,
@@ -17,9 +16,6 @@ from titan_npu.planner.parameters import (
     state_bytes,
     tensor_parallel_dims,
 )
-
-if TYPE_CHECKING:
-    from titan_npu.planner.dry_run import DryRunResult
 
 
 def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:

@@ -16,6 +16,7 @@ from torch import nn
 
 from titan_npu import ops
 from titan_npu.errors import CheckpointError, ConfigError
+from titan_npu.models.registry import spec_of
 
 CONFIG_NAMES = ("config.toml", "config.yaml", "config.yml")
 
@@ -45,10 +46,9 @@ class CachedLlama:
     def __init__(self, model: nn.Module, max_len: int, batch_size: int = 1) -> None:
         if model.tok_embeddings is None or model.norm is None or model.output is None:
             raise ConfigError("generation needs the whole model (embedding, layers, norm, output), not a stage")
-        if hasattr(model.args, "linear_n_k_heads"):
-            raise ConfigError(f"generate has no cached decoding for {model.args.family} (its linear-attention layers "
-                              f"need a recurrent-state cache, its gated attention an output gate); evaluate it with "
-                              f"the training loss, or export it (--format hf) and generate with transformers")
+        refusal = spec_of(model.args).generate_refusal(model.args)
+        if refusal is not None:
+            raise ConfigError(refusal)
         self.model = model
         self.layers = list(model.layers.values())
         attn = self.layers[0].attention

@@ -126,14 +126,15 @@ class RoutingMeter:
 
 
 def update_score_biases(meter: RoutingMeter, dims: ParallelDims, skip: torch.Tensor | bool = False) -> None:
-    """Aux-loss-free balancing, after an optimizer step: each MoE layer's router score bias steps by the model's
-    score_bias_rate toward an even load, the load of the step summed over the data-parallel ranks on the device (a
-    collective: call it on every rank), so every rank's bias stays identical. Under pipeline parallelism each stage
-    moves the biases of the layers it holds, from their load summed over the stage's data-parallel ranks. `skip`:
-    the step's update was skipped (True, or a 0-d device flag at 1.0): the biases stay too. Not part of any
-    gradient; inert for a model without score biases or with the rate 0."""
+    """Aux-loss-free balancing, after an optimizer step: each MoE layer's router score bias steps by the family's
+    rate (ModelSpec.bias_update_rate) toward an even load, the load of the step summed over the data-parallel ranks
+    on the device (a collective: call it on every rank), so every rank's bias stays identical. Under pipeline
+    parallelism each stage moves the biases of the layers it holds, from their load summed over the stage's
+    data-parallel ranks. `skip`: the step's update was skipped (True, or a 0-d device flag at 1.0): the biases stay
+    too. Not part of any gradient; inert for a model without score biases or with the rate 0."""
     model = meter.model
-    rate = getattr(getattr(model, "args", None), "score_bias_rate", 0.0)
+    args = getattr(model, "args", None)
+    rate = 0.0 if args is None else spec_of(args).bias_update_rate(args)
     if not rate or not hasattr(model, "score_biases") or skip is True:
         return
     update = spec_of(model.args).update_score_bias

@@ -200,3 +200,8 @@ def _validate(args: DecoderArgs) -> None:
         raise ConfigError(
             f"model.rope_scaling_factor={args.rope_scaling_factor} must be positive (8.0 for Llama 3.1) or unset"
         )
+
+
+def present_fields(args: Any, keys: Collection[str]) -> list[tuple[str, Any]]:
+    """(key, value) of each of `keys` that `args` has, in order (the [model] lines `titan-npu import` prints)."""
+    return [(key, getattr(args, key)) for key in keys if hasattr(args, key)]

@@ -7,6 +7,7 @@ from typing import Any
 
 from titan_npu.models.decoder import hf
 from titan_npu.models.decoder.args import DecoderArgs
+from titan_npu.models.decoder.cost import block_costs
 from titan_npu.models.decoder.model import Transformer
 from titan_npu.models.decoder.parallelize import parallelize_decoder
 from titan_npu.models.decoder.pipeline import build_stage, split_layers
@@ -27,7 +28,8 @@ def permuted_block(name: str, args: DecoderArgs) -> int:
 def decoder_parts() -> dict[str, Any]:
     """The ModelSpec fields a dense-decoder family takes as they are."""
     return dict(build_model=Transformer, parallelize=parallelize_decoder, split_layers=split_layers,
-                build_stage=build_stage, parameter_kinds=parameter_kinds, args_from_dict=args_from_dict)
+                build_stage=build_stage, parameter_kinds=parameter_kinds, args_from_dict=args_from_dict,
+                block_costs=block_costs)
 
 
 def args_from_dict(fields: dict[str, Any]) -> DecoderArgs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from titan_npu.models.decoder.pipeline import build_stage, split_layers
-from titan_npu.models.deepseek_v3 import hf
+from titan_npu.models.deepseek_v3 import cost, hf
 from titan_npu.models.deepseek_v3.args import FLAVORS, args_from_dict, build_args
 from titan_npu.models.deepseek_v3.model import DeepSeekTransformer
 from titan_npu.models.deepseek_v3.parallelize import check_deepseek_layout, parallelize_deepseek
@@ -26,6 +26,11 @@ DEEPSEEK_V3 = ModelSpec(
     split_layers=split_layers,
     build_stage=build_stage,
     parameter_kinds=parameter_kinds,
+    block_costs=cost.block_costs,
+    training_flops=cost.training_flops,
+    model_lines=cost.model_lines,
+    bias_update_rate=lambda args: args.score_bias_rate,
+    extra_blocks=lambda args: (args.mtp_depth, "mtp_depth"),
     hf=HFAdapter(model_types=("deepseek_v3",), args_from_config=hf.args_from_hf_config, config=hf.hf_config,
                  to_hf=hf.to_hf, from_hf=hf.from_hf, hf_name=hf.hf_name, from_hf_layout=hf.from_hf_layout,
                  stacked_names=hf.stacked_names, held_model=hf.held_model),

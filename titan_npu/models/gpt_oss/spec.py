@@ -7,7 +7,7 @@ import re
 from titan_npu.models.decoder import hf as decoder_hf
 from titan_npu.models.decoder.parts import permuted_block
 from titan_npu.models.decoder.pipeline import build_stage, split_layers
-from titan_npu.models.gpt_oss import hf
+from titan_npu.models.gpt_oss import cost, hf
 from titan_npu.models.gpt_oss.args import FLAVORS, args_from_dict, build_args
 from titan_npu.models.gpt_oss.model import GptOssTransformer
 from titan_npu.models.gpt_oss.parallelize import check_gpt_oss_layout, parallelize_gpt_oss
@@ -27,6 +27,9 @@ GPT_OSS = ModelSpec(
     split_layers=split_layers,
     build_stage=build_stage,
     parameter_kinds=parameter_kinds,
+    block_costs=cost.block_costs,
+    training_flops=cost.training_flops,
+    model_lines=cost.model_lines,
     hf=HFAdapter(model_types=("gpt_oss",), args_from_config=hf.args_from_hf_config, config=hf.hf_config,
                  to_hf=hf.to_hf, from_hf=hf.from_hf, hf_name=hf.hf_name, from_hf_layout=decoder_hf.from_hf_layout,
                  permuted_block=permuted_block, shard_wise=False),

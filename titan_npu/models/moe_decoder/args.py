@@ -4,14 +4,24 @@ feed-forwards are mixture-of-experts layers."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from titan_npu.errors import ConfigError
-from titan_npu.models.decoder.args import DecoderArgs
+from titan_npu.models.decoder.args import DecoderArgs, present_fields
 from titan_npu.models.moe.args import MoEArgs
 
 # ModelConfig fields of the MoE part that override a flavor when set.
 MOE_OVERRIDABLE = ("n_experts", "top_k", "moe_ffn_dim", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
                    "router_aux_loss_coef", "capacity_factor", "shared_ffn_dim")
+
+# The MoE fields `titan-npu import` prints in [model] (those the args have), in this order.
+MOE_PRINTED = ("n_experts", "top_k", "moe_ffn_dim", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+               "router_aux_loss_coef")
+
+
+def moe_model_lines(args: Any) -> list[tuple[str, Any]]:
+    """The [model] keys beyond the decoder's that `titan-npu import` prints for a MoE decoder: its routing."""
+    return present_fields(args, MOE_PRINTED)
 
 
 @dataclass

@@ -8,6 +8,8 @@ from titan_npu.models.decoder import hf as decoder_hf
 from titan_npu.models.decoder.parts import permuted_block
 from titan_npu.models.decoder.pipeline import build_stage, split_layers
 from titan_npu.models.moe.balanced_routing import balanced_routing
+from titan_npu.models.moe.cost import moe_block_costs
+from titan_npu.models.moe_decoder.args import moe_model_lines
 from titan_npu.models.moe_decoder.model import MoETransformer
 from titan_npu.models.moe_decoder.parallelize import parallelize_moe
 from titan_npu.models.moe_decoder.sharding import parameter_kinds
@@ -29,6 +31,8 @@ QWEN3_MOE = ModelSpec(
     split_layers=split_layers,
     build_stage=build_stage,
     parameter_kinds=parameter_kinds,
+    block_costs=moe_block_costs,
+    model_lines=moe_model_lines,
     hf=HFAdapter(model_types=("qwen3_moe",), args_from_config=hf.args_from_hf_config, config=hf.hf_config,
                  to_hf=hf.to_hf, from_hf=hf.from_hf, hf_name=hf.hf_name, from_hf_layout=decoder_hf.from_hf_layout,
                  permuted_block=permuted_block, stacked_names=hf.stacked_names),

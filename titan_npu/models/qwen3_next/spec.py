@@ -7,7 +7,7 @@ import re
 
 from titan_npu.models.decoder.pipeline import build_stage, split_layers
 from titan_npu.models.moe.balanced_routing import balanced_routing
-from titan_npu.models.qwen3_next import hf
+from titan_npu.models.qwen3_next import cost, hf
 from titan_npu.models.qwen3_next.args import FLAVORS, args_from_dict, build_args
 from titan_npu.models.qwen3_next.model import Qwen3NextTransformer
 from titan_npu.models.qwen3_next.parallelize import check_qwen3_next_layout, parallelize_qwen3_next
@@ -26,6 +26,10 @@ QWEN3_NEXT = ModelSpec(
     split_layers=split_layers,
     build_stage=build_stage,
     parameter_kinds=parameter_kinds,
+    block_costs=cost.block_costs,
+    training_flops=cost.training_flops,
+    model_lines=cost.model_lines,
+    generate_refusal=cost.generate_refusal,
     layer_holds=holds_kind,
     hf=HFAdapter(model_types=hf.MODEL_TYPES, args_from_config=hf.args_from_hf_config, config=hf.hf_config,
                  to_hf=hf.to_hf, from_hf=hf.from_hf, hf_name=hf.hf_name,
