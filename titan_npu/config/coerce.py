@@ -41,6 +41,17 @@ def field_types(section: str) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def key_types(section: str) -> dict[str, Any]:
+    """field_types, and for [model] also every family's own keys (their types from the families' rows, each
+    `| None`: unset takes the flavor's value); the families' keys need the model registry (it imports torch)."""
+    if section != "model":
+        return field_types(section)
+    from titan_npu.config.options import model_key_rows
+
+    own = {name.split(".", 1)[1]: next(iter(rows.values())).kind for name, rows in model_key_rows().items()}
+    return {**field_types(section), **{key: kind | None for key, kind in own.items()}}
+
+
 SHOWN_CHARS = 200  # a longer value is cut in a message, which stays one readable line
 
 

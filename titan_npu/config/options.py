@@ -12,6 +12,7 @@ argparse parses it as. A row without a range or choices says the value is free (
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -98,7 +99,7 @@ class Knob:
     range: Range | None = None
     choices: tuple[str, ...] = ()
     why: str = ""
-    kind: type | None = None
+    kind: Any = None  # a command option's type; a family's [model] key's type (int, float, bool, list[int] ...)
     each: bool = False
     nonempty: bool = False  # a string that must hold something
     most: tuple[float, str] | None = None  # (a documented maximum, what it is): a larger number is refused
@@ -146,9 +147,25 @@ def or_list(choices: tuple[str, ...] | list[str]) -> str:
 
 
 FREE = Knob()  # a path, a name or a switch: any value of its type
-_FLAVOR = "leave it out to take the flavor's value"
-_SIZE = Knob(above(0), why=_FLAVOR)
 _COUNT = Knob(at_least(0), why="0 = none")
+
+# Rows of a family's own [model] keys (declared in its folder, models/<family>/args.py): `kind` is the key's type.
+FLAVOR_VALUE = "leave it out to take the flavor's value"
+
+
+def size_key(kind: type = int) -> Knob:
+    """A positive size or number; unset = the flavor's."""
+    return Knob(above(0), why=FLAVOR_VALUE, kind=kind)
+
+
+def off_key(kind: type = float) -> Knob:
+    """A number from 0, where 0 turns the feature off."""
+    return Knob(at_least(0), why="0 = off", kind=kind)
+
+
+def switch_key() -> Knob:
+    """A true/false [model] key."""
+    return Knob(kind=bool)
 _NOT_SPLIT = Knob(at_least(1), why="1 = this dimension is not split")
 
 DECAY_TYPES = ("cosine", "linear", "constant", "wsd")
@@ -167,33 +184,11 @@ FLOAT8_RECIPES = ("tensorwise", "rowwise")
 FLOAT8_MOE_RECIPES = ("rowwise", "mxfp8")
 
 # Config keys: "section.key" -> row. model.name, model.flavor, the dtypes and checkpoint.resume are free here:
-# validate.py checks them against the registry, the dtype spellings and the forms a resume takes.
+# validate.py checks them against the registry, the dtype spellings and the forms a resume takes. The other [model]
+# keys are a family's own: their rows are declared in its folder (ModelSpec.model_keys) and read by model_key_rows().
 CONFIG_KEYS: dict[str, Knob] = {
     "model.name": FREE,
     "model.flavor": FREE,
-    **{f"model.{key}": _SIZE for key in (
-        "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim", "ffn_dim_multiplier",
-        "multiple_of", "norm_eps", "rope_theta", "max_seq_len", "n_experts", "top_k", "moe_ffn_dim",
-        "decoder_sparse_step", "kv_lora_rank", "v_head_dim", "n_groups", "topk_groups", "route_scale",
-        "yarn_original_seq_len", "sliding_window", "swiglu_limit", "full_attention_interval", "linear_n_k_heads",
-        "linear_n_v_heads", "linear_k_head_dim", "linear_v_head_dim", "linear_conv_kernel")},
-    "model.layer_types": Knob(choices=("sliding_attention", "full_attention", "linear_attention"),
-                              what="attention layer type", each=True),
-    "model.partial_rotary_factor": Knob(between(0, 1, low_open=True), why="the share of each head RoPE rotates"),
-    "model.variant": Knob(choices=("qwen3_next", "qwen3_5"), what="Hugging Face layout"),
-    "model.yarn_truncate": FREE,
-    "model.rope_scaling_factor": Knob(at_least(0), why="0 or unset turns it off"),
-    "model.qkv_bias": FREE,
-    "model.qk_norm": FREE,
-    "model.tie_embeddings": FREE,
-    "model.norm_topk_prob": FREE,
-    "model.mlp_only_layers": Knob(at_least(0), why="layer ids count from 0", each=True),
-    **{f"model.{key}": Knob(at_least(0), why="0 = off") for key in (
-        "router_aux_loss_coef", "capacity_factor", "shared_ffn_dim", "q_lora_rank", "n_shared_experts",
-        "first_k_dense", "score_bias_rate", "seq_aux_loss_coef", "mtp_depth", "yarn_factor", "mtp_loss_coef")},
-    **{f"model.{key}": Knob(at_least(0), why=_FLAVOR) for key in (
-        "qk_nope_head_dim", "qk_rope_head_dim", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
-        "yarn_mscale_all_dim")},
     "model.use_flash_attention": FREE,
     "model.attention_backend": Knob(choices=ATTENTION_BACKENDS, what="attention kernel"),
     "model.rope_fp32": FREE,
@@ -330,6 +325,28 @@ CONFIG_KEYS: dict[str, Knob] = {
     "fault_tolerance.connect_timeout_s": Knob(at_least(1), why="seconds to reach the lighthouse and the peers"),
     "fault_tolerance.hostname": FREE,
 }
+
+
+
+@functools.cache
+def model_key_rows() -> dict[str, dict[str, Knob]]:
+    """'model.<key>' -> {family: its row} for every family's own [model] keys (models/registry.py; imports torch).
+    A row's `kind` is the key's type (a value unset is None: the flavor's)."""
+    from titan_npu.models.registry import SPECS
+
+    rows: dict[str, dict[str, Knob]] = {}
+    for spec in SPECS.values():
+        for key, knob in spec.model_keys.items():
+            rows.setdefault(f"model.{key}", {})[spec.name] = knob
+    return rows
+
+
+def family_key_rows(family: str) -> dict[str, Knob]:
+    """The rows of one family's own [model] keys, 'model.<key>' -> row, in the family's order."""
+    from titan_npu.models.registry import get_spec
+
+    return {f"model.{key}": knob for key, knob in get_spec(family).model_keys.items()}
+
 
 _STR, _SWITCH = Knob(kind=str), Knob(kind=bool)
 # The largest job the planner searches (docs/planning.md): 65,536 nodes of up to 1,024 devices (a super-node such as
