@@ -15,7 +15,7 @@ class ModelConfig:
     """Model family, preset size, the framework's switches, and the family's own keys that override the preset
     (`keys`: canonical key -> value; a key left out takes the flavor's value)."""
 
-    # a family of models/registry.py (llama2, llama3, qwen2, qwen3, qwen3_moe, ...), optionally sized
+    # a family of models/registry.py, optionally sized (llama3_8b)
     name: str = "llama3"
     flavor: str = "debug"
     use_flash_attention: bool = True

@@ -98,8 +98,6 @@ def _check_family_keys(m: ModelConfig) -> None:
         if name not in rows:
             own = ", ".join(name.split(".", 1)[1] for name in rows)
             raise fail(name, f"{name} is not a key of the {m.name} family; its keys: {own} (see docs/config.md)")
-        if key not in types_:
-            raise fail(name, f"{name} is not a [model] key (see docs/config.md)")
         setattr(m, key, rows[name].check(name, coerce(value, types_[key], name)))
 
 
