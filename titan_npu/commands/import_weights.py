@@ -65,7 +65,10 @@ def model_section(args) -> str:
         lines += [f"{key} = {json.dumps(getattr(args, key))}" for key in (
             "shared_ffn_dim", "full_attention_interval", "partial_rotary_factor", "linear_n_k_heads",
             "linear_n_v_heads", "linear_k_head_dim", "linear_v_head_dim", "linear_conv_kernel", "variant")]
-    return "\n".join(lines)
+    from titan_npu.models.registry import spec_of
+
+    keys = {"[model]", "name", "flavor", *spec_of(args).model_keys}  # a key the family lacks would be refused
+    return "\n".join(line for line in lines if line.split(" = ")[0] in keys)
 
 
 def _own_storage(t):
