@@ -175,3 +175,11 @@ def test_the_generated_model_rows_cover_every_family_key_with_its_range_and_one_
 def test_the_schema_keeps_only_the_shared_model_keys():
     assert tuple(field_types("model")) == SHARED_MODEL_KEYS
     assert {f"model.{k}" for k in SHARED_MODEL_KEYS} == {k for k in CONFIG_KEYS if k.startswith("model.")}
+
+
+def test_qwen3_next_reads_its_variant_key_which_every_family_used_to_ignore():
+    cfg = load_config(None, ["--model.name", "qwen3_next", "--model.variant", "qwen3_5"])
+    assert build_model_args(cfg.model).variant == "qwen3_5"
+    assert build_model_args(load_config(None, ["--model.name", "qwen3_next"]).model).variant == "qwen3_next"
+    with pytest.raises(ConfigError, match="model.variant is not a key of the llama3 family"):
+        load_config(None, ["--model.variant", "qwen3_5"])
