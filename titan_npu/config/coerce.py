@@ -11,6 +11,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import ConfigError
+from titan_npu.knobs import SHOWN_CHARS, show  # noqa: F401  (config.coerce.show, as the loader and tests name it)
 
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -50,22 +51,6 @@ def key_types(section: str) -> dict[str, Any]:
 
     own = {name.split(".", 1)[1]: next(iter(rows.values())).kind for name, rows in model_key_rows().items()}
     return {**field_types(section), **{key: kind | None for key, kind in own.items()}}
-
-
-SHOWN_CHARS = 200  # a longer value is cut in a message, which stays one readable line
-
-
-def show(value: Any) -> str:
-    """A value as a person would write it in a config: strings quoted, booleans and null lower case; past
-    SHOWN_CHARS characters, its start and how long it is."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    text = repr(value)
-    if len(text) > SHOWN_CHARS:
-        return f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"
-    return text
 
 
 def type_name(hint: Any) -> str:

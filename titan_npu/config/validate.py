@@ -11,10 +11,11 @@ import re
 from titan_npu.config.aliases import normalize_flavor
 from titan_npu.config.coerce import coerce, field_types, key_types, section_types, show
 from titan_npu.config.mixture import check_sources
-from titan_npu.config.options import CONFIG_KEYS, family_key_rows, option_error, or_list
+from titan_npu.config.options import CONFIG_KEYS, family_key_rows
 from titan_npu.config.schema import JobConfig, ModelConfig
 from titan_npu.errors import ConfigError
 from titan_npu.intmath import divisor_hint
+from titan_npu.knobs import option_error, or_list
 
 DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32", "float32": "fp32"}
 

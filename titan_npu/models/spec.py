@@ -67,7 +67,7 @@ class ModelSpec:
     name_pattern: re.Pattern
     build_args: Callable[[Any, str], Any]  # (ModelConfig, canonical flavor) -> args
     # The family's own [model] keys (all but the shared ones of config/schema.py's ModelConfig) -> the row of each
-    # (config/options.py's Knob: the values it accepts, its type as `kind`), in the order a saved config lists them;
+    # (titan_npu/knobs.py's Knob: the values it accepts, its type as `kind`), in the order a saved config lists them;
     # build_args reads them from the ModelConfig (unset: None, the flavor's value). Another key is refused.
     model_keys: Mapping[str, Any]
     build_model: Callable[[Any], nn.Module]  # args -> the whole model (built under torch.device("meta") by callers)

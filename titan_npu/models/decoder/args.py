@@ -12,9 +12,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from titan_npu.config.options import FLAVOR_VALUE, Knob, at_least, size_key, switch_key
 from titan_npu.errors import ConfigError
 from titan_npu.intmath import divisor_hint
+from titan_npu.knobs import FLAVOR_VALUE, Knob, at_least, size_key, switch_key
 
 if TYPE_CHECKING:
     from titan_npu.config.schema import ModelConfig

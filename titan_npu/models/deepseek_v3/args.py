@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from titan_npu.config.options import FLAVOR_VALUE, Knob, at_least, off_key, size_key
 from titan_npu.errors import ConfigError
+from titan_npu.knobs import FLAVOR_VALUE, Knob, at_least, off_key, size_key
 from titan_npu.models.decoder.args import DECODER_KEYS, YARN_KEYS, DecoderArgs, resolve_args
 from titan_npu.models.moe.args import MOE_KEYS, MoEArgs
 

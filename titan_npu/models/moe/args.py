@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from titan_npu.config.options import Knob, at_least, off_key, size_key, switch_key
 from titan_npu.errors import ConfigError
+from titan_npu.knobs import Knob, at_least, off_key, size_key, switch_key
 
 # The mixture-of-experts [model] keys with the values each accepts; a MoE family takes those it reads (the MoE
 # decoder every one of them, DeepSeek-V3 and gpt-oss the routing ones).

@@ -18,8 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from titan_npu.config.options import Knob, between, size_key
 from titan_npu.errors import ConfigError
+from titan_npu.knobs import Knob, between, size_key
 from titan_npu.models.decoder.args import DecoderArgs, resolve_args
 from titan_npu.models.moe.args import MoEArgs
 from titan_npu.models.moe_decoder.args import MOE_DECODER_KEYS, MOE_OVERRIDABLE, MoEDecoderArgs
