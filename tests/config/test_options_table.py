@@ -20,8 +20,8 @@ from tiny_run import snapshot
 from titan_npu.cli import COMMANDS
 from titan_npu.cli import main as cli_main
 from titan_npu.commands.parsing import option_name
-from titan_npu.config.coerce import field_types, section_types
-from titan_npu.config.options import COMMAND_OPTIONS, CONFIG_KEYS, Knob, Range
+from titan_npu.config.coerce import field_types, key_types, section_types
+from titan_npu.config.options import COMMAND_OPTIONS, CONFIG_KEYS, Knob, Range, model_key_rows
 
 # What each command needs besides the option under test ({d}: an empty folder the command may not touch).
 BASE_ARGV = {
@@ -52,7 +52,7 @@ def _kind(action: argparse.Action) -> type:
 def _schema_type(name: str) -> type:
     """A key's type without its `| None`; a list's item type."""
     section, key = name.split(".", 1)
-    hint = field_types(section)[key]
+    hint = key_types(section)[key]
     while getattr(hint, "__args__", None):
         hint = next(a for a in hint.__args__ if a is not type(None))
     return hint
@@ -72,8 +72,21 @@ def _outside(knob: Knob, kind: type) -> list[str]:
     return [f"[{v}]" if knob.each else repr(v) for v in values]
 
 
-def _config_cases() -> list[tuple[str, str]]:
-    return [(name, value) for name, knob in CONFIG_KEYS.items()
+def _config_rows() -> list[tuple[str, Knob, str]]:
+    """(key, row, the model.name it is given under): the shared rows, then each family's own [model] keys (one case
+    per distinct row of a key: the families that declare the same row share it)."""
+    rows = [(name, knob, "llama3") for name, knob in CONFIG_KEYS.items()]
+    for name, per_family in model_key_rows().items():
+        seen: list[Knob] = []
+        for family, knob in per_family.items():
+            if knob not in seen:
+                seen.append(knob)
+                rows.append((name, knob, family))
+    return rows
+
+
+def _config_cases() -> list[tuple[str, str, str]]:
+    return [(name, value, family) for name, knob, family in _config_rows()
             for value in _outside(knob, int if _schema_type(name) is int else float)]
 
 
@@ -105,8 +118,8 @@ def test_every_command_has_rows_and_every_option_its_row_of_the_same_type_and_ch
 
 
 def test_every_numeric_row_has_a_range_or_says_why_not():
-    numeric = [name for name in CONFIG_KEYS if _schema_type(name) in (int, float)]
-    free = sorted(name for name in numeric if CONFIG_KEYS[name].range is None)
+    free = sorted({name for name, knob, _ in _config_rows()
+                   if _schema_type(name) in (int, float) and knob.range is None})
     assert free == [], f"numeric config keys without a range: {free}"
     for command, rows in COMMAND_OPTIONS.items():
         free = sorted(name for name, row in rows.items() if row.kind in (int, float) and row.range is None)
@@ -159,10 +172,11 @@ def _says_its_bounds(knob: Knob, line: str) -> bool:
     return f" must be {knob.range}" in line or above
 
 
-@pytest.mark.parametrize(("key", "value"), _config_cases(), ids=[f"{k}={v}" for k, v in _config_cases()])
-def test_a_config_key_just_outside_its_range_is_refused_in_one_line(key, value, quiet_dir, capsys):
-    line = _refused(["train", f"--{key}={value}"], quiet_dir, capsys)
-    knob = CONFIG_KEYS[key]
+@pytest.mark.parametrize(("key", "value", "family"), _config_cases(),
+                         ids=[f"{k}={v}" if k in CONFIG_KEYS else f"{f}:{k}={v}" for k, v, f in _config_cases()])
+def test_a_config_key_just_outside_its_range_is_refused_in_one_line(key, value, family, quiet_dir, capsys):
+    line = _refused(["train", f"--model.name={family}", f"--{key}={value}"], quiet_dir, capsys)
+    knob = CONFIG_KEYS[key] if key in CONFIG_KEYS else model_key_rows()[key][family]
     assert line.startswith(f"ConfigError: command line: {key} "), line
     if knob.range is not None:
         assert _says_its_bounds(knob, line), line

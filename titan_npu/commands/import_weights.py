@@ -49,8 +49,10 @@ def model_section(args) -> str:
     # The family's own keys (routing, attention shapes, RoPE scaling): TOML spells these values as JSON does.
     from titan_npu.models.registry import spec_of
 
-    lines += [f"{key} = {json.dumps(value)}" for key, value in spec_of(args).model_lines(args)]
-    return "\n".join(lines)
+    spec = spec_of(args)
+    lines += [f"{key} = {json.dumps(value)}" for key, value in spec.model_lines(args)]
+    keys = {"[model]", "name", "flavor", *spec.model_keys}  # a key the family lacks would be refused
+    return "\n".join(line for line in lines if line.split(" = ")[0] in keys)
 
 
 def _own_storage(t):

@@ -11,7 +11,7 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from titan_npu.config.coerce import coerce, field_types, section_types, show
+from titan_npu.config.coerce import coerce, field_types, key_types, section_types, show
 from titan_npu.errors import ConfigError
 
 # [distributed] in the TOML guide is our [parallel].
@@ -88,6 +88,8 @@ def canonicalize(
                 put(section, key, value, path)
             elif (section, key) in KEY_ALIASES:
                 put(*KEY_ALIASES[(section, key)], value, path)
+            elif section == "model" and key in key_types(section):
+                put(section, key, value, path)  # some family's own key: validate() checks it is this family's
             else:
                 raise ConfigError(f"{source}: unknown key '{path}'{_suggest_key(section, spelling, key)}")
 
@@ -140,7 +142,7 @@ def _published_size(family: str, dim: Any, n_layers: Any) -> str | None:
 
 def _same(a: Any, b: Any, section: str, key: str) -> bool:
     """Equal once both are read as the key's type ('3e-4' and 0.0003 agree)."""
-    hint = field_types(section)[key]
+    hint = key_types(section)[key]
     try:
         return coerce(a, hint, key) == coerce(b, hint, key)
     except ConfigError:
@@ -149,7 +151,7 @@ def _same(a: Any, b: Any, section: str, key: str) -> bool:
 
 def known_keys(section: str) -> list[str]:
     """Canonical keys of a section followed by the aliases accepted in it."""
-    keys = list(field_types(section))
+    keys = list(key_types(section))
     keys += [alias for (sec, alias) in KEY_ALIASES if sec == section]
     keys += [sub for (sec, sub) in SUBSECTION_ALIASES if sec == section]
     return keys

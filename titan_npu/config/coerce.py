@@ -11,6 +11,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import ConfigError
+from titan_npu.knobs import SHOWN_CHARS, show  # noqa: F401  (config.coerce.show, as the loader and tests name it)
 
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
@@ -41,20 +42,15 @@ def field_types(section: str) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-SHOWN_CHARS = 200  # a longer value is cut in a message, which stays one readable line
+def key_types(section: str) -> dict[str, Any]:
+    """field_types, and for [model] also every family's own keys (their types from the families' rows, each
+    `| None`: unset takes the flavor's value); the families' keys need the model registry (it imports torch)."""
+    if section != "model":
+        return field_types(section)
+    from titan_npu.config.options import model_key_rows
 
-
-def show(value: Any) -> str:
-    """A value as a person would write it in a config: strings quoted, booleans and null lower case; past
-    SHOWN_CHARS characters, its start and how long it is."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    text = repr(value)
-    if len(text) > SHOWN_CHARS:
-        return f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"
-    return text
+    own = {name.split(".", 1)[1]: next(iter(rows.values())).kind for name, rows in model_key_rows().items()}
+    return {**field_types(section), **{key: kind | None for key, kind in own.items()}}
 
 
 def type_name(hint: Any) -> str:

@@ -5,6 +5,7 @@ Pure: reads the one file it is given, nothing from the environment, and writes n
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -17,7 +18,7 @@ import yaml
 
 from titan_npu.atomic import atomic_write_bytes
 from titan_npu.config.aliases import canonicalize
-from titan_npu.config.coerce import FLAG, coerce, field_types, section_types
+from titan_npu.config.coerce import FLAG, coerce, key_types, section_types
 from titan_npu.config.schema import JobConfig
 from titan_npu.config.toml_writer import dumps_toml
 from titan_npu.config.validate import validate
@@ -71,8 +72,21 @@ def config_from_dict(data: Mapping[str, Any], source: str = "config") -> JobConf
 
 
 def config_to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
-    """The config as a nested plain dict under canonical names (lists copied)."""
-    return dataclasses.asdict(cfg)
+    """The config as a nested plain dict under canonical names (lists copied); [model] lists name and flavor, the
+    family's own keys that are set (in the family's order), then the shared switches."""
+    data = dataclasses.asdict(cfg)
+    model = cfg.model
+    order = list(model.keys)
+    if model.keys:
+        from titan_npu.models.registry import SPECS  # the family's key order (imports torch)
+
+        spec = SPECS.get(model.name)
+        if spec is not None:
+            order.sort(key=lambda key: list(spec.model_keys).index(key) if key in spec.model_keys else len(order))
+    shared = data["model"]
+    data["model"] = {"name": shared.pop("name"), "flavor": shared.pop("flavor"),
+                     **{key: copy.deepcopy(model.keys[key]) for key in order}, **shared}
+    return data
 
 
 def save_config(cfg: JobConfig, path: str | os.PathLike[str]) -> None:
@@ -307,7 +321,7 @@ def _build(sources: Sequence[tuple[str, Mapping[str, Any]]], lines: Mapping[str,
     for source, raw in sources:
         values, spelled = canonicalize(raw, source)
         for section, table in values.items():
-            types_ = field_types(section)
+            types_ = key_types(section)
             for key, value in table.items():
                 spelling = spelled[(section, key)]
                 line = _line_of(lines.get(source, []), spelling)

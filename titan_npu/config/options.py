@@ -7,147 +7,18 @@ command to having a row here, and feeds each row a value just outside what it ac
 
 Adding a knob: a config key gets a row in CONFIG_KEYS under "section.key" (its type is the schema's); a command
 option gets a row in COMMAND_OPTIONS[command] under its first flag (or its dest, for a positional), with the type
-argparse parses it as. A row without a range or choices says the value is free (a path, a name, a switch).
+argparse parses it as. A row without a range or choices says the value is free (a path, a name, a switch). A
+[model] key other than the shared ones of config/schema.py is a family's own: its row is declared in the family's
+folder (ModelSpec.model_keys) and model_key_rows() gathers them. The rows' classes are titan_npu/knobs.py's.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any
+import functools
 
-from titan_npu.config.coerce import show
-from titan_npu.errors import ConfigError
-
-
-def _num(x: float) -> str:
-    return f"{x:g}"
-
-
-@dataclass(frozen=True)
-class Range:
-    """An interval of numbers (either end open or absent), plus single values allowed outside it (0 = off)."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False  # > low rather than >= low
-    high_open: bool = False  # < high rather than <= high
-    also: tuple[tuple[float, str], ...] = ()  # (value, what it means) accepted besides the interval
-
-    def allows(self, value: float) -> bool:
-        """True when `value` is in the interval or one of the extra values; never NaN or an infinity (a command's
-        float option parses them, the config's keys already refuse them)."""
-        if any(value == v for v, _ in self.also):
-            return True
-        if not math.isfinite(value):
-            return False
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        return not (self.high is not None and (value >= self.high if self.high_open else value > self.high))
-
-    def __str__(self) -> str:
-        if self.low is not None and self.high is not None:
-            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
-            text = f"in {left}{_num(self.low)}, {_num(self.high)}{right}"
-        elif self.low is not None:
-            text = f"{'>' if self.low_open else '>='} {_num(self.low)}"
-        elif self.high is not None:
-            text = f"{'<' if self.high_open else '<='} {_num(self.high)}"
-        else:
-            text = "a number"
-        extra = [f"{_num(v)} ({meaning})" if meaning else _num(v) for v, meaning in self.also]
-        return " or ".join([*extra, text])
-
-    def just_outside(self, kind: type) -> list[float]:
-        """The nearest refused value past each finite end (ints step by 1, floats by one ulp), stepping over an
-        extra value that lies next to an end (dp_shard's -1 below 1)."""
-        def step(x: float, direction: float) -> float:
-            return x + direction if kind is int else math.nextafter(x, direction * math.inf)
-
-        out = []
-        for end, is_open, direction in ((self.low, self.low_open, -1), (self.high, self.high_open, 1)):
-            if end is None:
-                continue
-            value = kind(end) if is_open else step(kind(end), direction)
-            while self.allows(value):
-                value = step(value, direction)
-            out.append(value)
-        return out
-
-
-def at_least(low: float, *also: tuple[float, str]) -> Range:
-    """>= low (or one of `also`)."""
-    return Range(low=low, also=also)
-
-
-def above(low: float) -> Range:
-    """> low."""
-    return Range(low=low, low_open=True)
-
-
-def between(low: float, high: float, low_open: bool = False, high_open: bool = False) -> Range:
-    """low..high, either end open."""
-    return Range(low=low, high=high, low_open=low_open, high_open=high_open)
-
-
-@dataclass(frozen=True)
-class Knob:
-    """One row of the table: what a value may be. `kind` is the type a command option is parsed as (a config key's
-    type is its schema field's); `each` checks every item of a list value."""
-
-    range: Range | None = None
-    choices: tuple[str, ...] = ()
-    why: str = ""
-    kind: type | None = None
-    each: bool = False
-    nonempty: bool = False  # a string that must hold something
-    most: tuple[float, str] | None = None  # (a documented maximum, what it is): a larger number is refused
-    what: str = "value"  # choices: what the value is ("decay type") in the refusal
-
-    def check(self, name: str, value: Any) -> Any:
-        """`value` (choices: in their canonical spelling), or a ConfigError naming `name`, the value and what is
-        allowed."""
-        if value is None:
-            return value  # optional, not given
-        shown = show(value)
-        hint = f" ({self.why})" if self.why else ""
-        if self.choices:
-            if self.each and isinstance(value, list):
-                return [self._choice(name, item, f"{name} item {show(item)}") for item in value]
-            return self._choice(name, value, f"{name} = {shown}")
-        if self.nonempty and not str(value).strip():
-            raise option_error(name, f"{name} is empty{hint}")
-        if self.range is not None:
-            for item in (value if self.each else [value]):
-                if isinstance(item, (int, float)) and not isinstance(item, bool) and not self.range.allows(item):
-                    finite = "" if math.isfinite(item) else "a finite number "
-                    raise option_error(name, f"{name} = {shown} must be {finite}{self.range}{hint}")
-                if self.most is not None and isinstance(item, (int, float)) and item > self.most[0]:
-                    raise option_error(name, f"{name} = {shown} is above {self.most[0]:,}, {self.most[1]}")
-        return value
-
-    def _choice(self, name: str, value: Any, shown: str) -> str:
-        for choice in self.choices:
-            if str(value).strip().lower() == choice.lower():
-                return choice
-        raise option_error(name, f"{shown} is not a known {self.what} (use {or_list(self.choices)})")
-
-
-def option_error(name: str, message: str) -> ConfigError:
-    """A ConfigError that remembers which key or option it is about (the loader names the file line that set it)."""
-    error = ConfigError(message)
-    error.key = name  # type: ignore[attr-defined]
-    return error
-
-
-def or_list(choices: tuple[str, ...] | list[str]) -> str:
-    """'a, b or c'."""
-    return ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
-
+from titan_npu.knobs import Knob, Range, above, at_least, between
 
 FREE = Knob()  # a path, a name or a switch: any value of its type
-_FLAVOR = "leave it out to take the flavor's value"
-_SIZE = Knob(above(0), why=_FLAVOR)
 _COUNT = Knob(at_least(0), why="0 = none")
 _NOT_SPLIT = Knob(at_least(1), why="1 = this dimension is not split")
 
@@ -167,33 +38,11 @@ FLOAT8_RECIPES = ("tensorwise", "rowwise")
 FLOAT8_MOE_RECIPES = ("rowwise", "mxfp8")
 
 # Config keys: "section.key" -> row. model.name, model.flavor, the dtypes and checkpoint.resume are free here:
-# validate.py checks them against the registry, the dtype spellings and the forms a resume takes.
+# validate.py checks them against the registry, the dtype spellings and the forms a resume takes. The other [model]
+# keys are a family's own: their rows are declared in its folder (ModelSpec.model_keys) and read by model_key_rows().
 CONFIG_KEYS: dict[str, Knob] = {
     "model.name": FREE,
     "model.flavor": FREE,
-    **{f"model.{key}": _SIZE for key in (
-        "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim", "ffn_dim_multiplier",
-        "multiple_of", "norm_eps", "rope_theta", "max_seq_len", "n_experts", "top_k", "moe_ffn_dim",
-        "decoder_sparse_step", "kv_lora_rank", "v_head_dim", "n_groups", "topk_groups", "route_scale",
-        "yarn_original_seq_len", "sliding_window", "swiglu_limit", "full_attention_interval", "linear_n_k_heads",
-        "linear_n_v_heads", "linear_k_head_dim", "linear_v_head_dim", "linear_conv_kernel")},
-    "model.layer_types": Knob(choices=("sliding_attention", "full_attention", "linear_attention"),
-                              what="attention layer type", each=True),
-    "model.partial_rotary_factor": Knob(between(0, 1, low_open=True), why="the share of each head RoPE rotates"),
-    "model.variant": Knob(choices=("qwen3_next", "qwen3_5"), what="Hugging Face layout"),
-    "model.yarn_truncate": FREE,
-    "model.rope_scaling_factor": Knob(at_least(0), why="0 or unset turns it off"),
-    "model.qkv_bias": FREE,
-    "model.qk_norm": FREE,
-    "model.tie_embeddings": FREE,
-    "model.norm_topk_prob": FREE,
-    "model.mlp_only_layers": Knob(at_least(0), why="layer ids count from 0", each=True),
-    **{f"model.{key}": Knob(at_least(0), why="0 = off") for key in (
-        "router_aux_loss_coef", "capacity_factor", "shared_ffn_dim", "q_lora_rank", "n_shared_experts",
-        "first_k_dense", "score_bias_rate", "seq_aux_loss_coef", "mtp_depth", "yarn_factor", "mtp_loss_coef")},
-    **{f"model.{key}": Knob(at_least(0), why=_FLAVOR) for key in (
-        "qk_nope_head_dim", "qk_rope_head_dim", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
-        "yarn_mscale_all_dim")},
     "model.use_flash_attention": FREE,
     "model.attention_backend": Knob(choices=ATTENTION_BACKENDS, what="attention kernel"),
     "model.rope_fp32": FREE,
@@ -331,6 +180,28 @@ CONFIG_KEYS: dict[str, Knob] = {
     "fault_tolerance.connect_timeout_s": Knob(at_least(1), why="seconds to reach the lighthouse and the peers"),
     "fault_tolerance.hostname": FREE,
 }
+
+
+
+@functools.cache
+def model_key_rows() -> dict[str, dict[str, Knob]]:
+    """'model.<key>' -> {family: its row} for every family's own [model] keys (models/registry.py; imports torch).
+    A row's `kind` is the key's type (a value unset is None: the flavor's)."""
+    from titan_npu.models.registry import SPECS
+
+    rows: dict[str, dict[str, Knob]] = {}
+    for spec in SPECS.values():
+        for key, knob in spec.model_keys.items():
+            rows.setdefault(f"model.{key}", {})[spec.name] = knob
+    return rows
+
+
+def family_key_rows(family: str) -> dict[str, Knob]:
+    """The rows of one family's own [model] keys, 'model.<key>' -> row, in the family's order."""
+    from titan_npu.models.registry import get_spec
+
+    return {f"model.{key}": knob for key, knob in get_spec(family).model_keys.items()}
+
 
 _STR, _SWITCH = Knob(kind=str), Knob(kind=bool)
 # The largest job the planner searches (docs/planning.md): 65,536 nodes of up to 1,024 devices (a super-node such as

@@ -3,81 +3,69 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+# The [model] keys every family shares and the framework itself reads; every other [model] key is a family's own,
+# declared with its range in the family's folder (ModelSpec.model_keys) and held in ModelConfig.keys.
+SHARED_MODEL_KEYS = ("name", "flavor", "use_flash_attention", "attention_backend", "rope_fp32")
 
 
-@dataclass
+@dataclass(init=False, eq=False)
 class ModelConfig:
-    """Model family, preset size and explicit overrides of the preset (None = take the flavor's value)."""
+    """Model family, preset size, the framework's switches, and the family's own keys that override the preset
+    (`keys`: canonical key -> value; a key left out takes the flavor's value)."""
 
-    # a family of models/registry.py (llama2, llama3, qwen2, qwen3, qwen3_moe, deepseek_v3), optionally sized
+    # a family of models/registry.py, optionally sized (llama3_8b)
     name: str = "llama3"
     flavor: str = "debug"
-    dim: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    head_dim: int | None = None  # size of one attention head; None = dim / n_heads (Qwen3's flavors set 128)
-    vocab_size: int | None = None
-    ffn_dim: int | None = None  # explicit SwiGLU hidden size; overrides multiplier/multiple_of
-    ffn_dim_multiplier: float | None = None
-    multiple_of: int | None = None
-    norm_eps: float | None = None
-    rope_theta: float | None = None
-    rope_scaling_factor: float | None = None  # Llama 3.1 frequency scaling; None/0 = off
-    max_seq_len: int | None = None
-    qkv_bias: bool | None = None  # biases on the q/k/v projections (Qwen2's flavors)
-    qk_norm: bool | None = None  # RMSNorm over each q/k head before RoPE (Qwen3's flavors)
-    tie_embeddings: bool | None = None  # output projection = embedding matrix (the small Llama 3.2 / Qwen flavors)
-    # Mixture of experts (qwen3_moe; docs/moe.md).
-    n_experts: int | None = None  # routed experts per MoE layer
-    top_k: int | None = None  # experts each token is routed to
-    moe_ffn_dim: int | None = None  # SwiGLU width of one routed expert
-    norm_topk_prob: bool | None = None  # renormalise a token's top-k weights to sum to 1
-    decoder_sparse_step: int | None = None  # every n-th layer is MoE (1 = all)
-    mlp_only_layers: list[int] | None = None  # layer ids kept dense
-    router_aux_loss_coef: float | None = None  # weight of the load-balancing loss in the optimised loss; 0 = off
-    capacity_factor: float | None = None  # expert capacity = factor x tokens x top_k / n_experts; 0 = dropless
-    shared_ffn_dim: int | None = None  # width of an always-on shared expert; 0 = none
-    # DeepSeek-V3 (deepseek_v3; docs/models.md): multi-head latent attention, group-limited sigmoid routing,
-    # aux-loss-free balancing, multi-token prediction.
-    q_lora_rank: int | None = None  # rank of the query's low-rank path; 0 = a plain query projection
-    kv_lora_rank: int | None = None  # rank of the compressed key/value latent
-    qk_nope_head_dim: int | None = None  # per-head query/key width without RoPE
-    qk_rope_head_dim: int | None = None  # per-head query/key width with RoPE (the key's is shared by every head)
-    v_head_dim: int | None = None  # per-head value width
-    n_shared_experts: int | None = None  # always-on experts, each moe_ffn_dim wide
-    n_groups: int | None = None  # expert groups of group-limited routing
-    topk_groups: int | None = None  # groups a token's experts may come from
-    route_scale: float | None = None  # factor on the routed experts' weights (routed_scaling_factor)
-    first_k_dense: int | None = None  # the first k layers keep a dense SwiGLU (first_k_dense_replace)
-    score_bias_rate: float | None = None  # aux-loss-free balancing: score bias step per optimizer step; 0 = off
-    seq_aux_loss_coef: float | None = None  # weight of the sequence-wise balance loss; 0 = off
-    mtp_depth: int | None = None  # multi-token prediction modules; 0 = none
-    yarn_factor: float | None = None  # YaRN RoPE stretch (40 in the published flavors); 0 = plain RoPE
-    yarn_original_seq_len: int | None = None  # the context YaRN stretches from (4096)
-    yarn_beta_fast: float | None = None  # YaRN's ramp bounds, in rotations (32 and 1)
-    yarn_beta_slow: float | None = None
-    yarn_mscale: float | None = None  # YaRN magnitude scales of the cos/sin tables and of the softmax
-    yarn_mscale_all_dim: float | None = None
-    mtp_loss_coef: float | None = None  # weight of the multi-token prediction loss
-    # gpt-oss (gpt_oss; docs/models.md): attention sinks, sliding-window layers, clamped SwiGLU experts.
-    sliding_window: int | None = None  # keys a sliding layer's query sees (128 in the published flavors)
-    layer_types: list[str] | None = None  # per layer "sliding_attention" / "full_attention" (gpt-oss; unset =
-    # alternating) or "linear_attention" / "full_attention" (qwen3_next; unset = full_attention_interval)
-    swiglu_limit: float | None = None  # the experts' SwiGLU clamp (7.0)
-    yarn_truncate: bool | None = None  # round YaRN's ramp bounds to whole dims (false in gpt-oss's flavors)
-    # Qwen3-Next / Qwen3.5 (qwen3_next; docs/models.md): gated DeltaNet linear layers between gated attention ones.
-    full_attention_interval: int | None = None  # every n-th layer is full attention when layer_types is unset (4)
-    partial_rotary_factor: float | None = None  # share of each attention head that RoPE rotates (0.25)
-    linear_n_k_heads: int | None = None  # the linear layers' query / key heads
-    linear_n_v_heads: int | None = None  # their value heads (a multiple of the key heads)
-    linear_k_head_dim: int | None = None
-    linear_v_head_dim: int | None = None
-    linear_conv_kernel: int | None = None  # width of the short causal convolution (4)
-    variant: str | None = None  # Hugging Face layout for export: qwen3_next | qwen3_5
     use_flash_attention: bool = True
     attention_backend: str = "auto"  # CUDA SDPA kernel: auto (by GPU capability) | cudnn | flash | efficient
     rope_fp32: bool = False  # NPU: npu_rotary_mul on fp32 q/k and tables (cast back), as torchtitan-npu runs RoPE
+
+    def __init__(self, name: str = "llama3", flavor: str = "debug", use_flash_attention: bool = True,
+                 attention_backend: str = "auto", rope_fp32: bool = False, **keys: Any) -> None:
+        object.__setattr__(self, "keys", {})
+        self.name, self.flavor = name, flavor
+        self.use_flash_attention, self.attention_backend, self.rope_fp32 = (use_flash_attention, attention_backend,
+                                                                            rope_fp32)
+        for key, value in keys.items():
+            setattr(self, key, value)
+
+    def __getattr__(self, key: str) -> Any:
+        """A family key's value (None when unset: the flavor's); AttributeError for a name no family has."""
+        if key.startswith("_") or key == "keys":
+            raise AttributeError(key)
+        if key in self.keys:
+            return self.keys[key]
+        from titan_npu.config.options import model_key_rows  # the families' keys (imports torch)
+
+        if f"model.{key}" in model_key_rows():
+            return None
+        raise AttributeError(f"ModelConfig has no key {key!r}")
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if key in SHARED_MODEL_KEYS:
+            object.__setattr__(self, key, value)
+        elif value is None:
+            self.keys.pop(key, None)  # unset: the flavor's value
+        else:
+            self.keys[key] = value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ModelConfig):
+            return NotImplemented
+        shared = all(getattr(self, k) == getattr(other, k) for k in SHARED_MODEL_KEYS)
+        return shared and self.keys == other.keys
+
+    def __repr__(self) -> str:
+        shared = ", ".join(f"{k}={getattr(self, k)!r}" for k in SHARED_MODEL_KEYS)
+        own = "".join(f", {k}={v!r}" for k, v in self.keys.items())
+        return f"ModelConfig({shared}{own})"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModelConfig:
+        import copy
+
+        return ModelConfig(**{k: getattr(self, k) for k in SHARED_MODEL_KEYS}, **copy.deepcopy(self.keys, memo))
 
 
 @dataclass

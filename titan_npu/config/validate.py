@@ -9,12 +9,13 @@ from __future__ import annotations
 import re
 
 from titan_npu.config.aliases import normalize_flavor
-from titan_npu.config.coerce import coerce, field_types, section_types, show
+from titan_npu.config.coerce import coerce, field_types, key_types, section_types, show
 from titan_npu.config.mixture import check_sources
-from titan_npu.config.options import CONFIG_KEYS, option_error, or_list
+from titan_npu.config.options import CONFIG_KEYS, family_key_rows
 from titan_npu.config.schema import JobConfig, ModelConfig
 from titan_npu.errors import ConfigError
 from titan_npu.intmath import divisor_hint
+from titan_npu.knobs import option_error, or_list
 
 DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32", "float32": "fp32"}
 
@@ -73,6 +74,7 @@ def _check_model(m: ModelConfig) -> None:
     if not m.flavor.strip():
         raise fail("model.flavor", "model.flavor is empty (use a size such as 7B, 8B, 13B, 70B, or debug)")
     m.flavor = normalize_flavor(m.flavor)
+    _check_family_keys(m)
     if m.n_heads is not None and m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
         divisors = [str(d) for d in divisor_hint(m.n_heads)]
         raise fail(
@@ -85,6 +87,19 @@ def _check_model(m: ModelConfig) -> None:
             "model.dim",
             f"model.dim = {m.dim} must be a multiple of model.n_heads = {m.n_heads} (each head gets dim / n_heads)",
         )
+
+
+def _check_family_keys(m: ModelConfig) -> None:
+    """Each of [model]'s own keys is one of its family's (models/<family>/: ModelSpec.model_keys), typed and in the
+    range the family declares; another family's key is refused naming the family and its keys."""
+    rows = family_key_rows(m.name)
+    types_ = key_types("model")
+    for key, value in list(m.keys.items()):
+        name = f"model.{key}"
+        if name not in rows:
+            own = ", ".join(name.split(".", 1)[1] for name in rows)
+            raise fail(name, f"{name} is not a key of the {m.name} family; its keys: {own} (see docs/config.md)")
+        setattr(m, key, rows[name].check(name, coerce(value, types_[key], name)))
 
 
 def _check_training(cfg: JobConfig) -> None:

@@ -122,6 +122,10 @@ class ModelSpec:
     # The spellings of model.name that mean this family (full match, case-insensitive); group "size" picks a flavor.
     name_pattern: re.Pattern
     build_args: Callable[[Any, str], Any]  # (ModelConfig, canonical flavor) -> args
+    # The family's own [model] keys (all but the shared ones of config/schema.py's ModelConfig) -> the row of each
+    # (titan_npu/knobs.py's Knob: the values it accepts, its type as `kind`), in the order a saved config lists them;
+    # build_args reads them from the ModelConfig (unset: None, the flavor's value). Another key is refused.
+    model_keys: Mapping[str, Any]
     build_model: Callable[[Any], nn.Module]  # args -> the whole model (built under torch.device("meta") by callers)
     parallelize: Callable[[nn.Module, Any, Any], nn.Module]  # (model or stage, ParallelDims, JobConfig) -> model
     split_layers: Callable[[int, int], list[list[int]]]  # (n_layers, n_stages) -> layer ids per pipeline stage

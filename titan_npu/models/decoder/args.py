@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from titan_npu.errors import ConfigError
 from titan_npu.intmath import divisor_hint
+from titan_npu.knobs import FLAVOR_VALUE, Knob, at_least, size_key, switch_key
 
 if TYPE_CHECKING:
     from titan_npu.config.schema import ModelConfig
@@ -23,10 +24,38 @@ ROPE_SCALING_LOW_FREQ_FACTOR = 1.0
 ROPE_SCALING_HIGH_FREQ_FACTOR = 4.0
 ROPE_SCALING_ORIGINAL_CONTEXT = 8192
 
-# ModelConfig fields that override a flavor when set (not None).
-OVERRIDABLE = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim", "ffn_dim_multiplier",
-               "multiple_of", "norm_eps", "rope_theta", "rope_scaling_factor", "max_seq_len", "qkv_bias", "qk_norm",
-               "tie_embeddings")
+# The dense decoder's [model] keys, each overriding the flavor when set, with the values it accepts (every family
+# built on the decoder takes them; config/options.py's model_key_rows() gathers them from the families' specs).
+DECODER_KEYS: dict[str, Knob] = {
+    "dim": size_key(),  # hidden size (alias d_model)
+    "n_layers": size_key(),
+    "n_heads": size_key(),
+    "n_kv_heads": size_key(),
+    "head_dim": size_key(),  # size of one attention head; unset = dim / n_heads (Qwen3's flavors set 128)
+    "vocab_size": size_key(),
+    "ffn_dim": size_key(),  # explicit SwiGLU hidden size; overrides multiplier/multiple_of
+    "ffn_dim_multiplier": size_key(float),
+    "multiple_of": size_key(),
+    "norm_eps": size_key(float),
+    "rope_theta": size_key(float),
+    "rope_scaling_factor": Knob(at_least(0), why="0 or unset turns it off", kind=float),  # Llama 3.1's
+    "max_seq_len": size_key(),
+    "qkv_bias": switch_key(),  # biases on the q/k/v projections (Qwen2's flavors)
+    "qk_norm": switch_key(),  # RMSNorm over each q/k head before RoPE (Qwen3's flavors)
+    "tie_embeddings": switch_key(),  # output projection = embedding matrix (the small Llama 3.2 / Qwen flavors)
+}
+# The keys of YaRN's RoPE stretch, for the families that use it (DeepSeek-V3, gpt-oss; each takes those it reads).
+YARN_KEYS: dict[str, Knob] = {
+    "yarn_factor": Knob(at_least(0), why="0 = off", kind=float),  # 40 in DeepSeek's flavors; 0 = plain RoPE
+    "yarn_original_seq_len": size_key(),  # the context YaRN stretches from (4096)
+    "yarn_beta_fast": Knob(at_least(0), why=FLAVOR_VALUE, kind=float),  # YaRN's ramp bounds, in rotations (32, 1)
+    "yarn_beta_slow": Knob(at_least(0), why=FLAVOR_VALUE, kind=float),
+    "yarn_mscale": Knob(at_least(0), why=FLAVOR_VALUE, kind=float),  # magnitude scales of the tables and softmax
+    "yarn_mscale_all_dim": Knob(at_least(0), why=FLAVOR_VALUE, kind=float),
+    "yarn_truncate": switch_key(),  # round YaRN's ramp bounds to whole dims (false in gpt-oss's flavors)
+}
+# The decoder's keys that override a flavor when set (not None).
+OVERRIDABLE = tuple(DECODER_KEYS)
 
 
 @dataclass

@@ -15,20 +15,39 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from titan_npu.errors import ConfigError
-from titan_npu.models.decoder.args import DecoderArgs, resolve_args
-from titan_npu.models.moe.args import MoEArgs
+from titan_npu.knobs import FLAVOR_VALUE, Knob, at_least, off_key, size_key
+from titan_npu.models.decoder.args import DECODER_KEYS, YARN_KEYS, DecoderArgs, resolve_args
+from titan_npu.models.moe.args import MOE_KEYS, MoEArgs
 
 if TYPE_CHECKING:
     from titan_npu.config.schema import ModelConfig
 
-# ModelConfig fields of DeepSeek's own that override a flavor when set.
-DEEPSEEK_OVERRIDABLE = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                        "n_experts", "top_k", "moe_ffn_dim", "n_shared_experts", "n_groups", "topk_groups",
-                        "route_scale", "norm_topk_prob", "first_k_dense", "score_bias_rate", "seq_aux_loss_coef",
-                        "mtp_depth", "mtp_loss_coef")
-# YaRN's fields (the published flavors stretch RoPE 40x from 4096 positions); [model] overrides them too.
-YARN_FIELDS = ("yarn_factor", "yarn_original_seq_len", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
-               "yarn_mscale_all_dim")
+# DeepSeek-V3's [model] keys, each overriding the flavor when set: the dense decoder's, the MoE routing ones it
+# reads, multi-head latent attention's ranks, group-limited routing, aux-loss-free balancing, multi-token prediction
+# and YaRN (the published flavors stretch RoPE 40x from 4096 positions).
+DEEPSEEK_KEYS: dict[str, Knob] = {
+    **DECODER_KEYS,
+    **{k: MOE_KEYS[k] for k in ("n_experts", "top_k", "moe_ffn_dim", "norm_topk_prob")},
+    "q_lora_rank": off_key(int),  # rank of the query's low-rank path; 0 = a plain query projection
+    "kv_lora_rank": size_key(),  # rank of the compressed key/value latent
+    "qk_nope_head_dim": Knob(at_least(0), why=FLAVOR_VALUE, kind=int),  # per-head q/k width without RoPE
+    "qk_rope_head_dim": Knob(at_least(0), why=FLAVOR_VALUE, kind=int),  # with RoPE (the key's shared by every head)
+    "v_head_dim": size_key(),  # per-head value width
+    "n_shared_experts": off_key(int),  # always-on experts, each moe_ffn_dim wide
+    "n_groups": size_key(),  # expert groups of group-limited routing
+    "topk_groups": size_key(),  # groups a token's experts may come from
+    "route_scale": size_key(float),  # factor on the routed experts' weights (routed_scaling_factor)
+    "first_k_dense": off_key(int),  # the first k layers keep a dense SwiGLU (first_k_dense_replace)
+    "score_bias_rate": off_key(),  # aux-loss-free balancing: score bias step per optimizer step
+    "seq_aux_loss_coef": off_key(),  # weight of the sequence-wise balance loss
+    "mtp_depth": off_key(int),  # multi-token prediction modules; 0 = none
+    **{k: v for k, v in YARN_KEYS.items() if k != "yarn_truncate"},
+    "mtp_loss_coef": off_key(),  # weight of the multi-token prediction loss
+}
+# The keys of DeepSeek's own part (beyond the dense decoder's) that override a flavor when set.
+DEEPSEEK_OVERRIDABLE = tuple(k for k in DEEPSEEK_KEYS if k not in DECODER_KEYS and not k.startswith("yarn_"))
+# YaRN's fields; [model] overrides them too.
+YARN_FIELDS = tuple(k for k in DEEPSEEK_KEYS if k.startswith("yarn_"))
 
 _YARN_40 = dict(max_seq_len=163840, yarn_factor=40.0, yarn_original_seq_len=4096, yarn_beta_fast=32.0,
                 yarn_beta_slow=1.0)

@@ -6,7 +6,7 @@ import re
 
 from titan_npu.models.decoder.pipeline import build_stage, split_layers
 from titan_npu.models.deepseek_v3 import cost, hf
-from titan_npu.models.deepseek_v3.args import FLAVORS, args_from_dict, build_args
+from titan_npu.models.deepseek_v3.args import DEEPSEEK_KEYS, FLAVORS, args_from_dict, build_args
 from titan_npu.models.deepseek_v3.model import DeepSeekTransformer
 from titan_npu.models.deepseek_v3.parallelize import check_deepseek_layout, parallelize_deepseek
 from titan_npu.models.deepseek_v3.sharding import parameter_kinds
@@ -20,6 +20,7 @@ DEEPSEEK_V3 = ModelSpec(
     flavors=FLAVORS,
     # "deepseek_v3", "deepseek-v3", "deepseekv3"; a size names the flavor: "deepseek_v3_671b".
     name_pattern=re.compile(r"deepseek[-_ ]?v3(?:[-_ ](?P<size>16|236|671)b)?", re.IGNORECASE),
+    model_keys=DEEPSEEK_KEYS,
     build_args=build_args,
     build_model=DeepSeekTransformer,
     parallelize=parallelize_deepseek,

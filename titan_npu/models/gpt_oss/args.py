@@ -9,18 +9,29 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from titan_npu.errors import ConfigError
-from titan_npu.models.decoder.args import DecoderArgs, resolve_args
-from titan_npu.models.moe.args import MoEArgs
+from titan_npu.knobs import Knob, size_key
+from titan_npu.models.decoder.args import DECODER_KEYS, YARN_KEYS, DecoderArgs, resolve_args
+from titan_npu.models.moe.args import MOE_KEYS, MoEArgs
 from titan_npu.models.moe_decoder.args import MoEDecoderArgs
 
 if TYPE_CHECKING:
     from titan_npu.config.schema import ModelConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-# ModelConfig fields of gpt-oss's own part that override a flavor when set.
-GPT_OSS_OVERRIDABLE = ("n_experts", "top_k", "moe_ffn_dim", "router_aux_loss_coef", "capacity_factor", "yarn_factor",
-                       "yarn_original_seq_len", "yarn_beta_fast", "yarn_beta_slow", "yarn_truncate", "sliding_window",
-                       "layer_types", "swiglu_limit")
+# gpt-oss's [model] keys, each overriding the flavor when set: the dense decoder's, the MoE ones it reads, YaRN's,
+# attention sinks' sliding windows and the clamped SwiGLU experts.
+GPT_OSS_KEYS: dict[str, Knob] = {
+    **DECODER_KEYS,
+    **{k: MOE_KEYS[k] for k in ("n_experts", "top_k", "moe_ffn_dim", "router_aux_loss_coef", "capacity_factor")},
+    **{k: YARN_KEYS[k] for k in ("yarn_factor", "yarn_original_seq_len", "yarn_beta_fast", "yarn_beta_slow")},
+    "sliding_window": size_key(),  # keys a sliding layer's query sees (128 in the published flavors)
+    # per layer; unset = alternating sliding and full
+    "layer_types": Knob(choices=(SLIDING, FULL), what="attention layer type", each=True, kind=list[str]),
+    "swiglu_limit": size_key(float),  # the experts' SwiGLU clamp (7.0)
+    "yarn_truncate": YARN_KEYS["yarn_truncate"],
+}
+# The keys of gpt-oss's own part (beyond the dense decoder's) that override a flavor when set.
+GPT_OSS_OVERRIDABLE = tuple(k for k in GPT_OSS_KEYS if k not in DECODER_KEYS)
 # The fields a flavor sets beyond the dense decoder's.
 OWN_FIELDS = (*GPT_OSS_OVERRIDABLE, "swiglu_alpha")
 

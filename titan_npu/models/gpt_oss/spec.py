@@ -8,7 +8,7 @@ from titan_npu.models.decoder import hf as decoder_hf
 from titan_npu.models.decoder.parts import permuted_block
 from titan_npu.models.decoder.pipeline import build_stage, split_layers
 from titan_npu.models.gpt_oss import cost, hf
-from titan_npu.models.gpt_oss.args import FLAVORS, args_from_dict, build_args
+from titan_npu.models.gpt_oss.args import FLAVORS, GPT_OSS_KEYS, args_from_dict, build_args
 from titan_npu.models.gpt_oss.model import GptOssTransformer
 from titan_npu.models.gpt_oss.parallelize import check_gpt_oss_layout, parallelize_gpt_oss
 from titan_npu.models.gpt_oss.sharding import parameter_kinds
@@ -21,6 +21,7 @@ GPT_OSS = ModelSpec(
     flavors=FLAVORS,
     # "gpt_oss", "gpt-oss", "gptoss"; a size names the flavor: "gpt-oss-20b", "gpt_oss_120b".
     name_pattern=re.compile(r"gpt[-_ ]?oss(?:[-_ ](?P<size>20|120)b)?", re.IGNORECASE),
+    model_keys=GPT_OSS_KEYS,
     build_args=build_args,
     build_model=GptOssTransformer,
     parallelize=parallelize_gpt_oss,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from titan_npu.models.decoder.args import DECODER_KEYS
 from titan_npu.models.decoder.parts import decoder_hf_adapter, decoder_parts
 from titan_npu.models.llama.args import FLAVORS, build_args, llama3_flavor
 from titan_npu.models.llama.hf import args_from_hf_config, hf_config
@@ -19,6 +20,7 @@ LLAMA2 = ModelSpec(
     flavors=FLAVORS["llama2"],
     # "llama", "llama2", "llama-2", "llama2_7b": a bare "llama" is Llama 2, as in the guides.
     name_pattern=re.compile(r"llama(?:[-_ ]?2)?(?:[-_ ](?P<size>\d+)b)?", re.IGNORECASE),
+    model_keys=DECODER_KEYS,
     build_args=lambda model_cfg, flavor: build_args(model_cfg, "llama2", flavor),
     hf=_HF,
     read_meta=read_meta,
@@ -32,6 +34,7 @@ LLAMA3 = ModelSpec(
     flavors=FLAVORS["llama3"],
     # "llama3", "llama3_8b", "llama3.1_70b" (-> 3.1-70B), "llama-3.2-1b" (-> 1B).
     name_pattern=re.compile(r"llama[-_ ]?3(?:\.(?P<version>\d))?(?:[-_ ](?P<size>\d+)b)?", re.IGNORECASE),
+    model_keys=DECODER_KEYS,
     build_args=lambda model_cfg, flavor: build_args(model_cfg, "llama3", flavor),
     hf=_HF,
     read_meta=read_meta,

@@ -6,6 +6,21 @@ import math
 from dataclasses import dataclass
 
 from titan_npu.errors import ConfigError
+from titan_npu.knobs import Knob, at_least, off_key, size_key, switch_key
+
+# The mixture-of-experts [model] keys with the values each accepts; a MoE family takes those it reads (the MoE
+# decoder every one of them, DeepSeek-V3 and gpt-oss the routing ones).
+MOE_KEYS: dict[str, Knob] = {
+    "n_experts": size_key(),  # routed experts per MoE layer
+    "top_k": size_key(),  # experts each token is routed to
+    "moe_ffn_dim": size_key(),  # SwiGLU width of one routed expert
+    "norm_topk_prob": switch_key(),  # renormalise a token's top-k weights to sum to 1
+    "decoder_sparse_step": size_key(),  # every n-th layer is MoE (1 = all)
+    "mlp_only_layers": Knob(at_least(0), why="layer ids count from 0", each=True, kind=list[int]),  # kept dense
+    "router_aux_loss_coef": off_key(),  # weight of the load-balancing loss in the optimised loss
+    "capacity_factor": off_key(),  # expert capacity = factor x tokens x top_k / n_experts; 0 = dropless
+    "shared_ffn_dim": off_key(int),  # width of an always-on shared expert; 0 = none
+}
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from titan_npu.errors import ConfigError
-from titan_npu.models.decoder.args import DecoderArgs, present_fields
-from titan_npu.models.moe.args import MoEArgs
+from titan_npu.models.decoder.args import DECODER_KEYS, DecoderArgs, present_fields
+from titan_npu.models.moe.args import MOE_KEYS, MoEArgs
 
-# ModelConfig fields of the MoE part that override a flavor when set.
-MOE_OVERRIDABLE = ("n_experts", "top_k", "moe_ffn_dim", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
-                   "router_aux_loss_coef", "capacity_factor", "shared_ffn_dim")
+# The [model] keys of the MoE part that override a flavor when set.
+MOE_OVERRIDABLE = tuple(MOE_KEYS)
+# Every [model] key of a MoE decoder family (qwen3_moe): the dense decoder's, then the MoE ones.
+MOE_DECODER_KEYS = {**DECODER_KEYS, **MOE_KEYS}
 
 # The MoE fields `titan-npu import` prints in [model] (those the args have), in this order.
 MOE_PRINTED = ("n_experts", "top_k", "moe_ffn_dim", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",

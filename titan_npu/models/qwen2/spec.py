@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from titan_npu.models.decoder import hf
-from titan_npu.models.decoder.args import DecoderArgs, matching_flavor
+from titan_npu.models.decoder.args import DECODER_KEYS, DecoderArgs, matching_flavor
 from titan_npu.models.decoder.parts import decoder_hf_adapter, decoder_parts
 from titan_npu.models.qwen2.args import FLAVORS, build_args
 from titan_npu.models.spec import ModelSpec
@@ -32,6 +32,7 @@ QWEN2 = ModelSpec(
     flavors=FLAVORS,
     # "qwen2", "qwen2.5", "qwen2.5_7b", "qwen2-72b".
     name_pattern=re.compile(r"qwen[-_ ]?2(?:\.5)?(?:[-_ ](?P<size>\d+(?:\.\d+)?)b)?", re.IGNORECASE),
+    model_keys=DECODER_KEYS,
     build_args=build_args,
     hf=decoder_hf_adapter(("qwen2",), args_from_hf_config, hf_config),
     **decoder_parts(),

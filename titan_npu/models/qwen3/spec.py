@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from titan_npu.models.decoder import hf
-from titan_npu.models.decoder.args import DecoderArgs, matching_flavor
+from titan_npu.models.decoder.args import DECODER_KEYS, DecoderArgs, matching_flavor
 from titan_npu.models.decoder.parts import decoder_hf_adapter, decoder_parts
 from titan_npu.models.qwen3.args import FLAVORS, build_args
 from titan_npu.models.spec import ModelSpec
@@ -31,6 +31,7 @@ QWEN3 = ModelSpec(
     flavors=FLAVORS,
     # "qwen3", "qwen3_8b", "qwen-3-0.6b".
     name_pattern=re.compile(r"qwen[-_ ]?3(?:[-_ ](?P<size>\d+(?:\.\d+)?)b)?", re.IGNORECASE),
+    model_keys=DECODER_KEYS,
     build_args=build_args,
     hf=decoder_hf_adapter(("qwen3",), args_from_hf_config, hf_config),
     **decoder_parts(),

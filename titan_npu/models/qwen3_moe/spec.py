@@ -9,7 +9,7 @@ from titan_npu.models.decoder.parts import permuted_block
 from titan_npu.models.decoder.pipeline import build_stage, split_layers
 from titan_npu.models.moe.balanced_routing import balanced_routing
 from titan_npu.models.moe.cost import moe_block_costs
-from titan_npu.models.moe_decoder.args import moe_model_lines
+from titan_npu.models.moe_decoder.args import MOE_DECODER_KEYS, moe_model_lines
 from titan_npu.models.moe_decoder.model import MoETransformer
 from titan_npu.models.moe_decoder.parallelize import parallelize_moe
 from titan_npu.models.moe_decoder.sharding import parameter_kinds
@@ -25,6 +25,7 @@ QWEN3_MOE = ModelSpec(
     name_pattern=re.compile(
         r"qwen[-_ ]?3(?=[-_ ](?:moe|\d+b[-_ ]a\d+b))(?:[-_ ]moe)?(?:[-_ ](?P<version>\d+b[-_ ]a\d+b))?", re.IGNORECASE),
     versioned_flavor=lambda version, size: None if version is None else re.sub(r"[_ ]", "-", version),
+    model_keys=MOE_DECODER_KEYS,
     build_args=build_args,
     build_model=MoETransformer,
     parallelize=parallelize_moe,

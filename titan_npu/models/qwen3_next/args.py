@@ -19,21 +19,37 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from titan_npu.errors import ConfigError
+from titan_npu.knobs import Knob, between, size_key
 from titan_npu.models.decoder.args import DecoderArgs, resolve_args
 from titan_npu.models.moe.args import MoEArgs
-from titan_npu.models.moe_decoder.args import MOE_OVERRIDABLE, MoEDecoderArgs
+from titan_npu.models.moe_decoder.args import MOE_DECODER_KEYS, MOE_OVERRIDABLE, MoEDecoderArgs
 
 if TYPE_CHECKING:
     from titan_npu.config.schema import ModelConfig
 
 LINEAR, FULL = "linear_attention", "full_attention"
 VARIANTS = ("qwen3_next", "qwen3_5")  # the Hugging Face layout the weights export to (hf.py)
-# ModelConfig fields of the hybrid's own part that override a flavor when set.
-HYBRID_OVERRIDABLE = ("layer_types", "full_attention_interval", "partial_rotary_factor", "linear_n_k_heads",
-                      "linear_n_v_heads", "linear_k_head_dim", "linear_v_head_dim", "linear_conv_kernel")
+# The hybrid's own [model] keys (gated DeltaNet linear layers between gated attention ones), each overriding the
+# flavor when set.
+HYBRID_KEYS: dict[str, Knob] = {
+    # per layer; unset = every full_attention_interval-th layer is full attention
+    "layer_types": Knob(choices=(LINEAR, FULL), what="attention layer type", each=True, kind=list[str]),
+    "full_attention_interval": size_key(),  # every n-th layer is full attention when layer_types is unset (4)
+    "partial_rotary_factor": Knob(between(0, 1, low_open=True), why="the share of each head RoPE rotates",
+                                  kind=float),  # 0.25
+    "linear_n_k_heads": size_key(),  # the linear layers' query / key heads
+    "linear_n_v_heads": size_key(),  # their value heads (a multiple of the key heads)
+    "linear_k_head_dim": size_key(),
+    "linear_v_head_dim": size_key(),
+    "linear_conv_kernel": size_key(),  # width of the short causal convolution (4)
+    "variant": Knob(choices=VARIANTS, what="Hugging Face layout", kind=str),  # the layout export writes
+}
+# Every [model] key of Qwen3-Next / Qwen3.5: the MoE decoder's, then the hybrid's.
+QWEN3_NEXT_KEYS: dict[str, Knob] = {**MOE_DECODER_KEYS, **HYBRID_KEYS}
+HYBRID_OVERRIDABLE = tuple(HYBRID_KEYS)
 OVERRIDABLE = (*MOE_OVERRIDABLE, *HYBRID_OVERRIDABLE)
 # The fields a flavor sets beyond the dense decoder's.
-OWN_FIELDS = (*OVERRIDABLE, "variant")
+OWN_FIELDS = OVERRIDABLE
 
 _COMMON: dict[str, Any] = dict(head_dim=256, norm_eps=1e-6, rope_theta=1e7, max_seq_len=262144, qk_norm=True,
                                tie_embeddings=False, full_attention_interval=4, partial_rotary_factor=0.25,

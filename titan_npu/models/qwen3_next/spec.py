@@ -8,7 +8,7 @@ import re
 from titan_npu.models.decoder.pipeline import build_stage, split_layers
 from titan_npu.models.moe.balanced_routing import balanced_routing
 from titan_npu.models.qwen3_next import cost, hf
-from titan_npu.models.qwen3_next.args import FLAVORS, args_from_dict, build_args
+from titan_npu.models.qwen3_next.args import FLAVORS, QWEN3_NEXT_KEYS, args_from_dict, build_args
 from titan_npu.models.qwen3_next.model import Qwen3NextTransformer
 from titan_npu.models.qwen3_next.parallelize import check_qwen3_next_layout, parallelize_qwen3_next
 from titan_npu.models.qwen3_next.sharding import holds_kind, parameter_kinds
@@ -20,6 +20,7 @@ QWEN3_NEXT = ModelSpec(
     flavors=FLAVORS,
     # "qwen3_next", "qwen3-next", "qwen3next", "qwen3.5", "qwen3_5": model.flavor names the size.
     name_pattern=re.compile(r"qwen[-_ ]?3(?:[-_ ]?next|[._]5)", re.IGNORECASE),
+    model_keys=QWEN3_NEXT_KEYS,
     build_args=build_args,
     build_model=Qwen3NextTransformer,
     parallelize=parallelize_qwen3_next,
