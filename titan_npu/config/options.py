@@ -406,6 +406,14 @@ COMMAND_OPTIONS: dict[str, dict[str, Knob]] = {
         "--seed": Knob(at_least(0), kind=int, why="any whole number from 0"),
         "--tokenizer": _STR, "--dtype": Knob(choices=("auto", "fp32", "bf16", "fp16"), kind=str), **_DEBUG,
     },
+    "eval": {
+        "--checkpoint": _STR, "--tasks": _STR, "--config": _STR, "--include-path": _STR, "--output": _STR,
+        "--overwrite": _SWITCH, "--tokenizer": _STR,
+        "--num-fewshot": Knob(at_least(0), kind=int, why="examples in each prompt"),
+        "--limit": Knob(at_least(1), kind=int, why="examples of each task (leave it out for all)"),
+        "--batch-size": Knob(at_least(1), kind=int, why="requests per forward"),
+        "--dtype": Knob(choices=("auto", "fp32", "bf16"), kind=str), **_DEBUG,
+    },
     "report": {"log_dir": _STR, "--out": _STR, "--no-plots": _SWITCH, **_DEBUG},
     "bench": {
         "--config": _STR, "--steps": Knob(at_least(1), kind=int, why="measured steps"),
