@@ -37,17 +37,22 @@ def shipped_tasks() -> dict[str, dict[str, Any]]:
 
 @contextlib.contextmanager
 def offline() -> Iterator[None]:
-    """HF_DATASETS_OFFLINE and HF_HUB_OFFLINE set for the block (and datasets' own switch, read at its import)."""
+    """HF_DATASETS_OFFLINE and HF_HUB_OFFLINE set for the block (and datasets' own switch, read at its import),
+    datasets' progress bars off (titan-npu prints one line per task)."""
     saved = {k: os.environ.get(k) for k in OFFLINE_ENV}
     os.environ.update(OFFLINE_ENV)
     import datasets.config as hf_config
+    from datasets.utils import logging as hf_logging
 
-    saved_flag = hf_config.HF_HUB_OFFLINE
+    saved_flag, bars = hf_config.HF_HUB_OFFLINE, hf_logging.is_progress_bar_enabled()
     hf_config.HF_HUB_OFFLINE = True
+    hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         hf_config.HF_HUB_OFFLINE = saved_flag
+        if bars:
+            hf_logging.enable_progress_bar()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
