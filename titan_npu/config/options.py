@@ -283,6 +283,12 @@ CONFIG_KEYS: dict[str, Knob] = {
     "validation.interval": Knob(at_least(1), why="steps between validations"),
     "validation.steps": Knob(at_least(1), why="batches per validation"),
     "validation.data": FREE,
+    "eval.enable": FREE,
+    "eval.tasks": FREE,  # names; checked against lm_eval's tasks when the run starts (titan_npu/eval/harness.py)
+    "eval.interval": Knob(at_least(1), why="steps between evaluations"),
+    "eval.limit": Knob(at_least(0), why="examples per task; 0 = all"),
+    "eval.num_fewshot": Knob(at_least(0, (-1, "the task's own")), why="examples in each prompt"),
+    "eval.batch_size": Knob(at_least(1), why="requests per forward"),
     "profiling.enable": FREE,
     "profiling.start_step": Knob(at_least(0), why="the step the trace starts at"),
     "profiling.active_steps": Knob(at_least(1), why="steps recorded in the trace"),

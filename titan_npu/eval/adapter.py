@@ -26,7 +26,9 @@ class TitanLM(TemplateLM):
     """lm_eval's LM over `model` (a whole titan_npu model, in eval mode, on its device) and the run's tokenizer."""
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, batch_size: int = 1,
-                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS) -> None:
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, distributed: bool = True) -> None:
+        """distributed: split the requests over torch.distributed's ranks when a process group is up (False: this
+        process evaluates alone, as rank 0 of a run does)."""
         super().__init__()
         self.model = model
         self.tokenizer = tokenizer
@@ -35,7 +37,7 @@ class TitanLM(TemplateLM):
         self.max_length = int(model.args.max_seq_len)
         self.vocab = model.output.out_features
         self._device = model.tok_embeddings.weight.device
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if distributed and torch.distributed.is_available() and torch.distributed.is_initialized():
             self._rank, self._world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
 
     # ------------------------------------------------------------------------------------------ tokens
@@ -66,6 +68,10 @@ class TitanLM(TemplateLM):
         return self.tokenizer.decode(tokens)
 
     # ------------------------------------------------------------------------------------------ scoring
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """TemplateLM's loglikelihood without its tokenizing progress bar (titan-npu prints a line per task)."""
+        return super().loglikelihood(requests, disable_tqdm=True)
+
     @torch.no_grad()
     def _logprobs(self, rows: list[list[int]]) -> torch.Tensor:
         """Log-softmax over the vocabulary [B, S_max, V] (fp32) of right-padded token rows, in one forward."""

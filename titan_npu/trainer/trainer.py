@@ -229,6 +229,11 @@ class Trainer:
             dp_group = self.dims.token_mesh.get_group() if self.world_size > 1 else None
             self.validator = Validator(cfg, self.tokenizer, self.dp_rank, self.dp_degree, self.device,
                                        self.model_args.vocab_size, dp_group, self.cp_batch)
+        self.downstream = None
+        if cfg.eval.enable:
+            from titan_npu.trainer.downstream import DownstreamEval
+
+            self.downstream = DownstreamEval(cfg, self.tokenizer, self.model_args, self.device, self.rank)
         self._log_start()
 
     def _log_start(self) -> None:
@@ -399,6 +404,11 @@ class Trainer:
                 with self.meter.excluded(), self.reliability.phase("validation"):
                     record = self.validator.run(self.model, self.step, self.autocast, self.loss_context)
                     self.metrics.log_validation(record)
+            if self.downstream is not None and self.downstream.due(self.step, max_steps):
+                with self.meter.excluded(), self.reliability.phase("eval"):
+                    record = self.downstream.run(self.model_parts, self.step)
+                    if record is not None:
+                        self.metrics.log_eval(record)
             # Saves count as training time (like the outside clock): a blocking save shows as a dip in its window.
             self.reliability.maybe_save(self.checkpointer, self.step, last_step=self.step == max_steps)
             if self.reliability.stop_requested:  # a signal (exit 0 after the save) or too many skips (raises)
