@@ -131,6 +131,11 @@ class Trainer:
         # Data: every rank of a data-parallel group reads its own slice.
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         check_vocab(self.tokenizer, self.model_args.vocab_size)
+        self.downstream = None
+        if cfg.eval.enable:  # [eval]'s tasks checked (names, data on disk, few-shot pools) before any work
+            from titan_npu.trainer.downstream import DownstreamEval
+
+            self.downstream = DownstreamEval(cfg, self.tokenizer, self.model_args, self.device, self.rank)
         self.dp_rank, self.dp_degree = self.dims.dp_coordinates()
         self.dataloader = build_dataloader(
             cfg, self.tokenizer, self.dp_rank, self.dp_degree, split="train",
@@ -229,11 +234,6 @@ class Trainer:
             dp_group = self.dims.token_mesh.get_group() if self.world_size > 1 else None
             self.validator = Validator(cfg, self.tokenizer, self.dp_rank, self.dp_degree, self.device,
                                        self.model_args.vocab_size, dp_group, self.cp_batch)
-        self.downstream = None
-        if cfg.eval.enable:
-            from titan_npu.trainer.downstream import DownstreamEval
-
-            self.downstream = DownstreamEval(cfg, self.tokenizer, self.model_args, self.device, self.rank)
         self._log_start()
 
     def _log_start(self) -> None:
