@@ -68,16 +68,25 @@ def main(argv: list[str]) -> int:
 
     loaded = load_tasks(tasks, args.include_path, args.num_fewshot)
     model, tokenizer, ckpt, device = load_checkpoint_model(ckpt, args.config, args.tokenizer, args.dtype)
+    from titan_npu.config.schema import CommConfig
     from titan_npu.eval.adapter import TitanLM
+    from titan_npu.parallel import destroy_process_group, init_process_group
 
-    t0 = time.perf_counter()
-    results = run_tasks(TitanLM(model, tokenizer, batch_size=args.batch_size), loaded, args.limit)
-    seconds = time.perf_counter() - t0
+    # Under torchrun every process holds the whole model and lm_eval splits the requests among them; rank 0 reports.
+    rank, _ = init_process_group(device, CommConfig())
+    try:
+        t0 = time.perf_counter()
+        results = run_tasks(TitanLM(model, tokenizer, batch_size=args.batch_size), loaded, args.limit)
+        seconds = time.perf_counter() - t0
+    finally:
+        destroy_process_group()
+    if rank != 0:
+        return 0
     summary = summarize(results)
     for task, metrics in summary.items():
         shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
         print(f"{task}: {shown}")
-    print(f"[eval: {len(summary)} task(s) in {seconds:.1f}s on {device}]", file=sys.stderr)
+    print(f"[eval: {len(summary)} task(s) in {seconds:.1f}s on {device.type}]", file=sys.stderr)
     if output is not None:
         from titan_npu.atomic import atomic_write_json
 
@@ -92,7 +101,7 @@ def main(argv: list[str]) -> int:
 
 
 def load_checkpoint_model(ckpt: Path, config: str | None, tokenizer_spec: str | None, dtype: str):
-    """(model, tokenizer, checkpoint path, device type) of a checkpoint on this process's device: its full weights
+    """(model, tokenizer, checkpoint path, DeviceInfo) of a checkpoint on this process's device: its full weights
     (DCP checkpoints hold no layout), the model its checkpoint.json records, the run's tokenizer."""
     from titan_npu.checkpoint.formats import read_weights
     from titan_npu.commands.generate import _dtype, say_what_the_config_loses
@@ -129,4 +138,4 @@ def load_checkpoint_model(ckpt: Path, config: str | None, tokenizer_spec: str | 
     if tokenizer.vocab_size > model.output.out_features:
         raise ConfigError(f"tokenizer has {tokenizer.vocab_size} ids but the model only "
                           f"{model.output.out_features}; pass the run's tokenizer with --tokenizer")
-    return model, tokenizer, ckpt, device.type
+    return model, tokenizer, ckpt, device
