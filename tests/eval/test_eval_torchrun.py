@@ -37,3 +37,22 @@ def test_two_processes_split_the_requests_and_report_what_one_process_reports(tm
     assert two.stdout.count("titan_mc: acc=") == 1  # rank 0 reports
     a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
     assert a["results"] == b["results"] and b["n_samples"]["titan_mc"]["effective"] == 7
+
+
+@pytest.mark.distributed
+def test_eval_in_a_two_process_fsdp_run_gathers_the_weights_to_rank_0(tmp_path):
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_run import tiny_args
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "TORCHELASTIC_"))
+           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env.update(TITAN_DEVICE="cpu", OMP_NUM_THREADS="1")
+    args = tiny_args(tmp_path, training__max_steps=2, eval__enable=True, eval__interval=2, eval__limit=4,
+                     eval__tasks='["titan_mc"]')
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval_time_s" in r]
+    assert [r["step"] for r in evals] == [2] and 0 <= evals[0]["eval/titan_mc/acc"] <= 1
+    assert (run.stdout + run.stderr).count("[Eval 2] titan_mc") == 1
