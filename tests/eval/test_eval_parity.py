@@ -1,6 +1,7 @@
 """For the same weights, our lm_eval adapter (TitanLM over the DCP checkpoint) and lm_eval's own Hugging Face
 backend (HFLM over the `titan-npu export --format hf` directory) give the same per-request log-likelihoods (fp32,
-max abs diff <= 1e-4) and the same accuracy: a dense and a MoE family, on the shipped tasks."""
+max abs diff <= 1e-4) and the same accuracy: a dense and a MoE family, on the shipped tasks; greedy generate_until
+gives the same text."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def _requests(loaded, name):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_adapter_and_hflm_give_the_same_loglikelihoods_and_accuracy(tmp_path, family, one_thread):
+    from lm_eval.api.instance import Instance
+
     from titan_npu.cli import main
     from titan_npu.commands.eval import load_checkpoint_model
     from titan_npu.eval.adapter import TitanLM
@@ -50,6 +53,11 @@ def test_adapter_and_hflm_give_the_same_loglikelihoods_and_accuracy(tmp_path, fa
     docs = _requests(loaded, "titan_corpus")
     a, b = ours.loglikelihood_rolling(docs), theirs.loglikelihood_rolling(docs)
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-4
+
+    prompts = ["Question: What is 2 plus 3?\nAnswer:", "The assert statement"]
+    gen = [Instance("generate_until", {}, (p, {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}), i)
+           for i, p in enumerate(prompts)]
+    assert ours.generate_until(gen) == theirs.generate_until(gen)
 
     acc = [summarize(run_tasks(lm, load_tasks(["titan_mc"]), LIMIT))["titan_mc"] for lm in (ours, theirs)]
     assert acc[0]["acc"] == acc[1]["acc"] and acc[0]["acc_norm"] == acc[1]["acc_norm"]
