@@ -88,3 +88,28 @@ def test_an_output_it_did_not_write_is_never_replaced(ckpt, tmp_path, capsys):
     inside = refusal_line(capsys, ["eval", "--checkpoint", str(ckpt), "--tasks", "titan_mc",
                                    "--output", str(ckpt / "results.json")])
     assert "lies inside the checkpoint" in inside and not (ckpt / "results.json").exists()
+
+
+def test_titan_npu_imports_without_lm_eval():
+    """lm_eval is imported only when an evaluation runs: the CLI, the trainer and the eval command load without it."""
+    import subprocess
+
+    code = ("import sys; import titan_npu, titan_npu.cli, titan_npu.trainer.trainer, titan_npu.commands.eval, "
+            "titan_npu.eval, titan_npu.metrics.plots, titan_npu.metrics.markdown; "
+            "assert 'lm_eval' not in sys.modules, 'lm_eval imported'")
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-1000:]
+
+
+def test_without_lm_eval_the_command_says_how_to_install_it(ckpt, tmp_path):
+    import subprocess
+
+    code = ("import sys; sys.modules['lm_eval'] = None; from titan_npu.cli import main; "
+            f"sys.exit(main(['eval', '--checkpoint', {str(ckpt)!r}, '--tasks', 'titan_mc', "
+            f"'--output', {str(tmp_path / 'r.json')!r}]))")
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        "ConfigError: titan-npu eval needs lm-evaluation-harness: pip install 'titan-npu[eval]'"]
+    assert not (tmp_path / "r.json").exists()
