@@ -113,3 +113,25 @@ def test_without_lm_eval_the_command_says_how_to_install_it(ckpt, tmp_path):
     assert run.returncode == 2 and run.stderr.strip().splitlines() == [
         "ConfigError: titan-npu eval needs lm-evaluation-harness: pip install 'titan-npu[eval]'"]
     assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("target, expected", [
+    ("the checkpoint", "is the checkpoint"),
+    ("a file in the checkpoint", "lies inside the checkpoint"),
+    ("a folder of the user's", "is a folder; give a file name"),
+    ("a file of the user's", "notes.txt"),
+])
+def test_an_output_that_would_lose_something_is_refused(ckpt, tmp_path, capsys, target, expected, overwrite):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("keep")
+    (tmp_path / "notes.txt").write_text("notes")
+    out = {"the checkpoint": ckpt, "a file in the checkpoint": ckpt / "checkpoint.json",
+           "a folder of the user's": tmp_path / "mine", "a file of the user's": tmp_path / "notes.txt"}[target]
+    if target == "a folder of the user's" and not overwrite:
+        expected = "already exists"
+    before, ckpt_before = snapshot(tmp_path), snapshot(ckpt)
+    line = refusal_line(capsys, ["eval", "--checkpoint", str(ckpt), "--tasks", "titan_mc", "--output", str(out),
+                                 *(["--overwrite"] if overwrite else [])])
+    assert expected in line, line
+    assert snapshot(tmp_path) == before and snapshot(ckpt) == ckpt_before
