@@ -56,3 +56,10 @@ def test_eval_in_a_two_process_fsdp_run_gathers_the_weights_to_rank_0(tmp_path):
     evals = [r for r in records if "eval_time_s" in r]
     assert [r["step"] for r in evals] == [2] and 0 <= evals[0]["eval/titan_mc/acc"] <= 1
     assert (run.stdout + run.stderr).count("[Eval 2] titan_mc") == 1
+    # The run's FSDP checkpoint (sharded over 2 ranks) is evaluated whole by one process: checkpoints hold no layout.
+    from titan_npu.cli import main
+
+    assert main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--tasks", "titan_mc", "--limit", "4",
+                 "--output", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["results"]["titan_mc"] == \
+        {k.split("/")[-1]: v for k, v in evals[0].items() if k.startswith("eval/")}

@@ -124,7 +124,7 @@ def load_checkpoint_model(ckpt: Path, config: str | None, tokenizer_spec: str | 
             raise ConfigError(f"{ckpt} records no model shapes; pass --config with the config it was trained with")
         model_args = build_model_args(cfg.model)
     elif cfg is not None:
-        say_what_the_config_loses(ckpt, config_path, model_args, build_model_args(cfg.model), bool(config))
+        say_what_the_config_loses(ckpt, config_path, model_args, build_model_args(cfg.model), bool(config), "eval")
     tokenizer = build_tokenizer(tokenizer_spec or cfg.data.tokenizer)
     device = setup_device()
     try:
