@@ -103,13 +103,14 @@ def main(argv: list[str]) -> int:
 def load_checkpoint_model(ckpt: Path, config: str | None, tokenizer_spec: str | None, dtype: str):
     """(model, tokenizer, checkpoint path, DeviceInfo) of a checkpoint on this process's device: its full weights
     (DCP checkpoints hold no layout), the model its checkpoint.json records, the run's tokenizer."""
+    from titan_npu.checkpoint.fit import load_model
     from titan_npu.checkpoint.formats import read_weights
     from titan_npu.commands.generate import _dtype, say_what_the_config_loses
     from titan_npu.config.loader import load_config
     from titan_npu.data import build_tokenizer
     from titan_npu.device import setup_device
     from titan_npu.models.registry import build_model_args
-    from titan_npu.tools.generate import find_config, load_model, resolve_checkpoint
+    from titan_npu.tools.generate import find_config, resolve_checkpoint
 
     ckpt = resolve_checkpoint(ckpt)
     config_path = Path(config) if config else find_config(ckpt)

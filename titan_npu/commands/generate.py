@@ -49,12 +49,13 @@ def main(argv: list[str]) -> int:
     except UnicodeEncodeError as e:  # a byte of another encoding, kept by Python as a lone surrogate
         raise ConfigError(f"--prompt is not UTF-8 text (byte 0x{ord(args.prompt[e.start]) & 0xFF:02x} at character "
                           f"{e.start + 1}); pass the prompt in UTF-8 (check the terminal's locale)") from None
+    from titan_npu.checkpoint.fit import load_model
     from titan_npu.checkpoint.formats import read_weights
     from titan_npu.config.loader import load_config
     from titan_npu.data import build_tokenizer
     from titan_npu.device import setup_device
     from titan_npu.models.registry import build_model_args
-    from titan_npu.tools.generate import banned_token_mask, find_config, generate, load_model, resolve_checkpoint
+    from titan_npu.tools.generate import banned_token_mask, find_config, generate, resolve_checkpoint
 
     ckpt = Path(args.checkpoint)
     if not ckpt.exists():

@@ -72,9 +72,9 @@ class DownstreamEval:
     def _evaluate(self, model_parts: list[nn.Module]) -> dict[str, dict[str, float]] | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        from titan_npu.checkpoint.fit import load_model
         from titan_npu.eval.adapter import TitanLM
         from titan_npu.eval.harness import load_tasks, run_tasks, summarize
-        from titan_npu.tools.generate import load_model
 
         # Every rank joins the gather (FSDP/TP shards made whole, on rank 0's CPU); rank 0 alone evaluates.
         state = get_model_state_dict(model_parts[0], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
