@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("plan", "plan memory and parallel layout before launch"),
     "doctor": ("doctor", "check versions, devices, environment and collectives"),
     "generate": ("generate", "sample text from a checkpoint"),
+    "eval": ("eval", "evaluate a checkpoint on lm-evaluation-harness tasks (offline)"),
     "report": ("report", "plot and summarise a run from its log dir"),
     "bench": ("bench", "measure throughput, MFU and memory"),
 }

@@ -34,6 +34,7 @@ BASE_ARGV = {
     "plan": [],
     "doctor": [],
     "generate": ["--checkpoint", "{d}/ckpt"],
+    "eval": ["--checkpoint", "{d}/ckpt", "--tasks", "titan_mc"],
     "report": ["{d}/logs"],
     "bench": [],
 }

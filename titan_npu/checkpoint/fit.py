@@ -1,4 +1,5 @@
-"""Does a set of weights fit a model? Missing and unexpected keys, shape mismatches, and the likely cause."""
+"""Does a set of weights fit a model? Missing and unexpected keys, shape mismatches, and the likely cause; the model
+holding weights that fit (load_model: what generate, eval and [eval] in a run evaluate)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
+from titan_npu.errors import CheckpointError
 from titan_npu.models.registry import spec_of
 
 _SHOWN = 3
@@ -98,3 +101,22 @@ def describe_mismatch(expected: Mapping[str, Any], found: Mapping[str, Any], arg
         parts.append(f"{len(shapes)} shape mismatch(es) (e.g. {'; '.join(shapes[:2])})")
     cause = likely_cause(missing, unexpected, shapes, list(expected), list(found), args)
     return "; ".join(parts) + f" -- likely {cause}"
+
+
+def load_model(state_dict: dict[str, torch.Tensor], args: Any, device: torch.device, dtype: torch.dtype
+               ) -> nn.Module:
+    """The model of `args` on `device` in `dtype`, holding `state_dict` (every key must fit), in eval mode."""
+    from titan_npu.models.registry import build_model
+
+    with torch.device("meta"):
+        model = build_model(args)
+    problem = describe_mismatch({k: v.shape for k, v in model.state_dict().items()}, state_dict)
+    if problem:
+        raise CheckpointError(f"the checkpoint does not fit the model ({args.dim=}, {args.n_layers=}): {problem}")
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    model.tie_weights()  # assign gave the output projection a parameter of its own
+    # RoPE tables are not saved (still on meta): compute them, on the device and in fp32 whatever the weights' dtype.
+    model.freqs_cos, model.freqs_sin = model.rope_tables("cpu")
+    model.to(device=device, dtype=dtype)
+    model.freqs_cos, model.freqs_sin = model.rope_tables(device)
+    return model.eval()

@@ -49,12 +49,13 @@ def main(argv: list[str]) -> int:
     except UnicodeEncodeError as e:  # a byte of another encoding, kept by Python as a lone surrogate
         raise ConfigError(f"--prompt is not UTF-8 text (byte 0x{ord(args.prompt[e.start]) & 0xFF:02x} at character "
                           f"{e.start + 1}); pass the prompt in UTF-8 (check the terminal's locale)") from None
+    from titan_npu.checkpoint.fit import load_model
     from titan_npu.checkpoint.formats import read_weights
     from titan_npu.config.loader import load_config
     from titan_npu.data import build_tokenizer
     from titan_npu.device import setup_device
     from titan_npu.models.registry import build_model_args
-    from titan_npu.tools.generate import banned_token_mask, find_config, generate, load_model, resolve_checkpoint
+    from titan_npu.tools.generate import banned_token_mask, find_config, generate, resolve_checkpoint
 
     ckpt = Path(args.checkpoint)
     if not ckpt.exists():
@@ -117,7 +118,8 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def say_what_the_config_loses(ckpt: Path, config_path: Path, recorded: Any, configured: Any, explicit: bool) -> None:
+def say_what_the_config_loses(ckpt: Path, config_path: Path, recorded: Any, configured: Any, explicit: bool,
+                              command: str = "generate") -> None:
     """The checkpoint's recorded model is the one generated with: refuse an explicit --config that names another
     family, and say in one line which [model] values of the config are not used."""
     family, other = getattr(recorded, "family", type(recorded).__name__), getattr(configured, "family", None)
@@ -126,7 +128,7 @@ def say_what_the_config_loses(ckpt: Path, config_path: Path, recorded: Any, conf
             raise ConfigError(f"--config {config_path} describes a {other} model, but {ckpt} records a {family} "
                               f"model; pass the config the checkpoint was trained with (or leave --config out: the "
                               f"checkpoint's own model and the config beside it are used)")
-        print(f"generate: {config_path} describes a {other} model, but {ckpt} records a {family} model; its "
+        print(f"{command}: {config_path} describes a {other} model, but {ckpt} records a {family} model; its "
               f"[model] is not used (the checkpoint's is), only its tokenizer", file=sys.stderr)
         return
     differing = [f"{f.name} {getattr(recorded, f.name)!r} (config: {getattr(configured, f.name)!r})"
@@ -134,5 +136,5 @@ def say_what_the_config_loses(ckpt: Path, config_path: Path, recorded: Any, conf
                  and getattr(recorded, f.name) != getattr(configured, f.name)]
     if differing:
         shown = ", ".join(differing[:4]) + (f" and {len(differing) - 4} more" if len(differing) > 4 else "")
-        print(f"generate: {ckpt} records its model's shapes, which are used instead of {config_path}'s [model]: "
+        print(f"{command}: {ckpt} records its model's shapes, which are used instead of {config_path}'s [model]: "
               f"{shown}", file=sys.stderr)

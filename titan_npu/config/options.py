@@ -133,6 +133,12 @@ CONFIG_KEYS: dict[str, Knob] = {
     "validation.interval": Knob(at_least(1), why="steps between validations"),
     "validation.steps": Knob(at_least(1), why="batches per validation"),
     "validation.data": FREE,
+    "eval.enable": FREE,
+    "eval.tasks": FREE,  # names; checked against lm_eval's tasks when the run starts (titan_npu/eval/harness.py)
+    "eval.interval": Knob(at_least(1), why="steps between evaluations"),
+    "eval.limit": Knob(at_least(0), why="examples per task; 0 = all"),
+    "eval.num_fewshot": Knob(at_least(0, (-1, "the task's own")), why="examples in each prompt"),
+    "eval.batch_size": Knob(at_least(1), why="requests per forward"),
     "profiling.enable": FREE,
     "profiling.start_step": Knob(at_least(0), why="the step the trace starts at"),
     "profiling.active_steps": Knob(at_least(1), why="steps recorded in the trace"),
@@ -279,6 +285,14 @@ COMMAND_OPTIONS: dict[str, dict[str, Knob]] = {
         "--num-samples": Knob(at_least(1), kind=int, why="continuations of the prompt"),
         "--seed": Knob(at_least(0), kind=int, why="any whole number from 0"),
         "--tokenizer": _STR, "--dtype": Knob(choices=("auto", "fp32", "bf16", "fp16"), kind=str), **_DEBUG,
+    },
+    "eval": {
+        "--checkpoint": _STR, "--tasks": _STR, "--config": _STR, "--include-path": _STR, "--output": _STR,
+        "--overwrite": _SWITCH, "--tokenizer": _STR,
+        "--num-fewshot": Knob(at_least(0), kind=int, why="examples in each prompt"),
+        "--limit": Knob(at_least(1), kind=int, why="examples of each task (leave it out for all)"),
+        "--batch-size": Knob(at_least(1), kind=int, why="requests per forward"),
+        "--dtype": Knob(choices=("auto", "fp32", "bf16"), kind=str), **_DEBUG,
     },
     "report": {"log_dir": _STR, "--out": _STR, "--no-plots": _SWITCH, **_DEBUG},
     "bench": {

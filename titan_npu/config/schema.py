@@ -230,6 +230,18 @@ class ValidationConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Downstream tasks through lm-evaluation-harness on the run's current weights (docs/evaluation.md)."""
+
+    enable: bool = False
+    tasks: list[str] = field(default_factory=lambda: ["titan_mc"])  # lm_eval task names (shipped or installed)
+    interval: int = 500  # steps between evaluations (and one at the last step)
+    limit: int = 0  # examples per task; 0 = all
+    num_fewshot: int = -1  # examples in each prompt; -1 = the task's own
+    batch_size: int = 8  # requests per forward
+
+
+@dataclass
 class ProfilingConfig:
     enable: bool = False
     start_step: int = 10
@@ -298,6 +310,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)

@@ -48,6 +48,17 @@ def format_validation_line(m: dict[str, Any]) -> str:
             f"({m['val_batches']} batches, {m['val_tokens']:,} tokens, {m['val_time_s']:.1f}s)")
 
 
+def format_eval_line(record: dict[str, Any]) -> str:
+    """`[Eval 200] titan_mc acc=0.3400 acc_norm=0.3000 | titan_cloze acc=0.0500 perplexity=812.1 (12.3s)`."""
+    tasks: dict[str, list[str]] = {}
+    for key, value in record.items():
+        if key.startswith("eval/"):
+            _, task, metric = key.split("/", 2)
+            tasks.setdefault(task, []).append(f"{metric}={value:.4g}")
+    shown = " | ".join(f"{task} {' '.join(parts)}" for task, parts in tasks.items())
+    return f"[Eval {record['step']}] {shown} ({record['eval_time_s']:.1f}s, not counted in throughput)"
+
+
 def _json_value(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # JSON has no NaN/inf; keep them readable ("nan", "inf"); the report reads them back
@@ -133,6 +144,13 @@ class MetricsLogger:
         if not self.enabled:
             return
         log.info(format_validation_line(metrics))
+        self._write(metrics)
+
+    def log_eval(self, metrics: dict[str, Any]) -> None:
+        """Print the evaluation line and write the record (step, eval_time_s, eval/<task>/<metric>) to every sink."""
+        if not self.enabled:
+            return
+        log.info(format_eval_line(metrics))
         self._write(metrics)
 
     def close(self) -> None:

@@ -68,6 +68,21 @@ def mixture_table(run: RunMetrics, data: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def eval_table(run: RunMetrics) -> list[str]:
+    """The [eval] results of the run's last evaluation, a row per task and metric, and the time evaluation took."""
+    if not run.evals:
+        return []
+    last = run.evals[-1]
+    total = sum(r.get("eval_time_s", 0.0) for r in run.evals if isinstance(r.get("eval_time_s"), float))
+    lines = [f"## Evaluation (lm-evaluation-harness, step {last['step']}; {len(run.evals)} evaluation(s), "
+             f"{total:.1f}s in all, not counted in throughput)", "", "| task | metric | value |", "|---|---|---|"]
+    for key, value in last.items():
+        if key.startswith("eval/") and key.count("/") >= 2:
+            _, task, metric = key.split("/", 2)
+            lines.append(f"| {task} | {metric} | {_fmt(value)} |")
+    return lines + [""]
+
+
 def render_markdown(log_dir: Path, run: RunMetrics, config: dict[str, Any], info: dict[str, Any],
                     png_name: str | None) -> str:
     """report.md's text."""
@@ -136,6 +151,7 @@ def render_markdown(log_dir: Path, run: RunMetrics, config: dict[str, Any], info
         lines += [f"![loss, learning rate, throughput and memory against step]({png_name})", ""]
     lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows] + [""]
     lines += mixture_table(run, data)
+    lines += eval_table(run)
     lines.append(f"## Checkpoints ({ckpt_dir if ckpt_dir else 'no checkpoint dir configured'})")
     lines.append("")
     entries = list_checkpoints(ckpt_dir)

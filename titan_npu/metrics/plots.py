@@ -33,7 +33,8 @@ def build_figure(run: RunMetrics, title: str = ""):
     train, val = run.train, run.val
     load_mean, load_layers = expert_load(train)
     mix = source_tokens(train)
-    extra = [panel for panel, wanted in (("load", load_mean or load_layers), ("mix", mix)) if wanted]
+    extra: list[str] = [panel for panel, wanted in (("load", load_mean or load_layers), ("mix", mix)) if wanted]
+    extra += [f"eval:{task}" for task in eval_tasks(run.evals)]
     if extra:
         fig = plt.figure(figsize=(12, 7.5 + 3.75 * len(extra)), dpi=110)
         grid = fig.add_gridspec(2 + len(extra), 2)
@@ -41,6 +42,8 @@ def build_figure(run: RunMetrics, title: str = ""):
         for row, panel in enumerate(extra, 2):
             if panel == "load":
                 _plot_expert_load(fig.add_subplot(grid[row, :]), load_mean, load_layers)
+            elif panel.startswith("eval:"):
+                _plot_eval(fig.add_subplot(grid[row, :]), run.evals, panel[len("eval:"):])
             else:
                 _plot_mixture(fig.add_subplot(grid[row, :]), mix)
     else:
@@ -127,6 +130,34 @@ def _plot_expert_load(ax, mean: list[tuple[int, float]], layers: list[list[tuple
     ax.set_xlabel("step")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, ncol=min(5, len(layers) + 2))
+
+
+def eval_tasks(evals: list[dict]) -> list[str]:
+    """The tasks of a run's [eval] records (eval/<task>/<metric> keys), in the order first logged."""
+    return list(dict.fromkeys(k.split("/")[1] for r in evals for k in r if k.startswith("eval/") and k.count("/") >= 2))
+
+
+def _plot_eval(ax, evals: list[dict], task: str) -> None:
+    """One task's metrics against step: scores (acc, ...) on the left axis, perplexities on a log axis at right."""
+    prefix = f"eval/{task}/"
+    keys = list(dict.fromkeys(k for r in evals for k in r if k.startswith(prefix)))
+    ppl_keys = [k for k in keys if "perplexity" in k]
+    ax_ppl = ax.twinx() if ppl_keys else None
+    for i, key in enumerate(keys):
+        points = finite_points(evals, key)
+        target = ax_ppl if key in ppl_keys else ax
+        if points:
+            target.plot(*zip(*points), marker="o", markersize=4, linewidth=1.4, label=key[len(prefix):],
+                        linestyle="--" if target is ax_ppl else "-", color=f"C{i}")
+    if ax_ppl is not None:
+        ax_ppl.set_yscale("log")
+        ax_ppl.set_ylabel("perplexity (log)")
+    ax.set_title(f"eval: {task} (lm-evaluation-harness)")
+    ax.set_xlabel("step")
+    ax.grid(True, alpha=0.3)
+    handles = [h for a in (ax, ax_ppl) if a is not None for h in zip(*a.get_legend_handles_labels())]
+    if handles:
+        ax.legend(*zip(*handles), fontsize=8)
 
 
 def source_tokens(train: list[dict]) -> dict[str, list[tuple[int, float]]]:

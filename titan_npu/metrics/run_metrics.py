@@ -27,6 +27,7 @@ class RunMetrics:
 
     train: list[dict[str, Any]] = field(default_factory=list)
     val: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # [eval] records: eval/<task>/<metric>, eval_time_s
     skipped_lines: int = 0
     first_skipped: str = ""  # "metrics.jsonl:LINE: why" of the first skipped line, for the one-line warning
 
@@ -81,6 +82,8 @@ def read_metrics(log_dir: str | os.PathLike) -> RunMetrics:
             rec = {k: _number(v) for k, v in rec.items()}
             if "val_loss" in rec:
                 _append(run.val, rec)
+            elif "eval_time_s" in rec:
+                _append(run.evals, rec)
             elif "loss" in rec:
                 _append(run.train, rec)
             else:

@@ -9,13 +9,12 @@ token at a time, each new query attending to all cached positions.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from titan_npu import ops
-from titan_npu.errors import CheckpointError, ConfigError
+from titan_npu.errors import ConfigError
 from titan_npu.models.registry import spec_of
 
 CONFIG_NAMES = ("config.toml", "config.yaml", "config.yml")
@@ -192,23 +191,3 @@ def resolve_checkpoint(path: Path) -> Path:
         if latest is not None:
             return latest.path
     return path
-
-
-def load_model(state_dict: dict[str, torch.Tensor], args: Any, device: torch.device, dtype: torch.dtype
-               ) -> nn.Module:
-    """The model of `args` on `device` in `dtype`, holding `state_dict` (every key must fit), in eval mode."""
-    from titan_npu.checkpoint.fit import describe_mismatch
-    from titan_npu.models.registry import build_model
-
-    with torch.device("meta"):
-        model = build_model(args)
-    problem = describe_mismatch({k: v.shape for k, v in model.state_dict().items()}, state_dict)
-    if problem:
-        raise CheckpointError(f"the checkpoint does not fit the model ({args.dim=}, {args.n_layers=}): {problem}")
-    model.load_state_dict(state_dict, strict=True, assign=True)
-    model.tie_weights()  # assign gave the output projection a parameter of its own
-    # RoPE tables are not saved (still on meta): compute them, on the device and in fp32 whatever the weights' dtype.
-    model.freqs_cos, model.freqs_sin = model.rope_tables("cpu")
-    model.to(device=device, dtype=dtype)
-    model.freqs_cos, model.freqs_sin = model.rope_tables(device)
-    return model.eval()

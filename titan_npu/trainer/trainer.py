@@ -131,6 +131,11 @@ class Trainer:
         # Data: every rank of a data-parallel group reads its own slice.
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         check_vocab(self.tokenizer, self.model_args.vocab_size)
+        self.downstream = None
+        if cfg.eval.enable:  # [eval]'s tasks checked (names, data on disk, few-shot pools) before any work
+            from titan_npu.trainer.downstream import DownstreamEval
+
+            self.downstream = DownstreamEval(cfg, self.tokenizer, self.model_args, self.device, self.rank)
         self.dp_rank, self.dp_degree = self.dims.dp_coordinates()
         self.dataloader = build_dataloader(
             cfg, self.tokenizer, self.dp_rank, self.dp_degree, split="train",
@@ -399,6 +404,11 @@ class Trainer:
                 with self.meter.excluded(), self.reliability.phase("validation"):
                     record = self.validator.run(self.model, self.step, self.autocast, self.loss_context)
                     self.metrics.log_validation(record)
+            if self.downstream is not None and self.downstream.due(self.step, max_steps):
+                with self.meter.excluded(), self.reliability.phase("eval"):
+                    record = self.downstream.run(self.model_parts, self.step)
+                    if record is not None:
+                        self.metrics.log_eval(record)
             # Saves count as training time (like the outside clock): a blocking save shows as a dip in its window.
             self.reliability.maybe_save(self.checkpointer, self.step, last_step=self.step == max_steps)
             if self.reliability.stop_requested:  # a signal (exit 0 after the save) or too many skips (raises)
