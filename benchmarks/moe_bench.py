@@ -45,8 +45,10 @@ from titan_npu.ops import reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE_CONFIG = ROOT / "configs" / "debug_moe.toml"
-# The dense model: debug_moe's shapes with one MLP as wide as the active experts, untied like qwen3_moe debug.
-DENSE_OVERRIDES = ["--model.name", "qwen3", "--model.ffn_dim", "256", "--model.tie_embeddings", "false"]
+# The dense model: debug_moe's shapes with every layer one MLP (mlp_only_layers) as wide as the active experts,
+# untied like qwen3_moe debug. (A --model.name qwen3 would be refused: the file's MoE keys are not a qwen3 key.)
+DENSE_OVERRIDES = ["--model.mlp_only_layers", "[0, 1, 2, 3]", "--model.ffn_dim", "256",
+                   "--model.tie_embeddings", "false"]
 
 
 class RoutedLoop(PlainLoop):

@@ -216,7 +216,7 @@ def test_a_run_resumes_under_another_expert_parallel_degree_with_the_uninterrupt
     (3, ["--parallel.ep_degree", "3"], "does not divide model.n_experts=8"),
     (8, ["--parallel.ep_degree", "2", "--parallel.tp_degree", "2"], "and ep_degree < dp_shard=4"),
     (8, ["--parallel.ep_degree", "2", "--parallel.dp_replicate", "2"], "dp_replicate=2 and ep_degree < dp_shard=4"),
-    (2, ["--parallel.ep_degree", "2", "--model.name", "qwen3"], "has no MoE layer"),
+    (2, ["--parallel.ep_degree", "2", "--model.mlp_only_layers", "[0, 1, 2, 3]"], "has no MoE layer"),
     (2, ["--parallel.tp_degree", "2", "--parallel.dp_shard", "1", "--model.moe_ffn_dim", "127"],
      "does not divide model.moe_ffn_dim=127"),
     (2, ["--parallel.tp_degree", "2", "--parallel.dp_shard", "1", "--model.shared_ffn_dim", "63"],
