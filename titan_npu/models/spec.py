@@ -11,8 +11,9 @@ use_flash_attention, tie_embeddings, family, flavor, and the methods num_params(
 num_active_params(exclude_embedding) (what a token meets: MFU counts these) and num_flops_per_token(seq_len).
 A model that routes tokens (MoE) has auxiliary_loss() and routing_metrics() (trainer/routing.py), and one whose
 routers carry a score bias has score_biases() (its layer ids -> bias tensors); its args have is_moe_layer(layer_id),
-n_moe_layers and moe_args() (models/moe/args.py's MoEArgs), the shared MoE block's interface that expert parallelism
-is planned from (the planner's expert shards, all-to-alls and grouped-GEMM share).
+n_moe_layers and moe_args() (models/moe/args.py's MoEArgs), the shared MoE block's interface, which its spec's
+`experts` (ExpertTerms, models/moe/cost.py) turns into the planner's expert terms (which blocks route, the experts
+an ep degree divides, the all-to-alls' copies and width, the grouped GEMMs' share).
 
 Everything else family-specific that the framework needs is a field below: the planner's activation and FLOPs terms
 (block_costs, training_flops; models/<family>/cost.py), import's printed [model] keys (model_lines), generate's
@@ -84,6 +85,22 @@ class BlockCost:
     def kind(self) -> tuple[str, str]:
         """(mixer, feed-forward) names: blocks of one kind cost the same."""
         return self.mixer.name, self.ffn.name
+
+
+@dataclass(frozen=True)
+class ExpertTerms:
+    """A routed-experts feed-forward as the planner counts it (models/moe/cost.py fills it from the shared MoE
+    block's args): which blocks route, how many experts and copies, what expert parallelism's all-to-alls carry.
+    Every function takes the family's args."""
+
+    moe_block: Callable[[Any, int], bool]  # (args, layer id) -> whether the block's feed-forward routes tokens
+    n_moe_blocks: Callable[[Any], int]  # how many blocks route (0: none, a dense flavor of a MoE family)
+    n_routed: Callable[[Any], int]  # routed experts per MoE layer (an expert-parallel degree divides it)
+    routed_copies: Callable[[Any], int]  # the experts each token is routed to: its copies per MoE layer
+    all_to_all_width: Callable[[Any], int]  # values of one routed copy that the all-to-alls send (the model width)
+    # the routed experts' matmul weights one token meets over every MoE layer (copies x 3 D F per layer)
+    routed_active_params: Callable[[Any], int]
+    describe: Callable[[Any], str]  # plan's line on the MoE layers ("48 MoE layers of 128 experts (top 8, ...)")
 
 
 @dataclass(frozen=True)
@@ -170,6 +187,9 @@ class ModelSpec:
     model_lines: Callable[[Any], list[tuple[str, Any]]] = lambda args: []
     # (args) -> None when tools/generate.py can decode with this model, else the one line that says why not.
     generate_refusal: Callable[[Any], str | None] = lambda args: None
+    # The routed experts' planner terms (the MoE block's: models/moe/cost.py's MOE_EXPERTS); None for a family
+    # without MoE layers. The planner reads a MoE model's routing only through these.
+    experts: ExpertTerms | None = None
 
     def canonical_flavor(self, flavor: str) -> str:
         """The flavor's own spelling ('8b' -> '8B'), or a ConfigError naming the valid ones."""

@@ -3,6 +3,7 @@ reserve) and the bytes a rank's expert- and context-parallel exchanges send per 
 
 from __future__ import annotations
 
+from titan_npu.models.registry import spec_of
 from titan_npu.planner.layout import GiB, Job, Layout, MiB
 
 # Device memory the runtime keeps for itself before the allocator sees any (CANN runtime and HCCL workspace on a
@@ -42,14 +43,16 @@ def communication_bytes(layout: Layout, device_type: str, hccl_buffsize_mb: int 
 def expert_all_to_all_bytes(job: Job, layout: Layout, tokens: int, layers: int) -> float:
     """Bytes expert parallelism's all-to-alls send from a rank for `tokens` tokens through `layers` MoE layers.
 
-    Under balanced routing each token's top_k copies (D values each) go to the experts' ranks and come back, in
-    forward and again (their gradients) in backward, once more in a recomputed forward; (ep - 1) / ep of them
-    leave the rank."""
+    Under balanced routing each token's routed copies (the spec's ExpertTerms: routed_copies per MoE layer,
+    all_to_all_width values each) go to the experts' ranks and come back, in forward and again (their gradients)
+    in backward, once more in a recomputed forward; (ep - 1) / ep of them leave the rank."""
     if layout.ep == 1 or not layers:
         return 0.0
     a = job.args
+    experts = spec_of(a).experts
     exchanges = 4 + (2 if layout.ac == "full" else 0)
-    return exchanges * layers * tokens * a.top_k * a.dim * job.compute_bytes * (layout.ep - 1) / layout.ep
+    return (exchanges * layers * tokens * experts.routed_copies(a) * experts.all_to_all_width(a) * job.compute_bytes
+            * (layout.ep - 1) / layout.ep)
 
 
 def context_exchange_bytes(job: Job, layout: Layout, tokens: int, layers: int) -> float:

@@ -7,7 +7,7 @@ without storage) to run one forward and backward, which checks every shape end t
 over the sharded parameters. Byte counts come from the local shards of the resulting DTensors.
 
 Under expert parallelism the token exchange's split sizes are routed counts, values fake tensors do not hold: the
-dry run assumes balanced routing (every expert receives tokens x top_k / n_experts copies from every rank), the
+dry run assumes balanced routing (every expert gets an equal share of the routed copies from each rank), the
 assumption the planner's activation and all-to-all estimates make too, and runs the exchange with those sizes (the
 family's ModelSpec.balanced_routing).
 Under context parallelism each rank runs its seq_len / cp tokens of every sequence, as the trainer does.

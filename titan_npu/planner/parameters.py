@@ -44,7 +44,7 @@ def block_kinds(args: Any) -> list[str]:
     return [k for k in parameter_kinds(args) if k not in FIRST_STAGE_KINDS + LAST_STAGE_KINDS]
 
 
-# A dense block's SwiGLU; a model with both kinds of layer (dense first blocks, or mlp_only_layers)
+# A dense block's SwiGLU; a model with both kinds of layer (dense first blocks, or layers kept dense)
 # holds these in its dense blocks and the MoE layer's router, experts and shared experts in the others.
 DENSE_FFN_KINDS = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
 
@@ -59,14 +59,14 @@ def layers_kinds(args: Any, layer_ids: Iterable[int]) -> dict[int, list[str]]:
     """layer_kinds of each of `layer_ids`, the family's table built once (a search sizes thousands of layouts of
     up to a hundred blocks each)."""
     kinds = block_kinds(args)
-    is_moe = getattr(args, "is_moe_layer", None)
-    holds = spec_of(args).layer_holds
-    if is_moe is None:
+    spec = spec_of(args)
+    experts, holds = spec.experts, spec.layer_holds
+    if experts is None:
         by_layer = {i: kinds for i in layer_ids}
     else:
         by_kind = {moe: [k for k in kinds if not k.startswith("feed_forward.") or (k in DENSE_FFN_KINDS) != moe]
                    for moe in (False, True)}
-        by_layer = {i: by_kind[bool(is_moe(i))] for i in layer_ids}
+        by_layer = {i: by_kind[bool(experts.moe_block(args, i))] for i in layer_ids}
     return {i: [k for k in ks if holds(args, i, k)] for i, ks in by_layer.items()}
 
 
@@ -100,7 +100,8 @@ def float8_kinds(job: Job) -> set[str]:
 def float8_expert_kinds(job: Job) -> set[str]:
     """The kinds of parameter that are stacked weights of routed experts whose grouped GEMMs run in float8
     (float8.moe_experts; parallel/float8.py's rule on their shapes, named as the first MoE layer's experts)."""
-    if job.float8 is None or not getattr(job.args, "n_moe_layers", 0):
+    experts = spec_of(job.args).experts
+    if job.float8 is None or experts is None or not experts.n_moe_blocks(job.args):
         return set()
     shapes = parameter_kinds(job.args)
     weights = [k for k in ("feed_forward.experts.w1", "feed_forward.experts.w2", "feed_forward.experts.w3")
@@ -108,7 +109,7 @@ def float8_expert_kinds(job: Job) -> set[str]:
     if not weights:
         return set()
     _, ffn_dim, dim = shapes["feed_forward.experts.w1"]
-    first = next(i for i in range(job.args.n_layers) if job.args.is_moe_layer(i))
+    first = next(i for i in range(job.args.n_layers) if experts.moe_block(job.args, i))
     return set(weights) if converts_experts(f"layers.{first}.feed_forward.experts", dim, ffn_dim, job.float8) else set()
 
 

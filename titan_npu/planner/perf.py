@@ -3,7 +3,7 @@
 Compute time is the job's training FLOPs at an assumed fraction of the device's peak; communication time is
 bytes over the effective bus bandwidth of the link a process group crosses (intra-node HCCS / NVLink, inter-node
 RoCE / InfiniBand). FSDP traffic overlaps with compute, tensor-parallel traffic and the pipeline bubble do not;
-nor do expert parallelism's all-to-alls (balanced routing: each token's top_k copies leave and return) and context
+nor do expert parallelism's all-to-alls (balanced routing: each token's routed copies leave and return) and context
 parallelism's K/V ring or Ulysses all-to-alls, counted whole. A MoE model's FLOPs are those of its active
 parameters.
 See docs/planning.md for the formulas and their assumptions.
@@ -75,12 +75,10 @@ def recompute_factor(layout: Layout, grouped_share: float = 0.0) -> float:
 
 def grouped_share(args: object) -> float:
     """The share of a token's matmul FLOPs its routed experts take (0 for a dense model)."""
-    layers = getattr(args, "n_moe_layers", 0)
-    if not layers:
+    experts = spec_of(args).experts
+    if experts is None or not experts.n_moe_blocks(args):
         return 0.0
-    m = args.moe_args()
-    routed = layers * m.top_k * 3 * m.dim * m.ffn_dim
-    return routed / args.num_active_params(exclude_embedding=True)
+    return experts.routed_active_params(args) / args.num_active_params(exclude_embedding=True)
 
 
 # float8 GEMMs reach a smaller share of their peak than bf16 ones of theirs: the dynamic-scaling casts (an amax and a
@@ -107,14 +105,15 @@ def float8_shares(job: Job) -> tuple[float, float]:
 
 
 def float8_expert_flops_share(job: Job) -> float:
-    """The share of a token's training FLOPs in routed experts whose grouped GEMMs run in float8 (each token's top_k
-    experts per MoE layer); 0 without float8.moe_experts."""
+    """The share of a token's training FLOPs in routed experts whose grouped GEMMs run in float8 (each token's routed
+    copies per MoE layer); 0 without float8.moe_experts."""
     kinds = float8_expert_kinds(job)
     if not kinds:
         return 0.0
-    a, shapes = job.args, parameter_kinds(job.args)
+    a, shapes, experts = job.args, parameter_kinds(job.args), spec_of(job.args).experts
     per_expert = sum(numel(shapes[k]) // shapes[k][0] for k in kinds)
-    return 6.0 * a.n_moe_layers * a.moe_args().top_k * per_expert / training_flops_per_token(a, job.seq_len)
+    return (6.0 * experts.n_moe_blocks(a) * experts.routed_copies(a) * per_expert
+            / training_flops_per_token(a, job.seq_len))
 
 
 def training_flops_per_token(args: object, seq_len: int) -> float:
@@ -164,8 +163,8 @@ class StepEstimate:
 
 def moe_layers(args: object, layers: list[int]) -> int:
     """How many of `layers` are MoE layers (0 for a dense model)."""
-    is_moe = getattr(args, "is_moe_layer", None)
-    return sum(1 for i in layers if is_moe(i)) if is_moe else 0
+    experts = spec_of(args).experts
+    return sum(1 for i in layers if experts.moe_block(args, i)) if experts else 0
 
 
 def pipeline_blocks(args: object, layout: Layout) -> tuple[int, int]:

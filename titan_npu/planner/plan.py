@@ -8,6 +8,7 @@ would change the training run, not only its speed. Candidates pass the same layo
 
 from __future__ import annotations
 
+from titan_npu.models.registry import spec_of
 from titan_npu.planner.efficiency import calibrated_efficiency, error_band
 from titan_npu.planner.layout import GiB, Layout
 from titan_npu.planner.search import Candidate, Plan, config_overrides
@@ -116,10 +117,9 @@ def format_plan(plan: Plan) -> str:
     """The plan as text: model, cluster, the config's layout, then the ranked table."""
     a, hw = plan.job.args, plan.hw
     tokens = plan.global_batch * plan.job.seq_len
-    ffn = f"ffn {a.ffn_dim}"
-    if getattr(a, "n_moe_layers", 0):
-        ffn = (f"{a.n_moe_layers} MoE layers of {a.n_experts} experts (top {a.top_k}, ffn {a.moe_ffn_dim}), "
-               f"{a.num_active_params() / 1e9:.2f}B active")
+    ffn, experts = f"ffn {a.ffn_dim}", spec_of(a).experts
+    if experts is not None and experts.n_moe_blocks(a):
+        ffn = f"{experts.describe(a)}, {a.num_active_params() / 1e9:.2f}B active"
     lines = [
         f"model: {a.family} {a.flavor}, {a.num_params() / 1e9:.2f}B parameters (dim {a.dim}, {a.n_layers} layers, "
         f"{a.n_heads}/{a.n_kv_heads} heads, {ffn}, vocab {a.vocab_size}); seq {plan.job.seq_len}, "

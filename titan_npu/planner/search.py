@@ -160,7 +160,8 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
     """
     a = job.args
     acs = [("none", False), ("selective", False), ("selective", True), ("full", False)]
-    n_experts = getattr(a, "n_experts", 0) if getattr(a, "n_moe_layers", 0) else 0
+    experts = spec_of(a).experts
+    n_routed = experts.n_routed(a) if experts is not None and experts.n_moe_blocks(a) else 0
     out: list[Layout] = []
     made: dict = {}  # config sections shared by the candidates' configs
     for tp, cp, cp_mode, cp_ulysses in _model_parallel_degrees(cfg, job, world_size, devices_per_node):
@@ -175,7 +176,7 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
             # ep from the FSDP ranks (dp_shard x cp) for a MoE model only; parallel/layout.py refuses what the MoE
             # layers cannot run.
             for dp_replicate, ep in [(r, e) for r in replicas for e in divisors(dp // r * cp)
-                                     if e == 1 or (n_experts and n_experts % e == 0)]:
+                                     if e == 1 or (n_routed and n_routed % e == 0)]:
                 dp_shard = dp // dp_replicate
                 try:
                     degrees = Degrees(dp_replicate, dp_shard, tp, pp, cp, ep, cp_mode, cp_ulysses, base.fsdp)

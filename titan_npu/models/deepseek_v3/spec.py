@@ -12,6 +12,7 @@ from titan_npu.models.deepseek_v3.parallelize import check_deepseek_layout, para
 from titan_npu.models.deepseek_v3.sharding import parameter_kinds
 from titan_npu.models.moe.balance import update_score_bias
 from titan_npu.models.moe.balanced_routing import balanced_routing
+from titan_npu.models.moe.cost import MOE_EXPERTS
 from titan_npu.models.spec import HFAdapter, ModelSpec
 
 DEEPSEEK_V3 = ModelSpec(
@@ -37,6 +38,7 @@ DEEPSEEK_V3 = ModelSpec(
                  stacked_names=hf.stacked_names, held_model=hf.held_model),
     args_from_dict=args_from_dict,
     balanced_routing=balanced_routing,
+    experts=MOE_EXPERTS,
     check_layout=check_deepseek_layout,
     update_score_bias=update_score_bias,
 )

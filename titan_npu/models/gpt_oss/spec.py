@@ -13,6 +13,7 @@ from titan_npu.models.gpt_oss.model import GptOssTransformer
 from titan_npu.models.gpt_oss.parallelize import check_gpt_oss_layout, parallelize_gpt_oss
 from titan_npu.models.gpt_oss.sharding import parameter_kinds
 from titan_npu.models.moe.balanced_routing import balanced_routing
+from titan_npu.models.moe.cost import MOE_EXPERTS
 from titan_npu.models.spec import HFAdapter, ModelSpec
 
 GPT_OSS = ModelSpec(
@@ -37,4 +38,5 @@ GPT_OSS = ModelSpec(
     args_from_dict=args_from_dict,
     check_layout=check_gpt_oss_layout,
     balanced_routing=balanced_routing,
+    experts=MOE_EXPERTS,
 )

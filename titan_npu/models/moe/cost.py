@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from titan_npu.models.decoder.cost import ATTENTION, SWIGLU
-from titan_npu.models.spec import BlockCost, CostSite, CostTerm, TokenBytes
+from titan_npu.models.spec import BlockCost, CostSite, CostTerm, ExpertTerms, TokenBytes
 
 # Bytes of the int64 index tensors a MoE layer keeps per routed copy: the sort order, its inverse and the source
 # token of each copy (layer.py), and under expert parallelism the exchange's regrouping order (dispatch.py).
@@ -50,3 +50,27 @@ def moe_block_costs(args: Any, mixer: CostTerm = ATTENTION, eager: bool = False)
     runs the plain path) and its layer's feed-forward."""
     blocks = {ffn: BlockCost(mixer, ffn, eager=eager) for ffn in (SWIGLU, MOE_FFN)}
     return [blocks[feed_forward(args, i)] for i in range(args.n_layers)]
+
+
+def routed_active_params(args: Any) -> int:
+    """The routed experts' matmul weights one token meets over every MoE layer: its top_k experts' 3 D F each."""
+    m = args.moe_args()
+    return args.n_moe_layers * m.top_k * 3 * m.dim * m.ffn_dim
+
+
+def describe(args: Any) -> str:
+    """The plan's line on the MoE layers: '48 MoE layers of 128 experts (top 8, ffn 768)'."""
+    m = args.moe_args()
+    return f"{args.n_moe_layers} MoE layers of {m.n_experts} experts (top {m.top_k}, ffn {m.ffn_dim})"
+
+
+# The shared MoE block's expert terms (its args' is_moe_layer, n_moe_layers and moe_args()): every MoE family's.
+MOE_EXPERTS = ExpertTerms(
+    moe_block=lambda args, layer_id: args.is_moe_layer(layer_id),
+    n_moe_blocks=lambda args: args.n_moe_layers,
+    n_routed=lambda args: args.moe_args().n_experts,
+    routed_copies=lambda args: args.moe_args().top_k,
+    all_to_all_width=lambda args: args.moe_args().dim,
+    routed_active_params=routed_active_params,
+    describe=describe,
+)

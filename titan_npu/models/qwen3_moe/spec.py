@@ -8,7 +8,7 @@ from titan_npu.models.decoder import hf as decoder_hf
 from titan_npu.models.decoder.parts import permuted_block
 from titan_npu.models.decoder.pipeline import build_stage, split_layers
 from titan_npu.models.moe.balanced_routing import balanced_routing
-from titan_npu.models.moe.cost import moe_block_costs
+from titan_npu.models.moe.cost import MOE_EXPERTS, moe_block_costs
 from titan_npu.models.moe_decoder.args import MOE_DECODER_KEYS, moe_model_lines
 from titan_npu.models.moe_decoder.model import MoETransformer
 from titan_npu.models.moe_decoder.parallelize import parallelize_moe
@@ -39,4 +39,5 @@ QWEN3_MOE = ModelSpec(
                  permuted_block=permuted_block, stacked_names=hf.stacked_names),
     args_from_dict=args_from_dict,
     balanced_routing=balanced_routing,
+    experts=MOE_EXPERTS,
 )

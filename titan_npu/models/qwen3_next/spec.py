@@ -7,6 +7,7 @@ import re
 
 from titan_npu.models.decoder.pipeline import build_stage, split_layers
 from titan_npu.models.moe.balanced_routing import balanced_routing
+from titan_npu.models.moe.cost import MOE_EXPERTS
 from titan_npu.models.qwen3_next import cost, hf
 from titan_npu.models.qwen3_next.args import FLAVORS, QWEN3_NEXT_KEYS, args_from_dict, build_args
 from titan_npu.models.qwen3_next.model import Qwen3NextTransformer
@@ -38,4 +39,5 @@ QWEN3_NEXT = ModelSpec(
     args_from_dict=args_from_dict,
     check_layout=check_qwen3_next_layout,
     balanced_routing=balanced_routing,
+    experts=MOE_EXPERTS,
 )
