@@ -164,3 +164,30 @@ def test_a_run_on_a_checkpoint_dir_in_use_is_refused_before_it_builds_anything(t
     assert rc == 2 and err.count("\n") == 1, err
     assert f"is in use by another run (pid {holder.pid} on host {socket.gethostname()} since" in err
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_rank_whose_own_jobs_rank_0_holds_the_lock_starts_and_another_job_is_refused(tmp_path, monkeypatch):
+    """Rank 0 takes the lock while its peers start: a peer (same MASTER_ADDR:MASTER_PORT, job and attempt) is let
+    through; a process of another rendezvous, or a single process, is refused."""
+    from titan_npu.checkpoint.lock import refuse_if_owned
+    from titan_npu.errors import CheckpointError
+
+    ckpt = tmp_path / "ckpt"
+    job = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29777", WORLD_SIZE="2", TORCHELASTIC_RUN_ID="job-1",
+               TORCHELASTIC_RESTART_COUNT="0")
+    holder = _holder(ckpt, RANK="0", **job)
+    try:
+        for name in ("RANK", "LOCAL_RANK"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in {**job, "RANK": "1"}.items():
+            monkeypatch.setenv(name, value)
+        refuse_if_owned(ckpt)  # rank 1 of the same attempt
+        monkeypatch.setenv("MASTER_PORT", "29778")
+        with pytest.raises(CheckpointError, match=f"in use by another run \\(pid {holder.pid}"):
+            refuse_if_owned(ckpt)
+        monkeypatch.setenv("MASTER_PORT", "29777")
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        with pytest.raises(CheckpointError, match="in use by another run"):
+            refuse_if_owned(ckpt)
+    finally:
+        _kill(holder)

@@ -65,7 +65,15 @@ def owner_record() -> dict[str, Any]:
     """Who this process is, as written into the lock file."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "job": os.environ.get("TORCHELASTIC_RUN_ID", ""),
-            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "rendezvous": _rendezvous()}
+
+
+def _rendezvous() -> str:
+    """The address the ranks of this process's job meet at (MASTER_ADDR:MASTER_PORT, set for every rank by torchrun
+    and by any launcher), "" for a single process: two jobs cannot hold one port at once."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return f"{addr}:{port}" if addr and port and os.environ.get("WORLD_SIZE", "1") not in ("", "1") else ""
 
 
 def acquire(root: str | Path) -> DirLock:
@@ -166,16 +174,24 @@ def current_owner(root: str | Path) -> dict[str, Any] | None:
 def refuse_if_owned(root: str | Path) -> None:
     """Before a run builds anything: refuse checkpoint.dir when another run owns it (one line naming the owner).
 
-    The restarted attempt of the owner's own torchrun job is let through: acquire() waits for its predecessor.
+    The restarted attempt of the owner's own torchrun job is let through (acquire() waits for its predecessor),
+    and so is a rank whose own job's rank 0 already holds the lock (it may start first).
     """
     owner = current_owner(root)
-    if owner is not None and not _same_job(owner, owner_record()):
+    me = owner_record()
+    if owner is not None and not _same_job(owner, me) and not _peer(owner, me):
         raise _in_use(Path(root).expanduser().absolute(), owner)
 
 
 def _same_job(owner: dict[str, Any], me: dict[str, Any]) -> bool:
     """`me` is a later attempt of the torchrun job that `owner` belongs to."""
     return bool(me["job"]) and owner.get("job") == me["job"] and int(owner.get("restart", 0) or 0) < me["restart"]
+
+
+def _peer(owner: dict[str, Any], me: dict[str, Any]) -> bool:
+    """`owner` is rank 0 of this very attempt of this process's job (it took the lock while this rank starts)."""
+    return bool(me["rendezvous"]) and owner.get("rendezvous") == me["rendezvous"] and owner.get("job") == me["job"] \
+        and int(owner.get("restart", 0) or 0) == me["restart"]
 
 
 def _in_use(root: Path, owner: dict[str, Any]) -> CheckpointError:
