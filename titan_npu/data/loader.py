@@ -17,16 +17,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset, Sampler
 
 from titan_npu.config.mixture import sources_of
 from titan_npu.config.schema import DataSource, JobConfig
 from titan_npu.data.datasets import TokenDataset, open_dataset, verify_dataset
 from titan_npu.data.tokenizer import Tokenizer
-from titan_npu.data.windows import PackedWindows, Refused
+from titan_npu.data.windows import PackedWindows, Refused, prefetched
 from titan_npu.errors import DataError
 from titan_npu.ops.documents import Documents
-from titan_npu.reliability.preemption import leave_signals_to_parent
 
 if TYPE_CHECKING:
     from titan_npu.data.mixture import MixtureLoader
@@ -151,10 +150,7 @@ class TokenLoader:
                             "it more data")
         if self._iter is None:
             sampler = _CursorSampler(self.epoch, self.pos, self.step, self.windows.num_windows)
-            loader = DataLoader(self._dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
-                                pin_memory=self.pin_memory, prefetch_factor=2 if self.num_workers else None,
-                                worker_init_fn=leave_signals_to_parent if self.num_workers else None)
-            self._iter = iter(loader)
+            self._iter = prefetched(self._dataset, sampler, self.num_workers, self.pin_memory)
         batch = next(self._iter)
         if isinstance(batch, Refused):
             self.close()

@@ -21,12 +21,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset, Sampler
 
-from titan_npu.data.windows import PackedWindows, Refused
+from titan_npu.data.windows import PackedWindows, Refused, prefetched
 from titan_npu.errors import DataError
 from titan_npu.ops.documents import Documents
-from titan_npu.reliability.preemption import leave_signals_to_parent
 
 log = logging.getLogger("titan_npu")
 STATE_KIND = "mixture"
@@ -182,10 +181,7 @@ class MixtureLoader:
     def __next__(self) -> tuple:
         if self._iter is None:
             self._sampler = sampler = _StepSampler(self.blend, self.batch_size, self.dp_rank, self.dp_world_size)
-            loader = DataLoader(self._dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
-                                pin_memory=self.pin_memory, prefetch_factor=2 if self.num_workers else None,
-                                worker_init_fn=leave_signals_to_parent if self.num_workers else None)
-            self._iter = iter(loader)
+            self._iter = prefetched(self._dataset, sampler, self.num_workers, self.pin_memory)
         batch = next(self._iter)
         if isinstance(batch, Refused):
             self.close()

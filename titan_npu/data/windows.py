@@ -3,9 +3,13 @@ loader worker."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from titan_npu.data.datasets import TokenDataset
+from titan_npu.reliability.preemption import leave_signals_to_parent
 
 
 class PackedWindows:
@@ -60,3 +64,11 @@ class Refused:
 
     def __init__(self, message: str):
         self.message = message
+
+
+def prefetched(dataset: Dataset, sampler: Sampler, num_workers: int, pin_memory: bool) -> Iterator:
+    """The batches `dataset` makes of the keys `sampler` yields, prefetched two ahead by `num_workers` processes
+    that leave signals to the trainer (0: made in this process)."""
+    return iter(DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+                           prefetch_factor=2 if num_workers else None,
+                           worker_init_fn=leave_signals_to_parent if num_workers else None))
