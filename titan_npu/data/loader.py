@@ -23,7 +23,7 @@ from titan_npu.config.mixture import sources_of
 from titan_npu.config.schema import DataSource, JobConfig
 from titan_npu.data.datasets import TokenDataset, open_dataset, verify_dataset
 from titan_npu.data.tokenizer import Tokenizer
-from titan_npu.data.windows import PackedWindows, Refused, prefetched
+from titan_npu.data.windows import PackedWindows, PrefetchingLoader, Refused
 from titan_npu.errors import DataError
 from titan_npu.ops.documents import Documents
 
@@ -110,7 +110,7 @@ def wrap(epoch: int, pos: int, step: int, num_windows: int) -> tuple[int, int]:
     return (epoch + 1, 0) if pos + step > num_windows else (epoch, pos)
 
 
-class TokenLoader:
+class TokenLoader(PrefetchingLoader):
     """Infinite iterator of (inputs, labels) LongTensors [batch_size, seq_len], with documents="mask" or
     "positions" (inputs, labels, Documents); state_dict() / load_state_dict()."""
 
@@ -135,27 +135,12 @@ class TokenLoader:
         self._dataset = _BatchDataset(windows, batch_size, dp_rank, seed, shuffle, documents, vocab_limit)
         self._iter: Iterator | None = None
 
-    @property
-    def step(self) -> int:
-        """Windows consumed per global step (all dp ranks together)."""
-        return self.batch_size * self.dp_world_size
-
-    def __iter__(self) -> TokenLoader:
-        return self
-
     def __next__(self) -> tuple:
         if self.max_epochs and self.epoch >= self.max_epochs:
             raise DataError(f"data source {self.name!r} ({self.windows.dataset.description}) has been read "
                             f"{self.epoch} time(s), its max_epochs = {self.max_epochs}; raise its max_epochs or give "
                             "it more data")
-        if self._iter is None:
-            sampler = _CursorSampler(self.epoch, self.pos, self.step, self.windows.num_windows)
-            self._iter = prefetched(self._dataset, sampler, self.num_workers, self.pin_memory)
-        batch = next(self._iter)
-        if isinstance(batch, Refused):
-            self.close()
-            raise DataError(batch.message)
-        # What was handed out, not what the workers prefetched, is the state.
+        batch = self._next_batch(lambda: _CursorSampler(self.epoch, self.pos, self.step, self.windows.num_windows))
         epoch = self.epoch
         self.epoch, self.pos = wrap(self.epoch, self.pos + self.step, self.step, self.windows.num_windows)
         if self.epoch > epoch and self.split == "train" and self.dp_rank == 0:
@@ -230,11 +215,6 @@ class TokenLoader:
         first = pos + self.dp_rank * self.batch_size
         ids = self._dataset.permutation(epoch)[first : first + self.batch_size]
         return [self.windows.doc_starts(int(w)) for w in ids]
-
-    def close(self) -> None:
-        """Stop the prefetch workers (they restart on the next batch)."""
-        self._iter = None
-
 
 def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer | None, dp_rank: int, dp_world_size: int,
                      split: str = "train", device_type: str = "cpu", model_vocab_size: int | None = None,

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from titan_npu.data.windows import PackedWindows, Refused, prefetched
+from titan_npu.data.windows import PackedWindows, PrefetchingLoader, Refused
 from titan_npu.errors import DataError
 from titan_npu.ops.documents import Documents
 
@@ -147,7 +147,7 @@ class _StepSampler(Sampler):
             yield key
 
 
-class MixtureLoader:
+class MixtureLoader(PrefetchingLoader):
     """Infinite iterator of (inputs, labels[, documents]) drawn from named, weighted sources; state_dict() /
     load_state_dict(); source_tokens() for the accounting."""
 
@@ -170,23 +170,8 @@ class MixtureLoader:
         self._iter: Iterator | None = None
         self._sampler: _StepSampler | None = None
 
-    @property
-    def step(self) -> int:
-        """Windows consumed per global step (all dp ranks together)."""
-        return self.batch_size * self.dp_world_size
-
-    def __iter__(self) -> MixtureLoader:
-        return self
-
     def __next__(self) -> tuple:
-        if self._iter is None:
-            self._sampler = sampler = _StepSampler(self.blend, self.batch_size, self.dp_rank, self.dp_world_size)
-            self._iter = prefetched(self._dataset, sampler, self.num_workers, self.pin_memory)
-        batch = next(self._iter)
-        if isinstance(batch, Refused):
-            self.close()
-            raise DataError(batch.message)
-        # What was handed out, not what the workers prefetched, is the state.
+        batch = self._next_batch(self._new_sampler)
         before = self.blend.counts
         self.blend.counts = self._sampler.after.popleft()
         self._log_new_epochs(before)
@@ -274,9 +259,9 @@ class MixtureLoader:
         self.retired = retired
         self.blend = Blend(self.blend.weights, counts, base)
 
-    def close(self) -> None:
-        """Stop the prefetch workers (they restart on the next batch)."""
-        self._iter = None
+    def _new_sampler(self) -> _StepSampler:
+        self._sampler = _StepSampler(self.blend, self.batch_size, self.dp_rank, self.dp_world_size)
+        return self._sampler
 
 
 def _same_weights(old: dict[str, float], new: dict[str, float]) -> bool:

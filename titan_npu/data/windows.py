@@ -3,12 +3,13 @@ loader worker."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from titan_npu.data.datasets import TokenDataset
+from titan_npu.errors import DataError
 from titan_npu.reliability.preemption import leave_signals_to_parent
 
 
@@ -66,9 +67,39 @@ class Refused:
         self.message = message
 
 
-def prefetched(dataset: Dataset, sampler: Sampler, num_workers: int, pin_memory: bool) -> Iterator:
-    """The batches `dataset` makes of the keys `sampler` yields, prefetched two ahead by `num_workers` processes
-    that leave signals to the trainer (0: made in this process)."""
-    return iter(DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-                           prefetch_factor=2 if num_workers else None,
-                           worker_init_fn=leave_signals_to_parent if num_workers else None))
+class PrefetchingLoader:
+    """What the one-source and the mixture loaders share: batches of `_dataset` for the keys of a sampler, made
+    ahead by `num_workers` processes that leave signals to the trainer; a worker's DataError comes back as one line.
+    The state is what was handed out, never what was prefetched."""
+
+    batch_size: int
+    dp_world_size: int
+    num_workers: int
+    pin_memory: bool
+    _dataset: Dataset
+    _iter: Iterator | None = None
+
+    @property
+    def step(self) -> int:
+        """Windows consumed per global step (all dp ranks together)."""
+        return self.batch_size * self.dp_world_size
+
+    def __iter__(self) -> PrefetchingLoader:
+        return self
+
+    def _next_batch(self, sampler: Callable[[], Sampler]) -> tuple:
+        """The next batch; the workers start (with `sampler()`'s keys) when none are running."""
+        if self._iter is None:
+            self._iter = iter(DataLoader(self._dataset, batch_size=None, sampler=sampler(),
+                                         num_workers=self.num_workers, pin_memory=self.pin_memory,
+                                         prefetch_factor=2 if self.num_workers else None,
+                                         worker_init_fn=leave_signals_to_parent if self.num_workers else None))
+        batch = next(self._iter)
+        if isinstance(batch, Refused):
+            self.close()
+            raise DataError(batch.message)
+        return batch
+
+    def close(self) -> None:
+        """Stop the prefetch workers (they restart on the next batch)."""
+        self._iter = None
