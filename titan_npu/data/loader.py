@@ -23,9 +23,8 @@ from titan_npu.config.mixture import sources_of
 from titan_npu.config.schema import DataSource, JobConfig
 from titan_npu.data.datasets import TokenDataset, open_dataset, verify_dataset
 from titan_npu.data.tokenizer import Tokenizer
-from titan_npu.data.windows import PackedWindows, PrefetchingLoader, Refused
+from titan_npu.data.windows import PackedWindows, PrefetchingLoader, Refused, batch_of
 from titan_npu.errors import DataError
-from titan_npu.ops.documents import Documents
 
 if TYPE_CHECKING:
     from titan_npu.data.mixture import MixtureLoader
@@ -77,19 +76,7 @@ class _BatchDataset(Dataset):
         epoch, pos = key
         first = pos + self.dp_rank * self.batch_size
         ids = self.permutation(epoch)[first : first + self.batch_size]
-        rows = np.stack([self.windows.window(int(w)) for w in ids])
-        if self.vocab_limit is not None and rows.size and int(rows.max()) >= self.vocab_limit:
-            w = next(int(w) for w, row in zip(ids, rows) if int(row.max()) >= self.vocab_limit)
-            where, top = self.windows.first_over(w, self.vocab_limit)
-            raise DataError(f"{where} holds token id {top} but model.vocab_size is {self.vocab_limit} (an id its "
-                            "index did not show: the data changed after it was prepared?); re-tokenise the data "
-                            "(re-run titan-npu prepare-data into a new --output)")
-        batch = torch.from_numpy(rows.astype(np.int64))
-        if not self.documents:
-            return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        documents = Documents.from_starts([self.windows.doc_starts(int(w)) for w in ids], self.windows.seq_len,
-                                          reset_positions=self.documents == "positions")
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), documents
+        return batch_of([(self.windows, int(w)) for w in ids], self.vocab_limit, self.documents)
 
 
 class _CursorSampler(Sampler):

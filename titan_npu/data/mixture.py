@@ -20,12 +20,10 @@ from collections import deque
 from collections.abc import Iterator
 
 import numpy as np
-import torch
 from torch.utils.data import Dataset, Sampler
 
-from titan_npu.data.windows import PackedWindows, PrefetchingLoader, Refused
+from titan_npu.data.windows import PackedWindows, PrefetchingLoader, Refused, batch_of
 from titan_npu.errors import DataError
-from titan_npu.ops.documents import Documents
 
 log = logging.getLogger("titan_npu")
 STATE_KIND = "mixture"
@@ -110,20 +108,7 @@ class _MixtureBatches(Dataset):
             if perm is None or perm[0] != epoch:
                 perm = self._permutation(s, epoch)
             rows.append((s, int(perm[1][i])))
-        batch_np = np.stack([windows[s].window(w) for s, w in rows])
-        if self.vocab_limit is not None and int(batch_np.max()) >= self.vocab_limit:
-            s, w = next((s, w) for (s, w), row in zip(rows, batch_np) if int(row.max()) >= self.vocab_limit)
-            where, top = self.windows[s].first_over(w, self.vocab_limit)
-            raise DataError(f"{where} holds token id {top} but model.vocab_size is {self.vocab_limit} (an id its "
-                            "index did not show: the data changed after it was prepared?); re-tokenise the data "
-                            "(re-run titan-npu prepare-data into a new --output)")
-        batch = torch.from_numpy(batch_np.astype(np.int64))
-        if not self.documents:
-            return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        seq_len = self.windows[0].seq_len
-        documents = Documents.from_starts([self.windows[s].doc_starts(w) for s, w in rows], seq_len,
-                                          reset_positions=self.documents == "positions")
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), documents
+        return batch_of([(windows[s], w) for s, w in rows], self.vocab_limit, self.documents)
 
 
 def rank_rows(blend: Blend, batch_size: int, dp_rank: int, dp_world_size: int) -> tuple[tuple[int, int], ...]:

@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from titan_npu.data.datasets import TokenDataset
 from titan_npu.errors import DataError
+from titan_npu.ops.documents import Documents
 from titan_npu.reliability.preemption import leave_signals_to_parent
 
 
@@ -57,6 +59,24 @@ class PackedWindows:
         begins = self.ends - self.lengths
         lo, hi = np.searchsorted(begins, [start, stop])
         return (begins[lo:hi] - start).astype(np.int64)
+
+
+def batch_of(picks: list[tuple[PackedWindows, int]], vocab_limit: int | None, documents: str) -> tuple:
+    """(inputs, labels[, Documents]) of the windows `picks` ((its packed stream, window index) each); a DataError
+    naming the file when a token id is at or over `vocab_limit` (an id the index did not show)."""
+    rows = np.stack([packed.window(w) for packed, w in picks])
+    if vocab_limit is not None and rows.size and int(rows.max()) >= vocab_limit:
+        packed, w = next(pick for pick, row in zip(picks, rows) if int(row.max()) >= vocab_limit)
+        where, top = packed.first_over(w, vocab_limit)
+        raise DataError(f"{where} holds token id {top} but model.vocab_size is {vocab_limit} (an id its index did "
+                        "not show: the data changed after it was prepared?); re-tokenise the data (re-run titan-npu "
+                        "prepare-data into a new --output)")
+    batch = torch.from_numpy(rows.astype(np.int64))
+    if not documents:
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+    starts = [packed.doc_starts(w) for packed, w in picks]
+    return (batch[:, :-1].contiguous(), batch[:, 1:].contiguous(),
+            Documents.from_starts(starts, picks[0][0].seq_len, reset_positions=documents == "positions"))
 
 
 class Refused:
