@@ -185,14 +185,7 @@ class TokenLoader(PrefetchingLoader):
                 f"data loader state is for {state['num_windows']} windows of seq_len {state['seq_len']}, this data has "
                 f"{self.windows.num_windows} of seq_len {self.windows.seq_len}; resume with the same data and seq_len"
             )
-        if int(state["seed"]) != self.seed:
-            raise DataError(f"data loader state used seed {state['seed']}, the run uses {self.seed}; "
-                            "resume with the same training.seed")
-        if int(state["dp_world_size"]) != self.dp_world_size and not allow_reshard:
-            raise DataError(
-                f"data loader state was saved with dp_world_size {state['dp_world_size']}, the run has "
-                f"{self.dp_world_size}; resume with the same data-parallel size or allow resharding the data"
-            )
+        self._check_run(state, self.seed, allow_reshard)
         self.close()
         self.epoch, self.pos = wrap(int(state["epoch"]), int(state["pos"]), self.step, self.windows.num_windows)
 

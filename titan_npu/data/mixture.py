@@ -215,13 +215,7 @@ class MixtureLoader(PrefetchingLoader):
         if int(state["seq_len"]) != self.windows[0].seq_len:
             raise DataError(f"data loader state is for seq_len {state['seq_len']}, this run has "
                             f"{self.windows[0].seq_len}; resume with the same training.seq_len")
-        if int(state["seed"]) != self.seed:
-            raise DataError(f"data loader state used seed {state['seed']}, the run uses {self.seed}; "
-                            "resume with the same training.seed")
-        if int(state["dp_world_size"]) != self.dp_world_size and not allow_reshard:
-            raise DataError(
-                f"data loader state was saved with dp_world_size {state['dp_world_size']}, the run has "
-                f"{self.dp_world_size}; resume with the same data-parallel size or allow resharding the data")
+        self._check_run(state, self.seed, allow_reshard)
         saved: dict = state["sources"]
         for name, w in zip(self.names, self.windows):
             if name in saved and int(saved[name]["num_windows"]) != w.num_windows:

@@ -123,3 +123,14 @@ class PrefetchingLoader:
     def close(self) -> None:
         """Stop the prefetch workers (they restart on the next batch)."""
         self._iter = None
+
+    def _check_run(self, state: dict, seed: int, allow_reshard: bool) -> None:
+        """DataError when a saved loader state was made with another seed, or another data-parallel size that the
+        caller does not allow to reshard."""
+        if int(state["seed"]) != seed:
+            raise DataError(f"data loader state used seed {state['seed']}, the run uses {seed}; "
+                            "resume with the same training.seed")
+        if int(state["dp_world_size"]) != self.dp_world_size and not allow_reshard:
+            raise DataError(
+                f"data loader state was saved with dp_world_size {state['dp_world_size']}, the run has "
+                f"{self.dp_world_size}; resume with the same data-parallel size or allow resharding the data")
