@@ -104,29 +104,14 @@ def load_checkpoint_model(ckpt: Path, config: str | None, tokenizer_spec: str | 
     """(model, tokenizer, checkpoint path, DeviceInfo) of a checkpoint on this process's device: its full weights
     (DCP checkpoints hold no layout), the model its checkpoint.json records, the run's tokenizer."""
     from titan_npu.checkpoint.fit import load_model
-    from titan_npu.checkpoint.formats import read_weights
-    from titan_npu.commands.generate import _dtype, say_what_the_config_loses
-    from titan_npu.config.loader import load_config
+    from titan_npu.commands.generate import _dtype, read_for_inference
     from titan_npu.data import build_tokenizer
     from titan_npu.device import setup_device
-    from titan_npu.models.registry import build_model_args
-    from titan_npu.tools.generate import find_config, resolve_checkpoint
+    from titan_npu.tools.generate import resolve_checkpoint
 
     ckpt = resolve_checkpoint(ckpt)
-    config_path = Path(config) if config else find_config(ckpt)
-    cfg = load_config(config_path) if config_path is not None else None
-    if cfg is None and not tokenizer_spec:
-        raise ConfigError(f"no config.toml beside {ckpt} (looked in its folder and two above); pass --config with "
-                          "the config the model was trained with (or --tokenizer for a checkpoint that has shapes)")
-    weights = read_weights(ckpt)
-    model_args = weights.args
-    if model_args is None:
-        if cfg is None:
-            raise ConfigError(f"{ckpt} records no model shapes; pass --config with the config it was trained with")
-        model_args = build_model_args(cfg.model)
-    elif cfg is not None:
-        say_what_the_config_loses(ckpt, config_path, model_args, build_model_args(cfg.model), bool(config), "eval")
-    tokenizer = build_tokenizer(tokenizer_spec or cfg.data.tokenizer)
+    weights, model_args, tokenizer_spec = read_for_inference(ckpt, config, tokenizer_spec, "eval")
+    tokenizer = build_tokenizer(tokenizer_spec)
     device = setup_device()
     try:
         model = load_model(weights.state_dict, model_args, device.torch_device, _dtype(dtype, device.type))

@@ -50,32 +50,15 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--prompt is not UTF-8 text (byte 0x{ord(args.prompt[e.start]) & 0xFF:02x} at character "
                           f"{e.start + 1}); pass the prompt in UTF-8 (check the terminal's locale)") from None
     from titan_npu.checkpoint.fit import load_model
-    from titan_npu.checkpoint.formats import read_weights
-    from titan_npu.config.loader import load_config
     from titan_npu.data import build_tokenizer
     from titan_npu.device import setup_device
-    from titan_npu.models.registry import build_model_args
-    from titan_npu.tools.generate import banned_token_mask, find_config, generate, resolve_checkpoint
+    from titan_npu.tools.generate import banned_token_mask, generate, resolve_checkpoint
 
     ckpt = Path(args.checkpoint)
     if not ckpt.exists():
         raise CheckpointError(f"--checkpoint {ckpt} does not exist; give a .pt file or a checkpoint directory")
-    ckpt = resolve_checkpoint(ckpt)
-    config_path = Path(args.config) if args.config else find_config(ckpt)
-    cfg = load_config(config_path) if config_path is not None else None
-    if cfg is None and not args.tokenizer:
-        raise ConfigError(f"no config.toml beside {ckpt} (looked in its folder and two above); pass --config with "
-                          "the config the model was trained with (or --tokenizer for a checkpoint that has shapes)")
-    weights = read_weights(ckpt)
-    # Shapes recorded with the weights (DCP checkpoint.json, Hugging Face config.json) win over the config's.
-    model_args = weights.args
-    if model_args is None:
-        if cfg is None:
-            raise ConfigError(f"{ckpt} records no model shapes; pass --config with the config it was trained with")
-        model_args = build_model_args(cfg.model)
-    elif cfg is not None:
-        say_what_the_config_loses(ckpt, config_path, model_args, build_model_args(cfg.model), bool(args.config))
-    tokenizer = build_tokenizer(args.tokenizer or cfg.data.tokenizer)
+    weights, model_args, tokenizer_spec = read_for_inference(resolve_checkpoint(ckpt), args.config, args.tokenizer)
+    tokenizer = build_tokenizer(tokenizer_spec)
 
     device = setup_device()
     model = load_model(weights.state_dict, model_args, device.torch_device, _dtype(args.dtype, device.type))
@@ -116,6 +99,32 @@ def main(argv: list[str]) -> int:
               f"were not generated ({cut} of {len(samples)} sample(s) reached the end); use a shorter --prompt or "
               f"a model with a longer context", file=sys.stderr)
     return 0
+
+
+def read_for_inference(ckpt: Path, config: str | None, tokenizer: str | None, command: str = "generate"
+                       ) -> tuple[Any, Any, str]:
+    """(weights, model args, tokenizer spec) that `generate` and `eval` read a checkpoint with: the shapes recorded
+    with the weights (DCP checkpoint.json, Hugging Face config.json) win over the config's, and what the config
+    loses is said (say_what_the_config_loses); the config is the one given or found beside the checkpoint."""
+    from titan_npu.checkpoint.formats import read_weights
+    from titan_npu.config.loader import load_config
+    from titan_npu.models.registry import build_model_args
+    from titan_npu.tools.generate import find_config
+
+    config_path = Path(config) if config else find_config(ckpt)
+    cfg = load_config(config_path) if config_path is not None else None
+    if cfg is None and not tokenizer:
+        raise ConfigError(f"no config.toml beside {ckpt} (looked in its folder and two above); pass --config with "
+                          "the config the model was trained with (or --tokenizer for a checkpoint that has shapes)")
+    weights = read_weights(ckpt)
+    model_args = weights.args
+    if model_args is None:
+        if cfg is None:
+            raise ConfigError(f"{ckpt} records no model shapes; pass --config with the config it was trained with")
+        model_args = build_model_args(cfg.model)
+    elif cfg is not None:
+        say_what_the_config_loses(ckpt, config_path, model_args, build_model_args(cfg.model), bool(config), command)
+    return weights, model_args, tokenizer or cfg.data.tokenizer
 
 
 def say_what_the_config_loses(ckpt: Path, config_path: Path, recorded: Any, configured: Any, explicit: bool,

@@ -17,16 +17,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset, Sampler
 
 from titan_npu.config.mixture import sources_of
 from titan_npu.config.schema import DataSource, JobConfig
 from titan_npu.data.datasets import TokenDataset, open_dataset, verify_dataset
 from titan_npu.data.tokenizer import Tokenizer
-from titan_npu.data.windows import PackedWindows, Refused
+from titan_npu.data.windows import PackedWindows, PrefetchingLoader, Refused, batch_of
 from titan_npu.errors import DataError
-from titan_npu.ops.documents import Documents
-from titan_npu.reliability.preemption import leave_signals_to_parent
 
 if TYPE_CHECKING:
     from titan_npu.data.mixture import MixtureLoader
@@ -78,19 +76,7 @@ class _BatchDataset(Dataset):
         epoch, pos = key
         first = pos + self.dp_rank * self.batch_size
         ids = self.permutation(epoch)[first : first + self.batch_size]
-        rows = np.stack([self.windows.window(int(w)) for w in ids])
-        if self.vocab_limit is not None and rows.size and int(rows.max()) >= self.vocab_limit:
-            w = next(int(w) for w, row in zip(ids, rows) if int(row.max()) >= self.vocab_limit)
-            where, top = self.windows.first_over(w, self.vocab_limit)
-            raise DataError(f"{where} holds token id {top} but model.vocab_size is {self.vocab_limit} (an id its "
-                            "index did not show: the data changed after it was prepared?); re-tokenise the data "
-                            "(re-run titan-npu prepare-data into a new --output)")
-        batch = torch.from_numpy(rows.astype(np.int64))
-        if not self.documents:
-            return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        documents = Documents.from_starts([self.windows.doc_starts(int(w)) for w in ids], self.windows.seq_len,
-                                          reset_positions=self.documents == "positions")
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), documents
+        return batch_of([(self.windows, int(w)) for w in ids], self.vocab_limit, self.documents)
 
 
 class _CursorSampler(Sampler):
@@ -111,7 +97,7 @@ def wrap(epoch: int, pos: int, step: int, num_windows: int) -> tuple[int, int]:
     return (epoch + 1, 0) if pos + step > num_windows else (epoch, pos)
 
 
-class TokenLoader:
+class TokenLoader(PrefetchingLoader):
     """Infinite iterator of (inputs, labels) LongTensors [batch_size, seq_len], with documents="mask" or
     "positions" (inputs, labels, Documents); state_dict() / load_state_dict()."""
 
@@ -136,30 +122,12 @@ class TokenLoader:
         self._dataset = _BatchDataset(windows, batch_size, dp_rank, seed, shuffle, documents, vocab_limit)
         self._iter: Iterator | None = None
 
-    @property
-    def step(self) -> int:
-        """Windows consumed per global step (all dp ranks together)."""
-        return self.batch_size * self.dp_world_size
-
-    def __iter__(self) -> TokenLoader:
-        return self
-
     def __next__(self) -> tuple:
         if self.max_epochs and self.epoch >= self.max_epochs:
             raise DataError(f"data source {self.name!r} ({self.windows.dataset.description}) has been read "
                             f"{self.epoch} time(s), its max_epochs = {self.max_epochs}; raise its max_epochs or give "
                             "it more data")
-        if self._iter is None:
-            sampler = _CursorSampler(self.epoch, self.pos, self.step, self.windows.num_windows)
-            loader = DataLoader(self._dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
-                                pin_memory=self.pin_memory, prefetch_factor=2 if self.num_workers else None,
-                                worker_init_fn=leave_signals_to_parent if self.num_workers else None)
-            self._iter = iter(loader)
-        batch = next(self._iter)
-        if isinstance(batch, Refused):
-            self.close()
-            raise DataError(batch.message)
-        # What was handed out, not what the workers prefetched, is the state.
+        batch = self._next_batch(lambda: _CursorSampler(self.epoch, self.pos, self.step, self.windows.num_windows))
         epoch = self.epoch
         self.epoch, self.pos = wrap(self.epoch, self.pos + self.step, self.step, self.windows.num_windows)
         if self.epoch > epoch and self.split == "train" and self.dp_rank == 0:
@@ -217,14 +185,7 @@ class TokenLoader:
                 f"data loader state is for {state['num_windows']} windows of seq_len {state['seq_len']}, this data has "
                 f"{self.windows.num_windows} of seq_len {self.windows.seq_len}; resume with the same data and seq_len"
             )
-        if int(state["seed"]) != self.seed:
-            raise DataError(f"data loader state used seed {state['seed']}, the run uses {self.seed}; "
-                            "resume with the same training.seed")
-        if int(state["dp_world_size"]) != self.dp_world_size and not allow_reshard:
-            raise DataError(
-                f"data loader state was saved with dp_world_size {state['dp_world_size']}, the run has "
-                f"{self.dp_world_size}; resume with the same data-parallel size or allow resharding the data"
-            )
+        self._check_run(state, self.seed, allow_reshard)
         self.close()
         self.epoch, self.pos = wrap(int(state["epoch"]), int(state["pos"]), self.step, self.windows.num_windows)
 
@@ -234,11 +195,6 @@ class TokenLoader:
         first = pos + self.dp_rank * self.batch_size
         ids = self._dataset.permutation(epoch)[first : first + self.batch_size]
         return [self.windows.doc_starts(int(w)) for w in ids]
-
-    def close(self) -> None:
-        """Stop the prefetch workers (they restart on the next batch)."""
-        self._iter = None
-
 
 def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer | None, dp_rank: int, dp_world_size: int,
                      split: str = "train", device_type: str = "cpu", model_vocab_size: int | None = None,

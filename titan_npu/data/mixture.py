@@ -20,13 +20,10 @@ from collections import deque
 from collections.abc import Iterator
 
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset, Sampler
 
-from titan_npu.data.windows import PackedWindows, Refused
+from titan_npu.data.windows import PackedWindows, PrefetchingLoader, Refused, batch_of
 from titan_npu.errors import DataError
-from titan_npu.ops.documents import Documents
-from titan_npu.reliability.preemption import leave_signals_to_parent
 
 log = logging.getLogger("titan_npu")
 STATE_KIND = "mixture"
@@ -111,20 +108,7 @@ class _MixtureBatches(Dataset):
             if perm is None or perm[0] != epoch:
                 perm = self._permutation(s, epoch)
             rows.append((s, int(perm[1][i])))
-        batch_np = np.stack([windows[s].window(w) for s, w in rows])
-        if self.vocab_limit is not None and int(batch_np.max()) >= self.vocab_limit:
-            s, w = next((s, w) for (s, w), row in zip(rows, batch_np) if int(row.max()) >= self.vocab_limit)
-            where, top = self.windows[s].first_over(w, self.vocab_limit)
-            raise DataError(f"{where} holds token id {top} but model.vocab_size is {self.vocab_limit} (an id its "
-                            "index did not show: the data changed after it was prepared?); re-tokenise the data "
-                            "(re-run titan-npu prepare-data into a new --output)")
-        batch = torch.from_numpy(batch_np.astype(np.int64))
-        if not self.documents:
-            return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        seq_len = self.windows[0].seq_len
-        documents = Documents.from_starts([self.windows[s].doc_starts(w) for s, w in rows], seq_len,
-                                          reset_positions=self.documents == "positions")
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), documents
+        return batch_of([(windows[s], w) for s, w in rows], self.vocab_limit, self.documents)
 
 
 def rank_rows(blend: Blend, batch_size: int, dp_rank: int, dp_world_size: int) -> tuple[tuple[int, int], ...]:
@@ -148,7 +132,7 @@ class _StepSampler(Sampler):
             yield key
 
 
-class MixtureLoader:
+class MixtureLoader(PrefetchingLoader):
     """Infinite iterator of (inputs, labels[, documents]) drawn from named, weighted sources; state_dict() /
     load_state_dict(); source_tokens() for the accounting."""
 
@@ -171,26 +155,8 @@ class MixtureLoader:
         self._iter: Iterator | None = None
         self._sampler: _StepSampler | None = None
 
-    @property
-    def step(self) -> int:
-        """Windows consumed per global step (all dp ranks together)."""
-        return self.batch_size * self.dp_world_size
-
-    def __iter__(self) -> MixtureLoader:
-        return self
-
     def __next__(self) -> tuple:
-        if self._iter is None:
-            self._sampler = sampler = _StepSampler(self.blend, self.batch_size, self.dp_rank, self.dp_world_size)
-            loader = DataLoader(self._dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
-                                pin_memory=self.pin_memory, prefetch_factor=2 if self.num_workers else None,
-                                worker_init_fn=leave_signals_to_parent if self.num_workers else None)
-            self._iter = iter(loader)
-        batch = next(self._iter)
-        if isinstance(batch, Refused):
-            self.close()
-            raise DataError(batch.message)
-        # What was handed out, not what the workers prefetched, is the state.
+        batch = self._next_batch(self._new_sampler)
         before = self.blend.counts
         self.blend.counts = self._sampler.after.popleft()
         self._log_new_epochs(before)
@@ -249,13 +215,7 @@ class MixtureLoader:
         if int(state["seq_len"]) != self.windows[0].seq_len:
             raise DataError(f"data loader state is for seq_len {state['seq_len']}, this run has "
                             f"{self.windows[0].seq_len}; resume with the same training.seq_len")
-        if int(state["seed"]) != self.seed:
-            raise DataError(f"data loader state used seed {state['seed']}, the run uses {self.seed}; "
-                            "resume with the same training.seed")
-        if int(state["dp_world_size"]) != self.dp_world_size and not allow_reshard:
-            raise DataError(
-                f"data loader state was saved with dp_world_size {state['dp_world_size']}, the run has "
-                f"{self.dp_world_size}; resume with the same data-parallel size or allow resharding the data")
+        self._check_run(state, self.seed, allow_reshard)
         saved: dict = state["sources"]
         for name, w in zip(self.names, self.windows):
             if name in saved and int(saved[name]["num_windows"]) != w.num_windows:
@@ -278,9 +238,9 @@ class MixtureLoader:
         self.retired = retired
         self.blend = Blend(self.blend.weights, counts, base)
 
-    def close(self) -> None:
-        """Stop the prefetch workers (they restart on the next batch)."""
-        self._iter = None
+    def _new_sampler(self) -> _StepSampler:
+        self._sampler = _StepSampler(self.blend, self.batch_size, self.dp_rank, self.dp_world_size)
+        return self._sampler
 
 
 def _same_weights(old: dict[str, float], new: dict[str, float]) -> bool:
