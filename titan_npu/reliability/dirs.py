@@ -42,7 +42,10 @@ def check_output_folders(cfg: JobConfig) -> None:
         if problem:
             raise ConfigError(f"{key} = {path} cannot be created or written: {problem}; "
                               f"pass --{key} a folder this user can create or write")
-    check_output_contents(cfg)
+    # What the folders hold is rank 0's to judge: it writes them, and another rank of the same job could look while
+    # rank 0 (already started) writes a step or the run's config.toml.
+    if os.environ.get("RANK", "0") in ("", "0"):
+        check_output_contents(cfg)
 
 
 def check_output_contents(cfg: JobConfig) -> None:
