@@ -155,3 +155,15 @@ def test_exported_config_declares_no_multi_token_prediction_layer():
     config = get_spec("glm4_moe").hf.config(SHAPES["qk-norm-groups"])
     assert config["num_nextn_predict_layers"] == 0 and json.dumps(config)
     assert transformers.AutoConfig.for_model(**config).num_nextn_predict_layers == 0
+
+
+def test_cached_decoding_of_the_partly_rotated_model_equals_its_full_forward():
+    from titan_npu.tools.generate import CachedLlama
+
+    _, ours = _pair("qk-norm-groups", seed=12)
+    tokens = random_tokens(SHAPES["qk-norm-groups"].vocab_size, 20, 13)
+    full = logits(ours, tokens)
+    dec = CachedLlama(ours, max_len=20, batch_size=2)
+    cached = torch.cat([dec.forward(tokens[:, :12], 0), *[dec.forward(tokens[:, i:i + 1], i) for i in range(12, 20)]],
+                       dim=1)
+    assert (cached - full).abs().max().item() < TOL
