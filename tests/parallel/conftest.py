@@ -91,6 +91,12 @@ TWO_RANKS += [Case("qwen3_next_fsdp_ep2", ["--parallel.ep_degree=2"], "ref_b8", 
               Case("qwen3_5_fsdp", [], "ref_b8", "qwen3_5"),
               Case("qwen3_5_tp", ["--parallel.tp_degree=2"], "ref_b4", "qwen3_5")]
 
+# GLM-4.5 (partial RoPE, the score-correction bias moved from the load summed over the ranks) under FSDP 2 with its
+# experts split over the 2 ranks, under TP 2 (the partly rotated heads split) and in two pipeline stages.
+TWO_RANKS += [Case("glm4_moe_fsdp_ep2", ["--parallel.ep_degree=2"], "ref_b8", "glm4_moe"),
+              Case("glm4_moe_tp", ["--parallel.tp_degree=2"], "ref_b4", "glm4_moe"),
+              Case("glm4_moe_pp_1f1b", ["--parallel.pp_degree=2", "--parallel.pp_schedule=1F1B"], "ref_b4", "glm4_moe")]
+
 CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # With -m slow: Qwen2 under FSDP alone and TP alone; qwen2_fsdp2_tp2 (its biases FSDP-sharded after their TP cut)
 # stays in the default run, with test_tp_gradients.py's qwen2_tp2 (the biases' TP gradients). Qwen3 under FSDP alone
@@ -100,9 +106,10 @@ CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # Qwen3-MoE's pipeline layouts run by default).
 # Qwen3 at tp 2 x pp 2 (4 ranks, the slowest default case) composes tp2_pp2 (TP inside pipeline stages), qwen3_tp (its
 # head-sharded q/k norms under TP) and qwen3_pp_1f1b (its untied output across stages). Qwen3.5 dense under FSDP and
-# under TP (its token mixers are Qwen3-Next's, which the default run splits both ways).
+# under TP (its token mixers are Qwen3-Next's, which the default run splits both ways). GLM-4.5 in two pipeline stages
+# (the MoE decoder's split, which Qwen3-MoE's pipeline layouts run by default).
 SLOW_CASES = ("qwen2_fsdp", "qwen2_tp", "qwen3_fsdp", "pp_gpipe", "gpt_oss_fsdp", "gpt_oss_pp_1f1b", "qwen3_tp2_pp2",
-              "qwen3_5_fsdp", "qwen3_5_tp")
+              "qwen3_5_fsdp", "qwen3_5_tp", "glm4_moe_pp_1f1b")
 
 # float8 in torchao's emulation (docs/float8.md), FSDP 2 x TP 2 against one process in float8: tensorwise (the weights
 # all-gathered in float8 with their scales precomputed after each step, torchao's float8 TP styles) and rowwise

@@ -44,6 +44,11 @@ MODELS = {
     "qwen3_next": {**_HYBRID, "name": "qwen3_next", "n_experts": 4, "top_k": 2, "moe_ffn_dim": 64,
                    "shared_ffn_dim": 32},
     "qwen3_5": {**_HYBRID, "name": "qwen3_5", "flavor": "debug-dense", "ffn_dim": 128},
+    # GLM-4.5: q/k/v biases, q/k norms, a quarter of each head rotated, the first layer dense, 4 experts in 2 groups
+    # (top-2 from the best one) by sigmoid scores with the score-correction bias moving each step, one shared expert.
+    "glm4_moe": {**MODEL, "name": "glm4_moe", "flavor": "debug", "head_dim": 16, "ffn_dim": 128,
+                 "partial_rotary_factor": 0.25, "n_experts": 4, "top_k": 2, "moe_ffn_dim": 64, "n_groups": 2,
+                 "topk_groups": 1, "score_bias_rate": 0.01},
 }
 
 

@@ -56,6 +56,8 @@ TWO_RANKS = [
     Case("ulysses_cp2_compile", ["--parallel.cp_degree=2", "--parallel.cp_mode=ulysses", "--compile.enable=true"],
          "ref_b4"),
     Case("qwen3_ulysses_cp2", ["--parallel.cp_degree=2", "--parallel.cp_mode=ulysses"], "ref_b4", "qwen3"),
+    # GLM-4.5: partial RoPE at each chunk's true positions, the score bias moved from the load over the cp ranks.
+    Case("glm4_moe_cp2", ["--parallel.cp_degree=2"], "ref_b4", "glm4_moe"),
 ]
 FOUR_RANKS = [
     Case("cp4", ["--parallel.cp_degree=4"], "ref_b4"),
@@ -86,9 +88,10 @@ CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # through the ring; test_loss_parity.py's qwen2_fsdp2_tp2: Qwen2's biases) and Qwen3 at fsdp 2 x cp 2 (fsdp2_cp2
 # and qwen3_cp2).
 # Qwen3's Ulysses cp 2 x tp 2 (4 ranks) composes cp2_tp2 (the tp ranks splitting each cp rank's chunks) and
-# qwen3_ulysses_cp2 (Qwen3's q/k norms through Ulysses).
+# qwen3_ulysses_cp2 (Qwen3's q/k norms through Ulysses). GLM-4.5's ring cp 2 (its attention's positions are the
+# decoder's, which cp2 runs).
 SLOW_CASES = ("qwen3_ulysses_cp2_pp2_interleaved", "cp2_ac_selective_ops", "ulysses_cp2_compile", "qwen2_cp2",
-              "qwen3_fsdp2_cp2", "qwen3_ulysses_cp2_tp2")
+              "qwen3_fsdp2_cp2", "qwen3_ulysses_cp2_tp2", "glm4_moe_cp2")
 
 RESUME_BASE = ["--parallel.cp_degree=2", "--lr_scheduler.decay_type=constant"]
 

@@ -4,7 +4,10 @@ multi-head latent attention, the MoE routing and YaRN RoPE; the published flavor
 
 Flavors (Hugging Face config.json of each): 671B is deepseek-ai/DeepSeek-V3; 236B is DeepSeek-V2's shapes and
 16B DeepSeek-V2-Lite's, both routed the V3 way (sigmoid scores, score bias), as torchtitan's flavors of those sizes
-are; debug is a tiny model for CPU runs and tests.
+are; debug is a tiny model for CPU runs and tests. kimi-k2 is Moonshot AI's Kimi K2 (moonshotai/Kimi-K2-Base and
+Kimi-K2-Instruct config.json, model_type "kimi_k2" on DeepseekV3ForCausalLM): DeepSeek-V3's architecture with 384
+routed experts in one group, 64 heads, one dense layer, no multi-token prediction, rope_theta 50000 and YaRN 32x from
+4096 positions with both ramp bounds at 1 rotation (1.026T parameters, 32.9B active).
 """
 
 from __future__ import annotations
@@ -72,6 +75,12 @@ FLAVORS: dict[str, dict[str, Any]] = {
                  v_head_dim=128, n_experts=256, top_k=8, moe_ffn_dim=2048, n_shared_experts=1, n_groups=8,
                  topk_groups=4, route_scale=2.5, norm_topk_prob=True, first_k_dense=3, yarn_mscale=1.0,
                  yarn_mscale_all_dim=1.0, **_YARN_40),
+    "kimi-k2": dict(dim=7168, n_layers=61, n_heads=64, vocab_size=163840, ffn_dim=18432, norm_eps=1e-6,
+                    rope_theta=50000.0, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                    v_head_dim=128, n_experts=384, top_k=8, moe_ffn_dim=2048, n_shared_experts=1, n_groups=1,
+                    topk_groups=1, route_scale=2.827, norm_topk_prob=True, first_k_dense=1, max_seq_len=131072,
+                    yarn_factor=32.0, yarn_original_seq_len=4096, yarn_beta_fast=1.0, yarn_beta_slow=1.0,
+                    yarn_mscale=1.0, yarn_mscale_all_dim=1.0),
 }
 
 

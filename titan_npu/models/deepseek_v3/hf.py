@@ -1,4 +1,5 @@
-"""DeepSeek-V3 weights and config between ours and Hugging Face's (DeepseekV3ForCausalLM).
+"""DeepSeek-V3 weights and config between ours and Hugging Face's (DeepseekV3ForCausalLM; Kimi K2's checkpoints, whose
+config.json says model_type "kimi_k2" on that architecture, read the same way).
 
 Names map one to one (no row permutation: both keep DeepSeek's interleaved RoPE pairs), except the routed experts,
 stacked here for the grouped GEMM and one tensor per expert in Hugging Face files:
@@ -217,8 +218,9 @@ def _mtp_layer_keys(args: DeepSeekArgs, layer: int) -> list[str]:
 
 def args_from_hf_config(config: dict[str, Any]) -> DeepSeekArgs:
     """DeepSeek-V3's args from a Hugging Face DeepseekV3ForCausalLM config.json, refusing what the model cannot be."""
-    if config.get("model_type", "deepseek_v3") != "deepseek_v3":
-        raise CheckpointError(f"config.json model_type='{config.get('model_type')}' is not 'deepseek_v3'")
+    if config.get("model_type", "deepseek_v3") not in ("deepseek_v3", "kimi_k2"):
+        raise CheckpointError(f"config.json model_type='{config.get('model_type')}' is not 'deepseek_v3' (or Kimi K2's "
+                              f"'kimi_k2', the same architecture)")
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                            "intermediate_size", "moe_intermediate_size", "n_routed_experts", "kv_lora_rank",
                            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if k not in config]

@@ -17,10 +17,13 @@ from titan_npu.models.spec import HFAdapter, ModelSpec
 
 DEEPSEEK_V3 = ModelSpec(
     name="deepseek_v3",
-    description="DeepSeek-V3 (MLA, sigmoid group-limited MoE; 16B, 236B, 671B)",
+    description="DeepSeek-V3 (MLA, sigmoid group-limited MoE; 16B, 236B, 671B; Kimi K2 1T)",
     flavors=FLAVORS,
-    # "deepseek_v3", "deepseek-v3", "deepseekv3"; a size names the flavor: "deepseek_v3_671b".
-    name_pattern=re.compile(r"deepseek[-_ ]?v3(?:[-_ ](?P<size>16|236|671)b)?", re.IGNORECASE),
+    # "deepseek_v3", "deepseek-v3", "deepseekv3"; a size names the flavor: "deepseek_v3_671b"; "kimi_k2", "kimi-k2"
+    # name the Kimi K2 flavor.
+    name_pattern=re.compile(r"deepseek[-_ ]?v3(?:[-_ ](?P<size>16|236|671)b)?|(?P<version>kimi[-_ ]?k2)",
+                            re.IGNORECASE),
+    versioned_flavor=lambda version, size: size if version is None else "kimi-k2",
     model_keys=DEEPSEEK_KEYS,
     build_args=build_args,
     build_model=DeepSeekTransformer,
@@ -33,7 +36,7 @@ DEEPSEEK_V3 = ModelSpec(
     model_lines=cost.model_lines,
     bias_update_rate=lambda args: args.score_bias_rate,
     extra_blocks=lambda args: (args.mtp_depth, "mtp_depth"),
-    hf=HFAdapter(model_types=("deepseek_v3",), args_from_config=hf.args_from_hf_config, config=hf.hf_config,
+    hf=HFAdapter(model_types=("deepseek_v3", "kimi_k2"), args_from_config=hf.args_from_hf_config, config=hf.hf_config,
                  to_hf=hf.to_hf, from_hf=hf.from_hf, hf_name=hf.hf_name, from_hf_layout=hf.from_hf_layout,
                  stacked_names=hf.stacked_names, held_model=hf.held_model),
     args_from_dict=args_from_dict,
