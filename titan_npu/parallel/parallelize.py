@@ -35,6 +35,11 @@ def build_model_parts(
     that dtype."""
     with torch.device("meta"):
         model = spec.build_model(model_args)
+    if cfg.lora.enable:  # frozen weights, trainable adapters: before the split and every parallelism
+        from titan_npu.config.schema import LORA_DEFAULT_TARGETS
+        from titan_npu.lora.apply import apply_lora
+
+        apply_lora(model, cfg.lora, LORA_DEFAULT_TARGETS)
     if param_dtype is not None:  # free on meta
         model.to(param_dtype)
     stage_ids, parts = split_for_pipeline(spec, model, dims, cfg) if dims.pp_enabled else ([0], [model])

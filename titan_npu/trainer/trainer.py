@@ -245,6 +245,11 @@ class Trainer:
             self.device.type, self.device.name, self.device.backend,
         )
         log.info("layout: %s", self.dims.describe())
+        if self.cfg.lora.enable:
+            trainable = sum(p.numel() for part in self.model_parts for p in part.parameters() if p.requires_grad)
+            lora = self.cfg.lora
+            log.info("lora: rank %d, alpha %g on %s; %.3fM trainable parameters on this rank (the rest frozen)",
+                     lora.rank, lora.alpha, ", ".join(lora.target_modules), trainable / 1e6)
         if self.pipeline is not None:
             p = self.cfg.parallel
             log.info("pipeline: %s, %d stages (%d on this rank), %d microbatches of %d sequences per step",
@@ -329,7 +334,7 @@ class Trainer:
                 loss_sum += self.forward_backward(inputs, labels, 1.0 / accum, docs)
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
-        params = [p for part in self.model_parts for p in part.parameters()]
+        params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]  # LoRA: adapters
         if self.replicas is not None:  # before clipping: every replica group clips the same averaged gradients
             self.replicas.average_gradients(params)
         # The norm over every parameter of the model, wherever its shards and stages live.
