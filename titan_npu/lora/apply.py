@@ -7,7 +7,9 @@ name (`layers.*.attention.wq`) or its last component (`wq`), as peft matches tar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fnmatch import fnmatchcase
+from functools import partial
 from typing import Any
 
 from torch import nn
@@ -61,3 +63,12 @@ def apply_lora(model: nn.Module, cfg: Any, defaults: list[str]) -> list[str]:
     for name in names:
         add_adapter(model.get_submodule(name), cfg.rank, factor, cfg.dropout)
     return names
+
+
+def lora_adapter(cfg: Any) -> Callable[[nn.Module], list[str]] | None:
+    """apply_lora with [lora] `cfg` (its default targets the schema's), for the model builder; None when LoRA is off."""
+    if not cfg.enable:
+        return None
+    from titan_npu.config.schema import LORA_DEFAULT_TARGETS
+
+    return partial(apply_lora, cfg=cfg, defaults=LORA_DEFAULT_TARGETS)

@@ -25,6 +25,7 @@ from titan_npu.device import (
     setup_device,
     synchronize,
 )
+from titan_npu.lora.apply import lora_adapter
 from titan_npu.metrics import (
     MetricsLogger,
     Progress,
@@ -151,7 +152,7 @@ class Trainer:
         # in bf16.
         stage_ids, self.model_parts = build_model_parts(spec_of(self.model_args), cfg, self.dims, self.model_args,
                                                         self.device.torch_device,
-                                                        self.pure_dtype)
+                                                        self.pure_dtype, adapt=lora_adapter(cfg.lora))
         self.model = self.model_parts[0]
         # A MoE model's auxiliary loss joins the optimised loss; its routing is logged (inert for dense models).
         self.routing = RoutingMeter(self.model)
