@@ -25,7 +25,10 @@ def adapter_placements(weight_placement) -> tuple[Replicate | Shard, Replicate |
 
 
 def place_adapters(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Give every adapter of `model` (on meta, tensor-parallelised) the placements of adapter_placements."""
+    """Give every adapter of `model` (on meta, tensor-parallelised) the placements of adapter_placements, and
+    freeze again what the plan's styles made trainable (torch's SequenceParallel re-creates the norm weights as
+    parameters that require gradients): a model with adapters trains them alone."""
+    adapted = False
     for module in model.modules():
         if not hasattr(module, "lora_A") or not isinstance(module.weight, DTensor):
             continue
@@ -35,3 +38,8 @@ def place_adapters(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             whole = torch.empty(param.shape, dtype=param.dtype, device="meta")
             module.register_parameter(name, nn.Parameter(distribute_tensor(whole, tp_mesh, [placement]),
                                                          requires_grad=param.requires_grad))
+        adapted = True
+    if adapted:
+        for name, param in model.named_parameters():
+            if name.rsplit(".", 1)[-1] not in ("lora_A", "lora_B"):
+                param.requires_grad_(False)
