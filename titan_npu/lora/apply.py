@@ -28,6 +28,11 @@ def matches(name: str, pattern: str) -> bool:
     return fnmatchcase(name, pattern) or fnmatchcase(name.rsplit(".", 1)[-1], pattern)
 
 
+def eligible_name(name: str) -> bool:
+    """Whether a linear of this name may take an adapter (not a router's gate, the output or the embedding)."""
+    return not any(part in _UNWRAPPABLE for part in name.split("."))
+
+
 def target_names(model: nn.Module, patterns: list[str], defaults: list[str]) -> list[str]:
     """The names of the modules `patterns` select, refusing (ConfigError) a module that cannot take an adapter and a
     pattern of the user's that selects nothing (a default that this family lacks, such as MLA's wq_a, is skipped)."""
@@ -38,7 +43,7 @@ def target_names(model: nn.Module, patterns: list[str], defaults: list[str]) -> 
         if not hits:
             continue
         used.update(hits)
-        if not isinstance(module, nn.Linear) or any(part in _UNWRAPPABLE for part in name.split(".")):
+        if not isinstance(module, nn.Linear) or not eligible_name(name):
             what = ("a linear whose weight the model reads directly (router gate, output projection)"
                     if isinstance(module, nn.Linear) else "not a linear layer")
             raise ConfigError(f"lora.target_modules pattern {hits[0]!r} matches {name} ({type(module).__name__}), "
