@@ -110,3 +110,22 @@ def test_peft_loads_our_adapters_onto_the_exported_base_with_our_logits(family, 
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", RANK, ALPHA)
     n_adapted = len(adapters) // 2
     assert len(config["target_modules"]) == n_adapted
+
+
+def test_a_moe_models_mlp_adapters_merge_exactly_but_are_not_written_for_peft(tmp_path, capsys):
+    args = ARGS["qwen3_moe"]
+    _hf_dir(args, tmp_path / "hf")
+    _train_lora(tmp_path, capsys, LORA_DEFAULT_TARGETS)  # the dense layer's MLP too
+    state = torch.load(_export(tmp_path, "full.pt", "--format", "pt"), weights_only=True)
+    assert "layers.0.feed_forward.w1.lora_A" in state
+    tokens = torch.arange(64).remainder(args.vocab_size).reshape(2, 32)
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(
+            _export(tmp_path, "merged", "--format", "hf", "--merge")).eval()
+        assert (merged(tokens).logits - _ours(args, state, LORA_DEFAULT_TARGETS)(tokens)).abs().max().item() < 1e-5
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--format", "peft", "--output",
+                 str(tmp_path / "adapter")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "adapters on the MLP of a MoE model" in err, err
+    assert not (tmp_path / "adapter").exists()

@@ -27,7 +27,14 @@ from titan_npu.checkpoint.dcp_io import load_tensors, read_metadata, tensor_entr
 from titan_npu.data.tokenizer import BYTE_TOKENIZER_NAMES
 from titan_npu.errors import CheckpointError
 from titan_npu.lora.names import ADAPTER_NAMES, adapter_module, is_adapter_name
-from titan_npu.lora.peft import PEFT_CONFIG, PEFT_WEIGHTS, adapter_config, merged, peft_tensors
+from titan_npu.lora.peft import (
+    PEFT_CONFIG,
+    PEFT_WEIGHTS,
+    adapter_config,
+    merged,
+    peft_tensors,
+    refuse_moe_mlp_adapters,
+)
 from titan_npu.models.registry import args_from_dict, spec_of
 
 log = logging.getLogger("titan_npu")
@@ -333,6 +340,7 @@ def _export_peft(weights: Source, model: dict, output: Path, dtype: torch.dtype,
             tensors.update(peft_tensors(adapter, args, m, loaded[f"{m}.lora_A"], loaded[f"{m}.lora_B"]))
     hf_modules = [k.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
                   for k in tensors if k.endswith(".lora_A.weight")]
+    refuse_moe_mlp_adapters(hf_modules, spec_of(args).experts is not None)
     with atomic_dir(output) as tmp:
         save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(tmp / PEFT_WEIGHTS),
                   metadata={"format": "pt"})

@@ -60,6 +60,21 @@ def peft_tensors(adapter: Any, args: Any, module: str, a: torch.Tensor, b: torch
     return {f"{prefix}.lora_A.weight": a[:, cols].contiguous(), f"{prefix}.lora_B.weight": b[rows].contiguous()}
 
 
+# Hugging Face's MLP projection names, which peft (0.21, with transformers 5's weight conversions) takes for the fused
+# tensors of a MoE model's routed experts: adapters on a MoE model's dense or shared-expert MLP never reach them.
+_MOE_RETARGETED = ("gate_proj", "up_proj", "down_proj")
+
+
+def refuse_moe_mlp_adapters(hf_modules: list[str], is_moe: bool) -> None:
+    """CheckpointError when a MoE model's adapters sit on MLP projections that peft would load elsewhere."""
+    mlp = [m for m in hf_modules if m.rsplit(".", 1)[-1] in _MOE_RETARGETED]
+    if is_moe and mlp:
+        raise CheckpointError(f"--format peft: adapters on the MLP of a MoE model ({mlp[0]} and {len(mlp) - 1} more) "
+                              "do not load in peft, which takes gate_proj / up_proj / down_proj of a MoE model for "
+                              "its routed experts; export with --format hf --merge, or train with lora."
+                              "target_modules on the attention projections")
+
+
 def adapter_config(lora: dict[str, Any], hf_modules: list[str]) -> dict[str, Any]:
     """adapter_config.json of peft's LoraConfig for these adapters (`lora`: the checkpoint's record of [lora];
     hf_modules: the Hugging Face modules adapted, listed whole so peft adapts exactly those)."""
