@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_run import refusal_line, snapshot, tiny_args, train_tiny  # noqa: E402
 
 from titan_npu.checkpoint.dcp_io import load_tensors, read_metadata, tensor_entries  # noqa: E402
+from titan_npu.cli import main  # noqa: E402
 from titan_npu.config.schema import LORA_DEFAULT_TARGETS, LoraConfig  # noqa: E402
 from titan_npu.lora.apply import apply_lora  # noqa: E402
 from titan_npu.models.decoder.args import DecoderArgs  # noqa: E402
@@ -99,3 +100,15 @@ def test_export_refuses_peft_and_merge_without_adapters_and_an_existing_output(t
     line = refusal_line(capsys, ["export", "--checkpoint", str(lora), "--format", "peft", "--output",
                                  str(tmp_path / "mine")])
     assert "--output" in line and snapshot(tmp_path) == before, line
+
+
+def test_generate_and_eval_read_a_lora_checkpoint_as_its_merged_model(tmp_path):
+    from titan_npu.checkpoint.formats import read_weights
+
+    ckpt = train_tiny(tmp_path, steps=2, **LORA) / "step-2"
+    assert main(["export", "--checkpoint", str(ckpt), "--format", "pt", "--merge", "--dtype", "fp32", "--output",
+                 str(tmp_path / "merged.pt")]) == 0
+    merged = torch.load(tmp_path / "merged.pt", weights_only=True)
+    read = read_weights(ckpt).state_dict
+    assert read.keys() == merged.keys() and not any(k.endswith(".lora_A") for k in read)
+    assert all(torch.equal(read[k], merged[k]) for k in read)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from titan_npu.errors import CheckpointError
-from titan_npu.lora.names import scaling
+from titan_npu.lora.names import adapter_module, is_adapter_name, scaling
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
@@ -100,3 +100,14 @@ def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lora: dict[st
     """W + scaling B A, in fp32 (the caller casts)."""
     factor = scaling(lora["rank"], lora["alpha"], lora["use_rslora"])
     return weight.float() + factor * (b.float() @ a.float())
+
+
+def merge_adapters(state: dict[str, torch.Tensor], lora: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A state dict with adapters as one without: each adapted weight merged (in its own dtype), the adapters
+    dropped; what generate, eval and initial_load read of a LoRA run's checkpoint."""
+    out = {k: v for k, v in state.items() if not is_adapter_name(k)}
+    for key in [k for k in state if k.endswith(".lora_A")]:
+        module = adapter_module(key)
+        weight = out[f"{module}.weight"]
+        out[f"{module}.weight"] = merged(weight, state[key], state[f"{module}.lora_B"], lora).to(weight.dtype)
+    return out

@@ -359,7 +359,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.grad_scaler is not None and skip is not True:  # the scaler skipped it where the gradients overflowed
             skip = (~torch.isfinite(plain_tensor(grad_norm.detach()))).float()
-        update_score_biases(self.routing, self.dims, skip)  # not on a skipped update
+        if not self.cfg.lora.enable:  # LoRA: the routers' score biases are the frozen base's too
+            update_score_biases(self.routing, self.dims, skip)  # not on a skipped update
         return loss_sum / accum, grad_norm, data_time
 
     def _global_mean(self, value: torch.Tensor) -> float:
