@@ -1,6 +1,6 @@
 """LoRA trains alike in every layout: under FSDP 2 (adapters sharded with their linears' dim 0), FSDP 2 with full
-activation checkpointing and TP 2 (B cut by rows under a column-parallel linear, A by columns under a row-parallel
-one) the per-step losses equal one process's to 1e-5 relative over 10 fp32 steps, and the adapters the last step
+activation checkpointing, TP 2 (B cut by rows under a column-parallel linear, A by columns under a row-parallel
+one) and PP 2 (1F1B; each stage's optimizer takes its own adapters) the per-step losses equal one process's to 1e-5 relative over 10 fp32 steps, and the adapters the last step
 saves equal its to 1e-5 (absolute); the frozen weights stay the seed's. All runs in one 2-rank pool."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ CASES = {
     "lora_fsdp": ([], "lora_ref_b8"),
     "lora_fsdp_ac": (["--activation_checkpoint.mode=full"], "lora_ref_b8"),
     "lora_tp": (["--parallel.tp_degree=2"], "lora_ref_b4"),
+    "lora_pp": (["--parallel.pp_degree=2", "--parallel.pp_schedule=1F1B"], "lora_ref_b4"),
 }
 REFERENCES = {"lora_ref_b4": 4, "lora_ref_b8": 8}
 
