@@ -1,7 +1,8 @@
 """LoRA trains alike in every layout: under FSDP 2 (adapters sharded with their linears' dim 0), FSDP 2 with full
 activation checkpointing, TP 2 (B cut by rows under a column-parallel linear, A by columns under a row-parallel
-one) and PP 2 (1F1B; each stage's optimizer takes its own adapters) the per-step losses equal one process's to 1e-5 relative over 10 fp32 steps, and the adapters the last step
-saves equal its to 1e-5 (absolute); the frozen weights stay the seed's. All runs in one 2-rank pool."""
+one) and PP 2 (1F1B; each stage's optimizer takes its own adapters) the per-step losses equal one process's to 1e-5
+relative over 10 fp32 steps, and the adapters the last step saves equal its to 1e-5 (absolute); the frozen weights
+stay the seed's. All runs in one 2-rank pool; TP 2's adapter gradients are held to one process's too."""
 
 from __future__ import annotations
 
