@@ -93,6 +93,9 @@ def test_export_refuses_peft_and_merge_without_adapters_and_an_existing_output(t
     for flags in (["--format", "peft"], ["--format", "hf", "--merge"]):
         line = refusal_line(capsys, ["export", "--checkpoint", str(plain), "--output", str(tmp_path / "x"), *flags])
         assert "holds no LoRA adapters" in line, line
+    line = refusal_line(capsys, ["export", "--checkpoint", str(plain), "--output", str(tmp_path / "x"), "--format",
+                                 "peft", "--merge"])
+    assert "--merge with --format peft" in line and not (tmp_path / "x").exists(), line
     lora = train_tiny(tmp_path / "lora", steps=1, **LORA)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")

@@ -155,6 +155,9 @@ def export_checkpoint(
     if fmt not in ("pt", "hf", "peft"):
         raise CheckpointError(f"--format {fmt!r} is unknown; use pt (one full state dict file), hf (Hugging Face) "
                               "or peft (LoRA adapters)")
+    if merge and fmt == "peft":
+        raise CheckpointError("--merge with --format peft: peft's files hold the adapters alone; drop --merge, or "
+                              "write merged weights with --format hf --merge")
     storage.check_checkpoint_dir(source)
     check_output(source, output, fmt, overwrite)
     metadata = read_metadata(source)
