@@ -51,6 +51,15 @@ def test_a_lora_run_resumed_from_its_checkpoint_ends_where_an_unbroken_one_does(
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
+def test_resuming_a_lora_checkpoint_with_other_lora_settings_is_refused_in_one_line(tmp_path, capsys):
+    train_tiny(tmp_path, steps=1, **LORA)
+    before = snapshot(tmp_path)
+    for extra in ({**LORA, "lora__rank": 8}, {}):
+        line = refusal_line(capsys, ["train", *tiny_args(tmp_path, training__max_steps=2, **extra)])
+        assert "was trained rank 4 on" in line and "--merge" in line, line
+    assert snapshot(tmp_path) == before
+
+
 def test_adapters_start_as_the_base_model_and_only_they_require_gradients():
     args = DecoderArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=64, max_seq_len=16)
     torch.manual_seed(0)

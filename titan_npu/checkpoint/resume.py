@@ -220,6 +220,14 @@ def _check_fits(path: Path, state: dict[str, Any], run: RunState, model_args: An
         others = {k: v for k, v in section("model.", found).items() if is_adapter_name(k)}
         model_expected = {**model_expected, **others, **adapters}
     problem = describe_mismatch(model_expected, section("model.", found))
+    saved_adapters = {k: v for k, v in section("model.", found).items() if is_adapter_name(k)}
+    if problem and saved_adapters != adapters:
+        saved = storage.read_info(path).get("lora") or {}
+        trained = f"rank {saved['rank']} on {saved['target_modules']}" if saved else "without [lora]"
+        raise CheckpointError(f"checkpoint {path} was trained {trained}, which [lora] here does not match "
+                              f"({problem.split(' -- ')[0]}); resume with the [lora] it was trained with, or export "
+                              f"its merged weights (titan-npu export --format hf --merge) and start a new run from "
+                              f"them (checkpoint.initial_load, another checkpoint.dir)")
     if problem:
         differs = f" ([model] vs the checkpoint's: {', '.join(diffs)}, checkpoint vs this run)" if diffs else ""
         raise CheckpointError(f"checkpoint {path} does not fit the model: {problem}{differs}")
