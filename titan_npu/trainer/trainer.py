@@ -248,9 +248,11 @@ class Trainer:
         log.info("layout: %s", self.dims.describe())
         if self.cfg.lora.enable:
             trainable = sum(p.numel() for part in self.model_parts for p in part.parameters() if p.requires_grad)
+            adapted = sum(hasattr(m, "lora_A") for part in self.model_parts for m in part.modules())
             lora = self.cfg.lora
-            log.info("lora: rank %d, alpha %g on %s; %.3fM trainable parameters on this rank (the rest frozen)",
-                     lora.rank, lora.alpha, ", ".join(lora.target_modules), trainable / 1e6)
+            log.info("lora: rank %d, alpha %g on %d linears of this rank's stages (target_modules %s): %.3fM "
+                     "trainable parameters, the rest frozen", lora.rank, lora.alpha, adapted,
+                     ", ".join(lora.target_modules), trainable / 1e6)
         if self.pipeline is not None:
             p = self.cfg.parallel
             log.info("pipeline: %s, %d stages (%d on this rank), %d microbatches of %d sequences per step",
