@@ -61,4 +61,7 @@ def main(argv: list[str]) -> int:
     total = sum(f.stat().st_size for f in files) / 1e9
     print(f"exported step {ref.step} of {ref.path} as {args.format} ({dtype_name}, {len(files)} file(s), "
           f"{total:.2f} GB) to {args.output}")
+    if args.format == "hf" and not args.merge and storage.read_info(ref.path).get("lora"):
+        print("these are the frozen base weights of a LoRA run: --format peft writes its adapters, --merge folds them "
+              "into the weights")
     return 0
