@@ -125,6 +125,7 @@ def test_config_to_dict_is_plain_nested_data_under_canonical_names():
     assert list(data) == [
         "model", "training", "optimizer", "lr_scheduler", "parallel", "activation_checkpoint", "compile", "float8",
         "checkpoint", "data", "metrics", "validation", "eval", "profiling", "comm", "reliability", "fault_tolerance",
+        "lora",
     ]
 
 

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,15 @@ from titan_npu.checkpoint import storage
 from titan_npu.checkpoint.dcp_io import load_tensors, read_metadata, tensor_entries
 from titan_npu.data.tokenizer import BYTE_TOKENIZER_NAMES
 from titan_npu.errors import CheckpointError
+from titan_npu.lora.names import ADAPTER_NAMES, adapter_module, is_adapter_name
+from titan_npu.lora.peft import (
+    PEFT_CONFIG,
+    PEFT_WEIGHTS,
+    adapter_config,
+    merged,
+    peft_tensors,
+    refuse_moe_mlp_adapters,
+)
 from titan_npu.models.registry import args_from_dict, spec_of
 
 log = logging.getLogger("titan_npu")
@@ -133,30 +143,56 @@ def export_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     tokenizer: str | None = None,
+    merge: bool = False,
 ) -> list[Path]:
-    """Write a checkpoint's model weights as `fmt` (pt | hf) in `dtype` to `output`; returns the files written.
+    """Write a checkpoint's model weights as `fmt` (pt | hf | peft) in `dtype` to `output`; returns the files written.
 
     For hf, the tokenizer's files (`tokenizer`, or by default the data.tokenizer the checkpoint records) are
-    copied beside the weights.
+    copied beside the weights. A LoRA checkpoint's adapters: peft writes them alone (docs/lora.md); merge folds
+    them into the weights (W + scaling B A); otherwise hf writes the frozen base and pt both.
     """
     source, output = Path(source), Path(output)
-    if fmt not in ("pt", "hf"):
-        raise CheckpointError(f"--format {fmt!r} is unknown; use pt (one full state dict file) or hf (Hugging Face)")
+    if fmt not in ("pt", "hf", "peft"):
+        raise CheckpointError(f"--format {fmt!r} is unknown; use pt (one full state dict file), hf (Hugging Face) "
+                              "or peft (LoRA adapters)")
+    if merge and fmt == "peft":
+        raise CheckpointError("--merge with --format peft: peft's files hold the adapters alone; drop --merge, or "
+                              "write merged weights with --format hf --merge")
     storage.check_checkpoint_dir(source)
     check_output(source, output, fmt, overwrite)
     metadata = read_metadata(source)
     model = tensor_entries(metadata, "model.")
     if not model:
         raise CheckpointError(f"{source} holds no model weights (no 'model.' entries); is it a titan-npu checkpoint?")
+    info = storage.read_info(source)
+    lora = _lora_of(source, info, model, fmt, merge)
+    base = {k: v for k, v in model.items() if not is_adapter_name(k)}
+    weights = Source(source, metadata, lora if merge else None)
     if fmt == "pt":
         output.parent.mkdir(parents=True, exist_ok=True)
-        return [_export_pt(source, metadata, list(model), output, dtype)]
-    info = storage.read_info(source)
+        return [_export_pt(weights, list(model if lora is None or not merge else base), output, dtype)]
     args = checkpoint_model_args(source, info)
-    extra = tokenizer_files(info.get("tokenizer") if tokenizer is None else tokenizer)
     output.parent.mkdir(parents=True, exist_ok=True)
     marker = {"checkpoint": str(source.resolve()), "step": info["step"]}
-    return _export_hf(source, metadata, model, output, dtype, args, max_shard_bytes, extra, marker)
+    if fmt == "peft":
+        return _export_peft(weights, model, output, dtype, args, lora, marker)
+    extra = tokenizer_files(info.get("tokenizer") if tokenizer is None else tokenizer)
+    return _export_hf(weights, base, output, dtype, args, max_shard_bytes, extra, marker)
+
+
+def _lora_of(source: Path, info: dict, model: dict, fmt: str, merge: bool) -> dict | None:
+    """The checkpoint's [lora] record when it holds adapters (None otherwise), refusing --format peft and --merge
+    without them."""
+    has_adapters = any(is_adapter_name(k) for k in model)
+    lora = info.get("lora") if has_adapters else None
+    if has_adapters and not lora:
+        raise CheckpointError(f"{source} holds adapters but its {storage.INFO_FILE} records no [lora] settings; "
+                              "it was not written by a LoRA run of titan-npu")
+    if (fmt == "peft" or merge) and lora is None:
+        what = "--format peft" if fmt == "peft" else "--merge"
+        raise CheckpointError(f"{what}: {source} holds no LoRA adapters (trained without [lora] enable = true); "
+                              "export its weights with --format hf or pt")
+    return lora
 
 
 def _relation(output: Path, other: Path) -> str | None:
@@ -200,15 +236,39 @@ def current_umask() -> int:
     return umask
 
 
-def _load_group(source: Path, metadata, keys: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    tensors = load_tensors(source, metadata, [f"model.{k}" for k in keys])
-    return {k: tensors[f"model.{k}"].to(dtype) for k in keys}
+@dataclass(frozen=True)
+class Source:
+    """Where the model's tensors are read from; `merge_lora` (the checkpoint's [lora] record): each adapted weight
+    is read as W + scaling B A."""
+
+    source: Path
+    metadata: Any
+    merge_lora: dict | None = None
 
 
-def _export_pt(source: Path, metadata, keys: list[str], output: Path, dtype: torch.dtype) -> Path:
+def _load_group(weights: Source, keys: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    wanted = list(keys)
+    if weights.merge_lora is not None:
+        entries = weights.metadata.state_dict_metadata
+        adapted = [k for k in keys if k.endswith(".weight") and f"model.{adapter_module(k)}.lora_A" in entries]
+        wanted += [f"{k.removesuffix('.weight')}.{n}" for k in adapted for n in ADAPTER_NAMES]
+    tensors = {k.removeprefix("model."): v
+               for k, v in load_tensors(weights.source, weights.metadata, [f"model.{k}" for k in wanted]).items()}
+    out = {}
+    for k in keys:
+        module = k.removesuffix(".weight")
+        if weights.merge_lora is not None and f"{module}.lora_A" in tensors and k.endswith(".weight"):
+            out[k] = merged(tensors[k], tensors[f"{module}.lora_A"], tensors[f"{module}.lora_B"],
+                            weights.merge_lora).to(dtype)
+        else:
+            out[k] = tensors[k].to(dtype)
+    return out
+
+
+def _export_pt(weights: Source, keys: list[str], output: Path, dtype: torch.dtype) -> Path:
     state: dict[str, torch.Tensor] = {}
     for group in _groups(keys):
-        state.update(_load_group(source, metadata, group, dtype))
+        state.update(_load_group(weights, group, dtype))
     with atomic_path(output) as tmp:
         torch.save(state, tmp)
     return output
@@ -227,7 +287,7 @@ def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     return shards
 
 
-def _export_hf(source: Path, metadata, model: dict, output: Path, dtype: torch.dtype, args: Any,
+def _export_hf(weights: Source, model: dict, output: Path, dtype: torch.dtype, args: Any,
                max_shard_bytes: int, tokenizer: list[Path], marker: dict) -> list[Path]:
     from safetensors.torch import save_file
 
@@ -243,7 +303,7 @@ def _export_hf(source: Path, metadata, model: dict, output: Path, dtype: torch.d
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
         weight_map: dict[str, str] = {}
         for name, keys in zip(names, shards):
-            hf = adapter.to_hf(_load_group(source, metadata, keys, dtype), args)
+            hf = adapter.to_hf(_load_group(weights, keys, dtype), args)
             save_file({k: v.contiguous() for k, v in hf.items()}, str(tmp / name), metadata={"format": "pt"})
             weight_map.update({k: name for k in hf})
         if len(shards) > 1:
@@ -253,8 +313,40 @@ def _export_hf(source: Path, metadata, model: dict, output: Path, dtype: torch.d
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for f in tokenizer:
             shutil.copyfile(f, tmp / _hf_tokenizer_name(f))
-        files = sorted(p.name for p in tmp.iterdir())
-        for name in files:  # safetensors and mkstemp-style writers make 0600: the team must be able to read them
-            os.chmod(tmp / name, 0o666 & ~current_umask())
-        outputs.write_marker(tmp, "export", files, **marker)
+        files = _publishable(tmp, marker)
+    return [output / name for name in files]
+
+
+def _publishable(tmp: Path, marker: dict) -> list[str]:
+    """The files of an export folder being written, readable by the team and listed in its marker."""
+    files = sorted(p.name for p in tmp.iterdir())
+    for name in files:  # safetensors and mkstemp-style writers make 0600: the team must be able to read them
+        os.chmod(tmp / name, 0o666 & ~current_umask())
+    outputs.write_marker(tmp, "export", files, **marker)
+    return files
+
+
+def _export_peft(weights: Source, model: dict, output: Path, dtype: torch.dtype, args: Any, lora: dict,
+                 marker: dict) -> list[Path]:
+    """adapter_model.safetensors + adapter_config.json, as peft's save_pretrained writes them."""
+    from safetensors.torch import save_file
+
+    adapter = spec_of(args).hf
+    if adapter is None:
+        raise CheckpointError(f"{args.family} has no Hugging Face format; its adapters cannot be written for peft "
+                              "(export --format pt keeps them)")
+    modules = _ordered_keys(list({adapter_module(k) for k in model if is_adapter_name(k)}))
+    tensors: dict[str, torch.Tensor] = {}
+    for group in _groups(modules):
+        loaded = _load_group(weights, [f"{m}.{n}" for m in group for n in ADAPTER_NAMES], torch.float32)
+        for m in group:
+            tensors.update(peft_tensors(adapter, args, m, loaded[f"{m}.lora_A"], loaded[f"{m}.lora_B"]))
+    hf_modules = [k.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                  for k in tensors if k.endswith(".lora_A.weight")]
+    refuse_moe_mlp_adapters(hf_modules, spec_of(args).experts is not None)
+    with atomic_dir(output) as tmp:
+        save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(tmp / PEFT_WEIGHTS),
+                  metadata={"format": "pt"})
+        (tmp / PEFT_CONFIG).write_text(json.dumps(adapter_config(lora, hf_modules), indent=2))
+        files = _publishable(tmp, marker)
     return [output / name for name in files]

@@ -192,10 +192,15 @@ def _read_dcp(path: Path) -> tuple[dict[str, torch.Tensor], Any | None]:
     keys = [prefix + k for k in tensor_entries(metadata, prefix) if prefix or not k.startswith("optimizer.")]
     tensors = load_tensors(path, metadata, keys)
     args = None
-    if (path / storage.INFO_FILE).is_file():
-        model_args = storage.read_info(path).get("model_args")
-        args = args_from_dict(model_args) if model_args else None
-    return {k[len(prefix):]: v for k, v in tensors.items()}, args
+    info = storage.read_info(path) if (path / storage.INFO_FILE).is_file() else {}
+    model_args = info.get("model_args")
+    args = args_from_dict(model_args) if model_args else None
+    state = {k[len(prefix):]: v for k, v in tensors.items()}
+    if info.get("lora"):  # a LoRA run's: its model is the weights with the adapters merged
+        from titan_npu.lora.peft import merge_adapters
+
+        state = merge_adapters(state, info["lora"])
+    return state, args
 
 
 def _torch_load(path: Path) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from torch import nn
 
 from titan_npu.checkpoint.formats import hf_files, hf_state_dict
 from titan_npu.errors import CheckpointError
+from titan_npu.lora.names import is_adapter_name
 from titan_npu.models.init import canonical_name, local_indices
 
 # A tied checkpoint (config.json's tie_word_embeddings) stores the output projection as the embedding.
@@ -115,7 +116,8 @@ def load_hf_slices(parts: list[nn.Module], tensors: dict[str, HFTensor], spec: A
     params: dict[int, tuple[str, torch.Tensor]] = {}
     for part in parts:
         for raw_name, param in part.named_parameters(remove_duplicate=False):
-            params[id(param)] = (canonical_name(raw_name), param)
+            if not is_adapter_name(raw_name):  # LoRA's adapters keep their initial values
+                params[id(param)] = (canonical_name(raw_name), param)
         # Persistent buffers are weights too (a router's score bias: Hugging Face's e_score_correction_bias).
         saved = part.state_dict().keys()
         for raw_name, buffer in part.named_buffers():

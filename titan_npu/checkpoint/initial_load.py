@@ -22,6 +22,7 @@ from titan_npu.checkpoint.fit import describe_mismatch
 from titan_npu.checkpoint.formats import Weights, detect_format, hf_model, read_weights
 from titan_npu.checkpoint.hf_slices import load_hf_slices, meta_state_dict, read_volume_line, safetensors_tensors
 from titan_npu.errors import CheckpointError
+from titan_npu.lora.names import is_adapter_name
 from titan_npu.models.registry import build_model
 
 log = logging.getLogger("titan_npu")
@@ -93,9 +94,11 @@ def load_initial_weights(
     _check_fit(weights, parts, model_args)
     for part in parts:
         own = part.state_dict()
-        # Cast here: the model keeps its own (fp32 master) dtype whatever the file stores.
-        subset = {k: weights.state_dict[k].to(own[k].dtype) for k in own}
-        set_model_state_dict(part, subset, options=StateDictOptions(full_state_dict=True, strict=True))
+        # Cast here: the model keeps its own (fp32 master) dtype whatever the file stores. LoRA's adapters are not
+        # in pretrained weights: they keep their initial values.
+        subset = {k: weights.state_dict[k].to(own[k].dtype) for k in own if not is_adapter_name(k)}
+        set_model_state_dict(part, subset, options=StateDictOptions(full_state_dict=True,
+                                                                    strict=len(subset) == len(own)))
     log.info("initial_load: loaded %s weights from %s (%d tensors)", kind, path, len(weights.state_dict))
 
 

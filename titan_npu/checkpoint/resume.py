@@ -34,6 +34,7 @@ from titan_npu.checkpoint.state import RunState
 from titan_npu.config.loader import config_to_dict, read_config_file
 from titan_npu.config.schema import CheckpointConfig, JobConfig
 from titan_npu.errors import CheckpointError
+from titan_npu.lora.names import is_adapter_name
 
 log = logging.getLogger("titan_npu")
 
@@ -214,7 +215,19 @@ def _check_fits(path: Path, state: dict[str, Any], run: RunState, model_args: An
 
     # The whole model, not this rank's pipeline stage: a checkpoint holds every stage.
     model_expected = _full_model_shapes(model_args) or section("model.", expected)
+    adapters = {k: v for k, v in section("model.", expected).items() if is_adapter_name(k)}
+    if adapters:  # LoRA: this stage's adapters as the run has them, other stages' as the checkpoint holds them
+        others = {k: v for k, v in section("model.", found).items() if is_adapter_name(k)}
+        model_expected = {**model_expected, **others, **adapters}
     problem = describe_mismatch(model_expected, section("model.", found))
+    saved_adapters = {k: v for k, v in section("model.", found).items() if is_adapter_name(k)}
+    if problem and saved_adapters != adapters:
+        saved = storage.read_info(path).get("lora") or {}
+        trained = f"rank {saved['rank']} on {saved['target_modules']}" if saved else "without [lora]"
+        raise CheckpointError(f"checkpoint {path} was trained {trained}, which [lora] here does not match "
+                              f"({problem.split(' -- ')[0]}); resume with the [lora] it was trained with, or export "
+                              f"its merged weights (titan-npu export --format hf --merge) and start a new run from "
+                              f"them (checkpoint.initial_load, another checkpoint.dir)")
     if problem:
         differs = f" ([model] vs the checkpoint's: {', '.join(diffs)}, checkpoint vs this run)" if diffs else ""
         raise CheckpointError(f"checkpoint {path} does not fit the model: {problem}{differs}")

@@ -26,6 +26,7 @@ from titan_npu.checkpoint.state import RunState
 from titan_npu.config.loader import save_config
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import CheckpointError
+from titan_npu.lora.names import lora_record
 
 log = logging.getLogger("titan_npu")
 
@@ -160,6 +161,7 @@ class Saver:
             "model_args": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None,
             "export_dtype": self.cfg.export_dtype,
             "tokenizer": _tokenizer_path(self.job.data.tokenizer),
+            "lora": lora_record(self.job.lora),  # what export --format peft writes into adapter_config.json
             "async": not sync,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "torch": torch.__version__,

@@ -1,4 +1,5 @@
-"""`titan-npu export`: a training checkpoint's model weights as one full .pt or a Hugging Face directory."""
+"""`titan-npu export`: a training checkpoint's model weights as one full .pt or a Hugging Face directory, or a LoRA
+run's adapters in peft's format."""
 
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ def build_parser() -> CommandParser:
     )
     p.add_argument("--checkpoint", required=True, help="a step-N directory, or checkpoint.dir (latest, or --step)")
     p.add_argument("--step", type=int, help="which step of --checkpoint (a checkpoint.dir) to export")
-    p.add_argument("--format", choices=("pt", "hf"), default="pt", help="pt: one .pt file; hf: Hugging Face dir")
+    p.add_argument("--format", choices=("pt", "hf", "peft"), default="pt",
+                   help="pt: one .pt file; hf: Hugging Face dir; peft: a LoRA run's adapters as peft loads them")
+    p.add_argument("--merge", action="store_true", help="a LoRA run: fold the adapters into the weights "
+                   "(W + alpha/r B A) for pt or hf")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="weights dtype (default: the checkpoint's "
                    "checkpoint.export_dtype, bf16 unless set)")
     p.add_argument("--output", required=True, help="the .pt file (pt) or directory (hf) to write")
@@ -52,8 +56,12 @@ def main(argv: list[str]) -> int:
     if dtype_name not in DTYPES:
         raise CheckpointError(f"export dtype {dtype_name!r} is unknown; pass --dtype bf16, fp16 or fp32")
     files = export_checkpoint(ref.path, args.output, args.format, DTYPES[dtype_name],
-                              parse_size(args.max_shard_size), overwrite=args.overwrite, tokenizer=args.tokenizer)
+                              parse_size(args.max_shard_size), overwrite=args.overwrite, tokenizer=args.tokenizer,
+                              merge=args.merge)
     total = sum(f.stat().st_size for f in files) / 1e9
     print(f"exported step {ref.step} of {ref.path} as {args.format} ({dtype_name}, {len(files)} file(s), "
           f"{total:.2f} GB) to {args.output}")
+    if args.format == "hf" and not args.merge and storage.read_info(ref.path).get("lora"):
+        print("these are the frozen base weights of a LoRA run: --format peft writes its adapters, --merge folds them "
+              "into the weights")
     return 0

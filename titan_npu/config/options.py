@@ -185,6 +185,13 @@ CONFIG_KEYS: dict[str, Knob] = {
     "fault_tolerance.quorum_timeout_s": Knob(at_least(1), why="seconds a step waits for the replica set"),
     "fault_tolerance.connect_timeout_s": Knob(at_least(1), why="seconds to reach the lighthouse and the peers"),
     "fault_tolerance.hostname": FREE,
+    "lora.enable": FREE,
+    "lora.rank": Knob(at_least(1), why="8 or 16 are usual"),
+    "lora.alpha": Knob(above(0), why="usually rank or 2 x rank"),
+    "lora.dropout": Knob(between(0, 1, high_open=True), why="a probability; 0 = none, 0.05 is usual"),
+    "lora.use_rslora": FREE,
+    "lora.target_modules": FREE,  # validate.py refuses an empty list; the model refuses a pattern matching nothing
+    "lora.experts": FREE,  # validate.py refuses it: routed experts take no adapters yet
 }
 
 
@@ -244,8 +251,10 @@ COMMAND_OPTIONS: dict[str, dict[str, Knob]] = {
     },
     "export": {
         "--checkpoint": _STR, "--step": Knob(at_least(0), kind=int, why="a step number of --checkpoint"),
-        "--format": Knob(choices=("pt", "hf"), kind=str), "--dtype": Knob(choices=("bf16", "fp16", "fp32"), kind=str),
-        "--output": _STR, "--max-shard-size": _STR, "--overwrite": _SWITCH, "--tokenizer": _STR, **_DEBUG,
+        "--format": Knob(choices=("pt", "hf", "peft"), kind=str),
+        "--dtype": Knob(choices=("bf16", "fp16", "fp32"), kind=str),
+        "--output": _STR, "--max-shard-size": _STR, "--overwrite": _SWITCH, "--tokenizer": _STR, "--merge": _SWITCH,
+        **_DEBUG,
     },
     "import": {
         "--input": _STR, "--output": _STR, "--dtype": Knob(choices=("keep", "bf16", "fp16", "fp32"), kind=str),

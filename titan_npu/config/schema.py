@@ -294,6 +294,25 @@ class FaultToleranceConfig:
     hostname: str = ""  # the name or address the other groups reach this one at; "" = this machine's hostname
 
 
+# The modules LoRA wraps by default: attention (MLA's too) and dense / shared-expert MLP projections, by last name.
+LORA_DEFAULT_TARGETS = ["wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wkv_b", "w1", "w2", "w3"]
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (docs/lora.md): the model's weights frozen, only W + (alpha/rank) B A's A and B trained."""
+
+    enable: bool = False
+    rank: int = 8  # r: the inner dim of B [out, r] and A [r, in]
+    alpha: float = 16.0  # the update is scaled by alpha / rank (alpha / sqrt(rank) with use_rslora)
+    dropout: float = 0.0  # on the adapter's input, as peft's lora_dropout
+    use_rslora: bool = False  # peft's rank-stabilised scale alpha / sqrt(rank)
+    # fnmatch patterns on module names: one matches a module by its whole name (layers.*.attention.wq) or its last
+    # component (wq)
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    experts: bool = False  # MoE routed experts too (not supported: refused)
+
+
 @dataclass
 class JobConfig:
     """The whole run: every section of a config file."""
@@ -315,3 +334,4 @@ class JobConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)

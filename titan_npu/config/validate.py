@@ -167,6 +167,7 @@ def _check_rest(cfg: JobConfig) -> None:
     check_sources(cfg.data)
     _check_document_mask(cfg)
     _check_fault_tolerance(cfg)
+    _check_lora(cfg)
 
 
 def _check_fault_tolerance(cfg: JobConfig) -> None:
@@ -184,6 +185,21 @@ def _check_fault_tolerance(cfg: JobConfig) -> None:
         raise fail("parallel.dp_replicate", f"parallel.dp_replicate = {cfg.parallel.dp_replicate} with "
                    "fault_tolerance.enable: the replicas are the replica groups (one torchrun each); set "
                    "parallel.dp_replicate = 1 and fault_tolerance.num_replica_groups to the replica count")
+
+
+def _check_lora(cfg: JobConfig) -> None:
+    lora = cfg.lora
+    if not lora.enable:
+        return
+    if not lora.target_modules or any(not str(p).strip() for p in lora.target_modules):
+        raise fail("lora.target_modules", f"lora.target_modules = {show(lora.target_modules)} is empty or holds an "
+                   "empty pattern; name modules such as [\"wq\", \"wv\"] (or leave the key out for the defaults)")
+    if lora.experts:
+        raise fail("lora.experts", "lora.experts = true: adapters on the MoE routed experts are not supported; set "
+                   "lora.experts = false (attention, dense MLPs and shared experts take adapters)")
+    if cfg.float8.enable:
+        raise fail("lora.enable", "lora.enable = true with float8.enable = true: float8 linears take no adapters; "
+                   "turn one of them off")
 
 
 def _check_document_mask(cfg: JobConfig) -> None:

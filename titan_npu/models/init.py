@@ -252,6 +252,16 @@ def init_parameter(param: torch.Tensor, name: str, init: ParamInit, seed: int) -
     fill_shard(local, param.shape, indices, name, init, seed)
 
 
+def attached_inits(module: nn.Module) -> dict[str, ParamInit]:
+    """The distributions of parameters attached to a model from outside its family (adapters): every submodule
+    with `attached_param_inits()` lists its own, here under their canonical names in `module`."""
+    inits: dict[str, ParamInit] = {}
+    for name, sub in module.named_modules():
+        if hasattr(sub, "attached_param_inits"):
+            inits.update(prefixed(canonical_name(name), sub.attached_param_inits()))
+    return inits
+
+
 def init_parameters(module: nn.Module, inits: Mapping[str, ParamInit], seed: int) -> None:
     """Initialise every parameter of `module` (a model, a pipeline stage, parallelised or not) from `inits`.
 

@@ -10,6 +10,7 @@ the spec in, so this package never imports a model.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,13 +29,15 @@ if TYPE_CHECKING:
 
 def build_model_parts(
     spec: Any, cfg: JobConfig, dims: ParallelDims, model_args: Any, device: torch.device,
-    param_dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None, adapt: Callable[[nn.Module], Any] | None = None,
 ) -> tuple[list[int], list[nn.Module]]:
-    """(stage ids, parts) of this rank: the model of `spec` (a ModelSpec) built on meta, split into its pipeline
-    stages (or whole), parallelised and materialised with its initial weights; param_dtype holds the parameters in
-    that dtype."""
+    """(stage ids, parts) of this rank: the model of `spec` (a ModelSpec) built on meta, changed by `adapt` (the
+    trainer's: LoRA's adapters), split into its pipeline stages (or whole), parallelised and materialised with its
+    initial weights; param_dtype holds the parameters in that dtype."""
     with torch.device("meta"):
         model = spec.build_model(model_args)
+    if adapt is not None:  # e.g. LoRA's frozen weights and trainable adapters: before the split and any parallelism
+        adapt(model)
     if param_dtype is not None:  # free on meta
         model.to(param_dtype)
     stage_ids, parts = split_for_pipeline(spec, model, dims, cfg) if dims.pp_enabled else ([0], [model])

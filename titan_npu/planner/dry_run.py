@@ -33,6 +33,7 @@ from torch import nn
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.errors import ConfigError, DeviceError, LayoutError
+from titan_npu.lora.apply import lora_adapter
 from titan_npu.planner.dry_run_result import DryRunResult
 from titan_npu.planner.verify import compare_with_plan
 from titan_npu.trainer.optimizer import clean_name
@@ -102,6 +103,9 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims) -> list[nn.Module]:
     spec = spec_of(args)
     with torch.device("meta"):
         model = spec.build_model(args)
+    adapt = lora_adapter(cfg.lora)
+    if adapt is not None:  # LoRA: the frozen model with its adapters, as the trainer builds it
+        adapt(model)
     _, parts = split_for_pipeline(spec, model, dims, cfg) if dims.pp_enabled else ([0], [model])
     return [parallelize_part(spec, part, dims, cfg) for part in parts]
 
@@ -169,7 +173,7 @@ def _build_and_measure(cfg: JobConfig, dims: ParallelDims, result: DryRunResult,
     optimizer = build_optimizer(parts, cfg.optimizer, device_type)
     result.optimizer = type(optimizer).__name__
     muon = {id(p) for group in optimizer.param_groups if group.get("muon") for p in group["params"]}
-    muon_bytes = 0
+    muon_bytes = trained_bytes = 0
     for part in parts:
         for raw_name, p in part.named_parameters():
             name = clean_name(raw_name)
@@ -179,6 +183,8 @@ def _build_and_measure(cfg: JobConfig, dims: ParallelDims, result: DryRunResult,
                     "torch.", ""), "placements": _placements(p),
             }
             result.parameter_bytes += local.numel() * local.element_size()
+            if p.requires_grad:  # all but LoRA's frozen weights
+                trained_bytes += local.numel() * local.element_size()
             if id(p) in muon:
                 muon_bytes += local.numel() * local.element_size()
                 # Orthogonalised whole: the shards of the last two dims are gathered, leading (expert) dims kept.
@@ -190,6 +196,8 @@ def _build_and_measure(cfg: JobConfig, dims: ParallelDims, result: DryRunResult,
         for part in parts:
             for raw_name, p in part.named_parameters():
                 name = clean_name(raw_name)
+                if not p.requires_grad:
+                    continue
                 if p.grad is None:
                     raise LayoutError(f"dry run: parameter {name} received no gradient on rank {result.rank}; "
                                       "the parallelized model does not reach it (a bug in the layout)")
@@ -199,8 +207,8 @@ def _build_and_measure(cfg: JobConfig, dims: ParallelDims, result: DryRunResult,
                 result.gradient_bytes += g.numel() * g.element_size()
     else:
         # Gradients take their parameter's shard shape and dtype (FSDP keeps sharded fp32 gradients).
-        result.gradient_bytes = result.parameter_bytes
-    result.optimizer_bytes = int((result.parameter_bytes - muon_bytes) * optimizer_state_bytes_per_param_byte(cfg)
+        result.gradient_bytes = trained_bytes
+    result.optimizer_bytes = int((trained_bytes - muon_bytes) * optimizer_state_bytes_per_param_byte(cfg)
                                  + muon_bytes * optimizer_state_bytes_per_param_byte(cfg, muon=True))
 
 

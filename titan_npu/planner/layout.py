@@ -142,6 +142,8 @@ class Job:
     momentum: float = 0.9  # SGD keeps a momentum buffer only when this is non-zero
     muon_exclude: tuple[str, ...] = ()  # Muon: name patterns of the matrices left to AdamW
     float8: Float8Config | None = None  # float8 matmuls (float8.enable); None = off
+    lora_rank: int = 0  # LoRA's rank ([lora] enable); 0 = off: every parameter trains
+    lora_targets: tuple[str, ...] = ()  # lora.target_modules
     _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -172,6 +174,8 @@ def job_from_config(cfg: JobConfig) -> Job:
         momentum=float(cfg.optimizer.betas[0]) if cfg.optimizer.betas else 0.0,
         muon_exclude=tuple(cfg.optimizer.muon_exclude),
         float8=cfg.float8 if cfg.float8.enable else None,
+        lora_rank=cfg.lora.rank if cfg.lora.enable else 0,
+        lora_targets=tuple(cfg.lora.target_modules) if cfg.lora.enable else (),
     )
 
 

@@ -58,7 +58,8 @@ def estimate_memory(job: Job, layout: Layout, device_type: str = "cpu", hccl_buf
         pp_rank = layout.rank_coordinates(r)["pp"]
         state = state_bytes(job, layout, r)
         acts = rank_activations(job, layout, pp_rank, device_type)
-        temp = temporary_bytes(job, layout, pp_rank, acts.extra, device_type, state.parameters)
+        # The optimizer step's intermediates are sized by what it updates (the trained parameters: LoRA's adapters).
+        temp = temporary_bytes(job, layout, pp_rank, acts.extra, device_type, state.gradients)
         during = max(temp.during_backward, temp.optimizer_step - acts.saved)
         offload = layout.cpu_offload
         breakdown = MemoryBreakdown(

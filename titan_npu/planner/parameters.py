@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_npu.errors import LayoutError
+from titan_npu.lora.apply import eligible_name, matches
 from titan_npu.models.registry import spec_of
 from titan_npu.parallel.arithmetic import chunk_size, expert_coordinates
 from titan_npu.parallel.float8 import converts, converts_experts
@@ -237,13 +238,20 @@ def state_bytes(job: Job, layout: Layout, rank: int) -> StateBytes:
 
 
 def _state_bytes(job: Job, layout: Layout, rank: int) -> StateBytes:
-    """state_bytes, computed."""
-    numel = sum(rank_numel_split(job, layout, rank))
-    param = 4 * numel
+    """state_bytes, computed; with LoRA only the adapters have gradients and optimizer state."""
+    held = sum(rank_numel_split(job, layout, rank))
+    if job.lora_rank:
+        adapters = {name: numel(shape) for name, shape in adapter_local_shapes(job, layout, rank).items()}
+        trained = sum(adapters.values())
+        optimizer = optimizer_state_multiplier(job) * 4 * trained
+        if job.optimizer.lower() == "muon":  # Muon takes the adapters' matrices unless muon_exclude names them
+            optimizer += 4 * sum(n for name, n in adapters.items() if not takes_muon(name, 2, job.muon_exclude))
+        return StateBytes(4 * (held + trained), 4 * trained, optimizer, held + trained)
+    param = 4 * held
     optimizer = optimizer_state_multiplier(job) * param
     if job.optimizer.lower() == "muon":
         optimizer += 4 * _adamw_numel_beside_muon(job, local_parameter_numels(job.args, layout, rank))
-    return StateBytes(param, param, optimizer, numel)
+    return StateBytes(param, param, optimizer, held)
 
 
 def muon_gather_bytes(job: Job, layout: Layout, rank: int) -> int:
@@ -255,6 +263,14 @@ def muon_gather_bytes(job: Job, layout: Layout, rank: int) -> int:
 
 def _muon_gather_bytes(job: Job, layout: Layout, rank: int) -> int:
     """muon_gather_bytes, computed."""
+    if job.lora_rank:  # only the adapters train: each gathered whole
+        if job.optimizer.lower() != "muon":
+            return 0
+        received = 0
+        for name, (local, whole) in _adapter_shards(job, layout, rank).items():
+            if takes_muon(name, 2, job.muon_exclude):
+                received += numel(whole) - numel(local)
+        return 4 * received
     muon = muon_kinds(job)
     if not muon:
         return 0
@@ -273,6 +289,12 @@ def _muon_gather_bytes(job: Job, layout: Layout, rank: int) -> int:
 def checkpoint_bytes(job: Job) -> int:
     """Size of one training checkpoint: fp32 weights plus optimizer moments, all ranks together."""
     n = job.args.num_params()
+    if job.lora_rank:  # the frozen weights, the adapters and their optimizer state
+        names = [f"layers.{i}.{kind}" for i, kinds in layers_kinds(job.args, range(job.args.n_layers)).items()
+                 for kind in kinds]
+        shapes = parameter_kinds(job.args)
+        trained = sum(job.lora_rank * sum(shapes[parameter_kind(name)]) for name in adapted_weights(job, names))
+        return 4 * n + 4 * trained * (1 + optimizer_state_multiplier(job))
     adamw = n - _muon_numel(job) if job.optimizer.lower() == "muon" else 0
     return 4 * n * (1 + optimizer_state_multiplier(job)) + 4 * adamw
 
@@ -283,3 +305,51 @@ def _muon_numel(job: Job) -> int:
     per_layer = layers_kinds(job.args, range(job.args.n_layers))
     blocks = sum(numel(shapes[kind]) for kinds in per_layer.values() for kind in kinds if kind in muon)
     return blocks + sum(numel(shapes[kind]) for kind in FIRST_STAGE_KINDS + LAST_STAGE_KINDS if kind in muon)
+
+
+# LoRA's adapters (titan_npu/lora/apply.py's rule: a block's linear weight whose module a target pattern names, not a
+# router's gate nor stacked experts); A [r, in] and B [out, r] cut as parallel/adapters.py places them under tensor
+# parallelism (B by rows under a column-parallel weight, A by columns under a row-parallel one), then by FSDP's
+# dim-0 chunk as every parameter.
+
+
+def adapted_weights(job: Job, names: list[str]) -> list[str]:
+    """The weights among `names` (a rank's parameter names) that carry an adapter under the job's [lora]."""
+    if not job.lora_rank:
+        return []
+    kinds = parameter_kinds(job.args)
+    adapted = []
+    for name in names:
+        kind = parameter_kind(name)
+        module = name.removesuffix(".weight")
+        if (name.startswith("layers.") and name.endswith(".weight") and len(kinds[kind]) == 2
+                and not is_expert_kind(kind) and eligible_name(module)
+                and any(matches(module, p) for p in job.lora_targets)):
+            adapted.append(name)
+    return adapted
+
+
+def adapter_local_shapes(job: Job, layout: Layout, rank: int) -> dict[str, tuple[int, ...]]:
+    """Every adapter `rank` holds ('layers.0.attention.wq.lora_A') -> its local shard's shape."""
+    return {name: local for name, (local, _) in _adapter_shards(job, layout, rank).items()}
+
+
+def _adapter_shards(job: Job, layout: Layout, rank: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Every adapter `rank` holds -> (its local shard's shape, its whole shape)."""
+    return job.memo(("adapter_shards", layout.sharding, rank), lambda: _compute_adapter_shards(job, layout, rank))
+
+
+def _compute_adapter_shards(job: Job, layout: Layout, rank: int
+                            ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    coords = layout.rank_coordinates(rank)
+    kinds, tp_dims = parameter_kinds(job.args), tensor_parallel_dims(job.args)
+    shapes = {}
+    for name in adapted_weights(job, rank_parameter_names(job.args, layout, coords["pp"])):
+        kind = parameter_kind(name)
+        out_features, in_features = kinds[kind]
+        module = name.removesuffix(".weight")
+        tp_dim = tp_dims[kind]
+        a, b = (job.lora_rank, in_features), (out_features, job.lora_rank)
+        shapes[f"{module}.lora_A"] = (local_shape(a, 1 if tp_dim == 1 else None, layout, coords), a)
+        shapes[f"{module}.lora_B"] = (local_shape(b, 0 if tp_dim == 0 else None, layout, coords), b)
+    return shapes

@@ -7,6 +7,7 @@ from titan_npu.config.schema import JobConfig
 from titan_npu.planner.dry_run_result import DryRunResult
 from titan_npu.planner.layout import job_from_config, layout_from_config
 from titan_npu.planner.parameters import (
+    adapter_local_shapes,
     is_expert_kind,
     local_shape,
     muon_gather_bytes,
@@ -26,7 +27,8 @@ def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
     coords = layout.rank_coordinates(result.rank)
     kinds = parameter_kinds(job.args)
     tp_dims = tensor_parallel_dims(job.args)
-    expected_names = rank_parameter_names(job.args, layout, coords["pp"])
+    adapters = adapter_local_shapes(job, layout, result.rank)  # LoRA's, none without it
+    expected_names = rank_parameter_names(job.args, layout, coords["pp"]) + list(adapters)
     problems = []
     missing = sorted(set(expected_names) - set(result.parameters))
     extra = sorted(set(result.parameters) - set(expected_names))
@@ -38,7 +40,8 @@ def compare_with_plan(result: DryRunResult, cfg: JobConfig) -> dict:
         if name not in result.parameters:
             continue
         kind = parameter_kind(name)
-        want = list(local_shape(kinds[kind], tp_dims[kind], layout, coords, is_expert_kind(kind)))
+        want = list(adapters[name] if name in adapters else
+                    local_shape(kinds[kind], tp_dims[kind], layout, coords, is_expert_kind(kind)))
         got = result.parameters[name]["local_shape"]
         if want != got:
             problems.append(f"{name}: local shard {got} but the plan expects {want}")

@@ -25,6 +25,7 @@ from titan_npu.device import (
     setup_device,
     synchronize,
 )
+from titan_npu.lora.apply import lora_adapter
 from titan_npu.metrics import (
     MetricsLogger,
     Progress,
@@ -151,7 +152,7 @@ class Trainer:
         # in bf16.
         stage_ids, self.model_parts = build_model_parts(spec_of(self.model_args), cfg, self.dims, self.model_args,
                                                         self.device.torch_device,
-                                                        self.pure_dtype)
+                                                        self.pure_dtype, adapt=lora_adapter(cfg.lora))
         self.model = self.model_parts[0]
         # A MoE model's auxiliary loss joins the optimised loss; its routing is logged (inert for dense models).
         self.routing = RoutingMeter(self.model)
@@ -245,6 +246,13 @@ class Trainer:
             self.device.type, self.device.name, self.device.backend,
         )
         log.info("layout: %s", self.dims.describe())
+        if self.cfg.lora.enable:
+            trainable = sum(p.numel() for part in self.model_parts for p in part.parameters() if p.requires_grad)
+            adapted = sum(hasattr(m, "lora_A") for part in self.model_parts for m in part.modules())
+            lora = self.cfg.lora
+            log.info("lora: rank %d, alpha %g on %d linears of this rank's stages (target_modules %s): %.3fM "
+                     "trainable parameters, the rest frozen", lora.rank, lora.alpha, adapted,
+                     ", ".join(lora.target_modules), trainable / 1e6)
         if self.pipeline is not None:
             p = self.cfg.parallel
             log.info("pipeline: %s, %d stages (%d on this rank), %d microbatches of %d sequences per step",
@@ -329,7 +337,7 @@ class Trainer:
                 loss_sum += self.forward_backward(inputs, labels, 1.0 / accum, docs)
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
-        params = [p for part in self.model_parts for p in part.parameters()]
+        params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]  # LoRA: adapters
         if self.replicas is not None:  # before clipping: every replica group clips the same averaged gradients
             self.replicas.average_gradients(params)
         # The norm over every parameter of the model, wherever its shards and stages live.
@@ -353,7 +361,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.grad_scaler is not None and skip is not True:  # the scaler skipped it where the gradients overflowed
             skip = (~torch.isfinite(plain_tensor(grad_norm.detach()))).float()
-        update_score_biases(self.routing, self.dims, skip)  # not on a skipped update
+        if not self.cfg.lora.enable:  # LoRA: the routers' score biases are the frozen base's too
+            update_score_biases(self.routing, self.dims, skip)  # not on a skipped update
         return loss_sum / accum, grad_norm, data_time
 
     def _global_mean(self, value: torch.Tensor) -> float:

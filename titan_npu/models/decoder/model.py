@@ -25,7 +25,15 @@ from titan_npu.models.decoder.args import (
     ROPE_SCALING_ORIGINAL_CONTEXT,
     DecoderArgs,
 )
-from titan_npu.models.init import ParamInit, constant, init_parameters, normal, prefixed, trunc_normal
+from titan_npu.models.init import (
+    ParamInit,
+    attached_inits,
+    constant,
+    init_parameters,
+    normal,
+    prefixed,
+    trunc_normal,
+)
 from titan_npu.ops.cross_entropy import chunked_linear_cross_entropy
 from titan_npu.ops.documents import Documents
 
@@ -279,7 +287,8 @@ class Transformer(nn.Module):
         cos, sin = self.rope_tables(buffer_device or self.freqs_cos.device)
         self.freqs_cos, self.freqs_sin = cos, sin
         self.tie_weights()
-        init_parameters(self, self.param_inits(), torch.initial_seed() if seed is None else seed)
+        inits = {**self.param_inits(), **attached_inits(self)}  # attached: adapters (titan_npu/lora/)
+        init_parameters(self, inits, torch.initial_seed() if seed is None else seed)
         for module in self.modules():
             if hasattr(module, "reset_score_bias"):
                 module.reset_score_bias()

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_npu.models.decoder.model import FeedForward
 from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing
+from titan_npu.parallel.adapters import place_adapters
 from titan_npu.parallel.compile import apply_compile
 from titan_npu.parallel.context_parallel import context_for
 from titan_npu.parallel.dims import ParallelDims
@@ -140,6 +141,7 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig,
     compile and data parallelism, in that order, to a model (or stage)."""
     if dims.tp_enabled:
         tp_plan(model, dims.tp_mesh, cfg.parallel.loss_parallel)
+        place_adapters(model, dims.tp_mesh)  # LoRA's A and B cut as their linears (a no-op without adapters)
     if dims.cp_enabled:
         hybrid_groups = dims.hybrid_cp_groups() if cfg.parallel.cp_mode == "hybrid" else None
         apply_context_parallel(model, dims.cp_mesh.get_group(), cfg.parallel.cp_mode, hybrid_groups)
