@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from titan_npu.models.registry import spec_of
 from titan_npu.models.spec import BlockCost, CostSite
+from titan_npu.parallel.arithmetic import SPLIT_BACKWARD_SCHEDULES
 from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.stages import StagePart, rank_parts
 
@@ -252,12 +253,18 @@ def in_flight_forwards(layout: Layout, pp_rank: int) -> int:
     """Stage forwards whose activations a pipeline rank holds at its peak (torch.distributed.pipelining's order).
 
     1F1B: pp - pp_rank micro-batches; GPipe: all of them; interleaved: the schedule's warm-up forwards plus one.
+    A split backward (ZBVZeroBubble, DualPipeV, InterleavedZeroBubble) frees a forward's activations at its weight
+    step, not its input step: ZBVZeroBubble and InterleavedZeroBubble hold 2 pp stage forwards on every rank (each
+    stage half a 1F1B stage's layers: 1F1B's first-rank peak, on every rank), DualPipeV one more (the DualPipe notes'
+    PP + 1 chunks). tests/tools/test_plan_v_schedules.py replays torch's orders to check these.
     """
     if layout.pp == 1:
         return 1
     m, pp, v = layout.n_microbatches, layout.pp, layout.stages_per_rank
     if layout.pp_schedule == "GPipe":
         return m * v
+    if layout.pp_schedule in SPLIT_BACKWARD_SCHEDULES and v == 2:
+        return min(2 * pp + (layout.pp_schedule == "DualPipeV"), m * v)
     if v == 1:
         return min(m, pp - pp_rank)
     per_round = m // max(1, m // pp)
