@@ -154,9 +154,10 @@ def config_run(config: Path, args: list[str]) -> Job:
     return partial(_train, args, config)
 
 
-def final_weights_run(args: list[str]) -> Job:
-    """A pool job: the training run `args` that also leaves its gathered final weights (final_weights reads them)."""
-    return partial(_train, args, None, True)
+def final_weights_run(args: list[str], config: Path | None = None) -> Job:
+    """A pool job: the training run `args` (on the config file `config`, if any) that also leaves its gathered final
+    weights (final_weights reads them)."""
+    return partial(_train, args, config, True)
 
 
 def _train(args: list[str], config: Path | None = None, save_final: bool = False) -> None:

@@ -7,21 +7,28 @@ accumulates one micro-batch per step)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from .harness import (
+    BATCH,
     STEPS,
     final_weights,
     final_weights_run,
     initial_weights,
     losses,
+    marked_slow,
     run_here,
     run_pool,
+    selected_ids,
     tiny_run,
     write_tokens,
 )
 
 pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[2]
 
 RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
@@ -54,21 +61,47 @@ LAYOUTS = {
 }
 
 
+# With -m slow: DualPipeV with tensor parallelism inside the stages (TP 2 x PP 2, 4 ranks), and DeepSeek-V3's debug
+# model (its first block dense, grouped routing, aux-loss-free score biases updated after every step from the
+# stages' expert loads) under DualPipeV against one process accumulating the same 4 micro-batches.
+DEEPSEEK = ROOT / "configs" / "debug_deepseek.toml"
+SLOW_LAYOUTS = {
+    "dualpipev_tp2_pp2": (4, [*PP2, "--parallel.tp_degree=2", "--parallel.pp_schedule=DualPipeV"], "ref_b4"),
+    "deepseek_dualpipev_pp2": (2, [*PP2, "--parallel.pp_schedule=DualPipeV", "--model.score_bias_rate=0.01"],
+                               "deepseek_ref"),
+}
+SLOW_REFERENCES = {"deepseek_ref": (1, ["--model.score_bias_rate=0.01", "--training.gradient_accumulation_steps=4"])}
+
+
+def _job(workdir, name: str, batch: int, extra: list[str]):
+    """A run that leaves its final weights; DeepSeek's on its debug config (the tiny run's sizes, its own model)."""
+    args = tiny_run(workdir, name, batch)
+    if name.startswith("deepseek"):
+        args = [a for a in args if not a.startswith("--model.")] + ["--model.dim=64", "--model.max_seq_len=64"]
+        return final_weights_run(args + extra, DEEPSEEK)
+    return final_weights_run(args + extra)
+
+
 @pytest.fixture(scope="module")
-def v_runs(tmp_path_factory):
+def v_runs(request, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("v_schedules")
     write_tokens(workdir / "tokens.jsonl")
-    run_here([final_weights_run(tiny_run(workdir, name, batch) + extra)
-              for name, (batch, extra) in REFERENCES.items()])
+    selected = set(selected_ids(request, "test_v_schedule_trains_like_one_process"))
+    layouts = {name: case for name, case in ALL_LAYOUTS.items() if name in selected}
+    references = {**REFERENCES, **SLOW_REFERENCES}
+    run_here([_job(workdir, name, *references[name]) for name in sorted({case[2] for case in layouts.values()})])
     for world in (2, 4):
-        run_pool(world, [final_weights_run(tiny_run(workdir, name) + extra)
-                         for name, (ranks, extra, _) in LAYOUTS.items() if ranks == world])
+        run_pool(world, [_job(workdir, name, BATCH, extra)
+                         for name, (ranks, extra, _) in layouts.items() if ranks == world])
     return workdir
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+ALL_LAYOUTS = {**LAYOUTS, **SLOW_LAYOUTS}
+
+
+@pytest.mark.parametrize("name", marked_slow(ALL_LAYOUTS, SLOW_LAYOUTS))
 def test_v_schedule_trains_like_one_process(v_runs, name):
-    reference = LAYOUTS[name][2]
+    reference = ALL_LAYOUTS[name][2]
     got, want = losses(v_runs, name), losses(v_runs, reference)
     assert len(got) == STEPS and len(want) == STEPS
     assert got == pytest.approx(want, rel=RTOL), f"{name} vs {reference}:\n{got}\n{want}"
@@ -83,3 +116,6 @@ def test_v_schedule_trains_like_one_process(v_runs, name):
     assert max((want_weights[k] - start[k]).abs().max().item() for k in start) > 100 * FINAL_ATOL
     if reference == "moe_ref":  # the load-balancing loss was on, and is reported like one process's
         assert losses(v_runs, name, "aux_loss") == pytest.approx(losses(v_runs, reference, "aux_loss"), rel=RTOL)
+    if reference == "deepseek_ref":  # the score biases moved the same way: the same expert loads every step
+        key = "expert_load_max_mean"
+        assert losses(v_runs, name, key) == pytest.approx(losses(v_runs, reference, key), rel=RTOL)
