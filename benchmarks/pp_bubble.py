@@ -31,7 +31,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
-COMPUTE = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+# The stages' compute calls, by what they compute: forward, backward (full, or the input step of a split one), weight.
+COMPUTE = {"forward_one_chunk": "forward", "backward_one_chunk": "backward", "backward_weight_one_chunk": "weight"}
 
 
 def _free_port() -> int:
@@ -62,18 +63,23 @@ class Meter:
 
     def __init__(self, pipeline) -> None:
         self.busy = 0.0
+        self.by_kind: dict[str, list[float]] = {}  # forward / backward (full or input) / weight / loss: [s, calls]
         for stage in pipeline.stages:
-            for name in COMPUTE:
-                setattr(stage, name, self._timed(getattr(stage, name)))
-        pipeline.schedule._maybe_compute_loss = self._timed(pipeline.schedule._maybe_compute_loss)
+            for name, kind in COMPUTE.items():
+                setattr(stage, name, self._timed(getattr(stage, name), kind))
+        pipeline.schedule._maybe_compute_loss = self._timed(pipeline.schedule._maybe_compute_loss, "loss")
 
-    def _timed(self, fn):
+    def _timed(self, fn, kind: str):
         def timed(*a, **k):
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                self.busy += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+                self.busy += seconds
+                total = self.by_kind.setdefault(kind, [0.0, 0])
+                total[0] += seconds
+                total[1] += 1
         return timed
 
 
@@ -88,6 +94,8 @@ def _measure(args: argparse.Namespace, workdir: Path, name: str, schedule: str) 
     data = iter(trainer.dataloader)
     steps = []
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            meter.by_kind = {}
         dist.barrier()
         busy0, t0 = meter.busy, time.perf_counter()
         trainer.train_step(data)
@@ -95,7 +103,7 @@ def _measure(args: argparse.Namespace, workdir: Path, name: str, schedule: str) 
             steps.append((time.perf_counter() - t0, meter.busy - busy0))
     trainer.checkpointer.close()
     trainer.metrics.close()
-    return steps
+    return {"steps": steps, "per_call_ms": {k: 1000 * s / n for k, (s, n) in meter.by_kind.items()}}
 
 
 def _rank(rank: int, port: int, args: argparse.Namespace, workdir: str, out: str) -> None:
@@ -120,13 +128,17 @@ def summarize(per_rank: list[dict[str, list]], schedules: list[str]) -> dict:
     for schedule in schedules:
         rows = []
         for rank, results in enumerate(per_rank):
-            idle = [statistics.median(s - b for s, b in steps) for steps in results[schedule]]
-            share = [statistics.median((s - b) / s for s, b in steps) for steps in results[schedule]]
-            step = [statistics.median(s for s, _ in steps) for steps in results[schedule]]
-            base = [statistics.median(s - b for s, b in steps) for steps in results[schedules[0]]]
+            runs = [run["steps"] for run in results[schedule]]
+            idle = [statistics.median(s - b for s, b in steps) for steps in runs]
+            share = [statistics.median((s - b) / s for s, b in steps) for steps in runs]
+            step = [statistics.median(s for s, _ in steps) for steps in runs]
+            base = [statistics.median(s - b for s, b in run["steps"]) for run in results[schedules[0]]]
+            kinds = results[schedule][0]["per_call_ms"]
             rows.append({"rank": rank, "step_s": statistics.median(step), "idle_s": statistics.median(idle),
                          "idle_share": statistics.median(share),
-                         "idle_vs_first": statistics.median(i / b for i, b in zip(idle, base, strict=True))})
+                         "idle_vs_first": statistics.median(i / b for i, b in zip(idle, base, strict=True)),
+                         "per_call_ms": {k: statistics.median(run["per_call_ms"][k] for run in results[schedule])
+                                         for k in kinds}})
         summary[schedule] = rows
     return summary
 
@@ -156,12 +168,13 @@ def main() -> None:
         return
     print(f"pp 2, {args.microbatches} micro-batches, llama {args.layers} x {args.dim}, seq {args.seq_len}; medians of "
           f"{args.repeats} repeats x {args.steps} steps")
-    print(f"{'schedule':<16} {'rank':>4} {'step s':>8} {'idle s':>8} {'idle %':>7} {'idle / ' + args.schedules[0]:>12}")
+    print(f"{'schedule':<16} {'rank':>4} {'step s':>8} {'idle s':>8} {'idle %':>7} {'idle / ' + args.schedules[0]:>12}"
+          "  ms per call (forward, backward: full or input, weight, loss)")
     for schedule, rows in summary.items():
         for r in rows:
+            calls = " ".join(f"{k} {v:.1f}" for k, v in r["per_call_ms"].items())
             print(f"{schedule:<16} {r['rank']:>4} {r['step_s']:>8.4f} {r['idle_s']:>8.4f} "
-                  f"{100 * r['idle_share']:>6.1f}% "
-                  f"{r['idle_vs_first']:>12.2f}")
+                  f"{100 * r['idle_share']:>6.1f}% {r['idle_vs_first']:>12.2f}  {calls}")
 
 
 if __name__ == "__main__":
