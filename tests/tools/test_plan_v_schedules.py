@@ -150,3 +150,12 @@ def test_plan_ranks_zbv_layouts_and_their_overrides_select_them():
         assert is_valid(cfg, plan.job, c.layout)
         twin = replace(c.layout, pp_schedule="1F1B")
         assert pipeline_bubble(c.layout) < pipeline_bubble(twin)
+
+
+def test_plan_of_a_v_config_falls_back_to_1f1b_where_its_layers_do_not_halve():
+    # 6 layers on 6 cards: pp 3 halves them (one per V stage), pp 2 does not (3 per rank); pp 6 would need 12.
+    cfg = load_config(DEBUG, [*TINY, "--model.n_layers", "6", "--parallel.pp_schedule", "DualPipeV"])
+    plan = make_plan(cfg, 1, 6, hardware("910B2"), top=100000)
+    schedules = {(c.layout.pp, c.layout.pp_schedule) for c in plan.ranked if c.layout.pp > 1}
+    assert {(2, "1F1B"), (3, "DualPipeV"), (3, "ZBVZeroBubble")} <= schedules
+    assert not {(2, "DualPipeV"), (2, "ZBVZeroBubble"), (3, "1F1B")} & schedules

@@ -11,7 +11,7 @@ from titan_npu.config.validate import check_seq_len
 from titan_npu.errors import ConfigError, LayoutError
 from titan_npu.intmath import divisors
 from titan_npu.models.registry import spec_of
-from titan_npu.parallel.arithmetic import v_min_microbatches
+from titan_npu.parallel.arithmetic import V_SCHEDULES, v_min_microbatches
 from titan_npu.parallel.degrees import Degrees
 from titan_npu.parallel.layout import check_context_parallel, validate_layout
 from titan_npu.planner.hardware import Hardware
@@ -210,14 +210,16 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
 def _schedules(base: Layout, pp: int, n_layers: int, n_microbatches: int) -> tuple[str, ...]:
     """Pipeline schedules to try at `pp`: the config's, and ZBVZeroBubble where the config leaves the stages per
     rank to the schedule and the layers and micro-batches fill its V (parallel/layout.py's rules, checked here
-    first because they are cheap). DualPipeV is not tried: as run here (its paired forward and backward one after
-    the other) it has ZBVZeroBubble's bubble with one more micro-batch in flight, so it never ranks above it; a
-    config that names it is planned as it is."""
+    first because they are cheap); for a config naming a V schedule, 1F1B where its V does not fit. DualPipeV is
+    not tried: as run here (its paired forward and backward one after the other) it has ZBVZeroBubble's bubble with
+    one more micro-batch in flight, so it never ranks above it; a config that names it is planned as it is."""
     if pp == 1:
         return (base.pp_schedule,)
-    fits_v = (base.pp_virtual_stages == 0 and n_layers % (2 * pp) == 0
+    fits_v = (base.pp_virtual_stages in (0, 2) and n_layers % (2 * pp) == 0
               and n_microbatches >= v_min_microbatches("ZBVZeroBubble", pp))
-    return tuple(dict.fromkeys((base.pp_schedule, "ZBVZeroBubble"))) if fits_v else (base.pp_schedule,)
+    if base.pp_schedule in V_SCHEDULES:  # a V config: 1F1B where its V does not fit this pp
+        return tuple(dict.fromkeys((base.pp_schedule, "ZBVZeroBubble"))) if fits_v else ("1F1B",)
+    return (base.pp_schedule, "ZBVZeroBubble") if fits_v and base.pp_virtual_stages == 0 else (base.pp_schedule,)
 
 
 def _model_parallel_degrees(cfg: JobConfig, job: Job, world_size: int, devices_per_node: int
