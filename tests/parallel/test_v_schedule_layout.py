@@ -52,11 +52,15 @@ def test_v_schedule_refuses_layers_that_do_not_halve_per_rank(schedule):
     check(3, pp_degree=3, pp_schedule=schedule, model=_llama(6), batch_size=6)
 
 
-def test_dualpipev_and_zbv_refuse_fewer_microbatches_than_stages():
-    for schedule in V_SCHEDULES:
-        with pytest.raises(LayoutError, match=rf"pp_microbatches=2 is fewer than the 4 microbatches {schedule} "
-                                              r"needs at pp_degree=2 .* set parallel.pp_microbatches >= 4"):
-            check(2, pp_degree=2, pp_schedule=schedule, pp_microbatches=2)
+def test_v_schedules_refuse_fewer_microbatches_than_they_need():
+    with pytest.raises(LayoutError, match=r"pp_microbatches=3 is fewer than the 4 microbatches DualPipeV needs at "
+                                          r"pp_degree=2 \(one per stage of the V\); set parallel.pp_microbatches >= 4"):
+        check(2, pp_degree=2, pp_schedule="DualPipeV", pp_microbatches=3, batch_size=6)
+    with pytest.raises(LayoutError, match=r"pp_microbatches=2 is fewer than the 3 microbatches ZBVZeroBubble needs "
+                                          r"at pp_degree=2 \(2 x pp_degree - 1, to fill the V\); set "
+                                          r"parallel.pp_microbatches >= 3"):
+        check(2, pp_degree=2, pp_schedule="ZBVZeroBubble", pp_microbatches=2)
+    check(2, pp_degree=2, pp_schedule="ZBVZeroBubble", pp_microbatches=3, batch_size=6)
 
 
 def test_v_schedule_refuses_fp16_and_compile():

@@ -96,6 +96,14 @@ def test_bubble_and_in_flight_forwards_are_torchs_order_replayed(schedule, pp, m
         assert in_flight_forwards(layout(schedule, pp, m), r) == peak_in_flight(actions), f"rank {r}"
 
 
+@pytest.mark.parametrize("pp,m", [(2, 3), (3, 5), (4, 7)])
+def test_zbv_at_its_fewest_microbatches(pp, m):
+    orders = torch_order("ZBVZeroBubble", pp, m)
+    assert pipeline_bubble(layout("ZBVZeroBubble", pp, m)) == pytest.approx(replay(orders, 2 * pp)[1], abs=1e-12)
+    assert [in_flight_forwards(layout("ZBVZeroBubble", pp, m), r) for r in orders] == [
+        peak_in_flight(actions) for actions in orders.values()]
+
+
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8)])
 def test_interleaved_zero_bubble_with_three_stages_per_rank(pp, m):
     _, idle = replay(torch_order("InterleavedZeroBubble", pp, m, v=3), 3 * pp)

@@ -71,9 +71,12 @@ def reshards_after_forward(setting: bool, pp_degree: int, pp_schedule: str) -> b
 
 
 def v_min_microbatches(pp_schedule: str, pp_degree: int) -> int:
-    """Fewest microbatches a V schedule runs at pp_degree: one per stage (2 pp), as torch's DualPipeV requires and
-    ZBVZeroBubble's steady phase needs (it pads fewer with idle slots)."""
-    return 2 * pp_degree if pp_schedule in V_SCHEDULES else pp_degree
+    """Fewest microbatches a V schedule runs at pp_degree: DualPipeV one per stage (2 pp, torch requires it),
+    ZBVZeroBubble 2 pp - 1 (what torch's schedule needs to fill the V; it pads fewer with idle slots); pp_degree for
+    the others."""
+    if pp_schedule == "DualPipeV":
+        return 2 * pp_degree
+    return 2 * pp_degree - 1 if pp_schedule == "ZBVZeroBubble" else pp_degree
 
 
 def microbatches(pp_microbatches: int, pp_degree: int) -> int:

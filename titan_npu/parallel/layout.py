@@ -241,9 +241,10 @@ def _check_pipeline(dims: Degrees, a: Any, cfg: JobConfig) -> None:
         )
     if schedule in arithmetic.V_SCHEDULES and n_mb < arithmetic.v_min_microbatches(schedule, dims.pp):
         need = arithmetic.v_min_microbatches(schedule, dims.pp)
+        why = "one per stage of the V" if schedule == "DualPipeV" else "2 x pp_degree - 1, to fill the V"
         raise LayoutError(
-            f"{origin} is fewer than the {need} microbatches {schedule} needs at pp_degree={dims.pp} (2 x pp_degree: "
-            f"one per stage of the V, or its steady phase never runs); set parallel.pp_microbatches >= {need}"
+            f"{origin} is fewer than the {need} microbatches {schedule} needs at pp_degree={dims.pp} ({why}); set "
+            f"parallel.pp_microbatches >= {need}"
         )
     if schedule in arithmetic.LOOPED_SCHEDULES:
         rounds = max(1, n_mb // dims.pp)
