@@ -1,7 +1,8 @@
 """Pipeline parallelism with torch.distributed.pipelining: stage placement, schedules, and one training step.
 
-Each pp rank runs one stage (GPipe, 1F1B) or several looped ones (Interleaved1F1B: rank r runs stages
-r, r + pp, r + 2 pp, ...). A step's local batch (batch_size x gradient_accumulation_steps sequences) is split
+Each pp rank runs one stage (GPipe, 1F1B), several looped ones (Interleaved1F1B, InterleavedZeroBubble: rank r runs
+stages r, r + pp, r + 2 pp, ...) or two in a V (ZBVZeroBubble, DualPipeV: stages r and 2 pp - 1 - r); the schedule
+is torch's own class of that name. A step's local batch (batch_size x gradient_accumulation_steps sequences) is split
 into pp_microbatches microbatches; the schedule averages the gradients over them, so a step is the same
 optimisation step as without pipelining.
 
