@@ -13,8 +13,9 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from titan_npu.config.loader import load_config
 from titan_npu.models.llama import LlamaArgs
+from titan_npu.parallel.arithmetic import stage_ids_for_rank
 from titan_npu.parallel.degrees import Degrees
-from titan_npu.planner.activations import in_flight_forwards, rank_activations
+from titan_npu.planner.activations import in_flight_forwards, rank_activations, v_in_flight_forwards
 from titan_npu.planner.dry_run import dry_run
 from titan_npu.planner.hardware import hardware
 from titan_npu.planner.layout import Job, Layout
@@ -82,6 +83,17 @@ def peak_in_flight(actions: list) -> int:
     return peak
 
 
+def held_at_peak(actions: list) -> dict[int, int]:
+    """Forwards held per stage at the first moment the rank's total peaks."""
+    held, best, total = {}, {}, 0
+    for a in actions:
+        kind = a.computation_type
+        held[a.stage_index] = held.get(a.stage_index, 0) + (1 if kind == F else -1 if kind in (W, B) else 0)
+        if sum(held.values()) > total:
+            total, best = sum(held.values()), dict(held)
+    return best
+
+
 def layout(schedule: str, pp: int, m: int, v: int = 0) -> Layout:
     return Layout(Degrees(pp=pp), batch_size=m, pp_microbatches=m, pp_schedule=schedule, pp_virtual_stages=v)
 
@@ -94,6 +106,10 @@ def test_bubble_and_in_flight_forwards_are_torchs_order_replayed(schedule, pp, m
     assert pipeline_bubble(layout(schedule, pp, m)) == pytest.approx(idle, abs=1e-12)
     for r, actions in orders.items():
         assert in_flight_forwards(layout(schedule, pp, m), r) == peak_in_flight(actions), f"rank {r}"
+        if schedule != "InterleavedZeroBubble":  # the V: each stage's share of the peak
+            stages = stage_ids_for_rank(r, pp, 2, schedule)
+            held = held_at_peak(actions)
+            assert v_in_flight_forwards(layout(schedule, pp, m), r) == tuple(held[s] for s in stages), f"rank {r}"
 
 
 @pytest.mark.parametrize("pp,m", [(2, 3), (3, 5), (4, 7)])
@@ -102,6 +118,10 @@ def test_zbv_at_its_fewest_microbatches(pp, m):
     assert pipeline_bubble(layout("ZBVZeroBubble", pp, m)) == pytest.approx(replay(orders, 2 * pp)[1], abs=1e-12)
     assert [in_flight_forwards(layout("ZBVZeroBubble", pp, m), r) for r in orders] == [
         peak_in_flight(actions) for actions in orders.values()]
+    for r, actions in orders.items():
+        held = held_at_peak(actions)
+        assert v_in_flight_forwards(layout("ZBVZeroBubble", pp, m), r) == tuple(
+            held[s] for s in stage_ids_for_rank(r, pp, 2, "ZBVZeroBubble"))
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8)])
