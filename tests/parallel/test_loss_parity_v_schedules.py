@@ -70,6 +70,8 @@ SLOW_LAYOUTS = {
     "deepseek_dualpipev_pp2": (2, [*PP2, "--parallel.pp_schedule=DualPipeV", "--model.score_bias_rate=0.01"],
                                "deepseek_ref"),
 }
+# torch's InterleavedZeroBubble (looped placement, the same split backward and FSDP rule) under FSDP 2 x PP 2.
+SLOW_LAYOUTS["izb_fsdp2_pp2"] = (4, [*PP2, "--parallel.pp_schedule=InterleavedZeroBubble"], "ref_b8")
 SLOW_REFERENCES = {"deepseek_ref": (1, ["--model.score_bias_rate=0.01", "--training.gradient_accumulation_steps=4"])}
 # Qwen3-MoE with its experts split over the 2 FSDP ranks of each stage (EP 2 x PP 2): the load-balancing loss pools
 # each rank's own micro-batch, which no one process does, so DualPipeV is held to 1F1B on the same layout.
