@@ -132,20 +132,26 @@ def write_seed_checkpoint(workdir: Path, model: str = "llama3", name: str = "see
     assert code == 0, f"titan-npu init-weights exited {code}"
 
 
-def initial_weights(workdir: Path, name: str) -> list[dict[str, torch.Tensor]]:
-    """Per rank, the full (gathered) initial weights of the model parts that rank held in run `name`."""
-    files = sorted((workdir / name).glob("initial_weights.rank*.pt"))
+def initial_weights(workdir: Path, name: str, when: str = "initial") -> list[dict[str, torch.Tensor]]:
+    """Per rank, the full (gathered) initial weights of the model parts that rank held in run `name` (when="final":
+    the weights after its last step, saved by a final_weights_run)."""
+    files = sorted((workdir / name).glob(f"{when}_weights.rank*.pt"))
     return [torch.load(f, weights_only=True) for f in files]
 
 
-def _save_initial_weights(trainer, log_dir: Path) -> None:
+def final_weights(workdir: Path, name: str) -> dict[str, torch.Tensor]:
+    """The full weights after the last step of final_weights_run `name`, every rank's parts together."""
+    return {key: value for part in initial_weights(workdir, name, "final") for key, value in part.items()}
+
+
+def _save_weights(trainer, log_dir: Path, when: str = "initial") -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = {}
     for part in trainer.model_parts:
         full.update(get_model_state_dict(part, options=StateDictOptions(full_state_dict=True)))
     log_dir.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.detach().cpu() for k, v in full.items()}, log_dir / f"initial_weights.rank{trainer.rank}.pt")
+    torch.save({k: v.detach().cpu() for k, v in full.items()}, log_dir / f"{when}_weights.rank{trainer.rank}.pt")
 
 
 def config_run(config: Path, args: list[str]) -> Job:
@@ -153,14 +159,22 @@ def config_run(config: Path, args: list[str]) -> Job:
     return partial(_train, args, config)
 
 
-def _train(args: list[str], config: Path | None = None) -> None:
+def final_weights_run(args: list[str], config: Path | None = None) -> Job:
+    """A pool job: the training run `args` (on the config file `config`, if any) that also leaves its gathered final
+    weights (final_weights reads them)."""
+    return partial(_train, args, config, True)
+
+
+def _train(args: list[str], config: Path | None = None, save_final: bool = False) -> None:
     from titan_npu.config.loader import load_config
     from titan_npu.trainer import Trainer
 
     cfg = load_config(config, args)
     trainer = Trainer(cfg)
-    _save_initial_weights(trainer, Path(cfg.metrics.log_dir))
+    _save_weights(trainer, Path(cfg.metrics.log_dir))
     trainer.train()
+    if save_final:
+        _save_weights(trainer, Path(cfg.metrics.log_dir), "final")
     # Not trainer.close(): the process group stays up for the pool's next case.
     trainer.checkpointer.close()
     trainer.metrics.close()

@@ -23,7 +23,7 @@ _COUNT = Knob(at_least(0), why="0 = none")
 _NOT_SPLIT = Knob(at_least(1), why="1 = this dimension is not split")
 
 DECAY_TYPES = ("cosine", "linear", "constant", "wsd")
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 AC_MODES = ("none", "selective", "full")
 BACKENDS = ("auto", "hccl", "nccl", "gloo")
 CP_MODES = ("ring", "ulysses", "hybrid")  # parallel/layout.py says which of them run yet
@@ -87,7 +87,7 @@ CONFIG_KEYS: dict[str, Knob] = {
     "parallel.pp_degree": _NOT_SPLIT,
     "parallel.pp_schedule": Knob(choices=PP_SCHEDULES, what="pipeline schedule"),
     "parallel.pp_microbatches": Knob(at_least(0), why="0 = pp_degree * 2"),
-    "parallel.pp_virtual_stages": Knob(at_least(0), why="0 = 2 for Interleaved1F1B, else 1"),
+    "parallel.pp_virtual_stages": Knob(at_least(0), why="0 = 2 for the interleaved and V schedules, else 1"),
     "parallel.cpu_offload": FREE,
     "parallel.reshard_after_forward": FREE,
     "parallel.loss_parallel": FREE,

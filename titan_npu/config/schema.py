@@ -126,9 +126,9 @@ class ParallelConfig:
     fsdp: bool = True
     tp_degree: int = 1
     pp_degree: int = 1
-    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B
+    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble | DualPipeV
     pp_microbatches: int = 0
-    pp_virtual_stages: int = 0  # pipeline stages per rank; 0 = 2 for Interleaved1F1B, else 1
+    pp_virtual_stages: int = 0  # stages per rank; 0 = 2 for the interleaved and V schedules, else 1
     cpu_offload: bool = False
     reshard_after_forward: bool = True
     loss_parallel: bool = True

@@ -45,11 +45,38 @@ def chunk_size(n: int, parts: int, index: int) -> int:
     return max(0, min(step, n - index * step))
 
 
+# Schedules that run two stages per rank placed in a V: rank r holds stage r and stage 2 pp - 1 - r, so the first
+# and last stages share rank 0 and the middle two (pp - 1, pp) rank pp - 1, which hands activations between them
+# without a send.
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+# Schedules that split a stage's backward into an input step (I) and a later weight step (W). torch's W step takes the
+# gradients of the parameters the stage's module holds when it runs, so FSDP must keep the forward's gathered
+# parameters registered until then (no reshard after forward): see reshards_after_forward.
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", *V_SCHEDULES)
+# Schedules with several looped stages per rank (rank r: r, r + pp, ...); 2 unless pp_virtual_stages says more.
+LOOPED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+
+
 def stages_per_rank(pp_schedule: str, pp_virtual_stages: int) -> int:
-    """Pipeline stages each pp rank runs: pp_virtual_stages, or 2 for Interleaved1F1B and 1 otherwise."""
+    """Pipeline stages each pp rank runs: pp_virtual_stages, or 2 for the looped and V schedules and 1 otherwise."""
     if pp_virtual_stages > 0:
         return pp_virtual_stages
-    return 2 if pp_schedule == "Interleaved1F1B" else 1
+    return 2 if pp_schedule in LOOPED_SCHEDULES + V_SCHEDULES else 1
+
+
+def reshards_after_forward(setting: bool, pp_degree: int, pp_schedule: str) -> bool:
+    """Whether FSDP frees the gathered parameters after forward: parallel.reshard_after_forward, except under a
+    schedule with a split weight backward (SPLIT_BACKWARD_SCHEDULES), whose W step needs them gathered."""
+    return setting and not (pp_degree > 1 and pp_schedule in SPLIT_BACKWARD_SCHEDULES)
+
+
+def v_min_microbatches(pp_schedule: str, pp_degree: int) -> int:
+    """Fewest microbatches a V schedule runs at pp_degree: DualPipeV one per stage (2 pp, torch requires it),
+    ZBVZeroBubble 2 pp - 1 (what torch's schedule needs to fill the V; it pads fewer with idle slots); pp_degree for
+    the others."""
+    if pp_schedule == "DualPipeV":
+        return 2 * pp_degree
+    return 2 * pp_degree - 1 if pp_schedule == "ZBVZeroBubble" else pp_degree
 
 
 def microbatches(pp_microbatches: int, pp_degree: int) -> int:
@@ -68,6 +95,9 @@ def local_batch(batch_size: int, gradient_accumulation_steps: int) -> int:
     return batch_size * gradient_accumulation_steps
 
 
-def stage_ids_for_rank(pp_rank: int, pp_degree: int, stages_per_rank: int) -> list[int]:
-    """The stage indices pp rank `pp_rank` runs (looped placement, as the interleaved schedule expects)."""
+def stage_ids_for_rank(pp_rank: int, pp_degree: int, stages_per_rank: int, pp_schedule: str = "1F1B") -> list[int]:
+    """The stage indices pp rank `pp_rank` runs: V-shaped (pp_rank, 2 pp - 1 - pp_rank) for the V schedules, else
+    looped (pp_rank, pp_rank + pp, ...), as torch.distributed.pipelining's schedules expect."""
+    if pp_schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp_degree - 1 - pp_rank]
     return [pp_rank + i * pp_degree for i in range(stages_per_rank)]

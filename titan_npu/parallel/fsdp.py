@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from titan_npu.device.dtypes import to_torch_dtype
+from titan_npu.parallel import arithmetic
 from titan_npu.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -44,20 +45,22 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> None:
     if cfg.parallel.cpu_offload:
         # Pinned host memory needs an accelerator; on a cpu-only run the parameters are host memory already.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
+    reshard_after_forward = arithmetic.reshards_after_forward(cfg.parallel.reshard_after_forward, dims.pp,
+                                                              cfg.parallel.pp_schedule)
     blocks = _blocks(model)
     block_policy = mixed_precision_policy(cfg.training.dtype, cast_forward_inputs=False)
     if dims.ep_enabled:
-        _shard_experts(model, dims, cfg, kwargs, block_policy)
+        _shard_experts(model, dims, kwargs, block_policy, reshard_after_forward)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keeping them gathered saves an
         # all-gather per step at no extra peak memory.
-        reshard = cfg.parallel.reshard_after_forward and i < len(blocks) - 1
+        reshard = reshard_after_forward and i < len(blocks) - 1
         fully_shard(block, reshard_after_forward=reshard, mp_policy=block_policy, **kwargs)
-    fully_shard(model, reshard_after_forward=cfg.parallel.reshard_after_forward,
+    fully_shard(model, reshard_after_forward=reshard_after_forward,
                 mp_policy=mixed_precision_policy(cfg.training.dtype), **kwargs)
 
 
-def _shard_experts(model: nn.Module, dims: ParallelDims, cfg: JobConfig, kwargs: dict, policy) -> None:
+def _shard_experts(model: nn.Module, dims: ParallelDims, kwargs: dict, policy, reshard_after_forward: bool) -> None:
     """Expert-parallel experts (DTensors over the ep ranks already, one slice of the experts per rank): where no two
     ranks hold the same experts FSDP leaves them (kwargs gets them as ignored_params); otherwise each module holding
     them is sharded by FSDP over the ranks that hold the same experts (ParallelDims.expert_dp_mesh)."""
@@ -76,7 +79,7 @@ def _shard_experts(model: nn.Module, dims: ParallelDims, cfg: JobConfig, kwargs:
     for module in list(model.modules()):
         if any(is_expert(p) for p in module.parameters(recurse=False)):
             fully_shard(module, **{**kwargs, "mesh": dims.expert_dp_mesh},
-                        reshard_after_forward=cfg.parallel.reshard_after_forward, mp_policy=policy)
+                        reshard_after_forward=reshard_after_forward, mp_policy=policy)
 
 
 def apply_replicate(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> None:

@@ -17,7 +17,7 @@ from titan_npu.parallel.degrees import Degrees
 if TYPE_CHECKING:
     from titan_npu.config.schema import JobConfig
 
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 
 
@@ -202,11 +202,13 @@ def _check_pipeline(dims: Degrees, a: Any, cfg: JobConfig) -> None:
             f"parallel.pp_schedule={schedule} runs one stage per rank, but pp_virtual_stages={per_rank}; "
             "set pp_schedule = \"Interleaved1F1B\" or pp_virtual_stages = 0"
         )
-    if schedule == "Interleaved1F1B" and per_rank < 2:
+    if schedule in arithmetic.LOOPED_SCHEDULES and per_rank < 2:
         raise LayoutError(
-            "parallel.pp_schedule=Interleaved1F1B needs at least 2 stages per rank; set pp_virtual_stages = 0 "
+            f"parallel.pp_schedule={schedule} needs at least 2 stages per rank; set pp_virtual_stages = 0 "
             "(2) or more, or use 1F1B"
         )
+    if schedule in arithmetic.V_SCHEDULES:
+        _check_v_schedule(dims, a, cfg)
     if getattr(a, "tie_embeddings", False):
         raise LayoutError(
             f"{a.family} {a.flavor} ties its output projection to the embedding, which pipeline parallelism would "
@@ -237,11 +239,18 @@ def _check_pipeline(dims: Degrees, a: Any, cfg: JobConfig) -> None:
             f"under pipeline parallelism the accumulation steps become microbatches); {fix}make "
             f"batch_size x gradient_accumulation_steps a multiple of {n_mb}"
         )
-    if schedule == "Interleaved1F1B":
+    if schedule in arithmetic.V_SCHEDULES and n_mb < arithmetic.v_min_microbatches(schedule, dims.pp):
+        need = arithmetic.v_min_microbatches(schedule, dims.pp)
+        why = "one per stage of the V" if schedule == "DualPipeV" else "2 x pp_degree - 1, to fill the V"
+        raise LayoutError(
+            f"{origin} is fewer than the {need} microbatches {schedule} needs at pp_degree={dims.pp} ({why}); set "
+            f"parallel.pp_microbatches >= {need}"
+        )
+    if schedule in arithmetic.LOOPED_SCHEDULES:
         rounds = max(1, n_mb // dims.pp)
         if n_mb % rounds:
             raise LayoutError(
-                f"{origin}: Interleaved1F1B needs the microbatch count to be a multiple of "
+                f"{origin}: {schedule} needs the microbatch count to be a multiple of "
                 f"max(1, microbatches // pp_degree) = {rounds}; use a multiple of pp_degree={dims.pp}"
             )
     if cfg.training.dtype == "fp16":
@@ -253,4 +262,30 @@ def _check_pipeline(dims: Degrees, a: Any, cfg: JobConfig) -> None:
         raise LayoutError(
             "validation.enable=true is not available with pipeline parallelism (a pipeline rank holds only some "
             "layers); set validation.enable=false or parallel.pp_degree=1"
+        )
+
+
+def _check_v_schedule(dims: Degrees, a: Any, cfg: JobConfig) -> None:
+    """ZBVZeroBubble / DualPipeV: two equal stages per rank in a V, and a split input/weight backward."""
+    schedule, virtual = cfg.parallel.pp_schedule, cfg.parallel.pp_virtual_stages
+    if virtual not in (0, 2):
+        raise LayoutError(
+            f"parallel.pp_schedule={schedule} runs exactly 2 stages per rank (placed in a V), but "
+            f"pp_virtual_stages={virtual}; set pp_virtual_stages = 0 (or 2), or use Interleaved1F1B for {virtual}"
+        )
+    stages = 2 * dims.pp
+    if a.n_layers % stages:
+        fits = [p for p in divisor_hint(a.n_layers) if p > 1 and a.n_layers % (2 * p) == 0]
+        fix = f"parallel.pp_degree to one of {_listing(fits)}, " if fits else ""
+        raise LayoutError(
+            f"model.n_layers={a.n_layers} does not split into the {stages} equal stages of {schedule} at "
+            f"pp_degree={dims.pp} (each rank's {a.n_layers / dims.pp:g} layers cut in two halves, one per arm of the "
+            f"V; unequal stages leave the bubble the schedule removes); set {fix}n_layers to a multiple of {stages}, "
+            f"or use 1F1B / Interleaved1F1B"
+        )
+    if cfg.compile.enable:
+        raise LayoutError(
+            f"compile.enable=true is not available with parallel.pp_schedule={schedule}: torch's split input/weight "
+            "backward, which the schedule runs, does not take compiled stages; set compile.enable=false or use "
+            "1F1B / Interleaved1F1B"
         )

@@ -1,7 +1,8 @@
 """Pipeline parallelism with torch.distributed.pipelining: stage placement, schedules, and one training step.
 
-Each pp rank runs one stage (GPipe, 1F1B) or several looped ones (Interleaved1F1B: rank r runs stages
-r, r + pp, r + 2 pp, ...). A step's local batch (batch_size x gradient_accumulation_steps sequences) is split
+Each pp rank runs one stage (GPipe, 1F1B), several looped ones (Interleaved1F1B, InterleavedZeroBubble: rank r runs
+stages r, r + pp, r + 2 pp, ...) or two in a V (ZBVZeroBubble, DualPipeV: stages r and 2 pp - 1 - r); the schedule
+is torch's own class of that name. A step's local batch (batch_size x gradient_accumulation_steps sequences) is split
 into pp_microbatches microbatches; the schedule averages the gradients over them, so a step is the same
 optimisation step as without pipelining.
 
@@ -22,7 +23,7 @@ from torch import nn
 from titan_npu.ops.documents import Documents
 from titan_npu.parallel.arithmetic import stage_ids_for_rank
 from titan_npu.parallel.dims import ParallelDims
-from titan_npu.parallel.layout import pp_microbatches, pp_stages_per_rank
+from titan_npu.parallel.layout import SINGLE_STAGE_SCHEDULES, pp_microbatches, pp_stages_per_rank
 from titan_npu.parallel.reduce import plain_tensor
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ def split_for_pipeline(spec: Any, model: nn.Module, dims: ParallelDims, cfg: Job
     n_stages = dims.pp * per_rank
     layers = spec.split_layers(len(model.layers), n_stages)
     pp_rank, _ = dims.pp_coordinates()
-    ids = stage_ids_for_rank(pp_rank, dims.pp, per_rank)
+    ids = stage_ids_for_rank(pp_rank, dims.pp, per_rank, cfg.parallel.pp_schedule)
     parts = [spec.build_stage(model, layers[i], is_first=i == 0, is_last=i == n_stages - 1) for i in ids]
     return ids, parts
 
@@ -95,20 +96,24 @@ def build_pipeline(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> Pipeline:
     """PipelineStages for this rank's (parallelised, materialised) parts and the configured schedule."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import PipelineStage
 
     n_stages = dims.pp * pp_stages_per_rank(cfg)
     group = dims.pp_mesh.get_group()
     stages = [PipelineStage(part, i, n_stages, device, group=group) for i, part in zip(stage_ids, parts)]
     n_mb = pp_microbatches(cfg, dims)
     name = cfg.parallel.pp_schedule
-    if name == "Interleaved1F1B":
-        schedule = _per_microbatch_kwargs(ScheduleInterleaved1F1B)(stages, n_microbatches=n_mb, loss_fn=loss_fn,
-                                                                   scale_grads=True)
-    else:
-        cls = _per_microbatch_kwargs({"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[name])
-        schedule = cls(stages[0], n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=True)
+    cls = _per_microbatch_kwargs(schedule_class(name))
+    schedule = cls(stages[0] if name in SINGLE_STAGE_SCHEDULES else stages,
+                   n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=True)
     return Pipeline(stages, schedule, n_mb)
+
+
+def schedule_class(name: str) -> type:
+    """torch.distributed.pipelining's schedule class of parallel.pp_schedule `name` (layout.PP_SCHEDULES)."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    return get_schedule_class(name)
 
 
 class PartOptimizers(torch.optim.Optimizer):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from titan_npu.models.registry import spec_of
 from titan_npu.models.spec import BlockCost, CostSite
+from titan_npu.parallel.arithmetic import SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES
 from titan_npu.planner.layout import Job, Layout
 from titan_npu.planner.stages import StagePart, rank_parts
 
@@ -252,12 +253,20 @@ def in_flight_forwards(layout: Layout, pp_rank: int) -> int:
     """Stage forwards whose activations a pipeline rank holds at its peak (torch.distributed.pipelining's order).
 
     1F1B: pp - pp_rank micro-batches; GPipe: all of them; interleaved: the schedule's warm-up forwards plus one.
+    A split backward (ZBVZeroBubble, DualPipeV, InterleavedZeroBubble) frees a forward's activations at its weight
+    step, not its input step: ZBVZeroBubble and InterleavedZeroBubble hold 2 pp stage forwards on every rank (each
+    stage half a 1F1B stage's layers: 1F1B's first-rank peak, on every rank), DualPipeV one more (the DualPipe notes'
+    PP + 1 chunks). tests/tools/test_plan_v_schedules.py replays torch's orders to check these.
     """
     if layout.pp == 1:
         return 1
     m, pp, v = layout.n_microbatches, layout.pp, layout.stages_per_rank
     if layout.pp_schedule == "GPipe":
         return m * v
+    if layout.pp_schedule in V_SCHEDULES:
+        return sum(v_in_flight_forwards(layout, pp_rank))
+    if layout.pp_schedule in SPLIT_BACKWARD_SCHEDULES and v == 2:
+        return min(2 * pp, m * v)
     if v == 1:
         return min(m, pp - pp_rank)
     per_round = m // max(1, m // pp)
@@ -265,8 +274,20 @@ def in_flight_forwards(layout: Layout, pp_rank: int) -> int:
     return min(warmup + 1, m * v)
 
 
+def v_in_flight_forwards(layout: Layout, pp_rank: int) -> tuple[int, int]:
+    """Under a V schedule, the forwards of each of the rank's two stages (stage pp_rank, stage 2 pp - 1 - pp_rank)
+    held when their total peaks: 2 pp - 1 - pp_rank (DualPipeV one more) and pp_rank + 1. Rank 0 holds the output
+    stage's (the logits) once, its first stage's 2 pp - 1 times."""
+    first = 2 * layout.pp - 1 - pp_rank + (layout.pp_schedule == "DualPipeV")
+    return min(first, layout.n_microbatches), min(pp_rank + 1, layout.n_microbatches)
+
+
 def rank_activations(job: Job, layout: Layout, pp_rank: int, device_type: str = "cpu") -> ActivationPeak:
-    """Activations of a pipeline rank: its in-flight forwards' saved tensors, plus one backward's peak extra."""
+    """Activations of a pipeline rank: its in-flight forwards' saved tensors (under a V schedule each stage's own
+    count, else the largest stage's), plus one backward's peak extra."""
     peaks = [part_activations(job, layout, part, device_type) for part in rank_parts(job.args, layout, pp_rank)]
+    if layout.pp > 1 and layout.pp_schedule in V_SCHEDULES:
+        saved = sum(n * p.saved for n, p in zip(v_in_flight_forwards(layout, pp_rank), peaks, strict=True))
+        return ActivationPeak(saved, max(p.extra for p in peaks))
     largest = max(p.saved for p in peaks)
     return ActivationPeak(in_flight_forwards(layout, pp_rank) * largest, max(p.extra for p in peaks))

@@ -56,10 +56,10 @@ class Layout:
             )
 
     @property
-    def sharding(self) -> tuple[Degrees, int]:
-        """What a rank's parameter shards and pipeline stages follow from: the degrees and the stages per pp rank
-        (the key the planner's per-job tables are kept under)."""
-        return self.degrees, self.stages_per_rank
+    def sharding(self) -> tuple[Degrees, int, bool]:
+        """What a rank's parameter shards and pipeline stages follow from: the degrees, the stages per pp rank and
+        whether they are placed in a V (the key the planner's per-job tables are kept under)."""
+        return self.degrees, self.stages_per_rank, self.pp > 1 and self.pp_schedule in arithmetic.V_SCHEDULES
 
     @property
     def loss_chunk(self) -> int:
@@ -80,6 +80,12 @@ class Layout:
     def stages_per_rank(self) -> int:
         """Pipeline stages each pp rank runs (1 without pipelining)."""
         return arithmetic.stages_per_rank(self.pp_schedule, self.pp_virtual_stages) if self.pp > 1 else 1
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether FSDP frees the gathered parameters after forward (the trainer's rule: not under a split
+        backward, whose weight step needs them)."""
+        return arithmetic.reshards_after_forward(self.reshard_after_forward, self.pp, self.pp_schedule)
 
     @property
     def n_microbatches(self) -> int:

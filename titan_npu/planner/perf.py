@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from titan_npu.metrics.throughput import flops_per_token
 from titan_npu.models.registry import spec_of
-from titan_npu.parallel.arithmetic import mesh_dims
+from titan_npu.parallel.arithmetic import SPLIT_BACKWARD_SCHEDULES, mesh_dims
 from titan_npu.parallel.float8 import wants_float8_all_gather
 from titan_npu.planner.communication import context_exchange_bytes, context_exchange_parts, expert_all_to_all_bytes
 from titan_npu.planner.hardware import Hardware
@@ -128,12 +128,23 @@ def training_flops_per_token(args: object, seq_len: int) -> float:
 
 
 def pipeline_bubble(layout: Layout) -> float:
-    """Fraction of a pipelined step a rank idles: (pp - 1) / (m + pp - 1), the idle part divided by the stages
-    per rank for interleaved schedules."""
+    """Fraction of a pipelined step a rank idles, with a stage's backward twice its forward.
+
+    GPipe, 1F1B: (pp - 1) / (m + pp - 1); Interleaved1F1B: the idle part divided by the v stages per rank
+    (Narayanan et al. 2021, arXiv:2104.04473, section 2.2). The schedules with a split backward (ZBVZeroBubble,
+    DualPipeV, InterleavedZeroBubble) fill the bubble with weight steps: with a chunk's forward, input backward and
+    weight backward equally long (F = I = W, so B = I + W = 2F), torch's action order idles a rank pp - 1 chunk
+    forwards per step against 3 v m of work: (pp - 1) / (3 v m + pp - 1). That is the zero-bubble paper's ZB-V
+    (Qi et al. 2024, arXiv:2401.10241, section 6: near zero when F = I = W) plus the first forward's ramp, and under
+    DualPipeV's (PP/2 - 1)(F&B + B - 3W) (DeepSeek's DualPipe notes, github.com/deepseek-ai/DualPipe) with no
+    forward/backward overlap (F&B = F + B); tests/tools/test_plan_v_schedules.py replays torch's orders to check it.
+    """
     if layout.pp == 1:
         return 0.0
-    m, pp = layout.n_microbatches, layout.pp
-    idle = (pp - 1) / layout.stages_per_rank
+    m, pp, v = layout.n_microbatches, layout.pp, layout.stages_per_rank
+    if layout.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
+        return (pp - 1) / (3 * v * m + pp - 1)
+    idle = (pp - 1) / v
     return idle / (m + idle)
 
 
@@ -255,7 +266,7 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
     local = dense + expert
     reductions = 1 if layout.pp > 1 else layout.passes
     if layout.fsdp_enabled:
-        gathers = (2 if layout.reshard_after_forward else 1) * layout.passes
+        gathers = (2 if layout.reshards_after_forward else 1) * layout.passes
         # Bytes an all-gathered dense element takes: the float8 weights' 1 under FSDP2's float8 all-gather.
         # (An accelerator's backend carries float8, parallel/float8.py.)
         gather_float8 = job.float8 is not None and wants_float8_all_gather(job.float8)
@@ -283,7 +294,7 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
     # each reduction, not overlapped; AdamW then runs on the host, shared by the node's ranks.
     offload = 0.0
     if layout.cpu_offload:
-        gathers = (2 if layout.reshard_after_forward else 1) * layout.passes
+        gathers = (2 if layout.reshards_after_forward else 1) * layout.passes
         offload = local * 4 * (gathers + reductions) / hw.host_bw + local / HOST_ADAMW_PARAMS_PER_S
 
     # Muon: each update is gathered whole over the ranks that cut its matrix dims, after backward.

@@ -4,12 +4,14 @@ global batch, each with its memory and speed estimate, ranked fastest first amon
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import product
 
 from titan_npu.config.schema import JobConfig
 from titan_npu.config.validate import check_seq_len
 from titan_npu.errors import ConfigError, LayoutError
 from titan_npu.intmath import divisors
 from titan_npu.models.registry import spec_of
+from titan_npu.parallel.arithmetic import V_SCHEDULES, v_min_microbatches
 from titan_npu.parallel.degrees import Degrees
 from titan_npu.parallel.layout import check_context_parallel, validate_layout
 from titan_npu.planner.hardware import Hardware
@@ -94,7 +96,7 @@ def config_for_layout(cfg: JobConfig, layout: Layout, made: dict | None = None) 
         "parallel": dict(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp_degree=layout.tp,
                          pp_degree=layout.pp, pp_microbatches=layout.pp_microbatches, cp_degree=layout.cp,
                          cp_mode=layout.cp_mode, ep_degree=layout.ep, cp_ulysses_degree=ulysses,
-                         cpu_offload=layout.cpu_offload),
+                         cpu_offload=layout.cpu_offload, pp_schedule=layout.pp_schedule),
         "activation_checkpoint": dict(mode=layout.ac, selective_ops=layout.selective_ops,
                                       selective_every=layout.selective_every),
         "training": dict(batch_size=layout.batch_size, gradient_accumulation_steps=layout.grad_accum),
@@ -125,6 +127,7 @@ def config_overrides(layout: Layout) -> str:
               f"--training.gradient_accumulation_steps {layout.grad_accum}"]
     if layout.pp > 1:
         parts.append(f"--parallel.pp_microbatches {layout.n_microbatches}")
+        parts.append(f"--parallel.pp_schedule {layout.pp_schedule}")
     if layout.cpu_offload:
         parts.append("--parallel.cpu_offload true")
     return " ".join(parts)
@@ -155,8 +158,8 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
     tp stays inside a node; pp up to 16 stages; context parallelism (ring or Ulysses) over any divisor of the
     ranks; dp_replicate > 1 only as HSDP whose shard group stays inside a node; for a MoE model, expert parallelism
     over any ep dividing dp_shard and the experts; activation checkpointing none / selective every Nth block /
-    selective ops / full; a micro-batch from 1 to 16 with accumulation (or, under pipelining, micro-batches) making
-    up the rest; CPU offload as a last resort.
+    selective ops / full; under pipelining the config's schedule and ZBVZeroBubble; a micro-batch from 1 to 16
+    with accumulation (or, under pipelining, micro-batches) making up the rest; CPU offload as a last resort.
     """
     a = job.args
     acs = [("none", False), ("selective", False), ("selective", True), ("full", False)]
@@ -190,18 +193,33 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
                     else:
                         # Under pipelining the whole local batch is one pipeline step of local / mb micro-batches.
                         split = {"batch_size": local, "grad_accum": 1, "pp_microbatches": local // mb}
-                    for ac, ops in acs:
-                        for offload in (False, True):
-                            if offload and not (base.fsdp and dp_shard > 1):
-                                continue
-                            try:
-                                layout = replace(base, degrees=degrees, ac=ac, selective_ops=ops,
-                                                 cpu_offload=offload, **split)
-                            except LayoutError:
-                                continue
-                            if is_valid(cfg, job, layout, made):
-                                out.append(layout)
+                    schedules = _schedules(base, pp, a.n_layers, split["pp_microbatches"])
+                    for schedule, (ac, ops), offload in product(schedules, acs, (False, True)):
+                        if offload and not (base.fsdp and dp_shard > 1):
+                            continue
+                        try:
+                            layout = replace(base, degrees=degrees, ac=ac, selective_ops=ops, cpu_offload=offload,
+                                             pp_schedule=schedule, **split)
+                        except LayoutError:
+                            continue
+                        if is_valid(cfg, job, layout, made):
+                            out.append(layout)
     return out
+
+
+def _schedules(base: Layout, pp: int, n_layers: int, n_microbatches: int) -> tuple[str, ...]:
+    """Pipeline schedules to try at `pp`: the config's, and ZBVZeroBubble where the config leaves the stages per
+    rank to the schedule and the layers and micro-batches fill its V (parallel/layout.py's rules, checked here
+    first because they are cheap); for a config naming a V schedule, 1F1B where its V does not fit. DualPipeV is
+    not tried: as run here (its paired forward and backward one after the other) it has ZBVZeroBubble's bubble with
+    one more micro-batch in flight, so it never ranks above it; a config that names it is planned as it is."""
+    if pp == 1:
+        return (base.pp_schedule,)
+    fits_v = (base.pp_virtual_stages in (0, 2) and n_layers % (2 * pp) == 0
+              and n_microbatches >= v_min_microbatches("ZBVZeroBubble", pp))
+    if base.pp_schedule in V_SCHEDULES:  # a V config: 1F1B where its V does not fit this pp
+        return tuple(dict.fromkeys((base.pp_schedule, "ZBVZeroBubble"))) if fits_v else ("1F1B",)
+    return (base.pp_schedule, "ZBVZeroBubble") if fits_v and base.pp_virtual_stages == 0 else (base.pp_schedule,)
 
 
 def _model_parallel_degrees(cfg: JobConfig, job: Job, world_size: int, devices_per_node: int

@@ -34,17 +34,19 @@ class StagePart:
 
 
 def rank_parts(args: Any, layout: Layout, pp_rank: int) -> list[StagePart]:
-    """The stages pipeline rank `pp_rank` runs (looped: pp_rank, pp_rank + pp, ...), cut as the trainer cuts them."""
-    return list(_rank_parts(spec_of(args).split_layers, args.n_layers, layout.pp, layout.stages_per_rank, pp_rank))
+    """The stages pipeline rank `pp_rank` runs (looped: pp_rank, pp_rank + pp, ...; V: pp_rank, 2 pp - 1 - pp_rank),
+    cut as the trainer cuts them."""
+    return list(_rank_parts(spec_of(args).split_layers, args.n_layers, layout.pp, layout.stages_per_rank, pp_rank,
+                            layout.pp_schedule))
 
 
 @lru_cache(maxsize=4096)
 def _rank_parts(split_layers: Callable[[int, int], list[list[int]]], n_layers: int, pp: int, stages_per_rank: int,
-                pp_rank: int) -> tuple[StagePart, ...]:
+                pp_rank: int, pp_schedule: str = "1F1B") -> tuple[StagePart, ...]:
     """rank_parts from everything it depends on (a search asks for the same few splits thousands of times)."""
     if pp == 1:
         return (StagePart(0, tuple(range(n_layers)), True, True),)
     n_stages = pp * stages_per_rank
     layers = split_layers(n_layers, n_stages)
-    ids = stage_ids_for_rank(pp_rank, pp, stages_per_rank)
+    ids = stage_ids_for_rank(pp_rank, pp, stages_per_rank, pp_schedule)
     return tuple(StagePart(i, tuple(layers[i]), i == 0, i == n_stages - 1) for i in ids)

@@ -105,7 +105,7 @@ def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int,
         # unsharded gradient and its fp32 copy for the reduce-scatter.
         grad_copy = 4 if c < 4 else 0
         fsdp = min(n_blocks, 2) * gathered + (block * (c + grad_copy) if n_blocks else 0) + root * c
-        if not layout.reshard_after_forward:
+        if not layout.reshards_after_forward:
             fsdp += max(0, n_blocks - 2) * gathered
     elif c < 4:
         # autocast caches one low-precision copy of every matmul weight for backward (not the embedding table).
