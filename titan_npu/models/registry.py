@@ -12,6 +12,7 @@ from torch import nn
 
 from titan_npu.errors import CheckpointError, ConfigError
 from titan_npu.models.deepseek_v3.spec import DEEPSEEK_V3
+from titan_npu.models.deepseek_v32.spec import DEEPSEEK_V32
 from titan_npu.models.gpt_oss.spec import GPT_OSS
 from titan_npu.models.llama.spec import LLAMA2, LLAMA3
 from titan_npu.models.qwen2.spec import QWEN2
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from titan_npu.config.schema import ModelConfig
 
 SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA2, LLAMA3, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3,
-                                                        GPT_OSS, QWEN3_NEXT)}
+                                                        GPT_OSS, QWEN3_NEXT, DEEPSEEK_V32)}
 
 
 def family_names() -> list[str]:
