@@ -1,0 +1,228 @@
+"""DeepSeek-V3.2 (DeepSeek Sparse Attention) against transformers' DeepseekV32ForCausalLM (fp32, CPU): logits with
+the indexer's top-k selection active, 20 AdamW steps, the Hugging Face directory both ways, and the indexer's KL
+losses of both training stages against a hand computation from the DeepSeek-V3.2 report's definitions."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_reference import (
+    adamw_steps,
+    hf_model,
+    import_hf_model,
+    logits,
+    memorisable_batches,
+    random_tokens,
+    randomise,
+    round_trip_hf_dir,
+    use_reference_kernels,
+)
+
+from titan_npu.errors import CheckpointError
+from titan_npu.models.deepseek_v32.args import DSAArgs
+from titan_npu.models.registry import get_spec
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-5  # max abs logit difference, fp32
+STEP_RTOL = 1e-4  # each training step's loss, relative
+KL_RTOL = 1e-5  # the indexer loss against the hand computation, relative
+SEQ = 32
+
+_reference_kernels = pytest.fixture(autouse=True)(use_reference_kernels)
+
+# Layer 0 dense, layers 1-2 MoE in 4 groups; an indexer of 4 heads of 16 keeping 6 of up to 32 keys per query.
+ARGS = DSAArgs(dim=64, n_layers=3, n_heads=4, vocab_size=160, ffn_dim=96, norm_eps=1e-6, rope_theta=10000.0,
+               max_seq_len=128, family="deepseek_v32", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+               qk_rope_head_dim=8, v_head_dim=16, n_experts=8, top_k=2, moe_ffn_dim=32, n_shared_experts=1,
+               n_groups=4, topk_groups=2, route_scale=2.5, first_k_dense=1, index_n_heads=4, index_head_dim=16,
+               index_topk=6)
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    """Weights away from init (router logits of order 1, a nonzero score bias), so a wrong mapping shows."""
+    randomise(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(0.3 / 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+
+
+def _pair(seed: int, args: DSAArgs = ARGS, hf_topk: int | None = None):
+    """transformers' model (index_topk hf_topk, default the args') with weights from `seed`, and ours holding them."""
+    hf_args = args if hf_topk is None else dataclasses.replace(args, index_topk=hf_topk)
+    hf = hf_model("deepseek_v32", hf_args)
+    _randomise(hf, seed)
+    return hf, import_hf_model("deepseek_v32", hf, args)
+
+
+def test_logits_with_the_sparse_selection_active_are_transformers():
+    hf, ours = _pair(0)
+    tokens = random_tokens(ARGS.vocab_size, SEQ, 1)
+    assert (logits(ours.eval(), tokens) - logits(hf, tokens)).abs().max().item() < TOL
+    # The selection matters: the same weights with every key kept give other logits.
+    dense = import_hf_model("deepseek_v32", hf, dataclasses.replace(ARGS, index_topk=SEQ)).eval()
+    assert (logits(dense, tokens) - logits(hf, tokens)).abs().max().item() > 1000 * TOL
+
+
+def _ce(model, tokens, labels):
+    out = model(tokens)
+    out = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(out.flatten(0, 1).float(), labels.flatten())
+
+
+def test_twenty_adamw_steps_with_frozen_indexers_track_a_transformers_training_loop():
+    # transformers' indexer runs without gradient: indexer_loss_weight = 0 is that training.
+    args = dataclasses.replace(ARGS, indexer_loss_weight=0.0)
+    hf, ours = _pair(7, args)
+    hf.train(), ours.train()
+    batches = memorisable_batches(args.vocab_size, SEQ, 20, batch=2)
+    ours_losses = adamw_steps(ours, batches, _ce)
+    hf_losses = adamw_steps(hf, batches, _ce)
+    assert ours_losses[-1] < ours_losses[0] - 1.0
+    for step, (a, b) in enumerate(zip(ours_losses, hf_losses)):
+        assert abs(a - b) <= STEP_RTOL * abs(b), f"step {step + 1}: ours {a} vs transformers {b}"
+
+
+def test_an_hf_directory_reads_as_deepseek_v32_and_exports_back_with_the_indexers(tmp_path):
+    hf = hf_model("deepseek_v32", ARGS)
+    _randomise(hf, 9)
+    weights, ours, back = round_trip_hf_dir(hf, "deepseek_v32", tmp_path)
+    assert weights.args == ARGS
+    assert "model.layers.2.self_attn.indexer.weights_proj.weight" in get_spec("deepseek_v32").hf.to_hf(
+        ours.state_dict(), ARGS)
+    assert back.config.index_topk == 6 and back.config.index_n_heads == 4 and back.config.model_type == "deepseek_v32"
+    tokens = random_tokens(ARGS.vocab_size, SEQ, 10)
+    assert (logits(ours.eval(), tokens) - logits(hf, tokens)).abs().max().item() < TOL
+    assert (logits(back, tokens) - logits(hf, tokens)).abs().max().item() < TOL
+
+
+def test_a_checkpoint_without_a_layers_indexer_is_refused_naming_it():
+    hf = hf_model("deepseek_v32", ARGS)
+    state = {k: v for k, v in hf.state_dict().items() if "layers.1.self_attn.indexer.wk" not in k}
+    with pytest.raises(CheckpointError, match=r"lacks the lightning indexer's weights of layer 1 \(model\.layers\.1\."
+                                              r"self_attn\.indexer\.wk\.weight\)"):
+        get_spec("deepseek_v32").hf.from_hf(state, ARGS)
+
+
+# --- the indexer's KL loss, by hand from the report's definitions ------------------------------------------------
+
+
+def _hand_indexer_loss(hf: torch.nn.Module, tokens: torch.Tensor, topk: int | None) -> torch.Tensor:
+    """Sum over layers of mean_s KL(p_s || softmax(I_s)) over the keys of the stage, from transformers' attention
+    probabilities (p: summed over heads, L1-normalised) and the indexer's scores written out here:
+    I[s, t] = sum_h w[s, h] ReLU(q[s, h] . k[t] / sqrt(D)) / sqrt(H) (w, q, k from the layer's normed input, RoPE
+    on the first qk_rope_head_dim channels in half-split pairs). topk None: the dense warm-up, every causal key;
+    else the top-k causal keys by I."""
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import apply_rotary_pos_emb
+
+    with torch.no_grad():
+        out = hf(tokens, output_attentions=True, output_hidden_states=True)
+        positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+        cos, sin = hf.model.rotary_emb(out.hidden_states[0], positions)
+        total = torch.zeros(())
+        seq = tokens.shape[1]
+        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        for layer, probs in enumerate(out.attentions):
+            block = hf.model.layers[layer]
+            attn, index = block.self_attn, block.self_attn.indexer
+            x = block.input_layernorm(out.hidden_states[layer])
+            b, h, d, r = x.shape[0], index.n_heads, index.head_dim, attn.qk_rope_head_dim
+            q = index.wq_b(attn.q_a_layernorm(attn.q_a_proj(x))).view(b, seq, h, d)
+            k = index.k_norm(index.wk(x)).view(b, seq, 1, d)
+            q_rot, k_rot = apply_rotary_pos_emb(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
+            q, k = torch.cat([q_rot, q[..., r:]], -1), torch.cat([k_rot, k[..., r:]], -1)[:, :, 0]
+            w = index.weights_proj(x)
+            scores = torch.einsum("bshd,btd->bsht", q, k) / d ** 0.5
+            index_scores = torch.einsum("bsh,bsht->bst", w, scores.relu()) / h ** 0.5
+            keys = causal.expand(b, -1, -1)
+            if topk is not None:
+                best = index_scores.masked_fill(~keys, float("-inf")).topk(min(topk, seq), dim=-1).indices
+                keys = keys & torch.zeros_like(keys).scatter(-1, best, True)
+            p = probs.sum(1)
+            p = p / p.sum(-1, keepdim=True)
+            assert torch.all(p[~keys] == 0)  # transformers' attention used exactly these keys
+            log_q = torch.log_softmax(index_scores.masked_fill(~keys, float("-inf")), dim=-1)
+            kl = torch.where(p > 0, p * (p.log() - log_q), torch.zeros(()))
+            total = total + kl.sum(-1).mean()
+    return total
+
+
+@pytest.mark.parametrize("stage", ["dense_warmup", "sparse"])
+def test_the_indexer_loss_equals_the_hand_computation_from_the_reports_definitions(stage):
+    dense = stage == "dense_warmup"
+    args = dataclasses.replace(ARGS, dsa_stage=stage)
+    # The dense warm-up attends to every key: transformers' model keeps them all (index_topk = the sequence).
+    hf, ours = _pair(3, args, hf_topk=SEQ if dense else None)
+    tokens = random_tokens(args.vocab_size, SEQ, 4)
+    ours.train()
+    with torch.no_grad():
+        ours(tokens)
+    hand = _hand_indexer_loss(hf, tokens, None if dense else args.index_topk)
+    assert hand.item() > 0.01
+    assert abs(ours.indexer_loss().item() - hand.item()) <= KL_RTOL * hand.item()
+    assert abs(ours.auxiliary_loss().item() - hand.item()) <= KL_RTOL * hand.item()  # weight 1, no balance loss
+
+
+def test_the_dense_warmup_trains_the_indexers_alone_and_the_sparse_stage_detaches_them():
+    tokens = random_tokens(ARGS.vocab_size, SEQ, 5)
+    labels = random_tokens(ARGS.vocab_size, SEQ, 6)
+    grads = {}
+    for stage, weight in (("dense_warmup", 1.0), ("sparse", 1.0), ("sparse", 0.0)):
+        _, ours = _pair(11, dataclasses.replace(ARGS, dsa_stage=stage, indexer_loss_weight=weight))
+        ours.train()
+        (_ce(ours, tokens, labels) + (ours.auxiliary_loss() if weight else 0)).backward()
+        grads[stage, weight] = {n: p.grad for n, p in ours.named_parameters()}
+        trainable = {n for n, p in ours.named_parameters() if p.requires_grad}
+        indexers = {n for n, _ in ours.named_parameters() if ".indexer." in n}
+        assert trainable == (indexers if stage == "dense_warmup" else
+                             set(grads[stage, weight]) - (set() if weight else indexers))
+    warmup, sparse, frozen = grads["dense_warmup", 1.0], grads["sparse", 1.0], grads["sparse", 0.0]
+    assert all((g is not None) == (".indexer." in n) for n, g in warmup.items())
+    assert all(g.abs().sum() > 0 for n, g in warmup.items() if ".indexer." in n)
+    # Sparse stage: the language-model loss reaches the model exactly as with frozen indexers (the indexer's input is
+    # detached and its loss touches nothing else), and the indexers learn from their loss.
+    for name, grad in sparse.items():
+        if ".indexer." in name:
+            assert frozen[name] is None and grad.abs().sum() > 0
+        else:
+            assert torch.equal(grad, frozen[name]), name
+
+
+def test_document_masking_keeps_each_documents_keys_and_selection_its_own():
+    from titan_npu.ops.documents import Documents
+
+    # 16 indexer heads: a key scores exactly 0 only when all 16 ReLUs are 0, so no tie at the k-th score makes the
+    # top-k of a 32-key row and of a 20-key row differ (with 4 heads such ties occur, and torch.topk breaks them by
+    # the row's layout).
+    _, ours = _pair(13, dataclasses.replace(ARGS, index_n_heads=16))
+    ours.eval()
+    tokens = random_tokens(ARGS.vocab_size, SEQ, 14, batch=1)
+    cut = 20
+    ids = torch.tensor([[0] * cut + [1] * (SEQ - cut)])
+    positions = torch.cat([torch.arange(cut), torch.arange(SEQ - cut)]).unsqueeze(0)
+    with torch.no_grad():
+        packed = ours(tokens, documents=Documents(ids, [cut, SEQ], positions))
+        first, second = ours(tokens[:, :cut]), ours(tokens[:, cut:])
+    assert (packed - torch.cat([first, second], dim=1)).abs().max().item() < TOL
+
+
+def test_the_published_flavors_read_back_from_their_config():
+    from titan_npu.config.schema import ModelConfig
+    from titan_npu.models.registry import build_model_args
+
+    spec = get_spec("deepseek_v32")
+    for flavor in ("V3.2-Exp", "V3.2"):
+        args = build_model_args(ModelConfig(name="deepseek_v32", flavor=flavor))
+        assert (args.index_n_heads, args.index_head_dim, args.index_topk, args.n_layers) == (64, 128, 2048, 61)
+        config = spec.hf.config(args)
+        assert json.loads(json.dumps(config))["model_type"] == "deepseek_v32"
+        assert spec.hf.args_from_config({**config, "num_nextn_predict_layers": 1}).flavor == "V3.2-Exp"
