@@ -1,9 +1,12 @@
-"""A DeepSeek-V3.2 Hugging Face directory through the commands a user types: `titan-npu import` prints the [model]
-lines with the indexer's, train.py starts from the directory (shard-wise, indexers included) at transformers' loss
-and trains in the sparse stage, `titan-npu export --format hf` gives a directory transformers loads with the same
-logits; a directory whose indexer weights are missing is refused in one line with nothing written."""
+"""A DeepSeek-V3.2 (and, marked slow, a GLM-5) Hugging Face directory through the commands a user types:
+`titan-npu import` prints the [model] lines with the indexer's, train.py starts from the directory (shard-wise,
+indexers included) at transformers' loss and trains in the sparse stage, `titan-npu export --format hf` gives a
+directory transformers loads with the same logits; a directory whose indexer weights are missing is refused in one
+line with nothing written."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -24,9 +27,14 @@ ARGS = DSAArgs(dim=64, n_layers=2, n_heads=4, vocab_size=512, ffn_dim=96, norm_e
                index_topk=8)
 
 
-def _hf_model() -> torch.nn.Module:
-    """transformers' DeepseekV32ForCausalLM of ARGS with weights away from init."""
-    config = transformers.AutoConfig.for_model(**get_spec("deepseek_v32").hf.config(ARGS))
+# GLM-5's layout: interleaved indexer RoPE, layer 1 reusing layer 0's selection.
+GLM5 = dataclasses.replace(ARGS, variant="glm_moe_dsa", indexer_types=["full", "shared"])
+
+
+def _hf_model(args: DSAArgs = ARGS) -> torch.nn.Module:
+    """transformers' model of `args` (DeepseekV32ForCausalLM or GlmMoeDsaForCausalLM) with weights away from
+    init."""
+    config = transformers.AutoConfig.for_model(**get_spec("deepseek_v32").hf.config(args))
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -36,25 +44,31 @@ def _hf_model() -> torch.nn.Module:
     return model
 
 
-def test_import_train_in_the_sparse_stage_from_the_hf_directory_and_export_back(tmp_path, capsys):
-    hf = _hf_model()
+@pytest.mark.parametrize(("args", "printed_lines"), [
+    pytest.param(ARGS, ('variant = "deepseek_v32"',), id="deepseek_v32"),
+    pytest.param(GLM5, ('variant = "glm_moe_dsa"', 'indexer_types = ["full", "shared"]'), id="glm5",
+                 marks=pytest.mark.slow),
+])
+def test_import_train_in_the_sparse_stage_from_the_hf_directory_and_export_back(args, printed_lines, tmp_path,
+                                                                                 capsys):
+    hf = _hf_model(args)
     hf.save_pretrained(tmp_path / "hf")
     assert main(["import", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "w.pt")]) == 0
     printed = capsys.readouterr().out
     for line in ('name = "deepseek_v32"', "index_n_heads = 4", "index_head_dim = 16", "index_topk = 8",
-                 'dsa_stage = "sparse"', "q_lora_rank = 24"):
+                 'dsa_stage = "sparse"', "q_lora_rank = 24", *printed_lines):
         assert line in printed
     output, records = train_from_the_import(printed, tmp_path, steps=3)
     assert "shard-wise" in output
     first_step_is_the_references(hf, records[0], tmp_path, 1e-5)
-    ours = build_model(ARGS)
+    ours = build_model(args)
     trained = read_weights(tmp_path / "ckpt" / "step-3").state_dict
     ours.load_state_dict(trained, strict=True)
-    imported = get_spec("deepseek_v32").hf.from_hf(hf.state_dict(), ARGS)
-    name = "layers.1.attention.indexer.wq_b.weight"
+    imported = get_spec("deepseek_v32").hf.from_hf(hf.state_dict(), args)
+    name = "layers.0.attention.indexer.wq_b.weight"
     assert not torch.equal(trained[name], imported[name])  # the indexer learned in the sparse stage
     back = export_and_compare(tmp_path, ours.eval())
-    assert back.config.model_type == "deepseek_v32" and back.config.index_topk == 8
+    assert back.config.model_type == args.variant and back.config.index_topk == 8
 
 
 def test_an_hf_directory_without_the_indexer_weights_is_refused_in_one_line_writing_nothing(tmp_path, capsys):

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from dsa_reference import hand_indexer_loss, randomise_dsa
 from hf_reference import (
     adamw_steps,
     hf_model,
@@ -17,7 +18,6 @@ from hf_reference import (
     logits,
     memorisable_batches,
     random_tokens,
-    randomise,
     round_trip_hf_dir,
     use_reference_kernels,
 )
@@ -43,24 +43,11 @@ ARGS = DSAArgs(dim=64, n_layers=3, n_heads=4, vocab_size=160, ffn_dim=96, norm_e
                index_topk=6)
 
 
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-    """Weights away from init (router logits of order 1, a nonzero score bias), so a wrong mapping shows."""
-    randomise(model, seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.mul_(0.3 / 0.08)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
-
-
 def _pair(seed: int, args: DSAArgs = ARGS, hf_topk: int | None = None):
     """transformers' model (index_topk hf_topk, default the args') with weights from `seed`, and ours holding them."""
     hf_args = args if hf_topk is None else dataclasses.replace(args, index_topk=hf_topk)
     hf = hf_model("deepseek_v32", hf_args)
-    _randomise(hf, seed)
+    randomise_dsa(hf, seed)
     return hf, import_hf_model("deepseek_v32", hf, args)
 
 
@@ -94,7 +81,7 @@ def test_twenty_adamw_steps_with_frozen_indexers_track_a_transformers_training_l
 
 def test_an_hf_directory_reads_as_deepseek_v32_and_exports_back_with_the_indexers(tmp_path):
     hf = hf_model("deepseek_v32", ARGS)
-    _randomise(hf, 9)
+    randomise_dsa(hf, 9)
     weights, ours, back = round_trip_hf_dir(hf, "deepseek_v32", tmp_path)
     assert weights.args == ARGS
     assert "model.layers.2.self_attn.indexer.weights_proj.weight" in get_spec("deepseek_v32").hf.to_hf(
@@ -113,49 +100,6 @@ def test_a_checkpoint_without_a_layers_indexer_is_refused_naming_it():
         get_spec("deepseek_v32").hf.from_hf(state, ARGS)
 
 
-# --- the indexer's KL loss, by hand from the report's definitions ------------------------------------------------
-
-
-def _hand_indexer_loss(hf: torch.nn.Module, tokens: torch.Tensor, topk: int | None) -> torch.Tensor:
-    """Sum over layers of mean_s KL(p_s || softmax(I_s)) over the keys of the stage, from transformers' attention
-    probabilities (p: summed over heads, L1-normalised) and the indexer's scores written out here:
-    I[s, t] = sum_h w[s, h] ReLU(q[s, h] . k[t] / sqrt(D)) / sqrt(H) (w, q, k from the layer's normed input, RoPE
-    on the first qk_rope_head_dim channels in half-split pairs). topk None: the dense warm-up, every causal key;
-    else the top-k causal keys by I."""
-    from transformers.models.deepseek_v32.modeling_deepseek_v32 import apply_rotary_pos_emb
-
-    with torch.no_grad():
-        out = hf(tokens, output_attentions=True, output_hidden_states=True)
-        positions = torch.arange(tokens.shape[1]).unsqueeze(0)
-        cos, sin = hf.model.rotary_emb(out.hidden_states[0], positions)
-        total = torch.zeros(())
-        seq = tokens.shape[1]
-        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-        for layer, probs in enumerate(out.attentions):
-            block = hf.model.layers[layer]
-            attn, index = block.self_attn, block.self_attn.indexer
-            x = block.input_layernorm(out.hidden_states[layer])
-            b, h, d, r = x.shape[0], index.n_heads, index.head_dim, attn.qk_rope_head_dim
-            q = index.wq_b(attn.q_a_layernorm(attn.q_a_proj(x))).view(b, seq, h, d)
-            k = index.k_norm(index.wk(x)).view(b, seq, 1, d)
-            q_rot, k_rot = apply_rotary_pos_emb(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
-            q, k = torch.cat([q_rot, q[..., r:]], -1), torch.cat([k_rot, k[..., r:]], -1)[:, :, 0]
-            w = index.weights_proj(x)
-            scores = torch.einsum("bshd,btd->bsht", q, k) / d ** 0.5
-            index_scores = torch.einsum("bsh,bsht->bst", w, scores.relu()) / h ** 0.5
-            keys = causal.expand(b, -1, -1)
-            if topk is not None:
-                best = index_scores.masked_fill(~keys, float("-inf")).topk(min(topk, seq), dim=-1).indices
-                keys = keys & torch.zeros_like(keys).scatter(-1, best, True)
-            p = probs.sum(1)
-            p = p / p.sum(-1, keepdim=True)
-            assert torch.all(p[~keys] == 0)  # transformers' attention used exactly these keys
-            log_q = torch.log_softmax(index_scores.masked_fill(~keys, float("-inf")), dim=-1)
-            kl = torch.where(p > 0, p * (p.log() - log_q), torch.zeros(()))
-            total = total + kl.sum(-1).mean()
-    return total
-
-
 @pytest.mark.parametrize("stage", ["dense_warmup", "sparse"])
 def test_the_indexer_loss_equals_the_hand_computation_from_the_reports_definitions(stage):
     dense = stage == "dense_warmup"
@@ -166,7 +110,7 @@ def test_the_indexer_loss_equals_the_hand_computation_from_the_reports_definitio
     ours.train()
     with torch.no_grad():
         ours(tokens)
-    hand = _hand_indexer_loss(hf, tokens, None if dense else args.index_topk)
+    hand = hand_indexer_loss(hf, tokens, None if dense else args.index_topk)
     assert hand.item() > 0.01
     assert abs(ours.indexer_loss().item() - hand.item()) <= KL_RTOL * hand.item()
     assert abs(ours.auxiliary_loss().item() - hand.item()) <= KL_RTOL * hand.item()  # weight 1, no balance loss

@@ -49,4 +49,5 @@ def training_flops(args: Any, seq_len: int) -> float:
 def model_lines(args: Any) -> list[tuple[str, Any]]:
     """DeepSeek-V3's [model] lines and the indexer's."""
     own = [(key, value) for key, value in v3_model_lines(args) if key != "mtp_depth"]  # no [model] key here
-    return own + present_fields(args, DSA_OWN)
+    shared = [("indexer_types", args.indexer_types)] if args.indexer_types is not None else []  # GLM-5's sharing
+    return own + present_fields(args, DSA_OWN) + shared

@@ -48,6 +48,14 @@ def rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
+def deinterleave(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """x [..., D] with its first rope_dim channels reordered from pairs (2i, 2i + 1) to halves (i, i + rope_dim / 2):
+    half-split RoPE on the result rotates the original pairs (dot products between equally reordered vectors are
+    unchanged)."""
+    rope = x[..., :rope_dim].unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    return torch.cat([rope, x[..., rope_dim:]], dim=-1)
+
+
 def indexer_kl(target: torch.Tensor, scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Mean over the queries of KL(target || softmax(scores)) over `keys` (bool [B, S, T]); target [B, S, T] sums
     to 1 over them, scores fp32."""
@@ -62,6 +70,7 @@ class LightningIndexer(nn.Module):
     def __init__(self, args: DSAArgs) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.rope_dim = args.index_n_heads, args.index_head_dim, args.qk_rope_head_dim
+        self.interleaved = args.indexer_rope_interleave
         self.wq_b = Linear(args.q_lora_rank, args.index_n_heads * args.index_head_dim)
         self.wk = Linear(args.dim, args.index_head_dim)
         self.k_norm = nn.LayerNorm(args.index_head_dim, eps=INDEXER_NORM_EPS)
@@ -74,6 +83,8 @@ class LightningIndexer(nn.Module):
         bs, seqlen, _ = x.shape
         q = self.wq_b(q_latent).view(bs, seqlen, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(x))
+        if self.interleaved:  # GLM-5: pairs (2i, 2i + 1), gathered into halves first as transformers does
+            q, k = deinterleave(q, self.rope_dim), deinterleave(k, self.rope_dim)
         q, k = rotate_half_split(q, cos, sin), rotate_half_split(k, cos, sin)
         # The order of transformers' products, so that the same weights rank keys the same (ties included).
         scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.head_dim ** -0.5
@@ -121,12 +132,15 @@ def head_summed_probs(q: torch.Tensor, k: torch.Tensor, keys: torch.Tensor, head
 
 
 class SparseMLA(MLA):
-    """MLA whose queries attend to the keys their lightning indexer selects; after a training forward whose
-    indexer learns, `indexer_loss` holds this layer's KL loss."""
+    """MLA whose queries attend to the keys their lightning indexer selects (a layer without an indexer: those its
+    source layer's selected in this forward, kept in `selections`, a dict the model's layers share); after a
+    training forward whose indexer learns, `indexer_loss` holds this layer's KL loss."""
 
-    def __init__(self, args: DSAArgs) -> None:
+    def __init__(self, args: DSAArgs, layer_id: int, selections: dict[int, torch.Tensor]) -> None:
         super().__init__(args)
-        self.indexer = LightningIndexer(args)
+        self.indexer = LightningIndexer(args) if args.has_indexer(layer_id) else None
+        self.layer_id, self.source = layer_id, args.selection_source(layer_id)
+        self.selections = selections
         self.topk = args.index_topk
         self.dense = args.dsa_stage == DENSE_WARMUP
         self.learns = args.trains_indexer
@@ -157,11 +171,15 @@ class SparseMLA(MLA):
             visible = documents.mask(True)[:, 0]
         else:
             visible = torch.ones(seqlen, seqlen, dtype=torch.bool, device=x.device).tril().expand(bs, -1, -1)
-        learning = self.training and self.learns
-        # Detached: the language-model loss does not reach the indexer, nor its loss the model.
-        with torch.set_grad_enabled(learning and torch.is_grad_enabled()):
-            scores = self.indexer(x.detach(), q_latent.detach(), cos, sin)
-        keys = visible if self.dense else selected_keys(scores.detach(), visible, self.topk)
+        learning = self.training and self.learns and self.indexer is not None
+        if self.indexer is None:  # the source layer's selection of this forward
+            keys = visible if self.dense else self.selections[self.source]
+        else:
+            # Detached: the language-model loss does not reach the indexer, nor its loss the model.
+            with torch.set_grad_enabled(learning and torch.is_grad_enabled()):
+                scores = self.indexer(x.detach(), q_latent.detach(), cos, sin)
+            keys = visible if self.dense else selected_keys(scores.detach(), visible, self.topk)
+            self.selections[self.layer_id] = keys
         pad = self.head_dim - self.v_dim
         v = F.pad(v, (0, pad)) if pad > 0 else v
         if self.dense:
@@ -175,8 +193,8 @@ class SparseMLA(MLA):
 
     def param_inits(self, init_std: float) -> dict[str, ParamInit]:
         """MLA's, and the indexer's under `indexer.`."""
-        return {**super().param_inits(init_std),
-                **{f"indexer.{k}": v for k, v in self.indexer.param_inits().items()}}
+        own = {} if self.indexer is None else self.indexer.param_inits()
+        return {**super().param_inits(init_std), **{f"indexer.{k}": v for k, v in own.items()}}
 
 
 class DSATransformer(DeepSeekTransformer):
@@ -185,8 +203,10 @@ class DSATransformer(DeepSeekTransformer):
 
     def __init__(self, args: DSAArgs) -> None:
         super().__init__(args)
-        for layer in self.layers.values():
-            layer.attention = SparseMLA(args)
+        # Each indexer's selection of the current forward, by layer, for the layers that reuse it (GLM-5).
+        self.selections: dict[int, torch.Tensor] = {}
+        for layer_id, layer in self.layers.items():
+            layer.attention = SparseMLA(args, int(layer_id), self.selections)
         for name, param in self.named_parameters():
             indexer = ".indexer." in name
             param.requires_grad_(indexer if args.dsa_stage == DENSE_WARMUP else args.trains_indexer or not indexer)

@@ -4,7 +4,8 @@ refused in one line (ModelSpec.check_layout):
   context parallelism   each query's top-k runs over the whole sequence, which the cp ranks split
   tensor parallelism    the indexer and the selected-key attention have no tensor-parallel plan
   pipeline parallelism  while the indexers learn: their KL losses are summed in the model, which a stage holds in
-                        part (indexer_loss_weight = 0 pipelines as DeepSeek-V3 does)
+                        part (indexer_loss_weight = 0 pipelines as DeepSeek-V3 does); and with layers that reuse
+                        another layer's selection (model.indexer_types), which may lie on another stage
   index_topk >= training.seq_len in the sparse stage: every query would keep every key it sees, so the "sparse"
                         stage would train dense attention; the dense warm-up, or a top-k below the sequence length,
                         says what is meant (evaluation and import follow the published top-min(index_topk, S))."""
@@ -32,6 +33,10 @@ def check_dsa_layout(dims: ParallelDims, args: DSAArgs, cfg: JobConfig) -> None:
     if dims.tp_enabled:
         raise LayoutError(f"parallel.tp_degree={dims.tp} with DeepSeek Sparse Attention: the lightning indexer has no "
                           f"tensor-parallel plan yet; set parallel.tp_degree = 1 (FSDP, ep and pp shard it)")
+    if dims.pp_enabled and args.n_indexers < args.n_layers:
+        raise LayoutError(f"parallel.pp_degree={dims.pp} with model.indexer_types sharing selections across layers: "
+                          f"a stage could start with a layer whose indexer is on another stage; set "
+                          f"parallel.pp_degree = 1")
     if dims.pp_enabled and args.trains_indexer:
         raise LayoutError(f"parallel.pp_degree={dims.pp} with model.indexer_loss_weight={args.indexer_loss_weight}: "
                           f"the indexers' KL losses are not carried across pipeline stages; set "

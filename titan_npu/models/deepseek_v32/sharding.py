@@ -19,3 +19,8 @@ def parameter_kinds(args: DSAArgs) -> dict[str, tuple[tuple[int, ...], int | Non
         if kind == "attention.wo.weight":
             kinds.update({name: (shape, None) for name, shape in indexer.items()})
     return kinds
+
+
+def holds_kind(args: DSAArgs, layer_id: int, kind: str) -> bool:
+    """Whether block `layer_id` holds parameters of `kind`: a layer without an indexer holds none of its kinds."""
+    return ".indexer." not in kind or args.has_indexer(layer_id)
