@@ -1,6 +1,8 @@
-"""DeepSeek-V3.2 (DeepSeek Sparse Attention) against transformers' DeepseekV32ForCausalLM (fp32, CPU): logits with
-the indexer's top-k selection active, 20 AdamW steps, the Hugging Face directory both ways, and the indexer's KL
-losses of both training stages against a hand computation from the DeepSeek-V3.2 report's definitions."""
+"""DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention; the deepseek_v32 family's two variants) against transformers'
+DeepseekV32ForCausalLM and GlmMoeDsaForCausalLM (fp32, CPU): logits with the indexer's top-k selection active (and
+GLM-5's layers that reuse the last full layer's selection), 20 AdamW steps, the Hugging Face directory both ways,
+and the indexer's KL losses of both training stages against a hand computation from the DeepSeek-V3.2 report's
+definitions."""
 
 from __future__ import annotations
 
@@ -41,6 +43,11 @@ ARGS = DSAArgs(dim=64, n_layers=3, n_heads=4, vocab_size=160, ffn_dim=96, norm_e
                qk_rope_head_dim=8, v_head_dim=16, n_experts=8, top_k=2, moe_ffn_dim=32, n_shared_experts=1,
                n_groups=4, topk_groups=2, route_scale=2.5, first_k_dense=1, index_n_heads=4, index_head_dim=16,
                index_topk=6)
+# GLM-5's layout: 4 layers, the MoE in one group, the indexer's RoPE on interleaved pairs, layers 1 and 3 reusing
+# layers 0 and 2's selection.
+GLM5 = dataclasses.replace(ARGS, n_layers=4, norm_eps=1e-5, n_groups=1, topk_groups=1, variant="glm_moe_dsa",
+                           indexer_types=["full", "shared", "full", "shared"])
+SHAPES = {"v3.2": ARGS, "glm5-shared": GLM5}
 
 
 def _pair(seed: int, args: DSAArgs = ARGS, hf_topk: int | None = None):
@@ -51,24 +58,39 @@ def _pair(seed: int, args: DSAArgs = ARGS, hf_topk: int | None = None):
     return hf, import_hf_model("deepseek_v32", hf, args)
 
 
-def test_logits_with_the_sparse_selection_active_are_transformers():
-    hf, ours = _pair(0)
-    tokens = random_tokens(ARGS.vocab_size, SEQ, 1)
-    assert (logits(ours.eval(), tokens) - logits(hf, tokens)).abs().max().item() < TOL
-    # The selection matters: the same weights with every key kept give other logits.
-    dense = import_hf_model("deepseek_v32", hf, dataclasses.replace(ARGS, index_topk=SEQ)).eval()
-    assert (logits(dense, tokens) - logits(hf, tokens)).abs().max().item() > 1000 * TOL
-
-
 def _ce(model, tokens, labels):
     out = model(tokens)
     out = out.logits if hasattr(out, "logits") else out
     return F.cross_entropy(out.flatten(0, 1).float(), labels.flatten())
 
 
-def test_twenty_adamw_steps_with_frozen_indexers_track_a_transformers_training_loop():
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_logits_with_the_sparse_selection_active_are_transformers(shape):
+    args = SHAPES[shape]
+    hf, ours = _pair(0, args)
+    assert [layer.self_attn.indexer is None for layer in hf.model.layers] == [
+        not args.has_indexer(i) for i in range(args.n_layers)]
+    tokens = random_tokens(args.vocab_size, SEQ, 1)
+    assert (logits(ours.eval(), tokens) - logits(hf, tokens)).abs().max().item() < TOL
+    # The selection matters: the same weights with every key kept give other logits.
+    dense = import_hf_model("deepseek_v32", hf, dataclasses.replace(args, index_topk=SEQ)).eval()
+    assert (logits(dense, tokens) - logits(hf, tokens)).abs().max().item() > 1000 * TOL
+
+
+def test_glm5s_indexer_rotates_interleaved_pairs():
+    # DeepSeek-V3.2's half-split indexer RoPE on GLM-5's weights (every layer with its indexer) selects other keys.
+    full = dataclasses.replace(GLM5, indexer_types=None)
+    hf, ours = _pair(0, full)
+    half = import_hf_model("deepseek_v32", hf, dataclasses.replace(full, variant="deepseek_v32")).eval()
+    tokens = random_tokens(full.vocab_size, SEQ, 1)
+    assert (logits(ours.eval(), tokens) - logits(hf, tokens)).abs().max().item() < TOL
+    assert (logits(half, tokens) - logits(hf, tokens)).abs().max().item() > 1000 * TOL
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_twenty_adamw_steps_with_frozen_indexers_track_a_transformers_training_loop(shape):
     # transformers' indexer runs without gradient: indexer_loss_weight = 0 is that training.
-    args = dataclasses.replace(ARGS, indexer_loss_weight=0.0)
+    args = dataclasses.replace(SHAPES[shape], indexer_loss_weight=0.0)
     hf, ours = _pair(7, args)
     hf.train(), ours.train()
     batches = memorisable_batches(args.vocab_size, SEQ, 20, batch=2)
@@ -79,17 +101,39 @@ def test_twenty_adamw_steps_with_frozen_indexers_track_a_transformers_training_l
         assert abs(a - b) <= STEP_RTOL * abs(b), f"step {step + 1}: ours {a} vs transformers {b}"
 
 
-def test_an_hf_directory_reads_as_deepseek_v32_and_exports_back_with_the_indexers(tmp_path):
-    hf = hf_model("deepseek_v32", ARGS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_an_hf_directory_reads_by_its_model_type_and_exports_back_with_the_indexers(shape, tmp_path):
+    args = SHAPES[shape]
+    hf = hf_model("deepseek_v32", args)
     randomise_dsa(hf, 9)
     weights, ours, back = round_trip_hf_dir(hf, "deepseek_v32", tmp_path)
-    assert weights.args == ARGS
-    assert "model.layers.2.self_attn.indexer.weights_proj.weight" in get_spec("deepseek_v32").hf.to_hf(
-        ours.state_dict(), ARGS)
-    assert back.config.index_topk == 6 and back.config.index_n_heads == 4 and back.config.model_type == "deepseek_v32"
-    tokens = random_tokens(ARGS.vocab_size, SEQ, 10)
+    assert weights.args == args
+    exported = get_spec("deepseek_v32").hf.to_hf(ours.state_dict(), args)
+    for layer in range(args.n_layers):  # GLM-5's shared layers hold no indexer
+        assert (f"model.layers.{layer}.self_attn.indexer.weights_proj.weight" in exported) == args.has_indexer(layer)
+    assert (back.config.model_type, back.config.index_topk, back.config.index_n_heads) == (args.variant, 6, 4)
+    assert getattr(back.config, "indexer_types", None) == (args.indexer_types if args.indexer_types else
+                                                          getattr(hf.config, "indexer_types", None))
+    tokens = random_tokens(args.vocab_size, SEQ, 10)
     assert (logits(ours.eval(), tokens) - logits(hf, tokens)).abs().max().item() < TOL
     assert (logits(back, tokens) - logits(hf, tokens)).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("stage", ["dense_warmup", "sparse"])
+def test_the_indexer_loss_equals_the_hand_computation_from_the_reports_definitions(shape, stage):
+    dense = stage == "dense_warmup"
+    args = dataclasses.replace(SHAPES[shape], dsa_stage=stage)
+    # The dense warm-up attends to every key: transformers' model keeps them all (index_topk = the sequence).
+    hf, ours = _pair(3, args, hf_topk=SEQ if dense else None)
+    tokens = random_tokens(args.vocab_size, SEQ, 4)
+    ours.train()
+    with torch.no_grad():
+        ours(tokens)
+    hand = hand_indexer_loss(hf, tokens, None if dense else args.index_topk, interleaved=args.indexer_rope_interleave)
+    assert hand.item() > 0.01
+    assert abs(ours.indexer_loss().item() - hand.item()) <= KL_RTOL * hand.item()
+    assert abs(ours.auxiliary_loss().item() - hand.item()) <= KL_RTOL * hand.item()  # weight 1, no balance loss
 
 
 def test_a_checkpoint_without_a_layers_indexer_is_refused_naming_it():
@@ -98,22 +142,6 @@ def test_a_checkpoint_without_a_layers_indexer_is_refused_naming_it():
     with pytest.raises(CheckpointError, match=r"lacks the lightning indexer's weights of layer 1 \(model\.layers\.1\."
                                               r"self_attn\.indexer\.wk\.weight\)"):
         get_spec("deepseek_v32").hf.from_hf(state, ARGS)
-
-
-@pytest.mark.parametrize("stage", ["dense_warmup", "sparse"])
-def test_the_indexer_loss_equals_the_hand_computation_from_the_reports_definitions(stage):
-    dense = stage == "dense_warmup"
-    args = dataclasses.replace(ARGS, dsa_stage=stage)
-    # The dense warm-up attends to every key: transformers' model keeps them all (index_topk = the sequence).
-    hf, ours = _pair(3, args, hf_topk=SEQ if dense else None)
-    tokens = random_tokens(args.vocab_size, SEQ, 4)
-    ours.train()
-    with torch.no_grad():
-        ours(tokens)
-    hand = hand_indexer_loss(hf, tokens, None if dense else args.index_topk)
-    assert hand.item() > 0.01
-    assert abs(ours.indexer_loss().item() - hand.item()) <= KL_RTOL * hand.item()
-    assert abs(ours.auxiliary_loss().item() - hand.item()) <= KL_RTOL * hand.item()  # weight 1, no balance loss
 
 
 def test_the_dense_warmup_trains_the_indexers_alone_and_the_sparse_stage_detaches_them():
@@ -170,3 +198,28 @@ def test_the_published_flavors_read_back_from_their_config():
         config = spec.hf.config(args)
         assert json.loads(json.dumps(config))["model_type"] == "deepseek_v32"
         assert spec.hf.args_from_config({**config, "num_nextn_predict_layers": 1}).flavor == "V3.2-Exp"
+
+
+@pytest.mark.parametrize("fields", [
+    {"index_topk_freq": 2, "index_skip_topk_offset": 2},
+    {"index_topk_pattern": "FFSF"},
+    {"indexer_types": ["full", "shared", "shared", "full"]},
+])
+def test_the_layer_pattern_reads_from_each_config_json_form_as_transformers_reads_it(fields):
+    spec = get_spec("deepseek_v32")
+    config = {**{k: v for k, v in spec.hf.config(GLM5).items() if k != "indexer_types"}, **fields}
+    expected = transformers.GlmMoeDsaConfig(**{k: v for k, v in config.items() if k != "architectures"})
+    assert spec.hf.args_from_config(config).indexer_types == expected.indexer_types
+
+
+def test_a_checkpoint_whose_indexers_disagree_with_the_layer_pattern_is_refused():
+    hf = hf_model("deepseek_v32", dataclasses.replace(GLM5, indexer_types=None))  # every layer has an indexer
+    with pytest.raises(CheckpointError, match="holds an indexer in layer 1 .* reuse layer 0's selection"):
+        get_spec("deepseek_v32").hf.from_hf(hf.state_dict(), GLM5)
+    state = {k: v for k, v in hf.state_dict().items() if "layers.2.self_attn.indexer" not in k
+             and "layers.1.self_attn.indexer" not in k and "layers.3.self_attn.indexer" not in k}
+    with pytest.raises(CheckpointError, match="lacks the lightning indexer's weights of layer 2"):
+        get_spec("deepseek_v32").hf.from_hf(state, GLM5)
+    with pytest.raises(CheckpointError, match="indexer_rope_interleave=false"):
+        get_spec("deepseek_v32").hf.args_from_config({**get_spec("deepseek_v32").hf.config(GLM5),
+                                                     "indexer_rope_interleave": False})
