@@ -91,6 +91,11 @@ TWO_RANKS += [Case("qwen3_next_fsdp_ep2", ["--parallel.ep_degree=2"], "ref_b8", 
               Case("qwen3_5_fsdp", [], "ref_b8", "qwen3_5"),
               Case("qwen3_5_tp", ["--parallel.tp_degree=2"], "ref_b4", "qwen3_5")]
 
+# DeepSeek-V3.2 under FSDP 2, in the sparse stage and in the dense warm-up (each indexer its own FSDP unit: its
+# backward is outside its block's; the warm-up's gradient norm is the indexers' alone).
+TWO_RANKS += [Case("deepseek_v32_fsdp", [], "ref_b8", "deepseek_v32"),
+              Case("deepseek_v32_warmup_fsdp", [], "ref_b8", "deepseek_v32_warmup")]
+
 CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # With -m slow: Qwen2 under FSDP alone and TP alone; qwen2_fsdp2_tp2 (its biases FSDP-sharded after their TP cut)
 # stays in the default run, with test_tp_gradients.py's qwen2_tp2 (the biases' TP gradients). Qwen3 under FSDP alone

@@ -50,6 +50,31 @@ def check_dsa_layout(dims: ParallelDims, args: DSAArgs, cfg: JobConfig) -> None:
 
 
 def parallelize_dsa(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
-    """check_dsa_layout, then DeepSeek-V3's parallelisation."""
+    """check_dsa_layout; each indexer its own data-parallel unit; then DeepSeek-V3's parallelisation."""
     check_dsa_layout(dims, model.args, cfg)
+    if dims.dp_enabled:
+        _indexers_as_units(model, dims, cfg)
     return parallelize_deepseek(model, dims, cfg)
+
+
+def _indexers_as_units(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> None:
+    """fully_shard (or replicate) each lightning indexer on its own, before its block is. The indexer's input is
+    detached, so its backward (its KL loss's) is not inside the block's: as part of the block's unit its sharded
+    weights would be freed by then (the dense warm-up fails outright) and its gradients could miss the block's
+    reduction. As a unit of its own it is gathered for its backward by its output's hook and reduced after it."""
+    from torch.distributed.fsdp import fully_shard
+
+    from titan_npu.parallel.fsdp import mixed_precision_policy
+
+    policy = mixed_precision_policy(cfg.training.dtype, cast_forward_inputs=False)
+    for block in model.layers.values():
+        indexer = None if block is None else block.attention.indexer
+        if indexer is None:
+            continue
+        if dims.dp_mode == "replicate":
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(indexer, mesh=dims.dp_mesh, mp_policy=policy)
+        else:
+            fully_shard(indexer, mesh=dims.dp_mesh, reshard_after_forward=cfg.parallel.reshard_after_forward,
+                        mp_policy=policy)
