@@ -200,6 +200,25 @@ def test_the_published_flavors_read_back_from_their_config():
         assert spec.hf.args_from_config({**config, "num_nextn_predict_layers": 1}).flavor == "V3.2-Exp"
 
 
+def test_the_glm5_flavor_is_transformers_glm_moe_dsa_config_and_reads_back_by_name():
+    from titan_npu.config.schema import ModelConfig
+    from titan_npu.models.registry import build_model_args, parse_model_name
+
+    args = build_model_args(ModelConfig(name="deepseek_v32", flavor="GLM-5"))
+    config = get_spec("deepseek_v32").hf.config(args)
+    published = transformers.GlmMoeDsaConfig().to_dict()  # the class of zai-org/GLM-5, its defaults
+    fields = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
+              "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "q_lora_rank",
+              "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
+              "routed_scaling_factor", "first_k_dense_replace", "index_topk", "index_head_dim", "index_n_heads",
+              "max_position_embeddings", "rms_norm_eps", "indexer_types")
+    assert {k: config[k] for k in fields} == {k: published[k] for k in fields}
+    assert config["rope_parameters"]["rope_theta"] == published["rope_parameters"]["rope_theta"]
+    assert get_spec("deepseek_v32").hf.args_from_config(config).flavor == "GLM-5"
+    assert parse_model_name("glm_moe_dsa") == parse_model_name("GLM-5") == ("deepseek_v32", None)
+    assert parse_model_name("DeepSeek-V3.2-Exp") == ("deepseek_v32", "V3.2-Exp")
+
+
 @pytest.mark.parametrize("fields", [
     {"index_topk_freq": 2, "index_skip_topk_offset": 2},
     {"index_topk_pattern": "FFSF"},

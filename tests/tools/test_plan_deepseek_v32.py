@@ -67,6 +67,16 @@ def test_the_search_leaves_out_what_dsa_refuses():
                             (Layout(Degrees(dp_shard=2, pp=2), batch_size=4), "across pipeline stages")]:
         with pytest.raises(LayoutError, match=refusal):
             check_layout(config_for_layout(cfg, layout), job, layout.degrees)
+    # A top-k that keeps every key of the training sequence in the sparse stage, and GLM-5's shared layers across
+    # pipeline stages.
+    whole = load_config(DEBUG, ["--training.seq_len", "16", "--training.batch_size", "2"])
+    with pytest.raises(LayoutError, match=r"model.index_topk=16 >= training.seq_len=16 in the sparse stage"):
+        check_layout(whole, job_from_config(whole), Degrees())
+    shared = load_config(DEBUG, [*TINY, "--model.indexer_loss_weight", "0", "--model.variant", "glm_moe_dsa",
+                                 "--model.indexer_types", '["full", "shared", "full", "shared"]'])
+    layout = Layout(Degrees(dp_shard=2, pp=2), batch_size=4)
+    with pytest.raises(LayoutError, match="sharing selections across layers"):
+        check_layout(config_for_layout(shared, layout), job_from_config(shared), layout.degrees)
     plan = make_plan(cfg, 1, 4, hardware("910B2"), top=10**6)
     layouts = [c.layout for c in plan.ranked]
     assert layouts and all(lay.tp == 1 and lay.cp == 1 and lay.pp == 1 for lay in layouts)
