@@ -96,6 +96,10 @@ TWO_RANKS += [Case("qwen3_next_fsdp_ep2", ["--parallel.ep_degree=2"], "ref_b8", 
 TWO_RANKS += [Case("glm4_moe_fsdp_ep2", ["--parallel.ep_degree=2"], "ref_b8", "glm4_moe"),
               Case("glm4_moe_tp", ["--parallel.tp_degree=2"], "ref_b4", "glm4_moe"),
               Case("glm4_moe_pp_1f1b", ["--parallel.pp_degree=2", "--parallel.pp_schedule=1F1B"], "ref_b4", "glm4_moe")]
+# DeepSeek-V3.2 under FSDP 2, in the sparse stage and in the dense warm-up (each indexer its own FSDP unit: its
+# backward is outside its block's; the warm-up's gradient norm is the indexers' alone).
+TWO_RANKS += [Case("deepseek_v32_fsdp", [], "ref_b8", "deepseek_v32"),
+              Case("deepseek_v32_warmup_fsdp", [], "ref_b8", "deepseek_v32_warmup")]
 
 CASES = {case.name: case for case in TWO_RANKS + FOUR_RANKS}
 # With -m slow: Qwen2 under FSDP alone and TP alone; qwen2_fsdp2_tp2 (its biases FSDP-sharded after their TP cut)

@@ -31,6 +31,8 @@ MODEL = {"name": "llama3", "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads":
 _QWEN3 = {**MODEL, "name": "qwen3", "head_dim": 32, "ffn_dim": 192, "tie_embeddings": True}
 _HYBRID = {**MODEL, "head_dim": 16, "full_attention_interval": 2, "linear_n_k_heads": 2, "linear_n_v_heads": 4,
            "linear_k_head_dim": 16, "linear_v_head_dim": 16}
+_DSA = {"name": "deepseek_v32", "flavor": "debug", "dim": 64, "n_layers": 2, "vocab_size": 512, "max_seq_len": 64,
+        "index_topk": 8}
 MODELS = {
     "llama3": MODEL,
     "qwen3": _QWEN3,
@@ -49,6 +51,10 @@ MODELS = {
     "glm4_moe": {**MODEL, "name": "glm4_moe", "flavor": "debug", "head_dim": 16, "ffn_dim": 128,
                  "partial_rotary_factor": 0.25, "n_experts": 4, "top_k": 2, "moe_ffn_dim": 64, "n_groups": 2,
                  "topk_groups": 1, "score_bias_rate": 0.01},
+    # DeepSeek-V3.2 (models/deepseek_v32's debug shapes at dim 64, 2 layers): each query keeps 8 of up to 32 keys,
+    # its indexers learning by their KL loss; and the dense warm-up, where they alone train.
+    "deepseek_v32": _DSA,
+    "deepseek_v32_warmup": {**_DSA, "dsa_stage": "dense_warmup"},
 }
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from titan_npu.errors import CheckpointError, ConfigError
 from titan_npu.models.deepseek_v3.spec import DEEPSEEK_V3
+from titan_npu.models.deepseek_v32.spec import DEEPSEEK_V32
 from titan_npu.models.glm4_moe.spec import GLM4_MOE
 from titan_npu.models.gpt_oss.spec import GPT_OSS
 from titan_npu.models.llama.spec import LLAMA2, LLAMA3
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from titan_npu.config.schema import ModelConfig
 
 SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA2, LLAMA3, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3,
-                                                        GPT_OSS, QWEN3_NEXT, GLM4_MOE)}
+                                                        GPT_OSS, QWEN3_NEXT, GLM4_MOE, DEEPSEEK_V32)}
 
 
 def family_names() -> list[str]:
