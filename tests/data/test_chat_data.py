@@ -208,3 +208,16 @@ def test_bad_records_are_counted_and_skipped_only_when_asked(tmp_path, small_cfg
     err = capsys.readouterr().err
     assert "skipped 2 bad record(s)" in err and "c.jsonl:4" in err
     assert json.loads((tmp_path / "prep" / "index.json").read_text())["num_documents"] == 28
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_in_one_line_before_anything_is_written(tmp_path, capsys):
+    from chat_helpers import CHATML_SPECIALS, write_byte_level_tokenizer
+
+    from titan_npu.cli import main
+
+    folder = write_byte_level_tokenizer(tmp_path / "base", CHATML_SPECIALS, {"eos_token": "<|endoftext|>"})
+    rc = main(["prepare-data", str(chat_file(tmp_path)), "--output", str(tmp_path / "out"), "--format", "chat",
+               "--tokenizer", str(folder)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "has no chat template" in lines[0] and "data.chat_template" in lines[0]
+    assert not (tmp_path / "out").exists()

@@ -332,7 +332,8 @@ def load_chat_template(tokenizer: Tokenizer, tokenizer_spec: str, override: str 
     text = _template_in(folder)
     if text is None:
         raise DataError(f"tokenizer {tokenizer_spec} has no chat template ({folder} holds no {TEMPLATE_FILE} and no "
-                        f"chat_template in {TOKENIZER_CONFIG}); set data.chat_template to a .jinja file")
+                        f"chat_template in {TOKENIZER_CONFIG}); set data.chat_template (--chat-template) to a .jinja "
+                        "file")
     return ChatTemplate(text, str(folder), special)
 
 
