@@ -88,17 +88,20 @@ def messages_of(record: object, fmt: RecordFormat) -> list[dict]:
             messages.append({"role": "system", "content": system})
         for field, role in ((fmt.prompt_field, "user"), (fmt.response_field, "assistant")):
             if field not in record:
+                which = "prompt" if role == "user" else "response"
                 raise BadRecord(f"no '{field}' field (fields: {', '.join(sorted(record)) or 'none'}); set "
-                                f"data.{'prompt' if role == 'user' else 'response'}_field")
+                                f"data.{which}_field (--{which}-field)")
             value = record[field]
             if not isinstance(value, str) or not value.strip():
                 raise BadRecord(f"'{field}' is {_describe(value)}, not a non-empty string")
             messages.append({"role": role, "content": value})
         return messages
     if fmt.messages_field not in record:
+        instruction = " or data.format = \"instruction\" (--format instruction)" \
+            if fmt.prompt_field in record and fmt.response_field in record else ""
         raise BadRecord(f"no '{fmt.messages_field}' field (fields: {', '.join(sorted(record)) or 'none'}); give "
-                        f"{{\"{fmt.messages_field}\": [{{\"role\": ..., \"content\": ...}}, ...]}} or set "
-                        "data.messages_field")
+                        f"{{\"{fmt.messages_field}\": [{{\"role\": ..., \"content\": ...}}, ...]}}, or set "
+                        f"data.messages_field (--messages-field){instruction}")
     messages = record[fmt.messages_field]
     if not isinstance(messages, list) or not messages:
         raise BadRecord(f"'{fmt.messages_field}' is {_describe(messages)}, not a non-empty list of messages")
