@@ -5,6 +5,7 @@ turn."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -22,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def sft_export(tmp_path_factory):
-    """configs/sft_debug.toml trained for 4 steps in a fresh process, exported as a .pt file; (export, run folder)."""
+    """configs/sft_debug.toml trained for 4 steps in a fresh process (its packing counted in run_info.json and the
+    report), exported as a .pt file; (export, run folder)."""
     run = tmp_path_factory.mktemp("sft")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "TORCHELASTIC_", "TITAN_FAULT_"))
            and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
@@ -33,6 +35,9 @@ def sft_export(tmp_path_factory):
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "conversations in" in result.stderr + result.stdout and "[Step 4]" in result.stderr + result.stdout
+    counts = json.loads((run / "logs" / "run_info.json").read_text())["conversations"]["builtin"]
+    assert counts["conversations"] + counts["dropped"] == 320 and counts["windows"] < 320  # packed, all accounted
+    assert "## Chat data" in (run / "logs" / "report.md").read_text()
     export = run / "model.pt"
     assert cli_main(["export", "--checkpoint", str(run / "ckpt"), "--output", str(export), "--dtype", "fp32"]) == 0
     return export, run

@@ -24,7 +24,15 @@ from titan_npu.config.schema import DataSource, JobConfig
 from titan_npu.data.chat import ChatSource, chat_source
 from titan_npu.data.datasets import TokenDataset, open_dataset, verify_dataset
 from titan_npu.data.tokenizer import Tokenizer
-from titan_npu.data.windows import ConversationWindows, PackedWindows, PrefetchingLoader, Refused, Windows, batch_of
+from titan_npu.data.windows import (
+    ConversationWindows,
+    PackedWindows,
+    PrefetchingLoader,
+    Refused,
+    Windows,
+    batch_of,
+    conversation_counts,
+)
 from titan_npu.errors import DataError
 
 if TYPE_CHECKING:
@@ -140,6 +148,10 @@ class TokenLoader(PrefetchingLoader):
     def source_tokens(self) -> dict[str, int]:
         """Tokens per source: one source has only the run's total (see MixtureLoader)."""
         return {}
+
+    def conversation_counts(self) -> dict[str, dict[str, int]]:
+        """Chat data: conversations kept, windows, truncated and dropped, under the source's name ({} for text)."""
+        return conversation_counts([self.windows], [self.name or self.windows.dataset.description])
 
     @property
     def position(self) -> tuple[int, int]:

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import numpy as np
 from torch.utils.data import Dataset, Sampler
 
-from titan_npu.data.windows import PrefetchingLoader, Refused, Windows, batch_of
+from titan_npu.data.windows import PrefetchingLoader, Refused, Windows, batch_of, conversation_counts
 from titan_npu.errors import DataError
 
 log = logging.getLogger("titan_npu")
@@ -168,6 +168,10 @@ class MixtureLoader(PrefetchingLoader):
                 epoch = (now - 1) // n  # of the last window taken (0-based)
                 log.info("data: source %r ran out after %d epoch(s) of %d windows; epoch %d begins, reshuffled",
                          self.names[s], epoch, n, epoch + 1)
+
+    def conversation_counts(self) -> dict[str, dict[str, int]]:
+        """Per chat source: conversations kept, windows, truncated and dropped ({} when every source is text)."""
+        return conversation_counts(self.windows, self.names)
 
     def source_tokens(self) -> dict[str, int]:
         """Tokens handed out so far (all ranks) per source name, sources a resumed run dropped included."""

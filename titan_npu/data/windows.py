@@ -113,6 +113,11 @@ class ConversationWindows:
         self.num_tokens = int(self.lengths.sum())
         self.num_conversations = len(self.lengths)
 
+    def counts(self) -> dict[str, int]:
+        """What packing did: conversations kept, windows, conversations truncated and dropped."""
+        return {"conversations": self.num_conversations, "windows": self.num_windows, "truncated": self.truncated,
+                "dropped": self.dropped}
+
     def _members(self, w: int) -> np.ndarray:
         return self.order[int(self.bounds[w]) : int(self.bounds[w + 1])]
 
@@ -150,6 +155,11 @@ class ConversationWindows:
 
 
 Windows = PackedWindows | ConversationWindows
+
+
+def conversation_counts(windows: list[Windows], names: list[str]) -> dict[str, dict[str, int]]:
+    """Per source name, what packing its chat data did (ConversationWindows.counts); text sources are left out."""
+    return {name: w.counts() for name, w in zip(names, windows) if isinstance(w, ConversationWindows)}
 
 
 def batch_of(picks: list[tuple[Windows, int]], vocab_limit: int | None, documents: str) -> tuple:
