@@ -280,11 +280,19 @@ class ChatTemplate:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            prompt, _ = self.render(messages[:i], add_generation_prompt=True, tools=tools) if i else ("", [])
-            start = _common_prefix(prompt, text)
+            start = _common_prefix(self._prompt_before(messages, i, tools), text)
             end = text.find(self.end_of_turn, start) if self.end_of_turn else -1
             spans.append((start, end + len(self.end_of_turn) if end >= 0 else len(text)))
         return text, spans
+
+    def _prompt_before(self, messages: list[dict], i: int, tools: list | None) -> str:
+        """messages[:i] rendered with the generation prompt; a template that cannot render no messages gives ''."""
+        try:
+            return self.render(messages[:i], add_generation_prompt=True, tools=tools)[0]
+        except BadRecord:
+            if i:
+                raise
+            return ""
 
     def _end_of_turn(self) -> str:
         """What the template writes after an assistant message's content, trailing whitespace left out; else EOS."""
