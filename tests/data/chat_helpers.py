@@ -67,6 +67,19 @@ _QWEN3_TAIL = (
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}"
 )
+# A Llama 3 chat template (header per message, <|eot_id|> ends each turn), with generation markers and without.
+_LLAMA3_TURN = "{{- message['content'] | trim + '<|eot_id|>' }}"
+_LLAMA3 = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message['role'] == 'assistant' %}ASSISTANT{%- else %}" + _LLAMA3_TURN + "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+LLAMA3_MARKED = _LLAMA3.replace("ASSISTANT", "{% generation %}" + _LLAMA3_TURN + "{% endgeneration %}")
+LLAMA3_PLAIN = _LLAMA3.replace("ASSISTANT", _LLAMA3_TURN)
+
 QWEN3_REAL = _QWEN3_HEAD + _QWEN3_BODY + _QWEN3_TAIL
 QWEN3_REAL_MARKED = _QWEN3_HEAD + "{% generation %}" + _QWEN3_BODY + "{% endgeneration %}" + _QWEN3_TAIL
 

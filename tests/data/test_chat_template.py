@@ -1,6 +1,7 @@
 """Chat templates: the token ids and the assistant mask equal transformers' apply_chat_template(...,
-return_assistant_tokens_mask=True) for the shipped byte template and a Qwen3-style one; Qwen3's own template (no
-generation markers) gets the mask of its marked twin; templates come from the tokenizer's files or an override."""
+return_assistant_tokens_mask=True) for the shipped byte template, a Qwen3-style one and a Llama 3 one on the published
+Llama 3.2 tokenizer (tokenizer.json and tiktoken tokenizer.model); templates without generation markers (Qwen3's own)
+get the mask of their marked twin; templates come from the tokenizer's files or an override."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import pytest
 from chat_helpers import (
     BYTE_SPECIALS,
     CHATML_SPECIALS,
+    LLAMA3_MARKED,
+    LLAMA3_PLAIN,
     QWEN3_REAL,
     QWEN3_REAL_MARKED,
     QWEN3_STYLE_MARKED,
     hf_tokenizer,
     write_byte_level_tokenizer,
 )
+from data_helpers import LLAMA_DIR, needs_llama
 
 from titan_npu.data import build_tokenizer
 from titan_npu.data.chat import BYTE_TEMPLATE, ChatTemplate, encode_conversation, load_chat_template
@@ -146,3 +150,32 @@ def test_a_template_with_a_syntax_error_is_refused_with_its_line(tmp_path):
     byte = build_tokenizer("byte")
     with pytest.raises(DataError, match=r"bad.jinja is not a valid jinja2 template \(line 2"):
         load_chat_template(byte, "byte", str(bad))
+
+
+@needs_llama
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+def test_the_llama_3_2_tokenizer_json_and_tokenizer_model_give_transformers_ids_and_mask(tmp_path, name):
+    """Real merges: the published Llama 3.2 tokenizer, as tokenizer.json and as the tiktoken tokenizer.model, with a
+    Llama 3 template marked (held to transformers) and unmarked (the derived mask must be the same)."""
+    import shutil
+
+    messages = CONVERSATIONS[name]
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    shutil.copy(LLAMA_DIR / "tokenizer.json", folder)
+    config = json.loads((LLAMA_DIR / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": LLAMA3_MARKED}))
+    expected = _transformers(folder, messages)
+    assert sum(expected[1]) > 0
+    tok = build_tokenizer(str(folder))
+    assert _ours(tok, load_chat_template(tok, str(folder)), messages) == expected
+    plain = ChatTemplate(LLAMA3_PLAIN, "llama3 (no markers)", tok.special_tokens())
+    assert plain.end_of_turn == "<|eot_id|>" and _ours(tok, plain, messages) == expected
+    tiktoken_dir = tmp_path / "tiktoken"
+    tiktoken_dir.mkdir()
+    shutil.copy(LLAMA_DIR / "tokenizer.model", tiktoken_dir)
+    shutil.copy(LLAMA_DIR / "tokenizer_config.json", tiktoken_dir)
+    pytest.importorskip("tiktoken")
+    tik = build_tokenizer(str(tiktoken_dir / "tokenizer.model"))
+    template = ChatTemplate(LLAMA3_MARKED, "llama3", tik.special_tokens())
+    assert _ours(tik, template, messages) == expected
