@@ -43,9 +43,12 @@ EXPECTED = {
     "gpt_oss_120b.toml": ("gpt_oss", "120B"),
     "qwen3_5_9b.toml": ("qwen3_next", "3.5-9B"),
     "qwen3_next_80b_a3b.toml": ("qwen3_next", "80B-A3B"),
+    "qwen3_8b_sft.toml": ("qwen3", "8B"),
+    "sft_debug.toml": ("llama3", "debug"),
 }
 # The cards a Qwen config's header names (nodes, 910B per node) and a rank whose dry run is checked.
-QWEN_CLUSTERS = {"qwen3_32b.toml": (2, 8, 6), "qwen3_8b.toml": (1, 8, 7), "qwen2_7b.toml": (1, 4, 3)}
+QWEN_CLUSTERS = {"qwen3_32b.toml": (2, 8, 6), "qwen3_8b.toml": (1, 8, 7), "qwen2_7b.toml": (1, 4, 3),
+                 "qwen3_8b_sft.toml": (1, 8, 5)}
 
 
 def test_every_config_loads_and_names_cards_and_launch(config_files):

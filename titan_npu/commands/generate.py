@@ -27,7 +27,13 @@ def build_parser() -> CommandParser:
     p = CommandParser(prog="titan-npu generate", description="Sample text from a trained checkpoint.")
     p.add_argument("--checkpoint", required=True, help="a full .pt state dict (titan-npu export) or a DCP step dir")
     p.add_argument("--config", help="the run's config (default: config.toml beside the checkpoint or its log dir)")
-    p.add_argument("--prompt", default="", help="text to continue (default: start from BOS)")
+    p.add_argument("--prompt", default="", help="text to continue (default: start from BOS); with --chat: the one "
+                   "user message to answer (without it --chat reads user messages from stdin, one per line)")
+    p.add_argument("--chat", action="store_true", help="chat: the messages go through the tokenizer's chat template "
+                   "(or --chat-template) with the generation prompt; each reply stops at the template's end of turn")
+    p.add_argument("--system", default="", help="--chat: a system message that opens the conversation")
+    p.add_argument("--chat-template", default="", help="--chat: a .jinja file instead of the config's "
+                   "data.chat_template or the tokenizer's own")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0 = all)")
@@ -66,6 +72,8 @@ def main(argv: list[str]) -> int:
     if tokenizer.vocab_size > vocab:
         raise ConfigError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {vocab}; pass the run's "
                           "tokenizer with --tokenizer")
+    if args.chat:
+        return _chat(args, ckpt, tokenizer, tokenizer_spec, model, device)
     prompt_ids = tokenizer.encode(args.prompt, bos=True)
     limit = model.freqs_cos.shape[0] - 1
     if len(prompt_ids) > limit:
@@ -99,6 +107,56 @@ def main(argv: list[str]) -> int:
               f"were not generated ({cut} of {len(samples)} sample(s) reached the end); use a shorter --prompt or "
               f"a model with a longer context", file=sys.stderr)
     return 0
+
+
+def _chat(args: Any, ckpt: Path, tokenizer: Any, tokenizer_spec: str, model: Any, device: Any) -> int:
+    """--chat: answer --prompt once, or each line of stdin as the next user turn of one conversation."""
+    from titan_npu.config.loader import load_config
+    from titan_npu.data.chat import BadRecord, load_chat_template
+    from titan_npu.tools.generate import banned_token_mask, find_config, generate
+
+    if args.num_samples != 1:
+        raise ConfigError(f"--chat answers with one reply per turn; leave out --num-samples {args.num_samples}")
+    override = args.chat_template
+    if not override:
+        config_path = Path(args.config) if args.config else find_config(ckpt)
+        override = load_config(config_path).data.chat_template if config_path is not None else ""
+    template = load_chat_template(tokenizer, tokenizer_spec, override)
+    end_of_turn = tokenizer.token_id(template.end_of_turn) if template.end_of_turn else None
+    vocab = model.output.out_features
+    banned = banned_token_mask(vocab, tokenizer.vocab_size, [tokenizer.bos_id, tokenizer.pad_id], device.torch_device)
+    limit = model.freqs_cos.shape[0] - 1
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = not args.prompt
+    turns = [args.prompt] if not interactive else _stdin_turns()
+    for text in turns:
+        messages.append({"role": "user", "content": text})
+        try:
+            rendered, _ = template.render(messages, add_generation_prompt=True)
+        except BadRecord as e:
+            raise ConfigError(f"--chat: {e}; fix the template or the messages") from None
+        ids, _ = tokenizer.encode_chat(rendered)
+        if len(ids) > limit:
+            raise ConfigError(f"--chat: the conversation is {len(ids)} tokens, over model.max_seq_len={limit + 1}; "
+                              "start a new one (a shorter --system or message)")
+        reply_ids = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, 1,
+                             tokenizer.eos_id, banned, args.seed,
+                             stop_ids=(end_of_turn,) if end_of_turn is not None else ())[0]
+        reply = tokenizer.decode(reply_ids)
+        messages.append({"role": "assistant", "content": reply if reply.strip() else " "})
+        print(reply, flush=True)
+    return 0
+
+
+def _stdin_turns():
+    """User messages from stdin, one per line, until EOF or an empty line; a '> ' prompt when it is a terminal."""
+    while True:
+        if sys.stdin.isatty():
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line.strip():
+            return
+        yield line.rstrip("\n")
 
 
 def read_for_inference(ckpt: Path, config: str | None, tokenizer: str | None, command: str = "generate"

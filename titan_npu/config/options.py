@@ -34,6 +34,8 @@ OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 PROGRESS_STYLES = ("auto", "bar", "lines")
 PROFILER_LEVELS = ("Level0", "Level1", "Level2")
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient")
+DATA_FORMATS = ("text", "chat", "instruction")
+OVERLONG_RULES = ("truncate", "drop")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 FLOAT8_MOE_RECIPES = ("rowwise", "mxfp8")
 
@@ -120,6 +122,15 @@ CONFIG_KEYS: dict[str, Knob] = {
     "data.val_fraction": Knob(between(0, 1, high_open=True), why="the share of documents held out"),
     "data.document_mask": FREE,
     "data.reset_position_ids": FREE,
+    "data.format": Knob(choices=DATA_FORMATS, what="data format"),
+    "data.chat_template": FREE,
+    "data.messages_field": Knob(nonempty=True, why="the field of chat records that holds the messages"),
+    "data.prompt_field": Knob(nonempty=True, why="the field of instruction records that holds the prompt"),
+    "data.response_field": Knob(nonempty=True, why="the field of instruction records that holds the response"),
+    "data.system_field": Knob(nonempty=True, why="the field of instruction records that holds a system prompt"),
+    "data.pack": FREE,
+    "data.overlong": Knob(choices=OVERLONG_RULES, what="rule for conversations longer than seq_len"),
+    "data.skip_bad_records": FREE,
     "metrics.log_dir": Knob(nonempty=True, why="give a directory, e.g. logs"),
     "metrics.log_interval": Knob(at_least(1), why="steps between log lines"),
     "metrics.tensorboard": FREE,
@@ -237,7 +248,12 @@ COMMAND_OPTIONS: dict[str, dict[str, Knob]] = {
                           most=(1024, "more tokenising processes than a host has cores")),
         "--text-field": Knob(nonempty=True, kind=str, why="the field of .jsonl records that holds the text"),
         "--doc-sep": Knob(choices=("blank", "line"), kind=str),
-        "--format": Knob(choices=("bin", "jsonl"), kind=str),
+        "--format": Knob(choices=("bin", "jsonl", "chat", "instruction"), kind=str),
+        "--chat-template": _STR,
+        "--messages-field": Knob(nonempty=True, kind=str, why="the field of chat records that holds the messages"),
+        "--prompt-field": Knob(nonempty=True, kind=str, why="the field of instruction records that holds the prompt"),
+        "--response-field": Knob(nonempty=True, kind=str, why="the field of instruction records with the response"),
+        "--system-field": Knob(nonempty=True, kind=str, why="the field of instruction records with a system prompt"),
         "--max-seq-len": Knob(at_least(0), kind=int, why="0 = keep whole documents"),
         "--skip-bad-records": _SWITCH,
         "--shard-size": Knob(at_least(1), kind=int, why="tokens per shard"),
@@ -294,6 +310,7 @@ COMMAND_OPTIONS: dict[str, dict[str, Knob]] = {
         "--num-samples": Knob(at_least(1), kind=int, why="continuations of the prompt"),
         "--seed": Knob(at_least(0), kind=int, why="any whole number from 0"),
         "--tokenizer": _STR, "--dtype": Knob(choices=("auto", "fp32", "bf16", "fp16"), kind=str), **_DEBUG,
+        "--chat": _SWITCH, "--system": _STR, "--chat-template": _STR,
     },
     "eval": {
         "--checkpoint": _STR, "--tasks": _STR, "--config": _STR, "--include-path": _STR, "--output": _STR,

@@ -206,6 +206,16 @@ class DataConfig:
     val_fraction: float = 0.0
     document_mask: bool = False  # attention stops at document boundaries inside packed windows
     reset_position_ids: bool = False  # with document_mask: RoPE positions restart at 0 at each document start
+    # Supervised fine-tuning data (docs/sft.md): chat or instruction records, the loss on assistant tokens only.
+    format: str = "text"  # text | chat ({"messages": [...]}) | instruction (prompt / response fields)
+    chat_template: str = ""  # a .jinja file (or a tokenizer_config.json) overriding the tokenizer's chat_template
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    system_field: str = "system"  # instruction records: an optional system prompt
+    pack: bool = True  # several conversations per window (document masking keeps them apart); false = one, padded
+    overlong: str = "truncate"  # a conversation over seq_len + 1 tokens: truncate (cut its end) | drop
+    skip_bad_records: bool = False  # count and skip malformed records instead of refusing the first
 
 
 @dataclass

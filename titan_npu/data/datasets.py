@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from titan_npu.atomic import atomic_path
+from titan_npu.data.chat import ChatSource, encode_records
 from titan_npu.data.files import (
     DIGEST_SCHEME,
     content_digest,
@@ -29,6 +30,7 @@ from titan_npu.data.hf_datasets import hf_source
 from titan_npu.data.sources import (
     BadRecords,
     Input,
+    builtin_chat_path,
     builtin_corpus_path,
     discover_inputs,
     input_size,
@@ -59,6 +61,7 @@ class TokenDataset:
     max_token_where: str = ""  # the file (and line) holding max_token_id, for messages
     tokenizer_fingerprint: str | None = None
     tokenizer_spec: str | None = None  # the --tokenizer prepare-data was given, for messages
+    has_mask: bool = False  # chat data: a loss mask per token (1 = an assistant token), read with read_mask
 
     @property
     def num_docs(self) -> int:
@@ -72,6 +75,11 @@ class TokenDataset:
         """Tokens lo:hi of document doc."""
         raise NotImplementedError
 
+    def read_mask(self, doc: int, lo: int, hi: int) -> np.ndarray:
+        """The loss mask of tokens lo:hi of document doc (chat data only: has_mask)."""
+        raise DataError(f"{self.description} holds no loss mask (text, not chat data); set data.format = \"text\" "
+                        "or prepare it with prepare-data --format chat")
+
     def where(self, doc: int) -> str:
         """The file that holds document doc, for messages."""
         return self.description
@@ -84,8 +92,11 @@ class TokenDataset:
 class InMemoryDataset(TokenDataset):
     """Documents held in one array: raw text tokenised at start-up (small corpora)."""
 
-    def __init__(self, tokens: np.ndarray, doc_lengths: np.ndarray, description: str):
+    def __init__(self, tokens: np.ndarray, doc_lengths: np.ndarray, description: str,
+                 mask: np.ndarray | None = None):
         self.tokens = tokens
+        self.mask = mask
+        self.has_mask = mask is not None
         self.doc_lengths = doc_lengths.astype(np.int64)
         self.doc_starts = np.concatenate([[0], np.cumsum(self.doc_lengths)[:-1]]).astype(np.int64)
         self.max_token_id = int(tokens.max()) if len(tokens) else -1
@@ -94,6 +105,12 @@ class InMemoryDataset(TokenDataset):
     def read(self, doc: int, lo: int, hi: int) -> np.ndarray:
         start = self.doc_starts[doc]
         return self.tokens[start + lo : start + hi]
+
+    def read_mask(self, doc: int, lo: int, hi: int) -> np.ndarray:
+        if self.mask is None:
+            return super().read_mask(doc, lo, hi)
+        start = self.doc_starts[doc]
+        return self.mask[start + lo : start + hi]
 
 
 _REPREPARE = "re-run titan-npu prepare-data into a new --output"
@@ -161,6 +178,10 @@ class ShardDataset(TokenDataset):
         if self.dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)):
             raise DataError(f"{folder / INDEX_FILE} names dtype {self.dtype}, not uint16 or uint32; {_REPREPARE}")
         self.shard_files = [s["file"] for s in shards]
+        self.mask_files = [s.get("mask") for s in shards]
+        self.has_mask = bool(shards) and all(self.mask_files)
+        if any(self.mask_files) and not self.has_mask:
+            raise DataError(f"{folder / INDEX_FILE} lists a loss mask for some shards only (edited?); {_REPREPARE}")
         self._check_folder(shards, vocab)
         checked = version >= 2 and all("checksum" in s for s in shards)
         if not checked:
@@ -192,6 +213,8 @@ class ShardDataset(TokenDataset):
                                     f"largest is {shard['max_token_id']} (rewritten or edited); {_REPREPARE}")
             ends = _load_ends(folder / shard["docs"], int(shard["num_docs"]), int(shard["num_tokens"]),
                               shard.get("docs_checksum") if checked else None)
+            if self.has_mask:
+                _check_mask(folder / shard["mask"], int(shard["num_tokens"]), shard.get("mask_checksum"))
             begins = np.concatenate([[0], ends[:-1]])
             lengths.append(ends - begins)
             starts.append(begins)
@@ -200,11 +223,13 @@ class ShardDataset(TokenDataset):
         self.doc_shard = np.concatenate(shard_of) if shard_of else np.zeros(0, np.int32)
         self.doc_begin = np.concatenate(starts) if starts else np.zeros(0, np.int64)
         self._maps: dict[int, np.memmap] = {}
+        self._mask_maps: dict[int, np.memmap] = {}
 
     def _check_folder(self, shards: list[dict], vocab: int) -> None:
         """The shard files on disk are the ones the index lists; its maxima agree with its shards' entries."""
         index = self.folder / INDEX_FILE
         listed = {s["file"] for s in shards} | {s["docs"] for s in shards}
+        listed |= {s["mask"] for s in shards if s.get("mask")}
         try:
             on_disk = {p.name for p in self.folder.iterdir() if p.name.startswith("shard_")
                        and (p.name.endswith(".bin") or p.name.endswith(".docs.npy"))}
@@ -225,7 +250,7 @@ class ShardDataset(TokenDataset):
     def __getstate__(self) -> dict:
         # Each worker process maps the files itself; pickling a memmap would copy the data.
         state = dict(self.__dict__)
-        state["_maps"] = {}
+        state["_maps"], state["_mask_maps"] = {}, {}
         return state
 
     def where(self, doc: int) -> str:
@@ -243,6 +268,33 @@ class ShardDataset(TokenDataset):
                 raise os_error(path, e) from None
         begin = self.doc_begin[doc]
         return shard[begin + lo : begin + hi]
+
+    def read_mask(self, doc: int, lo: int, hi: int) -> np.ndarray:
+        if not self.has_mask:
+            return super().read_mask(doc, lo, hi)
+        s = int(self.doc_shard[doc])
+        mask = self._mask_maps.get(s)
+        if mask is None:
+            path = self.folder / str(self.mask_files[s])
+            try:
+                with open_input(path, _REPREPARE) as f:
+                    mask = self._mask_maps[s] = np.memmap(f, dtype=np.uint8, mode="r")
+            except OSError as e:
+                raise os_error(path, e) from None
+        begin = self.doc_begin[doc]
+        return mask[begin + lo : begin + hi]
+
+
+def _check_mask(path: Path, num_tokens: int, checksum: str | None) -> None:
+    """shard_NNNNN.mask.bin: one byte per token, matching its checksum in the index."""
+    if not os.path.lexists(path):
+        raise DataError(f"loss mask {path} is missing but {INDEX_FILE} lists it; {_REPREPARE}")
+    size = regular_stat(path, _REPREPARE).st_size
+    if size != num_tokens:
+        raise DataError(f"loss mask {path} is {size} bytes but its shard holds {num_tokens} tokens; {_REPREPARE}")
+    if checksum is None or content_digest(path) != checksum:
+        raise DataError(f"loss mask {path} does not match its checksum in {INDEX_FILE} (rewritten, damaged or "
+                        f"edited); {_REPREPARE}")
 
 
 class TokensJsonlDataset(TokenDataset):
@@ -413,6 +465,37 @@ def _raw_dataset(paths: list[Input], tokenizer: Tokenizer | None, text_field: st
     return tokenize_documents(texts, tokenizer, description)
 
 
+def _chat_dataset(paths: list[Input], tokenizer: Tokenizer | None, chat: ChatSource, description: str
+                  ) -> InMemoryDataset:
+    """Chat or instruction records -> each conversation's ids and assistant mask, rendered with the chat template."""
+    if tokenizer is None:
+        raise DataError(f"{description} is chat data and needs a tokenizer; set data.tokenizer")
+    hf = [p for p in paths if not isinstance(p, Path)]
+    if hf:
+        raise DataError(f"{hf[0]}: chat records are read from .jsonl / .json files; export the dataset to JSON Lines")
+    size = sum(input_size(p) for p in paths)
+    if size > RAW_LIMIT_BYTES:
+        raise DataError(f"{description} is {size / 2**20:.0f} MiB of chat records, too much to render at every start; "
+                        "run titan-npu prepare-data --format chat and point data.path at its output")
+    bad = BadRecords(skip=chat.skip_bad_records,
+                     hint="fix or remove that record, or set data.skip_bad_records = true to count and skip such")
+    ids: list[int] = []
+    lengths: list[int] = []
+    masks: list[np.ndarray] = []
+    for doc, mask in encode_records(paths, chat.fmt, chat.template, tokenizer, bad):  # type: ignore[arg-type]
+        ids.extend(doc)
+        lengths.append(len(doc))
+        masks.append(mask)
+    if bad.count:
+        warn_once(f"{description}: skipped {bad.count} bad record(s) (data.skip_bad_records); first: "
+                  + " | ".join(bad.examples))
+    if not lengths:
+        raise DataError(f"{description} holds no conversations; check data.path and data.format = {chat.fmt.kind!r}")
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    return InMemoryDataset(np.asarray(ids, dtype=dtype), np.asarray(lengths, np.int64), description,
+                           mask=np.concatenate(masks))
+
+
 def _first_record(path: Path) -> object:
     with open_input(path) as f:
         for line in f:
@@ -425,12 +508,30 @@ def _first_record(path: Path) -> object:
 
 
 def open_dataset(path: str, tokenizer: Tokenizer | None, text_field: str = "text", subset: str = "",
-                 split: str = "") -> TokenDataset:
+                 split: str = "", chat: ChatSource | None = None) -> TokenDataset:
     """The dataset data.path names: '' = built-in corpus, a prepare-data folder, a tokens JSONL, raw text, or a
-    Hugging Face dataset on disk (hf://name or a save_to_disk folder; subset/split for those only: hf_datasets.py)."""
+    Hugging Face dataset on disk (hf://name or a save_to_disk folder; subset/split for those only: hf_datasets.py).
+    With `chat` (data.format chat / instruction) raw files are read as conversations, and a prepared folder must
+    hold a loss mask (prepare-data --format chat)."""
+    ds = _open_dataset(path, tokenizer, text_field, subset, split, chat)
+    if chat is not None and not ds.has_mask:
+        raise DataError(f"data.format is {chat.fmt.kind!r} but {ds.description} is token data without a loss mask; "
+                        "prepare it with prepare-data --format chat (or instruction), or set data.format = \"text\"")
+    return ds
+
+
+def _open_dataset(path: str, tokenizer: Tokenizer | None, text_field: str, subset: str, split: str,
+                  chat: ChatSource | None) -> TokenDataset:
+    if not path and chat is not None:
+        if chat.fmt.kind != "chat":
+            raise DataError(f"data.format = {chat.fmt.kind!r} needs data.path: a .jsonl / .json file (or folder) of "
+                            "records, or a prepare-data --format instruction output")
+        return _chat_dataset([builtin_chat_path()], tokenizer, chat, "built-in toy chat corpus")
     if not path:
         return _raw_dataset([builtin_corpus_path()], tokenizer, "text", "built-in corpus (Python docs)")
     hf = hf_source(path, subset, split)
+    if hf is not None and chat is not None:
+        raise DataError(f"{path}: chat records are read from .jsonl / .json files; export the dataset to JSON Lines")
     if hf is not None:  # its documents are tokenised like a raw .jsonl's (prepare-data makes shards of it)
         return _raw_dataset([hf], tokenizer, text_field, path)
     p = Path(path).expanduser()
@@ -454,7 +555,11 @@ def open_dataset(path: str, tokenizer: Tokenizer | None, text_field: str = "text
             return ShardDataset(p, index)
         if os.path.lexists(p / PROGRESS_FILE):
             raise DataError(f"{path} is an unfinished prepare-data output; re-run the same prepare-data to finish it")
+        if chat is not None:
+            return _chat_dataset(discover_inputs([str(p)]), tokenizer, chat, str(p))
         return _raw_dataset(discover_inputs([str(p)]), tokenizer, text_field, str(p))
+    if chat is not None:
+        return _chat_dataset([p], tokenizer, chat, str(p))
     kind = source_kind(p)
     if kind == "jsonl":
         record = _first_record(p) if p.suffix == ".jsonl" else None

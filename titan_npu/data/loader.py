@@ -21,9 +21,18 @@ from torch.utils.data import Dataset, Sampler
 
 from titan_npu.config.mixture import sources_of
 from titan_npu.config.schema import DataSource, JobConfig
+from titan_npu.data.chat import ChatSource, chat_source
 from titan_npu.data.datasets import TokenDataset, open_dataset, verify_dataset
 from titan_npu.data.tokenizer import Tokenizer
-from titan_npu.data.windows import PackedWindows, PrefetchingLoader, Refused, batch_of
+from titan_npu.data.windows import (
+    ConversationWindows,
+    PackedWindows,
+    PrefetchingLoader,
+    Refused,
+    Windows,
+    batch_of,
+    conversation_counts,
+)
 from titan_npu.errors import DataError
 
 if TYPE_CHECKING:
@@ -51,7 +60,7 @@ class _BatchDataset(Dataset):
     embedding for never reaches it, whatever the dataset's index said (the check costs one max over the batch).
     """
 
-    def __init__(self, windows: PackedWindows, batch_size: int, dp_rank: int, seed: int, shuffle: bool,
+    def __init__(self, windows: Windows, batch_size: int, dp_rank: int, seed: int, shuffle: bool,
                  documents: str = "", vocab_limit: int | None = None):
         self.windows, self.batch_size, self.dp_rank = windows, batch_size, dp_rank
         self.seed, self.shuffle = seed, shuffle
@@ -101,7 +110,7 @@ class TokenLoader(PrefetchingLoader):
     """Infinite iterator of (inputs, labels) LongTensors [batch_size, seq_len], with documents="mask" or
     "positions" (inputs, labels, Documents); state_dict() / load_state_dict()."""
 
-    def __init__(self, windows: PackedWindows, batch_size: int, dp_rank: int, dp_world_size: int, seed: int,
+    def __init__(self, windows: Windows, batch_size: int, dp_rank: int, dp_world_size: int, seed: int,
                  num_workers: int = 0, pin_memory: bool = False, shuffle: bool = True, split: str = "train",
                  documents: str = "", vocab_limit: int | None = None, name: str = "", max_epochs: int = 0):
         if not 0 <= dp_rank < dp_world_size:
@@ -139,6 +148,10 @@ class TokenLoader(PrefetchingLoader):
     def source_tokens(self) -> dict[str, int]:
         """Tokens per source: one source has only the run's total (see MixtureLoader)."""
         return {}
+
+    def conversation_counts(self) -> dict[str, dict[str, int]]:
+        """Chat data: conversations kept, windows, truncated and dropped, under the source's name ({} for text)."""
+        return conversation_counts([self.windows], [self.name or self.windows.dataset.description])
 
     @property
     def position(self) -> tuple[int, int]:
@@ -218,8 +231,8 @@ def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer | None, dp_rank: int, 
 
         opened = open_sources(cfg, tokenizer, model_vocab_size)
         loader = MixtureLoader(
-            [PackedWindows(ds, split_documents(ds.num_docs, cfg.data.val_fraction, "train"), seq_len)
-             for _, ds in opened],
+            [windows_of(cfg, ds, split_documents(ds.num_docs, cfg.data.val_fraction, "train"), tokenizer,
+                        s.name if dp_rank == 0 else None) for s, ds in opened],
             [s.name for s, _ in opened], [s.weight for s, _ in opened], [s.max_epochs for s, _ in opened],
             batch_size, dp_rank, dp_world_size, seed=cfg.training.seed, num_workers=max(0, cfg.data.num_workers),
             pin_memory=pin, documents=batch_documents(cfg), vocab_limit=model_vocab_size)
@@ -227,16 +240,18 @@ def build_dataloader(cfg: JobConfig, tokenizer: Tokenizer | None, dp_rank: int, 
             ds.write_caches()
         return loader
     src = sources[0]
+    chat = _chat(cfg, tokenizer)
     if split == "validation" and cfg.validation.data and source is None:
-        dataset = open_dataset(cfg.validation.data, tokenizer, cfg.data.text_field)
+        dataset = open_dataset(cfg.validation.data, tokenizer, cfg.data.text_field, chat=chat)
         doc_ids = np.arange(dataset.num_docs)
     else:
-        dataset = open_dataset(src.path, tokenizer, src.text_field)
+        dataset = open_dataset(src.path, tokenizer, src.text_field, chat=chat)
         if split == "validation" and cfg.data.val_fraction <= 0:
             raise DataError("no validation data: set data.val_fraction > 0 or validation.data to a path")
         doc_ids = split_documents(dataset.num_docs, cfg.data.val_fraction, split)
     verify_dataset(dataset, tokenizer, model_vocab_size)
-    loader = TokenLoader(PackedWindows(dataset, doc_ids, seq_len), batch_size, dp_rank, dp_world_size,
+    windows = windows_of(cfg, dataset, doc_ids, tokenizer, src.name if dp_rank == 0 and split == "train" else None)
+    loader = TokenLoader(windows, batch_size, dp_rank, dp_world_size,
                          seed=cfg.training.seed, num_workers=max(0, cfg.data.num_workers), pin_memory=pin,
                          shuffle=split == "train", split=split, documents=batch_documents(cfg),
                          vocab_limit=model_vocab_size, name=src.name,
@@ -251,11 +266,12 @@ def open_sources(cfg: JobConfig, tokenizer: Tokenizer | None, model_vocab_size: 
     run's tokenizer (and so the same as the others), fits the model's vocabulary, and holds one window of training
     tokens at least. Nothing is written (caches are written once the whole run is accepted)."""
     seq_len = cfg.training.seq_len
+    chat = _chat(cfg, tokenizer)
     opened: list[tuple[DataSource, TokenDataset]] = []
     for i, src in enumerate(sources_of(cfg.data)):
         label = f"data source {src.name!r} (data.sources[{i}])" if cfg.data.sources else "data.path"
         try:
-            ds = open_dataset(src.path, tokenizer, src.text_field)
+            ds = open_dataset(src.path, tokenizer, src.text_field, chat=chat)
         except DataError as e:
             raise (DataError(f"{label}: {e}") if cfg.data.sources else e) from None
         for other, ods in opened:
@@ -268,12 +284,40 @@ def open_sources(cfg: JobConfig, tokenizer: Tokenizer | None, model_vocab_size: 
             verify_dataset(ds, tokenizer, model_vocab_size)
         except DataError as e:
             raise (DataError(f"{label}: {e}") if cfg.data.sources else e) from None
-        train = PackedWindows(ds, split_documents(ds.num_docs, cfg.data.val_fraction, "train"), seq_len)
+        train = windows_of(cfg, ds, split_documents(ds.num_docs, cfg.data.val_fraction, "train"), tokenizer)
         if train.num_windows < 1:
             raise DataError(f"{label} ({ds.description}) holds {train.num_tokens} training tokens, fewer than one "
                             f"window of seq_len+1 = {seq_len + 1}; give it more data or drop it from data.sources")
         opened.append((src, ds))
     return opened
+
+
+def _chat(cfg: JobConfig, tokenizer: Tokenizer | None) -> ChatSource | None:
+    """How chat records are read (data.format chat / instruction); None for text data."""
+    if cfg.data.format == "text":
+        return None
+    if tokenizer is None:
+        raise DataError(f"data.format = {cfg.data.format!r} renders records with a chat template and needs "
+                        "data.tokenizer")
+    return chat_source(cfg.data, tokenizer)
+
+
+def windows_of(cfg: JobConfig, ds: TokenDataset, doc_ids: np.ndarray, tokenizer: Tokenizer | None,
+               log_as: str | None = None) -> Windows:
+    """The windows a dataset is read in: text packed as one stream, chat data (a loss mask) as whole conversations
+    (data.pack, data.overlong); `log_as` names the source in the line that counts them (None: no line)."""
+    seq_len = cfg.training.seq_len
+    if not ds.has_mask:
+        return PackedWindows(ds, doc_ids, seq_len)
+    pad = next((t for t in (tokenizer.pad_id, tokenizer.eos_id) if t is not None), 0) if tokenizer else 0
+    windows = ConversationWindows(ds, doc_ids, seq_len, cfg.data.pack, cfg.data.overlong, pad)
+    if log_as is not None:
+        log.info("data: %s: %d conversations in %d windows of %d tokens (%s); %d longer than that truncated, %d "
+                 "dropped (data.overlong = %s)", repr(log_as) if log_as else ds.description,
+                 windows.num_conversations, windows.num_windows, seq_len + 1,
+                 "packed" if cfg.data.pack else "one per window, padded", windows.truncated, windows.dropped,
+                 cfg.data.overlong)
+    return windows
 
 
 def batch_documents(cfg: JobConfig) -> str:

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import numpy as np
 from torch.utils.data import Dataset, Sampler
 
-from titan_npu.data.windows import PackedWindows, PrefetchingLoader, Refused, batch_of
+from titan_npu.data.windows import PrefetchingLoader, Refused, Windows, batch_of, conversation_counts
 from titan_npu.errors import DataError
 
 log = logging.getLogger("titan_npu")
@@ -74,7 +74,7 @@ class Blend:
 class _MixtureBatches(Dataset):
     """Key: this rank's rows as (source, k) pairs -> (inputs, labels[, documents]); runs in the loader's workers."""
 
-    def __init__(self, windows: list[PackedWindows], names: list[str], max_epochs: list[int], seed: int,
+    def __init__(self, windows: list[Windows], names: list[str], max_epochs: list[int], seed: int,
                  documents: str = "", vocab_limit: int | None = None):
         self.windows, self.names, self.max_epochs = windows, names, max_epochs
         self.seeds = [[seed, zlib.crc32(name.encode())] for name in names]
@@ -136,7 +136,7 @@ class MixtureLoader(PrefetchingLoader):
     """Infinite iterator of (inputs, labels[, documents]) drawn from named, weighted sources; state_dict() /
     load_state_dict(); source_tokens() for the accounting."""
 
-    def __init__(self, windows: list[PackedWindows], names: list[str], weights: list[float], max_epochs: list[int],
+    def __init__(self, windows: list[Windows], names: list[str], weights: list[float], max_epochs: list[int],
                  batch_size: int, dp_rank: int, dp_world_size: int, seed: int, num_workers: int = 0,
                  pin_memory: bool = False, documents: str = "", vocab_limit: int | None = None):
         if not 0 <= dp_rank < dp_world_size:
@@ -168,6 +168,10 @@ class MixtureLoader(PrefetchingLoader):
                 epoch = (now - 1) // n  # of the last window taken (0-based)
                 log.info("data: source %r ran out after %d epoch(s) of %d windows; epoch %d begins, reshuffled",
                          self.names[s], epoch, n, epoch + 1)
+
+    def conversation_counts(self) -> dict[str, dict[str, int]]:
+        """Per chat source: conversations kept, windows, truncated and dropped ({} when every source is text)."""
+        return conversation_counts(self.windows, self.names)
 
     def source_tokens(self) -> dict[str, int]:
         """Tokens handed out so far (all ranks) per source name, sources a resumed run dropped included."""

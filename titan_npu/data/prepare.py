@@ -1,25 +1,28 @@
 """prepare-data: raw corpora -> token shards (or the guide's tokens JSONL), parallel, atomic, resumable.
 
 Output folder: shard_NNNNN.bin (token ids, uint16 when the vocab fits else uint32), shard_NNNNN.docs.npy (document
-end offsets), index.json written last. A shard exists under its final name only once complete; .progress.json
-records finished shards so an interrupted run resumes after the last of them.
+end offsets), for chat data (--format chat / instruction) shard_NNNNN.mask.bin (one byte per token: 1 = an
+assistant token, the loss is taken on it), index.json written last. A shard exists under its final name only once
+complete; .progress.json records finished shards so an interrupted run resumes after the last of them.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import multiprocessing
 import os
 import shutil
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from titan_npu.atomic import atomic_path, atomic_write_json
 from titan_npu.config.options import COMMAND_OPTIONS
+from titan_npu.data.chat import ChatTemplate, RecordFormat, encode_records, load_chat_template
 from titan_npu.data.datasets import (
     INDEX_FILE,
     INDEX_FORMAT,
@@ -38,6 +41,7 @@ from titan_npu.errors import DataError
 from titan_npu.os_errors import fix_for
 from titan_npu.outputs import refuse_protected, shown
 
+PREPARE_FORMATS = ("bin", "jsonl", "chat", "instruction")
 CHUNK_CHARS = 1 << 20  # text per tokenisation task: large enough to amortise process hand-off
 CHUNK_DOCS = 4096
 
@@ -111,8 +115,11 @@ def _describe_sources(paths: list[Input]) -> list[dict]:
 class _ShardWriter:
     """Appends documents to shard_NNNNN.bin.tmp; renames it complete once it holds >= shard_size tokens."""
 
-    def __init__(self, folder: Path, dtype: np.dtype, shard_size: int, shards: list[dict], on_shard_done):
+    def __init__(self, folder: Path, dtype: np.dtype, shard_size: int, shards: list[dict], on_shard_done,
+                 masks: bool = False):
         self.folder, self.dtype, self.shard_size = folder, dtype, shard_size
+        self.masks = masks  # chat data: a loss mask file beside each shard
+        self._mask_file = None
         self.shards = shards  # finished shards (from a resumed run, then ours)
         self.on_shard_done = on_shard_done
         self._file = None
@@ -123,18 +130,22 @@ class _ShardWriter:
     def _name(self) -> str:
         return f"shard_{len(self.shards):05d}"
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
         ends = np.cumsum(lengths)
         first_doc, first_tok = 0, 0
         while first_doc < len(lengths):
             if self._file is None:
                 self._file = open(self.folder / f"{self._name()}.bin.tmp", "wb")  # noqa: SIM115 -- closed in _finish
+                if self.masks:
+                    self._mask_file = open(self.folder / f"{self._name()}.mask.bin.tmp", "wb")  # noqa: SIM115
             rel_ends = ends[first_doc:] - first_tok
             # Whole documents up to the first one that fills the shard.
             take = min(int(np.searchsorted(rel_ends, self.shard_size - self._tokens, side="left")) + 1, len(rel_ends))
             last_tok = first_tok + int(rel_ends[take - 1])
             piece = tokens[first_tok:last_tok]
             self._file.write(piece.tobytes())
+            if self._mask_file is not None and mask is not None:
+                self._mask_file.write(mask[first_tok:last_tok].astype(np.uint8).tobytes())
             self._ends.extend((self._tokens + rel_ends[:take]).tolist())
             self._tokens += len(piece)
             self._max_id = max(self._max_id, int(piece.max()))
@@ -153,6 +164,14 @@ class _ShardWriter:
         os.replace(self.folder / f"{name}.bin.tmp", self.folder / f"{name}.bin")
         shard = {"file": f"{name}.bin", "docs": f"{name}.docs.npy", "num_tokens": self._tokens,
                  "num_docs": len(self._ends), "max_token_id": self._max_id}
+        if self._mask_file is not None:
+            self._mask_file.flush()
+            os.fsync(self._mask_file.fileno())
+            self._mask_file.close()
+            self._mask_file = None
+            os.replace(self.folder / f"{name}.mask.bin.tmp", self.folder / f"{name}.mask.bin")
+            shard["mask"] = f"{name}.mask.bin"
+            shard["mask_checksum"] = content_digest(self.folder / shard["mask"])
         # What the loader verifies at open (datasets.ShardDataset): read back from the disk it was written to.
         shard["checksum"] = shard_checksum(self.folder, shard, self.dtype)
         shard["docs_checksum"] = content_digest(self.folder / shard["docs"])
@@ -169,6 +188,10 @@ class _ShardWriter:
             self._file.close()
             self._file = None
             (self.folder / f"{self._name()}.bin.tmp").unlink(missing_ok=True)
+        if self._mask_file is not None:
+            self._mask_file.close()
+            self._mask_file = None
+            (self.folder / f"{self._name()}.mask.bin.tmp").unlink(missing_ok=True)
 
 
 class _JsonlWriter:
@@ -257,10 +280,14 @@ def _chunks(paths: list[Input], text_field: str, doc_sep: str, bad: BadRecords, 
 def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", workers: int = 1,
             text_field: str = "text", doc_sep: str = "blank", fmt: str = "bin", max_seq_len: int = 0,
             skip_bad_records: bool = False, shard_size: int = 1 << 28, progress: Progress | None = None,
-            ) -> PrepareResult:
-    """Tokenise inputs into output (a folder); idempotent, atomic, resumable. See the module docstring."""
-    if fmt not in ("bin", "jsonl"):
-        raise DataError(f"--format {fmt} is unknown; use bin or jsonl")
+            records: RecordFormat | None = None, chat_template: str = "") -> PrepareResult:
+    """Tokenise inputs into output (a folder); idempotent, atomic, resumable. See the module docstring.
+
+    fmt "chat" / "instruction": records rendered with the tokenizer's chat template (or `chat_template`), written as
+    bin shards with a loss mask (`records` names their fields; default ones when None)."""
+    if fmt not in PREPARE_FORMATS:
+        raise DataError(f"--format {fmt} is unknown; use {', '.join(PREPARE_FORMATS)}")
+    chat = fmt in ("chat", "instruction")
     rows = COMMAND_OPTIONS["prepare-data"]  # the ranges `titan-npu prepare-data` holds its options to
     for flag, value in (("--workers", workers), ("--shard-size", shard_size), ("--max-seq-len", max_seq_len)):
         rows[flag].check(flag, value)
@@ -276,8 +303,14 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
     dtype = token_dtype(tok.vocab_size)
     sources = _describe_sources(paths)
     settings = {"tokenizer_fingerprint": tok.fingerprint(), "text_field": text_field, "doc_sep": doc_sep,
-                "format": fmt, "max_seq_len": max_seq_len, "shard_size": shard_size if fmt == "bin" else 0,
+                "format": fmt, "max_seq_len": max_seq_len, "shard_size": shard_size if fmt != "jsonl" else 0,
                 "skip_bad_records": skip_bad_records}
+    template = None
+    if chat:
+        records = RecordFormat(fmt, *astuple(records)[1:]) if records is not None else RecordFormat(fmt)
+        template = load_chat_template(tok, tokenizer, chat_template)
+        settings["records"] = asdict(records)
+        settings["chat_template_sha256"] = hashlib.sha256(template.text.encode()).hexdigest()
     state, existing = _check_output(output, settings, sources)
     input_bytes = sum(s["size"] for s in sources)
     if state == "up_to_date":
@@ -294,7 +327,7 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
         raise os_error(e.filename or output, e, "write") from None
-    shards: list[dict] = list(existing["shards"]) if state == "resume" and fmt == "bin" else []
+    shards: list[dict] = list(existing["shards"]) if state == "resume" and fmt != "jsonl" else []
     skip_docs = sum(s["num_docs"] for s in shards)
 
     def save_progress() -> None:
@@ -315,19 +348,22 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
     shards_before = len(shards)
     try:
         save_progress()
-        writer = _ShardWriter(output, dtype, shard_size, shards, save_progress) if fmt == "bin" \
+        writer = _ShardWriter(output, dtype, shard_size, shards, save_progress, masks=chat) if fmt != "jsonl" \
             else _JsonlWriter(output)
         bad = BadRecords(skip=skip_bad_records, hint="fix or remove that record, or pass --skip-bad-records")
         progress = progress or Progress(input_bytes)
         position = [0]
-        _tokenize_all(_chunks(paths, text_field, doc_sep, bad, skip_docs, position), writer, tokenizer, tok, dtype,
-                      max_seq_len, workers, progress, position)
+        if template is not None and records is not None:
+            _encode_chat_all(paths, records, template, tok, bad, skip_docs, writer, dtype, progress)
+        else:
+            _tokenize_all(_chunks(paths, text_field, doc_sep, bad, skip_docs, position), writer, tokenizer, tok,
+                          dtype, max_seq_len, workers, progress, position)
         writer.close()
     except DataError:
         leave(0)
         raise
     except OSError as e:  # writing the output: no space left, a read-only or vanished folder, an I/O error
-        kept = len(shards) - shards_before if fmt == "bin" else 0
+        kept = len(shards) - shards_before if fmt != "jsonl" else 0
         leave(kept)
         resume = f"; the {kept} shard(s) finished are kept in {output}: re-run the same command to resume" \
             if kept else ""
@@ -336,7 +372,7 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
         if writer is not None:
             writer.abort()  # interrupted: finished shards and .progress.json stay for the resume
         raise
-    num_docs = sum(s["num_docs"] for s in shards) if fmt == "bin" else progress.docs
+    num_docs = sum(s["num_docs"] for s in shards) if fmt != "jsonl" else progress.docs
     if num_docs == 0:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
@@ -344,8 +380,8 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
             _remove_ours(output)
         raise DataError(f"no documents found in {', '.join(inputs)}; check the inputs and --text-field")
     progress.close()
-    num_tokens = sum(s["num_tokens"] for s in shards) if fmt == "bin" else writer.num_tokens
-    max_id = max(s["max_token_id"] for s in shards) if fmt == "bin" else writer.max_id
+    num_tokens = sum(s["num_tokens"] for s in shards) if fmt != "jsonl" else writer.num_tokens
+    max_id = max(s["max_token_id"] for s in shards) if fmt != "jsonl" else writer.max_id
     index = {
         "format": INDEX_FORMAT, "version": INDEX_VERSION, "kind": fmt, "dtype": dtype.name,
         "num_documents": num_docs, "num_tokens": num_tokens, "max_token_id": max_id,
@@ -353,7 +389,7 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
                       "bos_id": tok.bos_id, "eos_id": tok.eos_id},
         "settings": settings, "sources": sources, "bad_records_skipped": bad.count,
     }
-    if fmt == "bin":
+    if fmt != "jsonl":
         index["shards"] = shards
     else:
         index["file"] = TOKENS_JSONL
@@ -365,7 +401,7 @@ def prepare(inputs: list[str], output: str | Path, tokenizer: str = "byte", work
         if fmt == "jsonl":
             leave(0)
         resume = f"; the finished shards are kept in {output}: re-run the same command to finish" \
-            if fmt == "bin" else ""
+            if fmt != "jsonl" else ""
         raise os_error(e.filename or output / INDEX_FILE, e, "write", _write_fix(e) + resume) from None
     (output / PROGRESS_FILE).unlink()
     return PrepareResult(output, False, num_docs, num_tokens, len(shards), bad.count, bad.examples,
@@ -402,7 +438,7 @@ def _first_missing(path: Path) -> Path | None:
 
 
 def _remove_ours(folder: Path) -> None:
-    for pattern in ("shard_*.bin", "shard_*.docs.npy", "*.tmp", PROGRESS_FILE, TOKENS_JSONL):
+    for pattern in ("shard_*.bin", "shard_*.docs.npy", "shard_*.mask.bin", "*.tmp", PROGRESS_FILE, TOKENS_JSONL):
         for p in folder.glob(pattern):
             p.unlink()
 
@@ -427,6 +463,38 @@ def _tokenize_all(chunks, writer, spec: str, tokenizer: Tokenizer, dtype: np.dty
                 _drain_one(pending, writer, progress)
         while pending:
             _drain_one(pending, writer, progress)
+
+
+def _encode_chat_all(paths: list[Input], records: RecordFormat, template: ChatTemplate, tokenizer: Tokenizer,
+                     bad: BadRecords, skip_docs: int, writer: _ShardWriter, dtype: np.dtype, progress: Progress,
+                     ) -> None:
+    """Chat records -> (ids, assistant mask) per conversation, in order, into the shard writer; the first skip_docs
+    conversations were written by the run this one resumes."""
+    if any(isinstance(p, HFSource) for p in paths):
+        raise DataError("chat records are read from .jsonl / .json files; export the Hugging Face dataset to JSON "
+                        "Lines first")
+    ids: list[int] = []
+    lengths: list[int] = []
+    masks: list[np.ndarray] = []
+
+    def flush() -> None:
+        if lengths:
+            writer.add(np.asarray(ids, dtype=dtype), np.asarray(lengths, np.int64), np.concatenate(masks))
+            progress.update(len(lengths), len(ids), progress.bytes)  # records are rendered one by one: no byte count
+            ids.clear()
+            lengths.clear()
+            masks.clear()
+
+    for doc, mask in encode_records(paths, records, template, tokenizer, bad):  # type: ignore[arg-type]
+        if skip_docs:
+            skip_docs -= 1
+            continue
+        ids.extend(doc)
+        lengths.append(len(doc))
+        masks.append(mask)
+        if len(lengths) >= CHUNK_DOCS:
+            flush()
+    flush()
 
 
 def _drain_one(pending: deque, writer, progress: Progress) -> None:

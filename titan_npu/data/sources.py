@@ -22,8 +22,15 @@ from titan_npu.outputs import is_prepared
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 COMPRESSED_SUFFIXES = (".gz", ".zst")
 BUILTIN_CORPUS = "python_docs.txt.gz"
+BUILTIN_CHAT = "toy_chat.jsonl"
 
 Input = Path | HFSource  # a file, or a Hugging Face dataset on disk (hf_datasets.py)
+
+
+def builtin_chat_path() -> Path:
+    """The chat corpus shipped inside the package (data.format = "chat" with data.path = ""): 320 toy conversations
+    written by examples/make_toy_chat.py."""
+    return Path(__file__).parent / "corpus" / BUILTIN_CHAT
 
 
 def builtin_corpus_path() -> Path:

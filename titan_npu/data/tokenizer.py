@@ -86,6 +86,20 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
 
+    def special_tokens(self) -> dict[str, str]:
+        """bos_token / eos_token / pad_token strings: what a chat template sees (transformers' special_tokens_map)."""
+        return {}
+
+    def token_id(self, token: str) -> int | None:
+        """The id of one whole token written as text (a special token such as <|im_end|>), else None."""
+        return None
+
+    def encode_chat(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of a rendered chat, its special-token strings read as those tokens, and each id's (start, end)
+        characters in text (what the assistant mask is mapped through)."""
+        raise DataError(f"tokenizer {self.name} cannot encode chat templates (its special tokens have no text form "
+                        "here); use a tokenizer.json, a tiktoken tokenizer.model or 'byte'")
+
     def fingerprint(self) -> str:
         """A stable hash of what decides the ids (vocab, merges, pattern, special tokens); computed once."""
         cached = self.__dict__.get("_fingerprint")
@@ -110,6 +124,12 @@ class Tokenizer:
     def __repr__(self) -> str:
         specials = f"bos={self.bos_id}, eos={self.eos_id}"
         return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size}, {specials})"
+
+
+# The byte tokenizer's BOS and EOS written as text: how chat templates name them (decoding drops them).
+BYTE_SPECIAL_TOKENS = ("<s>", "</s>")
+_BYTE_SPECIAL_IDS = {BYTE_SPECIAL_TOKENS[0]: 256, BYTE_SPECIAL_TOKENS[1]: 257}
+_BYTE_SPECIAL_SPLIT = re.compile("(" + "|".join(map(re.escape, BYTE_SPECIAL_TOKENS)) + ")")
 
 
 class ByteTokenizer(Tokenizer):
@@ -142,6 +162,28 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def special_tokens(self) -> dict[str, str]:
+        return {"bos_token": BYTE_SPECIAL_TOKENS[0], "eos_token": BYTE_SPECIAL_TOKENS[1]}
+
+    def token_id(self, token: str) -> int | None:
+        return _BYTE_SPECIAL_IDS.get(token)
+
+    def encode_chat(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        pos = 0
+        for piece in _BYTE_SPECIAL_SPLIT.split(text):
+            if piece in _BYTE_SPECIAL_IDS:
+                ids.append(_BYTE_SPECIAL_IDS[piece])
+                offsets.append((pos, pos + len(piece)))
+            else:
+                for i, ch in enumerate(piece):  # every byte of a character spans that character, as byte-level BPE
+                    encoded = ch.encode("utf-8", errors="surrogatepass")
+                    ids.extend(encoded)
+                    offsets.extend([(pos + i, pos + i + 1)] * len(encoded))
+            pos += len(piece)
+        return ids, offsets
+
     def _identity(self) -> bytes:
         return b"titan-npu byte tokenizer v1"
 
@@ -159,7 +201,7 @@ class HFTokenizer(Tokenizer):
             ) from None
         self.name = str(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        special = _special_tokens_beside(path.parent)
+        special = self._special = _special_tokens_beside(path.parent)
         self.bos_id = self._token_id(special.get("bos_token"), _BOS_CANDIDATES)
         self.eos_id = self._token_id(special.get("eos_token"), _EOS_CANDIDATES)
         self.pad_id = self._token_id(special.get("pad_token"), _PAD_CANDIDATES)
@@ -184,6 +226,21 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def special_tokens(self) -> dict[str, str]:
+        found = dict(self._special)
+        for key, tid in (("bos_token", self.bos_id), ("eos_token", self.eos_id), ("pad_token", self.pad_id)):
+            if key not in found and tid is not None:
+                found[key] = self._tok.id_to_token(tid)
+        return found
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode_chat(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        # What transformers' tokenizer(rendered_chat, add_special_tokens=False) does: added tokens are matched.
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return list(enc.ids), [tuple(o) for o in enc.offsets]
 
     def _identity(self) -> bytes:
         # The library's own serialisation: independent of how the file was formatted.
@@ -234,7 +291,7 @@ class TiktokenTokenizer(Tokenizer):
                 ) from None
         n_base = len(ranks)
         reserved = [f"<|reserved_special_token_{2 + i}|>" for i in range(LLAMA3_NUM_SPECIAL_TOKENS - 11)]
-        special = {tok: n_base + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS + reserved)}
+        special = self._special_ids = {tok: n_base + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS + reserved)}
         self._enc = tiktoken.Encoding(name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
                                       special_tokens=special)
         self.name = str(path)
@@ -258,6 +315,20 @@ class TiktokenTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._enc.decode(list(ids))
+
+    def special_tokens(self) -> dict[str, str]:
+        by_id = {tid: tok for tok, tid in self._special_ids.items()}
+        return {key: by_id[tid] for key, tid in (("bos_token", self.bos_id), ("eos_token", self.eos_id),
+                                                 ("pad_token", self.pad_id)) if tid in by_id}
+
+    def token_id(self, token: str) -> int | None:
+        return self._special_ids.get(token)
+
+    def encode_chat(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        ids = self._enc.encode(text, allowed_special="all")
+        _, starts = self._enc.decode_with_offsets(ids)
+        ends = [*starts[1:], len(text)]
+        return ids, [(s, max(s, e)) for s, e in zip(starts, ends)]
 
     def _identity(self) -> bytes:
         return self._ranks_bytes + LLAMA3_PATTERN.encode()

@@ -68,6 +68,20 @@ def mixture_table(run: RunMetrics, data: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def conversations_table(info: dict[str, Any]) -> list[str]:
+    """## Chat data: per source the conversations kept, windows, truncated and dropped ([] for text)."""
+    counts = info.get("conversations")
+    if not isinstance(counts, dict) or not counts:
+        return []
+    lines = ["## Chat data (data.format chat / instruction)", "",
+             "| source | conversations | windows | truncated | dropped |", "|---|---|---|---|---|"]
+    for name, c in counts.items():
+        if isinstance(c, dict):
+            lines.append(f"| {name} | " + " | ".join(f"{c.get(k, '')}" for k in
+                                                      ("conversations", "windows", "truncated", "dropped")) + " |")
+    return lines + [""]
+
+
 def eval_table(run: RunMetrics) -> list[str]:
     """The [eval] results of the run's last evaluation, a row per task and metric, and the time evaluation took."""
     if not run.evals:
@@ -151,6 +165,7 @@ def render_markdown(log_dir: Path, run: RunMetrics, config: dict[str, Any], info
         lines += [f"![loss, learning rate, throughput and memory against step]({png_name})", ""]
     lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows] + [""]
     lines += mixture_table(run, data)
+    lines += conversations_table(info)
     lines += eval_table(run)
     lines.append(f"## Checkpoints ({ckpt_dir if ckpt_dir else 'no checkpoint dir configured'})")
     lines.append("")

@@ -25,10 +25,12 @@ def write_run_info(log_dir: str | os.PathLike, info: dict[str, Any]) -> Path:
 
 
 def run_info(model_args: Any, layout: str, device: Any, world_size: int, tokens_per_step: int,
-             flops_per_token: float, peak_flops: float, checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
-    """The run_info.json fields from the trainer's objects (the model's args, DeviceInfo)."""
+             flops_per_token: float, peak_flops: float, checkpoint_dir: str | os.PathLike,
+             conversations: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+    """The run_info.json fields from the trainer's objects (the model's args, DeviceInfo); `conversations`: what
+    packing did to each chat source (conversations, windows, truncated, dropped), left out for text."""
     a = model_args
-    return {
+    info = {
         "params": a.num_params(),
         "non_embedding_params": a.num_params(exclude_embedding=True),
         "shape": f"dim {a.dim}, {a.n_layers} layers, {a.n_heads}/{a.n_kv_heads} heads, ffn {a.ffn_dim}, "
@@ -41,6 +43,9 @@ def run_info(model_args: Any, layout: str, device: Any, world_size: int, tokens_
         "peak_tflops": peak_flops / 1e12,
         "checkpoint_dir": str(Path(checkpoint_dir).resolve()),
     }
+    if conversations:
+        info["conversations"] = conversations
+    return info
 
 
 def read_run_info(log_dir: str | os.PathLike) -> dict[str, Any]:

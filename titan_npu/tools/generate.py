@@ -140,8 +140,11 @@ def generate(
     eos_id: int | None = None,
     banned: torch.Tensor | None = None,
     seed: int | None = None,
+    stop_ids: tuple[int, ...] = (),
 ) -> list[list[int]]:
-    """New token ids for each of num_samples continuations of prompt_ids (stopping at eos_id, which is dropped)."""
+    """New token ids for each of num_samples continuations of prompt_ids (stopping at eos_id or one of stop_ids, a
+    chat template's end of turn, which is dropped)."""
+    stops = {i for i in (eos_id, *stop_ids) if i is not None}
     if not prompt_ids:
         raise ConfigError("the prompt encodes to no tokens; give a non-empty --prompt")
     device = model.tok_embeddings.weight.device
@@ -160,7 +163,7 @@ def generate(
         for b, t in enumerate(nxt.tolist()):
             if done[b]:
                 continue
-            if eos_id is not None and t == eos_id:
+            if t in stops:
                 done[b] = True
             else:
                 out[b].append(t)

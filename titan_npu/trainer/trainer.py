@@ -223,7 +223,8 @@ class Trainer:
         if self.rank == 0:
             write_run_info(cfg.metrics.log_dir, run_info(
                 self.model_args, self.dims.describe(), self.device, self.world_size, self.tokens_per_step,
-                self.flops_per_token, self.peak_flops, cfg.checkpoint.dir))
+                self.flops_per_token, self.peak_flops, cfg.checkpoint.dir,
+                conversations=self.dataloader.conversation_counts()))
         self.meter = StepMeter(self.tokens_per_step, self.world_size, self.flops_per_token, self.peak_flops)
         self.spikes = SpikeDetector(cfg.metrics.spike_sigma, cfg.metrics.spike_window)
         self.progress = Progress(cfg.metrics.progress, t.max_steps, enabled=self.rank == 0)
