@@ -107,3 +107,21 @@ def test_the_masked_micro_batches_would_tell_a_mean_of_means_apart(runs):
     mean_of_means = sum(means) / len(means)
     assert abs(mean_of_means - records[0]["loss"]) > 1e-3 * records[0]["loss"]
     assert all(r["loss"] == r["loss"] for r in records)  # no NaN
+
+
+def test_a_micro_batch_without_a_valid_label_adds_zero_loss_and_zero_gradients():
+    from titan_npu.trainer.loss import chunked_linear_cross_entropy, cross_entropy_loss, token_weighted_loss
+
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 8, 16, generator=g, requires_grad=True)
+    weight = torch.randn(32, 16, generator=g, requires_grad=True)
+    labels = torch.full((2, 8), IGNORE_INDEX)
+    # The chunked cross entropy (and so a DeepSeek-V3 multi-token prediction term on shifted labels): 0, not 0 / 0.
+    chunked = chunked_linear_cross_entropy(hidden, weight, labels, 5)
+    # A pipeline's loss function: the mean runs on a stand-in label, weighted 0.
+    piped = token_weighted_loss(cross_entropy_loss, 4, lambda: 0)(hidden @ weight.t(), labels)
+    for loss in (chunked, piped):
+        assert loss.item() == 0.0
+        hidden.grad = weight.grad = None
+        loss.backward()
+        assert torch.count_nonzero(hidden.grad) == 0 and torch.count_nonzero(weight.grad) == 0
