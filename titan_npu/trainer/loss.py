@@ -46,8 +46,10 @@ def model_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
 
 
 def valid_labels(labels: torch.Tensor) -> int:
-    """How many of `labels` the loss counts (not IGNORE_INDEX). For host labels (the loader's, before they move to
-    the device): reading the count is no device read-back."""
+    """How many of host `labels` (the loader's, before they move to the device) the loss counts (not IGNORE_INDEX):
+    reading the count waits for no device. A device tensor is refused: its count would be a read-back."""
+    if labels.device.type != "cpu":
+        raise ValueError(f"valid_labels counts host labels; these are on {labels.device}")
     return int((labels != IGNORE_INDEX).sum())
 
 
