@@ -16,6 +16,7 @@ from titan_npu.models.registry import build_model_args
 from titan_npu.ops.cross_entropy import IGNORE_INDEX
 from titan_npu.parallel import ParallelDims, validate_layout
 from titan_npu.parallel.context_parallel import ContextParallelBatch, context_for
+from titan_npu.trainer.loss import token_weight, valid_labels
 
 from .test_layout import check, job
 
@@ -153,7 +154,8 @@ def test_cp_shares_of_the_loss_add_up_to_the_batch_mean_with_ignored_labels(cp):
     want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
     shares = []
     for rank in range(cp):
-        local_inputs, local_labels, weight = ContextParallelBatch(rank, cp).split(inputs, labels)
+        local_inputs, local_labels = ContextParallelBatch(rank, cp).split(inputs, labels)
+        weight = token_weight(valid_labels(local_labels), cp, valid_labels(labels))
         local_logits = logits[torch.arange(2)[:, None], local_inputs % 16]  # the rows of this rank's positions
         local = F.cross_entropy(local_logits.flatten(0, 1), local_labels.flatten(), ignore_index=IGNORE_INDEX)
         shares.append(local * weight)

@@ -22,6 +22,8 @@ def format_step_line(m: dict[str, Any]) -> str:
     if "aux_loss" in m:  # a MoE model: its load-balancing loss and how uneven the experts' load is
         parts.append(f"aux_loss={m['aux_loss']:.4f}, expert_load={m['expert_load_max_mean']:.2f}x")
     parts.append(f"throughput={m['tokens_per_s']:,.0f} tokens/s")
+    if "loss_tokens" in m:  # the step's valid labels (every token in pretraining, the unmasked ones in fine-tuning)
+        parts.append(f"loss_tokens={m['loss_tokens']:,}")
     parts.append(f"mfu={100 * m['mfu']:.1f}%")
     parts.append(f"mem={m['mem_used_gb']:.1f}GB/{m['mem_total_gb']:.1f}GB")
     parts.append(f"step_time={m['step_time_s']:.2f}s")

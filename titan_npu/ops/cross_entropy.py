@@ -46,7 +46,8 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Mean cross entropy of h @ w^T over tokens, chunk by chunk, with both gradients taken in the forward."""
+    """Mean cross entropy of h @ w^T over the valid tokens (0 without any), chunk by chunk, with both gradients taken
+    in the forward."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
@@ -61,7 +62,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             chunk = slice(start, start + chunk_tokens)
             loss += _chunk(h[chunk], w, targets[chunk], valid[chunk],
                            grad_h[chunk] if want_grads else None, grad_w)
-        count = valid.sum()
+        # No valid label (a fine-tuning micro-batch's shifted labels, say): 0 and zero gradients, not 0 / 0.
+        count = valid.sum().clamp(min=1)
         ctx.save_for_backward(count, grad_h, grad_w.to(w.dtype) if want_grads else None)
         return loss / count
 

@@ -11,12 +11,9 @@ attends across the cp group: ring attention (RingContext, parallel.cp_mode = "ri
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
-from titan_npu.ops.cross_entropy import IGNORE_INDEX
 from titan_npu.ops.documents import Documents
 from titan_npu.parallel.hybrid_attention import hybrid_attention
 from titan_npu.parallel.ring_attention import ring_attention
@@ -120,38 +117,16 @@ def context_for(mode: str, group: dist.ProcessGroup,
     return CONTEXTS[mode](group)
 
 
-def cp_weighted_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], group: dist.ProcessGroup
-                     ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """loss_fn(output, local labels) weighted as ContextParallelBatch.split weights a batch's loss, for a caller that
-    sees only the local labels (a pipeline's last stage, per microbatch): the batch's label count is the local
-    counts summed over the cp group (a collective; nothing is read to the host)."""
-    cp = dist.get_world_size(group)
-
-    def weighted(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        local_count = (labels != IGNORE_INDEX).sum()
-        batch_count = local_count.detach().clone()
-        dist.all_reduce(batch_count, group=group)
-        return loss_fn(output, labels) * ((local_count * cp).float() / batch_count.clamp(min=1).float())
-
-    return weighted
-
-
 class ContextParallelBatch:
-    """This cp rank's share of each batch, and the weight that makes its loss its share of the batch's."""
+    """This cp rank's share of each batch (the loss weights each share by its valid labels: trainer/loss.py)."""
 
     def __init__(self, rank: int, cp: int) -> None:
         self.rank, self.cp = rank, cp
 
-    def split(self, inputs: torch.Tensor, labels: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(local inputs, local labels, loss weight) of a batch [B, S] every cp rank holds whole.
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's load-balanced chunks of a batch x [B, S, ...] every cp rank holds whole."""
+        return shard_sequence(x, self.rank, self.cp)
 
-        The model's loss is the mean over the local tokens; times the weight local_count * cp / batch_count it
-        becomes cp x (local sum / batch count), and the data-parallel average of the gradients over the cp ranks
-        turns that into the mean over every token of the batch. With no ignored labels the weight is exactly 1.
-        """
-        local = shard_sequence(labels, self.rank, self.cp)
-        batch_count = (labels != IGNORE_INDEX).sum()
-        local_count = (local != IGNORE_INDEX).sum()
-        weight = (local_count * self.cp).float() / batch_count.clamp(min=1).float()
-        return shard_sequence(inputs, self.rank, self.cp), local, weight
+    def split(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(local inputs, local labels) of a batch [B, S] every cp rank holds whole."""
+        return self.local(inputs), self.local(labels)

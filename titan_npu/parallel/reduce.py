@@ -1,4 +1,5 @@
-"""Step-level reductions that must know the layout: the logged loss, the gradient norm and its clipping.
+"""Step-level reductions that must know the layout: the step's valid-label count, the logged loss, the gradient norm
+and its clipping.
 
 Under pipeline parallelism each rank holds only its stages' parameters and only the last stage sees the loss;
 under tensor parallelism every tp rank holds the same loss; FSDP / TP gradients are DTensors whose norms are
@@ -12,6 +13,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 from titan_npu.parallel.dims import ParallelDims
 
@@ -21,12 +23,32 @@ def plain_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def global_token_count(count: int, dims: ParallelDims) -> int:
+    """This rank's host count of the step's valid labels summed over the ranks that hold different tokens (data
+    parallel x context parallel; a collective of that group: call it on every rank). One all-reduce of a host int64
+    (the groups always include gloo for host tensors): the device is not waited for."""
+    if dims.world_size == 1 or dims.dp * dims.cp == 1:
+        return count
+    total = torch.tensor([count], dtype=torch.int64)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dims.token_mesh.get_group())
+    return int(total)
+
+
+def in_loss_form(t: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """A plain tensor `t` in the form of `loss`: replicated over the loss's mesh for the loss-parallel cross
+    entropy's DTensor (t is the same on every tp rank), else as it is."""
+    if isinstance(loss, DTensor):
+        return DTensor.from_local(t, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
+    return t
+
+
 def mean_loss(loss: torch.Tensor | None, dims: ParallelDims) -> float:
     """The step's loss averaged over the data-parallel ranks (a collective: call it on every rank).
 
     `loss` is None on ranks without the last pipeline stage; every tp rank of the last stage holds the same value,
-    and the cp ranks of a data-parallel rank hold cp times their share of its loss (context_parallel.py), so the
-    world sum of the holders' losses divided by dp x tp x cp is the data-parallel mean.
+    and each rank holding different tokens (dp x cp of them) holds dp x cp times its share of the step's loss (its
+    summed losses over the step's valid-label count: trainer/loss.py), so the world sum of the holders' losses
+    divided by dp x tp x cp is the step's loss. A per-rank mean (the MoE auxiliary loss) gives the ranks' mean.
     """
     # On the host in float64: the groups always include gloo for host tensors (process_group.py), and this runs on
     # log steps only, where the value is read anyway.

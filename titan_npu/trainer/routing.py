@@ -20,19 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
 
 from titan_npu.models.registry import spec_of
 from titan_npu.parallel.dims import ParallelDims
-from titan_npu.parallel.reduce import mean_loss
-
-
-def _like(aux: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-    """The aux term in the loss's form: a DTensor for the loss-parallel cross entropy (the aux loss is the same on
-    every tp rank), else as it is."""
-    if isinstance(loss, DTensor):
-        return DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
-    return aux
+from titan_npu.parallel.reduce import in_loss_form, mean_loss
 
 
 class RoutingMeter:
@@ -69,7 +60,7 @@ class RoutingMeter:
             return loss
         self._add(self.model.routing_metrics(), scale)
         aux = self.model.auxiliary_loss()
-        return loss if aux is None else loss + _like(aux, loss)
+        return loss if aux is None else loss + in_loss_form(aux, loss)
 
     def pipeline_loss(self, parts: list[nn.Module], loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                       n_microbatches: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -93,7 +84,7 @@ class RoutingMeter:
             aux = last.auxiliary_loss()
             # The schedule reports what this returns: its value stays the cross entropy (+ aux - aux = + 0), its
             # gradient is that of cross entropy + aux.
-            return loss if aux is None else loss + _like(aux - aux.detach(), loss)
+            return loss if aux is None else loss + in_loss_form(aux - aux.detach(), loss)
 
         return loss_with_auxiliary
 

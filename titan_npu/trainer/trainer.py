@@ -45,7 +45,7 @@ from titan_npu.ops.cuda import choose_attention_kernel
 from titan_npu.ops.documents import Documents
 from titan_npu.ops.npu import set_rope_fp32
 from titan_npu.parallel import ParallelDims, init_process_group, validate_layout
-from titan_npu.parallel.context_parallel import ContextParallelBatch, cp_weighted_loss
+from titan_npu.parallel.context_parallel import ContextParallelBatch
 from titan_npu.parallel.float8 import (
     check_float8_device,
     describe_float8,
@@ -56,14 +56,27 @@ from titan_npu.parallel.float8 import (
 from titan_npu.parallel.layout import pp_microbatches
 from titan_npu.parallel.parallelize import build_model_parts
 from titan_npu.parallel.pipeline import build_part_optimizers, build_pipeline
-from titan_npu.parallel.reduce import clip_grad_norm_, loss_parallel_context, mean_loss, plain_tensor
+from titan_npu.parallel.reduce import (
+    clip_grad_norm_,
+    global_token_count,
+    loss_parallel_context,
+    mean_loss,
+    plain_tensor,
+)
 from titan_npu.profiling import build_profiler
 from titan_npu.reliability import Reliability, prepare_reliability
 from titan_npu.reliability.dirs import start_log_dir
 from titan_npu.reliability.fault_tolerance import ReplicaGroups, replica_paths
 from titan_npu.reliability.skip import step_unless, takes_device_flag
 from titan_npu.trainer.advice import speed_hints
-from titan_npu.trainer.loss import cross_entropy_loss, model_loss
+from titan_npu.trainer.loss import (
+    cross_entropy_loss,
+    model_loss,
+    stand_in_labels,
+    token_weight,
+    token_weighted_loss,
+    valid_labels,
+)
 from titan_npu.trainer.optimizer import build_lr_scheduler, build_optimizer
 from titan_npu.trainer.precision import (
     autocast_context,
@@ -156,14 +169,17 @@ class Trainer:
         self.model = self.model_parts[0]
         # A MoE model's auxiliary loss joins the optimised loss; its routing is logged (inert for dense models).
         self.routing = RoutingMeter(self.model)
+        # The step's loss is the mean over the valid labels of the global batch (trainer/loss.py): each
+        # micro-batch's mean is weighted by its valid labels over the step's (loss_tokens, summed over the ranks
+        # holding different tokens) x the terms the step averages (micro-batches x those ranks).
+        self.loss_tokens = 0
         self.pipeline = None
         if self.dims.pp_enabled:
-            loss_fn = cross_entropy_loss  # context parallel: each microbatch's local loss weighted by its share
-            if self.dims.cp_enabled:
-                loss_fn = cp_weighted_loss(loss_fn, self.dims.cp_mesh.get_group())
+            n_microbatches = pp_microbatches(cfg, self.dims)
+            loss_fn = token_weighted_loss(cross_entropy_loss, n_microbatches * self.dims.dp * self.dims.cp,
+                                          lambda: self.loss_tokens)
             self.pipeline = build_pipeline(self.model_parts, stage_ids, self.dims, cfg, self.device.torch_device,
-                                           self.routing.pipeline_loss(self.model_parts, loss_fn,
-                                                                      pp_microbatches(cfg, self.dims)))
+                                           self.routing.pipeline_loss(self.model_parts, loss_fn, n_microbatches))
 
         # Optimizer, schedule, precision.
         self.optimizer = build_part_optimizers(
@@ -280,17 +296,22 @@ class Trainer:
             log.info("fault tolerance: that batch is one replica group's; a step trains it once per group taking "
                      "part (up to %d)", self.cfg.fault_tolerance.num_replica_groups)
 
+    def _local_valid_labels(self, labels: torch.Tensor) -> int:
+        """The valid labels of a host batch that this rank's loss sees (its chunks under context parallelism)."""
+        return valid_labels(labels if self.cp_batch is None else self.cp_batch.local(labels))
+
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
-                         documents: Documents | None = None) -> torch.Tensor:
-        """One micro-batch: forward, loss, backward; returns the unscaled loss (detached). documents: the
-        batch's (data.document_mask), whole windows also under context parallelism."""
-        cp_weight = None
+                         documents: Documents | None = None, weight: float = 1.0) -> torch.Tensor:
+        """One micro-batch: forward, loss, backward; returns its weighted, unscaled loss (detached). documents: the
+        batch's (data.document_mask), whole windows also under context parallelism. weight: its token_weight
+        (0 for a micro-batch without a valid label on this rank, which then runs on a stand-in label)."""
         if self.cp_batch is not None:
-            inputs, labels, cp_weight = self.cp_batch.split(inputs, labels)
+            inputs, labels = self.cp_batch.split(inputs, labels)
+        if weight == 0.0:
+            labels = stand_in_labels(labels)
         with self.loss_context():  # vocab-sharded logits under TP: the loss and its backward run sharded
             loss = model_loss(self.model, inputs, labels, self.autocast, self.loss_chunk_tokens, documents)
-            if cp_weight is not None:
-                loss = loss * cp_weight
+            loss = loss * weight  # exactly the mean when the weight is 1 (every label valid)
             for hook in self.loss_hooks:
                 loss = hook(self.step, loss)
             scaled = self.routing.add_auxiliary(loss, scale) * scale
@@ -311,8 +332,10 @@ class Trainer:
             whole = Documents.cat([b[2] for b in batches])
             documents = [d.to(self.device.torch_device, non_blocking=True)
                          for d in whole.split(self.pipeline.n_microbatches)]
-        if self.cp_batch is not None:  # the local chunks; the loss function weights each microbatch's loss
-            inputs, labels, _ = self.cp_batch.split(inputs, labels)
+        # The step's valid labels, counted on the host: the schedule's loss function weights each microbatch by them.
+        self.loss_tokens = global_token_count(sum(self._local_valid_labels(b[1]) for b in batches), self.dims)
+        if self.cp_batch is not None:  # the local chunks
+            inputs, labels = self.cp_batch.split(inputs, labels)
         data_time = time.perf_counter() - t0
         with self.autocast(), self.loss_context():
             loss = self.pipeline.step(inputs, labels, documents)
@@ -328,14 +351,22 @@ class Trainer:
             loss_sum, data_time = self.pipeline_forward_backward(data_iter)
             loss_sum = loss_sum * accum
         else:
-            for _ in range(accum):
+            # Every micro-batch of the step first: the weights need the step's valid labels, counted on the host
+            # before the labels move (one all-reduce of the count, no device read).
+            t0 = time.perf_counter()
+            batches = [next(data_iter) for _ in range(accum)]  # (inputs, labels, *documents: data.document_mask)
+            counts = [self._local_valid_labels(batch[1]) for batch in batches]
+            self.loss_tokens = global_token_count(sum(counts), self.dims)
+            share = accum * self.dims.dp * self.dims.cp
+            data_time += time.perf_counter() - t0
+            for (inputs, labels, *documents), count in zip(batches, counts, strict=True):
                 t0 = time.perf_counter()
-                inputs, labels, *documents = next(data_iter)  # documents: with data.document_mask
                 inputs = inputs.to(self.device.torch_device, non_blocking=True)
                 labels = labels.to(self.device.torch_device, non_blocking=True)
                 docs = documents[0].to(self.device.torch_device, non_blocking=True) if documents else None
                 data_time += time.perf_counter() - t0
-                loss_sum += self.forward_backward(inputs, labels, 1.0 / accum, docs)
+                loss_sum += self.forward_backward(inputs, labels, 1.0 / accum, docs,
+                                                  token_weight(count, share, self.loss_tokens))
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
         params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]  # LoRA: adapters
@@ -443,6 +474,7 @@ class Trainer:
         window = self.meter.window()
         record = step_record(self.step, loss_value, self.lr_scheduler.get_last_lr()[0], norm_value,
                              self.meter.throughput(window), window, memory_stats(self.device), self.tokens_seen)
+        record["loss_tokens"] = self.loss_tokens  # the step's valid labels, over every rank
         record["eta_s"] = self.progress.eta_seconds()
         record["skipped_steps"] = self.reliability.guard.total
         if self.replicas is not None:

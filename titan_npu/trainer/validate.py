@@ -127,7 +127,7 @@ class Validator:
             device = self.device.torch_device
             kwargs = {"documents": documents[0].to(device, non_blocking=True)} if documents else {}
             if self.cp_batch is not None:
-                inputs, labels, _ = self.cp_batch.split(inputs, labels)
+                inputs, labels = self.cp_batch.split(inputs, labels)
             with autocast():
                 logits = model(inputs, **kwargs)
             with loss_context():
