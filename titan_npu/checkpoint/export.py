@@ -149,7 +149,8 @@ def export_checkpoint(
 
     For hf, the tokenizer's files (`tokenizer`, or by default the data.tokenizer the checkpoint records) are
     copied beside the weights. A LoRA checkpoint's adapters: peft writes them alone (docs/lora.md); merge folds
-    them into the weights (W + scaling B A); otherwise hf writes the frozen base and pt both.
+    them into the weights (W + scaling B A), as pt always does (its one state dict is the model the run trained,
+    which generate, eval and import read); otherwise hf writes the frozen base.
     """
     source, output = Path(source), Path(output)
     if fmt not in ("pt", "hf", "peft"):
@@ -167,10 +168,11 @@ def export_checkpoint(
     info = storage.read_info(source)
     lora = _lora_of(source, info, model, fmt, merge)
     base = {k: v for k, v in model.items() if not is_adapter_name(k)}
-    weights = Source(source, metadata, lora if merge else None)
+    merged = merge or fmt == "pt"
+    weights = Source(source, metadata, lora if merged else None)
     if fmt == "pt":
         output.parent.mkdir(parents=True, exist_ok=True)
-        return [_export_pt(weights, list(model if lora is None or not merge else base), output, dtype)]
+        return [_export_pt(weights, list(model if lora is None else base), output, dtype)]
     args = checkpoint_model_args(source, info)
     output.parent.mkdir(parents=True, exist_ok=True)
     marker = {"checkpoint": str(source.resolve()), "step": info["step"]}
