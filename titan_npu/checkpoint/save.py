@@ -159,6 +159,7 @@ class Saver:
             "ranks": self.ranks,
             "model_args": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None,
             "export_dtype": self.cfg.export_dtype,
+            "optimizer_state_dtype": self.job.optimizer.state_dtype,
             "tokenizer": _tokenizer_path(self.job.data.tokenizer),
             "async": not sync,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
