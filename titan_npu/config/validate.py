@@ -141,6 +141,9 @@ def _check_activation_offload(cfg: JobConfig) -> None:
         raise fail("activation_checkpoint.offload", f"activation_checkpoint.offload = true with {how}: every block "
                    "is recomputed, so no block keeps activations to offload; use mode = 'none', or 'selective' with "
                    "selective_every (the blocks it does not recompute are offloaded), or set offload = false")
+    if cfg.compile.enable:
+        raise fail("activation_checkpoint.offload", "activation_checkpoint.offload = true with compile.enable = true: "
+                   "the offload hooks wrap each block's eager forward, which compile replaces; turn one of them off")
 
 
 def _check_float8(cfg: JobConfig) -> None:

@@ -141,6 +141,7 @@ class Job:
     optimizer: str = "adamw"
     momentum: float = 0.9  # SGD keeps a momentum buffer only when this is non-zero
     muon_exclude: tuple[str, ...] = ()  # Muon: name patterns of the matrices left to AdamW
+    state_dtype: str = "fp32"  # optimizer.state_dtype: the dtype of Adam's moments (fp32 parameters)
     float8: Float8Config | None = None  # float8 matmuls (float8.enable); None = off
     _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -171,6 +172,7 @@ def job_from_config(cfg: JobConfig) -> Job:
         optimizer=cfg.optimizer.name.lower(),
         momentum=float(cfg.optimizer.betas[0]) if cfg.optimizer.betas else 0.0,
         muon_exclude=tuple(cfg.optimizer.muon_exclude),
+        state_dtype=cfg.optimizer.state_dtype,
         float8=cfg.float8 if cfg.float8.enable else None,
     )
 

@@ -26,6 +26,8 @@ from titan_npu.trainer.optimizer import takes_muon
 # Per-parameter optimizer state, in parameter-sized tensors (the dry run measures the real optimizer's). Muon: a
 # momentum buffer on the matrices it takes; the parameters it leaves to AdamW keep AdamW's two moments.
 OPTIMIZER_STATE_MULTIPLIER = {"adamw": 2, "adam": 2, "sgd": 1, "muon": 1}
+# Bytes of one element of Adam's moments per optimizer.state_dtype (trainer/state_dtype.py).
+MOMENT_BYTES = {"fp32": 4, "bf16": 2}
 
 
 def parameter_kinds(args: Any) -> dict[str, tuple[int, ...]]:
@@ -240,10 +242,21 @@ def _state_bytes(job: Job, layout: Layout, rank: int) -> StateBytes:
     """state_bytes, computed."""
     numel = sum(rank_numel_split(job, layout, rank))
     param = 4 * numel
-    optimizer = optimizer_state_multiplier(job) * param
-    if job.optimizer.lower() == "muon":
-        optimizer += 4 * _adamw_numel_beside_muon(job, local_parameter_numels(job.args, layout, rank))
-    return StateBytes(param, param, optimizer, numel)
+    adamw = _adamw_numel_beside_muon(job, local_parameter_numels(job.args, layout, rank)) \
+        if job.optimizer.lower() == "muon" else 0
+    return StateBytes(param, param, _optimizer_bytes(job, numel, adamw), numel)
+
+
+def _optimizer_bytes(job: Job, numel: int, adamw_beside_muon: int) -> int:
+    """State bytes of `numel` fp32 parameter elements, `adamw_beside_muon` of them left to AdamW by Muon: Adam's
+    two moments in optimizer.state_dtype (MOMENT_BYTES), Muon's momentum and SGD's in fp32."""
+    multiplier, name = optimizer_state_multiplier(job), job.optimizer.lower()
+    moment = MOMENT_BYTES[job.state_dtype]
+    if name in ("adamw", "adam"):
+        return 2 * moment * numel
+    if name == "muon":
+        return 4 * (numel - adamw_beside_muon) + 2 * moment * adamw_beside_muon
+    return multiplier * 4 * numel
 
 
 def muon_gather_bytes(job: Job, layout: Layout, rank: int) -> int:
@@ -274,7 +287,7 @@ def checkpoint_bytes(job: Job) -> int:
     """Size of one training checkpoint: fp32 weights plus optimizer moments, all ranks together."""
     n = job.args.num_params()
     adamw = n - _muon_numel(job) if job.optimizer.lower() == "muon" else 0
-    return 4 * n * (1 + optimizer_state_multiplier(job)) + 4 * adamw
+    return 4 * n + _optimizer_bytes(job, n, adamw)
 
 
 def _muon_numel(job: Job) -> int:
