@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 
 class _Packed:
-    """One saved tensor moved to host: its host copy, the device it came from, and its copy back once started."""
+    """One tensor moved to host (a saved tensor's base: its views share it): its host copy, the device it came
+    from, and its copy back once started."""
 
     __slots__ = ("host", "device", "copied", "back", "ready", "__weakref__")
 
@@ -38,6 +39,15 @@ class _Packed:
         self.host, self.device, self.copied = host, device, copied
         self.back: torch.Tensor | None = None
         self.ready: Any = None
+
+
+class _View:
+    """A saved tensor as a view of a moved (contiguous) copy: its size, strides and offset in it."""
+
+    __slots__ = ("base", "size", "stride", "offset")
+
+    def __init__(self, base: _Packed, size: torch.Size, stride: tuple[int, ...], offset: int) -> None:
+        self.base, self.size, self.stride, self.offset = base, size, stride, offset
 
 
 class _BlockPass:
@@ -54,12 +64,18 @@ class ActivationOffload:
     """The hooks of one model part: what they moved (moved_bytes, for the dry run and the tests) and the side
     stream of each accelerator."""
 
-    def __init__(self, min_bytes: int) -> None:
+    def __init__(self, min_bytes: int, model: nn.Module | None = None) -> None:
         self.min_bytes = min_bytes
+        # The model whose buffers (RoPE tables, shared by every block) stay: moving them would free nothing.
+        self._model = weakref.ref(model) if model is not None else None
+        self._buffers: set[int] = set()
         self.moved_bytes = 0  # bytes copied to host since the last reset_counts()
         self.moved_tensors = 0
         self._last: _BlockPass | None = None
         self._streams: dict[torch.device, Any] = {}
+        # id of a base moved -> (the base, weakly; its _Packed, weakly): the views autograd saves of one tensor
+        # (each projection's input, a reshape of the same activation) move once.
+        self._moved: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
     def reset_counts(self) -> None:
         """Start counting moved bytes afresh."""
@@ -70,6 +86,8 @@ class ActivationOffload:
         contexts: list[torch.autograd.graph.saved_tensors_hooks] = []
 
         def enter(module: nn.Module, args: Any) -> None:
+            model = self._model() if self._model is not None else None
+            self._buffers = {id(b) for b in model.buffers()} if model is not None else set()
             current = _BlockPass(order, self._last)
             self._last = current
             hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(current, t),
@@ -84,8 +102,10 @@ class ActivationOffload:
         block.register_forward_hook(leave, always_call=True)
 
     def _keeps(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor` stays where it is: a parameter or a view of one, a DTensor, or a small tensor."""
-        if isinstance(tensor, (nn.Parameter, DTensor)) or isinstance(tensor._base, nn.Parameter):
+        """Whether `tensor` stays where it is: a parameter, a buffer or a view of one, a DTensor, or a small
+        tensor."""
+        base = tensor._base if tensor._base is not None else tensor
+        if isinstance(tensor, DTensor) or isinstance(base, nn.Parameter) or id(base) in self._buffers:
             return True
         return tensor.numel() * tensor.element_size() < self.min_bytes
 
@@ -99,27 +119,42 @@ class ActivationOffload:
     def _pack(self, current: _BlockPass, tensor: torch.Tensor) -> Any:
         if self._keeps(tensor):
             return tensor
+        base = tensor._base if tensor._base is not None else tensor
+        if base.dtype != tensor.dtype or not base.is_contiguous():
+            base = tensor  # a view of another dtype, or a base whose copy would not keep the strides: copy the view
+        entry = self._moved.get(id(base))
+        packed = entry[1]() if entry is not None and entry[0]() is base else None
+        if packed is None:
+            packed = self._move(base)
+            current.packed.append(weakref.ref(packed))
+            self._moved = {k: v for k, v in self._moved.items() if v[0]() is not None}
+            self._moved[id(base)] = (weakref.ref(base), weakref.ref(packed))
+        if base is tensor and not tensor.is_contiguous():
+            return _View(packed, tensor.size(), packed.host.stride(), 0)
+        return _View(packed, tensor.size(), tensor.stride(), tensor.storage_offset() - base.storage_offset())
+
+    def _move(self, tensor: torch.Tensor) -> _Packed:
+        """Start copying `tensor` to host (on cpu: a copy in the same memory)."""
         device = tensor.device
         if device.type == "cpu":
-            packed = _Packed(torch.empty_like(tensor).copy_(tensor), device, None)
+            packed = _Packed(torch.empty(tensor.size(), dtype=tensor.dtype).copy_(tensor), device, None)
         else:
             module = getattr(torch, device.type)
             stream, main = self._stream(device), module.current_stream(device)
-            host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+            host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
             stream.wait_stream(main)  # the tensor is computed
             with module.stream(stream):
                 host.copy_(tensor, non_blocking=True)
                 copied = stream.record_event()
             tensor.record_stream(stream)  # its memory is reused only after the copy
             packed = _Packed(host, device, copied)
-        current.packed.append(weakref.ref(packed))
         self.moved_bytes += tensor.numel() * tensor.element_size()
         self.moved_tensors += 1
         return packed
 
-    def _unpack(self, current: _BlockPass, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Packed):
-            return packed
+    def _unpack(self, current: _BlockPass, view: Any) -> torch.Tensor:
+        if not isinstance(view, _View):
+            return view
         if not current.fetched:  # the block's backward begins: its tensors and the previous block's come back
             current.fetched = True
             self._fetch(current)
@@ -127,7 +162,7 @@ class ActivationOffload:
             if previous is not None and previous.order < current.order and not previous.fetched:
                 previous.fetched = True
                 self._fetch(previous)
-        return self._take(packed)
+        return self._take(view.base).as_strided(view.size, view.stride, view.offset)
 
     def _fetch(self, block_pass: _BlockPass) -> None:
         """Start copying back every tensor of `block_pass` still held by autograd (on the side stream)."""
@@ -167,7 +202,7 @@ def apply_activation_offload(model: nn.Module, cfg: ActivationCheckpointConfig) 
         return None
     present = [i for i, block in model.layers.items() if block is not None]
     recomputed = set(blocks_to_checkpoint(present, cfg))
-    offload = ActivationOffload(cfg.offload_min_bytes)
+    offload = ActivationOffload(cfg.offload_min_bytes, model)
     for order, layer_id in enumerate(present):
         if layer_id not in recomputed:
             offload.install(model.layers[layer_id], order)

@@ -42,6 +42,8 @@ class Layout:
     reshard_after_forward: bool = True
     loss_parallel: bool = True
     loss_chunk_tokens: int = 0  # training.loss_chunk_tokens; 0 = the whole logits at once
+    act_offload: bool = False  # activation_checkpoint.offload: the kept blocks' saved tensors go to host memory
+    offload_min_bytes: int = MiB  # activation_checkpoint.offload_min_bytes
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "selective_every"):
@@ -108,6 +110,8 @@ class Layout:
             parts.append("fsdp=off")
         if self.cpu_offload:
             parts.append("cpu_offload")
+        if self.act_offload:
+            parts.append("activation offload")
         if self.ac == "selective":
             ac = "selective ops" if self.selective_ops else f"selective 1/{self.selective_every}"
         else:
@@ -199,4 +203,6 @@ def layout_with_degrees(cfg: JobConfig, degrees: Degrees) -> Layout:
         reshard_after_forward=p.reshard_after_forward,
         loss_parallel=p.loss_parallel,
         loss_chunk_tokens=cfg.training.loss_chunk_tokens,
+        act_offload=ac.offload,
+        offload_min_bytes=ac.offload_min_bytes,
     )
