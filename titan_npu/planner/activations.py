@@ -208,18 +208,21 @@ def offloads(job: Job, layout: Layout, checkpointing: str) -> bool:
         >= layout.offload_min_bytes
 
 
-def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str = "cpu") -> ActivationPeak:
+def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str = "cpu",
+                     host_apart: bool | None = None) -> ActivationPeak:
     """One micro-batch through one stage: its saved bytes and the peak over a block-by-block walk of backward.
 
     Activation offload: the moved blocks' saved tensors are on the device only while their backward runs, with
-    the block before them prefetched (both counted then); on cpu the host is the device and nothing is saved."""
+    the block before them prefetched (both counted then); on cpu the host is the device and nothing is saved
+    (host_apart: whether host memory is not the device's; None = not on cpu)."""
     mb = layout.micro_batch
     tokens = local_tokens(job, layout, mb)
     walk = block_walk(job, layout, device_type)
     kinds = block_kinds(job, layout, part)
     blocks = [walk[kind] for kind in kinds]
     moved = [block[0] if offloads(job, layout, kind[1]) else 0 for block, kind in zip(blocks, kinds)]
-    away = moved if device_type != "cpu" else [0] * len(blocks)  # what leaves the device
+    host_apart = device_type != "cpu" if host_apart is None else host_apart
+    away = moved if host_apart else [0] * len(blocks)  # what leaves the device
     saved = sum(block[0] for block in blocks) - sum(away)
     if part.first:
         saved += 8 * tokens  # int64 token ids kept by the embedding
@@ -286,9 +289,12 @@ def in_flight_forwards(layout: Layout, pp_rank: int) -> int:
     return min(warmup + 1, m * v)
 
 
-def rank_activations(job: Job, layout: Layout, pp_rank: int, device_type: str = "cpu") -> ActivationPeak:
-    """Activations of a pipeline rank: its in-flight forwards' saved tensors, plus one backward's peak extra."""
-    peaks = [part_activations(job, layout, part, device_type) for part in rank_parts(job.args, layout, pp_rank)]
+def rank_activations(job: Job, layout: Layout, pp_rank: int, device_type: str = "cpu",
+                     host_apart: bool | None = None) -> ActivationPeak:
+    """Activations of a pipeline rank: its in-flight forwards' saved tensors, plus one backward's peak extra
+    (host_apart: part_activations')."""
+    peaks = [part_activations(job, layout, part, device_type, host_apart)
+             for part in rank_parts(job.args, layout, pp_rank)]
     largest = max(p.saved for p in peaks)
     in_flight = in_flight_forwards(layout, pp_rank)
     return ActivationPeak(in_flight * largest, max(p.extra for p in peaks), in_flight * max(p.offloaded for p in peaks))
