@@ -6,8 +6,8 @@ the planner's prediction (the figures docs/planning.md and docs/optimizers.md qu
 
 Each case builds the model with the trainer's own parallelize and materialise steps (FSDP over --world gloo ranks)
 and its optimizer, runs one warm-up step (so gradients and moments exist) and measures, with torch's own CPU
-allocator accounting (torch.profiler profile_memory=True: the running sum of allocations and frees, as
-benchmarks/cp_memory.py does):
+allocator accounting (torch.profiler profile_memory=True: the running sum of allocations and frees,
+benchmarks/cp_memory.py's peak_of_step):
   - state: the optimizer's moments, in bytes (the local shards: exact);
   - fwd+bwd: the peak a forward and backward add above parameters, gradients and moments;
   - opt step: the peak the optimizer step adds (bf16 moments: their fp32 working copies);
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from cp_memory import _free_port, peak_of_step
 
 from titan_npu import ops
 from titan_npu.config.loader import load_config
@@ -89,21 +89,6 @@ def planned(config: str, seq_len: int, batch_size: int, extra: list[str], world:
             "peak": state.parameters + state.gradients + state.optimizer + max(step, temp.optimizer_step)}
 
 
-def peak_of(work) -> int:
-    """Peak bytes the CPU allocator holds during work() beyond what existed before it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        work()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    current = peak = 0
-    for _, nbytes in events:
-        current += nbytes
-        peak = max(peak, current)
-    return peak
-
-
 def _local_bytes(tensors) -> int:
     total = 0
     for t in tensors:
@@ -152,8 +137,8 @@ def _rank(rank: int, world: int, port: int, config: str, seq_len: int, batch_siz
             offload.pool = torch.empty(needed, dtype=torch.uint8)
         state = _local_bytes(v for s in optimizer.state.values() for v in s.values()
                              if isinstance(v, torch.Tensor) and v.ndim > 0)
-        step = peak_of(forward_backward)
-        opt = peak_of(optimizer.step)
+        step = peak_of_step(forward_backward)
+        opt = peak_of_step(optimizer.step)
         params = _local_bytes(model.parameters())
         grads = _local_bytes(p.grad for p in model.parameters() if p.grad is not None)
         result = {"state": state, "step": step, "opt": opt, "peak": params + grads + state + max(step, opt)}
@@ -163,12 +148,6 @@ def _rank(rank: int, world: int, port: int, config: str, seq_len: int, batch_siz
             out["ranks"] = results
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(config: str, seq_len: int, batch_size: int, extra: list[str], world: int) -> dict[str, int]:

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
 from torch.optim.adam import adam
 
-from titan_npu.trainer.state_dtype import adam_group_step, narrow_moments
+from titan_npu.trainer.state_dtype import adam_group_step, closure_loss, narrow_moments
 
 # torch.optim.Muon's defaults: Keller Jordan's quintic coefficients and the normalisation's floor.
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
@@ -101,10 +101,7 @@ class Muon(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         """One step: Muon on the `muon` groups, torch's AdamW on the others."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             if group["muon"]:
                 self._muon_step(group)

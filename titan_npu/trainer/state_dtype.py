@@ -87,6 +87,14 @@ def adam_group_step(optimizer: torch.optim.Adam, group: dict, state_dtype: torch
                     dst.copy_(src)
 
 
+def closure_loss(closure) -> torch.Tensor | None:
+    """An optimizer step's closure evaluated with gradients on (None without one), as torch's optimizers do."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class StateDtypeAdam(torch.optim.Adam):
     """torch's Adam / AdamW (decoupled_weight_decay) with its moments held in state_dtype (see the module)."""
 
@@ -98,10 +106,7 @@ class StateDtypeAdam(torch.optim.Adam):
     @torch.no_grad()
     def step(self, closure=None):
         """One step of every group, moments upcast to fp32 for the update and stored back rounded."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             adam_group_step(self, group, self.state_dtype)
         return loss
