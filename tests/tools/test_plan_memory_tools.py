@@ -3,7 +3,8 @@ the parallelized model (AdamW and Muon, FSDP and pipeline ranks), half of fp32's
 dry-runs (hooks installed, forward and backward run) and agrees with the plan; the bytes the planner says offload
 moves equal, to 10%, what the hooks move in real CPU steps of a dense and a MoE model; on an accelerator those bytes
 leave the device's peak (two blocks' worth come back for backward) and their host traffic is charged beyond what
-compute hides, on cpu nothing changes; the search tries offload layouts for an accelerator."""
+compute hides, on cpu nothing changes; the search tries offload layouts for an accelerator and lists them where
+the config turns offload on."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from titan_npu.planner.layout import job_from_config, layout_from_config
 from titan_npu.planner.memory import estimate_memory
 from titan_npu.planner.parameters import checkpoint_bytes
 from titan_npu.planner.perf import estimate_step
-from titan_npu.planner.search import candidate_layouts, config_overrides
+from titan_npu.planner.search import candidate_layouts, config_overrides, make_plan
 from titan_npu.planner.stages import rank_parts
 from titan_npu.planner.verify import compare_with_plan
 
@@ -119,3 +120,14 @@ def test_the_search_tries_activation_offload_on_an_accelerator_only():
     assert offloaded and {(lay.ac, lay.selective_ops) for lay in offloaded} == {("none", False), ("selective", False)}
     assert not any(lay.act_offload for lay in candidate_layouts(cfg, job, base, 2, 2, 8))
     assert "--activation_checkpoint.offload true" in config_overrides(offloaded[0])
+
+
+def test_a_plan_lists_offload_layouts_where_the_config_turns_offload_on():
+    hw = hardware("910B3")
+    plain = make_plan(load_config(DEBUG, []), 1, 4, hw, top=10_000)
+    opted = make_plan(load_config(DEBUG, ["--activation_checkpoint.offload", "true"]), 1, 4, hw, top=10_000)
+    assert plain.ranked and not any(c.layout.act_offload for c in plain.ranked)
+    offloaded = [c for c in opted.ranked if c.layout.act_offload]
+    assert offloaded and opted.config_candidate.layout.act_offload
+    # The debug model computes a step far faster than its activations cross PCIe: offload ranks below the rest.
+    assert opted.ranked[0].layout.act_offload is False

@@ -157,7 +157,8 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
     ranks; dp_replicate > 1 only as HSDP whose shard group stays inside a node; for a MoE model, expert parallelism
     over any ep dividing dp_shard and the experts; activation checkpointing none / selective every Nth block /
     selective ops / full, and with offload_activations (an accelerator's plan) none / selective every Nth block
-    with activation offload (the blocks not recomputed keep their saved tensors in host memory); a micro-batch
+    with activation offload (the blocks not recomputed keep their saved tensors in host memory: rank_candidates says
+    when they are listed); a micro-batch
     from 1 to 16 with accumulation (or, under pipelining, micro-batches) making up the rest; CPU offload as a last
     resort.
     """
@@ -236,16 +237,26 @@ def _context_parallel_fits(cfg: JobConfig, job: Job, tp: int, cp: int, cp_mode: 
     return True
 
 
-def rank_candidates(candidates: list[Candidate]) -> list[Candidate]:
+def usable_candidates(candidates: list[Candidate], offload_activations: bool = False) -> list[Candidate]:
+    """The layouts that fit which a plan lists: without CPU offload or activation offload; activation offload's
+    too where the config turns it on (`offload_activations`) or nothing fits without it; CPU offload's only where
+    nothing fits without that."""
+    fitting = [c for c in candidates if c.fits and not c.layout.cpu_offload]
+    chosen = [c for c in fitting if offload_activations or not c.layout.act_offload] or fitting
+    return chosen or [c for c in candidates if c.fits]
+
+
+def rank_candidates(candidates: list[Candidate], offload_activations: bool = False) -> list[Candidate]:
     """Layouts that fit, fastest first (ties: without activation offload, then more headroom first), one row per
     layout (its best micro-batch).
 
-    CPU offload is a last resort: its layouts are listed only when nothing fits without it, since the host-side
-    optimizer step and PCIe traffic make it slower in practice than the estimate can show.
+    The offloads are for tight memory (usable_candidates). CPU offload is a last resort, since the host-side
+    optimizer step and PCIe traffic make it slower in practice than the estimate can show; activation offload comes
+    in where the config asks for it or nothing fits without it: it needs pinned host memory the planner does not
+    know the size of (the offloaded bytes in flight on every rank of a node) and its overlap with compute is an
+    assumption until measured on the device.
     """
-    fitting = [c for c in candidates if c.fits and not c.layout.cpu_offload]
-    if not fitting:
-        fitting = [c for c in candidates if c.fits]
+    fitting = usable_candidates(candidates, offload_activations)
     # At equal speed, without activation offload first (it holds host memory and the host link), then by headroom.
     fitting.sort(key=lambda c: (-round(c.step.tokens_per_s, 6), c.layout.act_offload, c.memory.total))
     seen, ranked = set(), []
@@ -336,8 +347,9 @@ def make_plan(cfg: JobConfig, nodes: int, devices_per_node: int, hw: Hardware, e
                  for lay in candidate_layouts(cfg, job, base, world, devices_per_node, global_batch,
                                               offload_activations=hw.device_type != "cpu"))
     candidates = [c for c in evaluated if c is not None]
-    # Offload is the last resort (rank_candidates): a cp that fits only with it counts only when nothing fits without.
-    fitting = [c for c in candidates if c.fits and not c.layout.cpu_offload] or [c for c in candidates if c.fits]
-    least_cp = min((c.layout.cp for c in fitting), default=0)
-    return Plan(job, hw, nodes, devices_per_node, config_candidate, config_error, rank_candidates(candidates)[:top],
-                global_batch, efficiency, fraction, least_cp)
+    # The offloads come in where memory is tight (usable_candidates): a cp that fits only with one counts only when
+    # nothing fits without it.
+    offload_activations = cfg.activation_checkpoint.offload
+    least_cp = min((c.layout.cp for c in usable_candidates(candidates, offload_activations)), default=0)
+    return Plan(job, hw, nodes, devices_per_node, config_candidate, config_error,
+                rank_candidates(candidates, offload_activations)[:top], global_batch, efficiency, fraction, least_cp)
