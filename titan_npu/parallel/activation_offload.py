@@ -61,25 +61,21 @@ class _BlockPass:
 
 
 class ActivationOffload:
-    """The hooks of one model part: what they moved (moved_bytes, for the dry run and the tests) and the side
-    stream of each accelerator."""
+    """The hooks of one model part: what they moved (moved_bytes and moved_tensors, which the tests and
+    benchmarks/memory_tools.py read) and the side stream of each accelerator."""
 
     def __init__(self, min_bytes: int, model: nn.Module | None = None) -> None:
         self.min_bytes = min_bytes
         # The model whose buffers (RoPE tables, shared by every block) stay: moving them would free nothing.
         self._model = weakref.ref(model) if model is not None else None
         self._buffers: set[int] = set()
-        self.moved_bytes = 0  # bytes copied to host since the last reset_counts()
+        self.moved_bytes = 0  # bytes copied to host so far
         self.moved_tensors = 0
         self._last: _BlockPass | None = None
         self._streams: dict[torch.device, Any] = {}
-        # id of a base moved -> (the base, weakly; its _Packed, weakly): the views autograd saves of one tensor
-        # (each projection's input, a reshape of the same activation) move once.
+        # id of a base moved in the current block's forward -> (the base, weakly; its _Packed, weakly): the views
+        # autograd saves of one tensor (each projection's input, a reshape of the same activation) move once.
         self._moved: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-
-    def reset_counts(self) -> None:
-        """Start counting moved bytes afresh."""
-        self.moved_bytes = self.moved_tensors = 0
 
     def install(self, block: nn.Module, order: int) -> None:
         """Offload what `block` saves in each forward (`order`: its position among the part's blocks)."""
@@ -90,6 +86,7 @@ class ActivationOffload:
             self._buffers = {id(b) for b in model.buffers()} if model is not None else set()
             current = _BlockPass(order, self._last)
             self._last = current
+            self._moved = {}  # what one block's forward saves shares bases within it
             hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(current, t),
                                                              lambda p: self._unpack(current, p))
             hooks.__enter__()
@@ -127,7 +124,6 @@ class ActivationOffload:
         if packed is None:
             packed = self._move(base)
             current.packed.append(weakref.ref(packed))
-            self._moved = {k: v for k, v in self._moved.items() if v[0]() is not None}
             self._moved[id(base)] = (weakref.ref(base), weakref.ref(packed))
         if base is tensor and not tensor.is_contiguous():
             return _View(packed, tensor.size(), packed.host.stride(), 0)
