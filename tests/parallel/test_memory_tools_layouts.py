@@ -1,6 +1,7 @@
-"""Activation offload and bf16 optimizer moments under FSDP 2 and a 2-stage 1F1B pipeline on 2 gloo ranks: offload
-gives the per-step losses of the same layout without it bit for bit (the hooks run inside FSDP's and the pipeline
-schedule's forward and backward; 1F1B holds two micro-batches' saved tensors at once); bf16 moments, FSDP-sharded
+"""Activation offload and bf16 optimizer moments under FSDP 2, TP 2 and a 2-stage 1F1B pipeline on 2 gloo ranks:
+offload gives the per-step losses of the same layout without it bit for bit (the hooks run inside FSDP's, tensor
+parallelism's and the pipeline schedule's forward and backward; sequence-parallel DTensors stay on the device; 1F1B
+holds two micro-batches' saved tensors at once); bf16 moments, FSDP-sharded
 like their parameters, follow one process with bf16 moments over 10 fp32 steps to 1e-4 relative. All runs in one
 2-rank pool."""
 
@@ -12,15 +13,15 @@ from .harness import STEPS, losses, run_here, run_pool, tiny_run
 
 pytestmark = pytest.mark.distributed
 
-# Every saved tensor of the kept blocks moves; selective checkpointing recomputes every second block.
+# Every saved tensor of the kept blocks moves (selective checkpointing, with every second block recomputed: the
+# one-process tests of test_activation_offload.py).
 OFFLOAD = ["--activation_checkpoint.offload=true", "--activation_checkpoint.offload_min_bytes=0"]
-SELECTIVE = ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_every=2"]
 PP = ["--parallel.pp_degree=2", "--parallel.pp_schedule=1F1B"]
 BF16_STATE = ["--optimizer.state_dtype=bf16"]
 RTOL_BF16_STATE = 1e-4  # FSDP's reduction order moves a few moments across a bf16 rounding boundary
 
 # name -> overrides; "<name>_offload" runs each with OFFLOAD on top.
-LAYOUTS = {"mt_fsdp": [], "mt_fsdp_selective": SELECTIVE, "mt_pp": PP}
+LAYOUTS = {"mt_fsdp": [], "mt_tp": ["--parallel.tp_degree=2"], "mt_pp": PP}
 
 
 @pytest.fixture(scope="module")
