@@ -1,9 +1,9 @@
-"""Activation offload and bf16 optimizer moments under FSDP 2, TP 2 and a 2-stage 1F1B pipeline on 2 gloo ranks:
-offload gives the per-step losses of the same layout without it bit for bit (the hooks run inside FSDP's, tensor
-parallelism's and the pipeline schedule's forward and backward; sequence-parallel DTensors stay on the device; 1F1B
-holds two micro-batches' saved tensors at once); bf16 moments, FSDP-sharded
-like their parameters, follow one process with bf16 moments over 10 fp32 steps to 1e-4 relative. All runs in one
-2-rank pool."""
+"""Activation offload and bf16 optimizer moments on 2 gloo ranks: under FSDP 2, TP 2, a 2-stage 1F1B pipeline and
+a MoE model's expert parallelism 2, offload gives the per-step losses of the same layout without it bit for bit (the
+hooks run inside FSDP's, tensor parallelism's, the pipeline schedule's and the experts' all-to-alls' forward and
+backward; sequence-parallel DTensors stay on the device; 1F1B holds two micro-batches' saved tensors at once);
+bf16 moments, FSDP-sharded like their parameters, follow one process with bf16 moments over 10 fp32 steps to 1e-4
+relative. All runs in one 2-rank pool."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ BF16_STATE = ["--optimizer.state_dtype=bf16"]
 RTOL_BF16_STATE = 1e-4  # FSDP's reduction order moves a few moments across a bf16 rounding boundary
 
 # name -> overrides; "<name>_offload" runs each with OFFLOAD on top.
-LAYOUTS = {"mt_fsdp": [], "mt_tp": ["--parallel.tp_degree=2"], "mt_pp": PP}
+# A tiny Qwen3-MoE with its 4 experts split over the 2 ranks (the tokens' all-to-alls inside the offloaded blocks).
+EP = ["--model.name=qwen3_moe", "--model.flavor=debug", "--model.n_experts=4", "--model.top_k=2",
+      "--model.moe_ffn_dim=32", "--model.head_dim=16", "--parallel.ep_degree=2"]
+LAYOUTS = {"mt_fsdp": [], "mt_tp": ["--parallel.tp_degree=2"], "mt_pp": PP, "mt_ep": EP}
 
 
 @pytest.fixture(scope="module")
