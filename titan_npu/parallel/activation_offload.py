@@ -71,6 +71,7 @@ class ActivationOffload:
         self._buffers: set[int] = set()
         self.moved_bytes = 0  # bytes copied to host so far
         self.moved_tensors = 0
+        self.blocks = 0  # blocks whose forward the hooks wrap
         self._last: _BlockPass | None = None
         self._streams: dict[torch.device, Any] = {}
         # id of a base moved in the current block's forward -> (the base, weakly; its _Packed, weakly): the views
@@ -97,6 +98,7 @@ class ActivationOffload:
 
         block.register_forward_pre_hook(enter)
         block.register_forward_hook(leave, always_call=True)
+        self.blocks += 1
 
     def _keeps(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` stays where it is: a parameter, a buffer or a view of one, a DTensor, or a small
