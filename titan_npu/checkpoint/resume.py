@@ -112,6 +112,8 @@ def load_checkpoint(path: str | Path, job: JobConfig, run: RunState, group: Chec
     _check_fits(path, state, run, model_args, job.optimizer.name, group.rank, definition_diffs(info, model_args))
     if sections is None and not job.checkpoint.allow_model_change:
         check_model_definition(path, info, model_args)
+    if sections is None or "optimizer" in sections:
+        check_optimizer_state_dtype(path, info, job, group.rank)
     dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
              process_group=group.pg, no_dist=not group.distributed)
     run.set_state(state)
@@ -178,6 +180,24 @@ def check_model_definition(path: Path, info: dict[str, Any], model_args: Any) ->
             "resume it, or --checkpoint.allow_model_change true to resume with the new definition; nothing was "
             "changed on disk"
         )
+
+
+def check_optimizer_state_dtype(path: Path, info: dict[str, Any], job: JobConfig, rank: int) -> None:
+    """Refuse optimizer moments saved in another optimizer.state_dtype than the run's, unless
+    checkpoint.convert_optimizer_state converts them (DCP reads them into the run's moments, casting; a checkpoint
+    from before the dtype was recorded holds fp32 moments)."""
+    saved, now = info.get("optimizer_state_dtype", "fp32"), job.optimizer.state_dtype
+    if saved == now:
+        return
+    if not job.checkpoint.convert_optimizer_state:
+        raise CheckpointError(
+            f"checkpoint {path.name} in {path.parent} holds optimizer moments in {saved}, this run keeps them in "
+            f"{now} (optimizer.state_dtype): set optimizer.state_dtype = '{saved}' to resume it as saved, or "
+            "--checkpoint.convert_optimizer_state true to convert them; nothing was changed on disk"
+        )
+    if rank == 0:
+        log.warning("checkpoint: optimizer moments converted from %s to %s (checkpoint.convert_optimizer_state)%s",
+                    saved, now, "; bf16 rounds them to nearest" if now == "bf16" else "")
 
 
 def _show(value: Any) -> str:

@@ -160,6 +160,7 @@ class Saver:
             "ranks": self.ranks,
             "model_args": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None,
             "export_dtype": self.cfg.export_dtype,
+            "optimizer_state_dtype": self.job.optimizer.state_dtype,
             "tokenizer": _tokenizer_path(self.job.data.tokenizer),
             "lora": lora_record(self.job.lora),  # what export --format peft writes into adapter_config.json
             "async": not sync,

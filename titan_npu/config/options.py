@@ -31,6 +31,7 @@ OPTIMIZERS = ("AdamW", "Adam", "SGD", "Muon")
 MUON_ADJUST_LR = ("match_rms_adamw", "original", "none")
 MUON_NS_DTYPES = ("bf16", "fp32")
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
+STATE_DTYPES = ("fp32", "bf16")
 PROGRESS_STYLES = ("auto", "bar", "lines")
 PROFILER_LEVELS = ("Level0", "Level1", "Level2")
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient")
@@ -77,6 +78,7 @@ CONFIG_KEYS: dict[str, Knob] = {
     "optimizer.muon_ns_dtype": Knob(choices=MUON_NS_DTYPES, what="Newton-Schulz dtype"),
     "optimizer.muon_adjust_lr": Knob(choices=MUON_ADJUST_LR, what="Muon lr adjustment"),
     "optimizer.muon_exclude": FREE,  # fnmatch patterns of parameter names kept on AdamW
+    "optimizer.state_dtype": Knob(choices=STATE_DTYPES, what="optimizer state dtype"),
     "lr_scheduler.warmup_steps": Knob(at_least(0), why="0 = no warmup"),
     "lr_scheduler.decay_type": Knob(choices=DECAY_TYPES, what="decay type"),
     "lr_scheduler.min_lr_ratio": Knob(between(0, 1), why="a fraction"),
@@ -100,6 +102,9 @@ CONFIG_KEYS: dict[str, Knob] = {
     "activation_checkpoint.mode": Knob(choices=AC_MODES, what="activation checkpointing mode"),
     "activation_checkpoint.selective_every": Knob(at_least(1), why="1 = every block"),
     "activation_checkpoint.selective_ops": FREE,
+    "activation_checkpoint.offload": FREE,
+    "activation_checkpoint.offload_min_bytes": Knob(at_least(0), why="0 offloads every saved activation; 1 MiB "
+                                                    "keeps the small ones on the device"),
     "compile.enable": FREE,
     "compile.backend": Knob(nonempty=True, why="inductor is the usual torch.compile backend"),
     "checkpoint.dir": Knob(nonempty=True, why="give a directory, e.g. checkpoints"),
@@ -111,6 +116,7 @@ CONFIG_KEYS: dict[str, Knob] = {
     "checkpoint.initial_load": FREE,
     "checkpoint.initial_load_model_only": FREE,
     "checkpoint.allow_model_change": FREE,
+    "checkpoint.convert_optimizer_state": FREE,
     "checkpoint.enable": FREE,
     "checkpoint.overwrite": FREE,
     "data.path": FREE,

@@ -108,6 +108,9 @@ class OptimizerConfig:
     muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw (reuses AdamW's lr) | original | none
     # fnmatch patterns of parameter names (wrapper prefixes dropped) that stay on AdamW although they are matrices
     muon_exclude: list[str] = field(default_factory=lambda: ["tok_embeddings.*", "output.*"])
+    # Adam/AdamW moments (and those of the AdamW part of Muon): fp32 | bf16 (stored rounded to nearest, updated in
+    # fp32; docs/optimizers.md)
+    state_dtype: str = "fp32"
 
 
 @dataclass
@@ -162,6 +165,10 @@ class ActivationCheckpointConfig:
     mode: str = "none"  # none | selective | full
     selective_every: int = 2  # selective: checkpoint every Nth block
     selective_ops: bool = False  # selective: in every block keep matmul/attention outputs, recompute the rest
+    # the saved activations of the blocks not recomputed go to (pinned) host memory during forward and come back
+    # before their backward (docs/parallelism.md); tensors under offload_min_bytes stay on the device
+    offload: bool = False
+    offload_min_bytes: int = 1048576
 
 
 @dataclass
@@ -183,6 +190,7 @@ class CheckpointConfig:
     enable: bool = True
     overwrite: bool = False  # let resume=never / an older step replace the checkpoints already in dir
     allow_model_change: bool = False  # resume although [model] differs from the checkpoint's saved model definition
+    convert_optimizer_state: bool = False  # resume a checkpoint whose optimizer.state_dtype differs, converting it
 
 
 @dataclass

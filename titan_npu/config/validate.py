@@ -34,6 +34,7 @@ def validate(cfg: JobConfig, model: bool = True) -> JobConfig:
         _check_model(cfg.model)
     _check_training(cfg)
     _check_optimizer(cfg)
+    _check_activation_offload(cfg)
     _check_checkpoint(cfg)
     _check_float8(cfg)
     _check_rest(cfg)
@@ -121,6 +122,28 @@ def _check_optimizer(cfg: JobConfig) -> None:
         raise fail("optimizer.muon_ns_coefficients",
                    f"optimizer.muon_ns_coefficients = {show(o.muon_ns_coefficients)} must be three numbers a, b, c "
                    f"(the quintic's; [3.4445, -4.775, 2.0315] is usual)")
+    if o.state_dtype == "bf16" and cfg.training.dtype == "fp16":
+        raise fail("optimizer.state_dtype", "optimizer.state_dtype = 'bf16' with training.dtype = 'fp16': fp16 "
+                   "training is for devices without bf16 arithmetic, which bf16 moments need; keep "
+                   "optimizer.state_dtype = 'fp32' with fp16, or train in training.dtype = 'bf16'")
+    if o.state_dtype != "fp32" and o.name == "SGD":
+        raise fail("optimizer.state_dtype", f"optimizer.state_dtype = {show(o.state_dtype)} applies to Adam's "
+                   "moments (AdamW, Adam, and Muon's AdamW part); SGD keeps its momentum in the parameters' dtype: "
+                   "set optimizer.state_dtype = 'fp32' or choose AdamW")
+
+
+def _check_activation_offload(cfg: JobConfig) -> None:
+    a = cfg.activation_checkpoint
+    if not a.offload:
+        return
+    if a.mode == "full" or (a.mode == "selective" and a.selective_ops):
+        how = "mode = 'full'" if a.mode == "full" else "selective_ops = true"
+        raise fail("activation_checkpoint.offload", f"activation_checkpoint.offload = true with {how}: every block "
+                   "is recomputed, so no block keeps activations to offload; use mode = 'none', or 'selective' with "
+                   "selective_every (the blocks it does not recompute are offloaded), or set offload = false")
+    if cfg.compile.enable:
+        raise fail("activation_checkpoint.offload", "activation_checkpoint.offload = true with compile.enable = true: "
+                   "the offload hooks wrap each block's eager forward, which compile replaces; turn one of them off")
 
 
 def _check_float8(cfg: JobConfig) -> None:

@@ -194,15 +194,37 @@ class ActivationPeak:
 
     saved: int  # saved tensors of every in-flight micro-batch
     extra: int  # loss buffers, or a recomputed block with its gradients, at the worst moment of backward
+    offloaded: int = 0  # activation offload: bytes one micro-batch moves to host (rank_activations: all in flight)
 
 
-def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str = "cpu") -> ActivationPeak:
-    """One micro-batch through one stage: its saved bytes and the peak over a block-by-block walk of backward."""
+def offloads(job: Job, layout: Layout, checkpointing: str) -> bool:
+    """Whether activation offload moves the saved tensors of a block checkpointed so (`checkpoint_kind`): the kept
+    blocks' ('none'), when a micro-batch's residual stream (tokens x dim x compute bytes, the size of most of them)
+    reaches offload_min_bytes; the tensors under it (norm statistics, attention's log-sum-exp) are counted moved
+    too, a bias of well under 1% of a block's bytes."""
+    if not layout.act_offload or checkpointing != "none":
+        return False
+    tokens = local_tokens(job, layout, layout.micro_batch)
+    return tokens * job.args.dim * job.compute_bytes // (layout.tp if layout.sequence_parallel else 1) \
+        >= layout.offload_min_bytes
+
+
+def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str = "cpu",
+                     host_apart: bool | None = None) -> ActivationPeak:
+    """One micro-batch through one stage: its saved bytes and the peak over a block-by-block walk of backward.
+
+    Activation offload: the moved blocks' saved tensors are on the device only while their backward runs, with
+    the block before them prefetched (both counted then); on cpu the host is the device and nothing is saved
+    (host_apart: whether host memory is not the device's; None = not on cpu)."""
     mb = layout.micro_batch
     tokens = local_tokens(job, layout, mb)
     walk = block_walk(job, layout, device_type)
-    blocks = [walk[kind] for kind in block_kinds(job, layout, part)]
-    saved = sum(block[0] for block in blocks)
+    kinds = block_kinds(job, layout, part)
+    blocks = [walk[kind] for kind in kinds]
+    moved = [block[0] if offloads(job, layout, kind[1]) else 0 for block, kind in zip(blocks, kinds)]
+    host_apart = device_type != "cpu" if host_apart is None else host_apart
+    away = moved if host_apart else [0] * len(blocks)  # what leaves the device
+    saved = sum(block[0] for block in blocks) - sum(away)
     if part.first:
         saved += 8 * tokens  # int64 token ids kept by the embedding
     if part.last:
@@ -217,10 +239,12 @@ def part_activations(job: Job, layout: Layout, part: StagePart, device_type: str
         extra = loss_bytes(job, layout, mb) if part.last else held
         held += tied_output_gradient_bytes(job, layout) if part.last else 0
     freed = 0  # saved bytes of the blocks whose backward already ran
-    for block_saved, recompute, transient in reversed(blocks):
-        extra = max(extra, held + recompute + transient - freed)
-        freed += block_saved
-    return ActivationPeak(saved, extra)
+    for i in reversed(range(len(blocks))):
+        block_saved, recompute, transient = blocks[i]
+        back = away[i] + (away[i - 1] if i else 0)  # this block's offloaded tensors and the prefetched ones
+        extra = max(extra, held + recompute + transient + back - freed)
+        freed += block_saved - away[i]
+    return ActivationPeak(saved, extra, sum(moved))
 
 
 def block_walk(job: Job, layout: Layout, device_type: str) -> dict[tuple[tuple[str, str], str], tuple[int, int, int]]:
@@ -282,12 +306,24 @@ def v_in_flight_forwards(layout: Layout, pp_rank: int) -> tuple[int, int]:
     return min(first, layout.n_microbatches), min(pp_rank + 1, layout.n_microbatches)
 
 
-def rank_activations(job: Job, layout: Layout, pp_rank: int, device_type: str = "cpu") -> ActivationPeak:
+def rank_activations(job: Job, layout: Layout, pp_rank: int, device_type: str = "cpu",
+                     host_apart: bool | None = None) -> ActivationPeak:
     """Activations of a pipeline rank: its in-flight forwards' saved tensors (under a V schedule each stage's own
-    count, else the largest stage's), plus one backward's peak extra."""
-    peaks = [part_activations(job, layout, part, device_type) for part in rank_parts(job.args, layout, pp_rank)]
+    count, else the largest stage's), plus one backward's peak extra (host_apart: part_activations')."""
+    peaks = [part_activations(job, layout, part, device_type, host_apart)
+             for part in rank_parts(job.args, layout, pp_rank)]
     if layout.pp > 1 and layout.pp_schedule in V_SCHEDULES:
-        saved = sum(n * p.saved for n, p in zip(v_in_flight_forwards(layout, pp_rank), peaks, strict=True))
-        return ActivationPeak(saved, max(p.extra for p in peaks))
+        counts = v_in_flight_forwards(layout, pp_rank)
+        saved = sum(n * p.saved for n, p in zip(counts, peaks, strict=True))
+        offloaded = sum(n * p.offloaded for n, p in zip(counts, peaks, strict=True))
+        return ActivationPeak(saved, max(p.extra for p in peaks), offloaded)
     largest = max(p.saved for p in peaks)
-    return ActivationPeak(in_flight_forwards(layout, pp_rank) * largest, max(p.extra for p in peaks))
+    in_flight = in_flight_forwards(layout, pp_rank)
+    return ActivationPeak(in_flight * largest, max(p.extra for p in peaks), in_flight * max(p.offloaded for p in peaks))
+
+
+def offloaded_bytes_per_step(job: Job, layout: Layout, pp_rank: int, device_type: str = "cpu") -> int:
+    """Bytes activation offload moves to host per step on a pipeline rank (each comes back once): every stage of
+    the rank, every micro-batch (accumulation step)."""
+    parts = rank_parts(job.args, layout, pp_rank)
+    return layout.passes * sum(part_activations(job, layout, part, device_type).offloaded for part in parts)

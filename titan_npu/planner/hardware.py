@@ -25,16 +25,24 @@ class Hardware:
     inter_node_bw: float  # bytes/s
     intra_link: str
     inter_link: str
-    host_bw: float = 25 * GB  # PCIe to host memory (cpu_offload traffic)
+    host_bw: float = 25 * GB  # to host memory, each way (cpu_offload and activation offload traffic)
+    host_link: str = "PCIe 4.0 x16"
     peak_float8_flops: float = 0.0  # dense float8 FLOP/s; 0 = no float8 tensor cores
 
 
 def _spec(name: str, device_type: str, memory_gib: float, intra_gbs: float, inter_gbs: float, intra: str,
-          inter: str, flops_name: str | None = None) -> Hardware:
+          inter: str, flops_name: str | None = None, host: tuple[float, str] = (25, "PCIe 4.0 x16")) -> Hardware:
     peak = lookup_peak_flops(flops_name or name)
     assert peak is not None, name
     return Hardware(name, device_type, int(memory_gib * GiB), peak, intra_gbs * GB, inter_gbs * GB, intra, inter,
-                    peak_float8_flops=lookup_float8_flops(flops_name or name))
+                    peak_float8_flops=lookup_float8_flops(flops_name or name), host_bw=host[0] * GB, host_link=host[1])
+
+
+# The host link, each way, as pinned-memory copies reach it (about 80% of the line rate): PCIe 4.0 x16 is 32 GB/s a
+# way (A100/A800 datasheets: "PCIe Gen4 64 GB/s", both ways), PCIe 5.0 x16 64 GB/s a way (H100/H800/H200/H20
+# datasheets: "PCIe Gen5 128 GB/s"). The 910B's host link is taken as PCIe 4.0 x16 until measured (a pinned
+# 1 GiB torch.npu copy gives it): its planner figures for offload are the conservative ones.
+PCIE5 = (50, "PCIe 5.0 x16")
 
 
 # Bandwidths are what a ring collective typically reaches per device (bus bandwidth), below the links' line rate:
@@ -50,10 +58,10 @@ DEVICES: dict[str, Hardware] = {
         _spec("910B4", "npu", 32, 160, 20, "HCCS", "RoCE"),
         _spec("A100", "cuda", 80, 230, 22, "NVLink", "InfiniBand"),
         _spec("A800", "cuda", 80, 150, 22, "NVLink", "InfiniBand"),
-        _spec("H100", "cuda", 80, 360, 45, "NVLink", "InfiniBand"),
-        _spec("H800", "cuda", 80, 150, 45, "NVLink", "InfiniBand"),
-        _spec("H200", "cuda", 141, 360, 45, "NVLink", "InfiniBand"),
-        _spec("H20", "cuda", 96, 360, 45, "NVLink", "InfiniBand"),
+        _spec("H100", "cuda", 80, 360, 45, "NVLink", "InfiniBand", host=PCIE5),
+        _spec("H800", "cuda", 80, 150, 45, "NVLink", "InfiniBand", host=PCIE5),
+        _spec("H200", "cuda", 141, 360, 45, "NVLink", "InfiniBand", host=PCIE5),
+        _spec("H20", "cuda", 96, 360, 45, "NVLink", "InfiniBand", host=PCIE5),
     )
 }
 

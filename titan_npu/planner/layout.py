@@ -42,6 +42,8 @@ class Layout:
     reshard_after_forward: bool = True
     loss_parallel: bool = True
     loss_chunk_tokens: int = 0  # training.loss_chunk_tokens; 0 = the whole logits at once
+    act_offload: bool = False  # activation_checkpoint.offload: the kept blocks' saved tensors go to host memory
+    offload_min_bytes: int = MiB  # activation_checkpoint.offload_min_bytes
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "selective_every"):
@@ -114,6 +116,8 @@ class Layout:
             parts.append("fsdp=off")
         if self.cpu_offload:
             parts.append("cpu_offload")
+        if self.act_offload:
+            parts.append("activation offload")
         if self.ac == "selective":
             ac = "selective ops" if self.selective_ops else f"selective 1/{self.selective_every}"
         else:
@@ -147,6 +151,7 @@ class Job:
     optimizer: str = "adamw"
     momentum: float = 0.9  # SGD keeps a momentum buffer only when this is non-zero
     muon_exclude: tuple[str, ...] = ()  # Muon: name patterns of the matrices left to AdamW
+    state_dtype: str = "fp32"  # optimizer.state_dtype: the dtype of Adam's moments (fp32 parameters)
     float8: Float8Config | None = None  # float8 matmuls (float8.enable); None = off
     lora_rank: int = 0  # LoRA's rank ([lora] enable); 0 = off: every parameter trains
     lora_targets: tuple[str, ...] = ()  # lora.target_modules
@@ -179,6 +184,7 @@ def job_from_config(cfg: JobConfig) -> Job:
         optimizer=cfg.optimizer.name.lower(),
         momentum=float(cfg.optimizer.betas[0]) if cfg.optimizer.betas else 0.0,
         muon_exclude=tuple(cfg.optimizer.muon_exclude),
+        state_dtype=cfg.optimizer.state_dtype,
         float8=cfg.float8 if cfg.float8.enable else None,
         lora_rank=cfg.lora.rank if cfg.lora.enable else 0,
         lora_targets=tuple(cfg.lora.target_modules) if cfg.lora.enable else (),
@@ -207,4 +213,6 @@ def layout_with_degrees(cfg: JobConfig, degrees: Degrees) -> Layout:
         reshard_after_forward=p.reshard_after_forward,
         loss_parallel=p.loss_parallel,
         loss_chunk_tokens=cfg.training.loss_chunk_tokens,
+        act_offload=ac.offload,
+        offload_min_bytes=ac.offload_min_bytes,
     )

@@ -25,6 +25,7 @@ class MemoryBreakdown:
     rank: int
     pp_rank: int
     host_offload: int = 0  # bytes cpu_offload keeps in host memory instead
+    host_activations: int = 0  # bytes of saved activations activation offload keeps in host memory at the peak
 
     @property
     def total(self) -> int:
@@ -36,7 +37,7 @@ class MemoryBreakdown:
             "parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
             "activations": self.activations, "temporary": self.temporary, "communication": self.communication,
             "runtime": self.runtime, "total": self.total, "rank": self.rank, "pp_rank": self.pp_rank,
-            "host_offload": self.host_offload,
+            "host_offload": self.host_offload, "host_activations": self.host_activations,
         }
 
 
@@ -73,6 +74,7 @@ def estimate_memory(job: Job, layout: Layout, device_type: str = "cpu", hccl_buf
             rank=r,
             pp_rank=pp_rank,
             host_offload=state.parameters + state.gradients + state.optimizer if offload else 0,
+            host_activations=acts.offloaded if device_type != "cpu" else 0,
         )
         if best is None or breakdown.total > best.total:
             best = breakdown

@@ -27,6 +27,8 @@ from titan_npu.trainer.optimizer import takes_muon
 # Per-parameter optimizer state, in parameter-sized tensors (the dry run measures the real optimizer's). Muon: a
 # momentum buffer on the matrices it takes; the parameters it leaves to AdamW keep AdamW's two moments.
 OPTIMIZER_STATE_MULTIPLIER = {"adamw": 2, "adam": 2, "sgd": 1, "muon": 1}
+# Bytes of one element of Adam's moments per optimizer.state_dtype (trainer/state_dtype.py).
+MOMENT_BYTES = {"fp32": 4, "bf16": 2}
 
 
 def parameter_kinds(args: Any) -> dict[str, tuple[int, ...]]:
@@ -240,18 +242,28 @@ def state_bytes(job: Job, layout: Layout, rank: int) -> StateBytes:
 def _state_bytes(job: Job, layout: Layout, rank: int) -> StateBytes:
     """state_bytes, computed; with LoRA only the adapters have gradients and optimizer state."""
     held = sum(rank_numel_split(job, layout, rank))
+    muon = job.optimizer.lower() == "muon"
     if job.lora_rank:
         adapters = {name: numel(shape) for name, shape in adapter_local_shapes(job, layout, rank).items()}
         trained = sum(adapters.values())
-        optimizer = optimizer_state_multiplier(job) * 4 * trained
-        if job.optimizer.lower() == "muon":  # Muon takes the adapters' matrices unless muon_exclude names them
-            optimizer += 4 * sum(n for name, n in adapters.items() if not takes_muon(name, 2, job.muon_exclude))
-        return StateBytes(4 * (held + trained), 4 * trained, optimizer, held + trained)
+        # Muon takes the adapters' matrices unless muon_exclude names them; the others are AdamW's
+        adamw = sum(n for name, n in adapters.items() if not takes_muon(name, 2, job.muon_exclude)) if muon else 0
+        return StateBytes(4 * (held + trained), 4 * trained, _optimizer_bytes(job, trained, adamw), held + trained)
     param = 4 * held
-    optimizer = optimizer_state_multiplier(job) * param
-    if job.optimizer.lower() == "muon":
-        optimizer += 4 * _adamw_numel_beside_muon(job, local_parameter_numels(job.args, layout, rank))
-    return StateBytes(param, param, optimizer, held)
+    adamw = _adamw_numel_beside_muon(job, local_parameter_numels(job.args, layout, rank)) if muon else 0
+    return StateBytes(param, param, _optimizer_bytes(job, held, adamw), held)
+
+
+def _optimizer_bytes(job: Job, numel: int, adamw_beside_muon: int) -> int:
+    """State bytes of `numel` fp32 parameter elements, `adamw_beside_muon` of them left to AdamW by Muon: Adam's
+    two moments in optimizer.state_dtype (MOMENT_BYTES), Muon's momentum and SGD's in fp32."""
+    multiplier, name = optimizer_state_multiplier(job), job.optimizer.lower()
+    moment = MOMENT_BYTES[job.state_dtype]
+    if name in ("adamw", "adam"):
+        return 2 * moment * numel
+    if name == "muon":
+        return 4 * (numel - adamw_beside_muon) + 2 * moment * adamw_beside_muon
+    return multiplier * 4 * numel
 
 
 def muon_gather_bytes(job: Job, layout: Layout, rank: int) -> int:
@@ -294,9 +306,9 @@ def checkpoint_bytes(job: Job) -> int:
                  for kind in kinds]
         shapes = parameter_kinds(job.args)
         trained = sum(job.lora_rank * sum(shapes[parameter_kind(name)]) for name in adapted_weights(job, names))
-        return 4 * n + 4 * trained * (1 + optimizer_state_multiplier(job))
+        return 4 * n + 4 * trained + _optimizer_bytes(job, trained, 0)
     adamw = n - _muon_numel(job) if job.optimizer.lower() == "muon" else 0
-    return 4 * n * (1 + optimizer_state_multiplier(job)) + 4 * adamw
+    return 4 * n + _optimizer_bytes(job, n, adamw)
 
 
 def _muon_numel(job: Job) -> int:

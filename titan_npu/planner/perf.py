@@ -17,6 +17,7 @@ from titan_npu.metrics.throughput import flops_per_token
 from titan_npu.models.registry import spec_of
 from titan_npu.parallel.arithmetic import SPLIT_BACKWARD_SCHEDULES, mesh_dims
 from titan_npu.parallel.float8 import wants_float8_all_gather
+from titan_npu.planner.activations import offloaded_bytes_per_step
 from titan_npu.planner.communication import context_exchange_bytes, context_exchange_parts, expert_all_to_all_bytes
 from titan_npu.planner.hardware import Hardware
 from titan_npu.planner.layout import Job, Layout
@@ -167,6 +168,8 @@ class StepEstimate:
     tokens_per_step: int
     tokens_per_s: float
     mfu: float
+    # activation offload: the host<->device copies of saved activations beyond what compute hides (side stream)
+    activation_offload: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -301,8 +304,16 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
     optimizer_comm = muon_gather_bytes(job, layout, 0) / _bandwidth(
         hw, layout.fsdp_shards * layout.tp > devices_per_node)
 
-    step = compute + tp_comm + pp_comm + bubble + fsdp_exposed + offload + ep_comm + cp_comm + optimizer_comm
+    # Activation offload: every moved byte crosses the host link twice (out in forward, back before backward) on
+    # a side stream; only what the compute does not cover is exposed (PCIe / the NPU's host link: hw.host_bw).
+    swap = 0.0
+    if layout.act_offload and hw.device_type != "cpu":
+        moved = max(offloaded_bytes_per_step(job, layout, r, hw.device_type) for r in range(layout.pp))
+        swap = max(0.0, 2 * moved / hw.host_bw - compute)
+
+    step = (compute + tp_comm + pp_comm + bubble + fsdp_exposed + offload + ep_comm + cp_comm + optimizer_comm
+            + swap)
     tokens_per_s = tokens_per_step / step
     mfu = tokens_per_s * fpt / (layout.world_size * hw.peak_flops)
     return StepEstimate(step, compute, tp_comm, pp_comm, bubble, fsdp_exposed, offload, ep_comm, cp_comm,
-                        optimizer_comm, ep_bytes, cp_bytes, tokens_per_step, tokens_per_s, mfu)
+                        optimizer_comm, ep_bytes, cp_bytes, tokens_per_step, tokens_per_s, mfu, swap)

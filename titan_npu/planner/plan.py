@@ -43,7 +43,8 @@ def format_breakdown(c: Candidate) -> list[str]:
         (f"parameters (fp32, {shard})", m.parameters),
         ("gradients (fp32)", m.gradients),
         ("optimizer state", m.optimizer),
-        (f"activations (micro-batch {lay.micro_batch}, {ac})", m.activations),
+        (f"activations (micro-batch {lay.micro_batch}, {ac}{', offloaded' if lay.act_offload else ''})",
+         m.activations),
         ("temporary (loss/recompute, unsharded FSDP or autocast copies)", m.temporary),
         ("communication buffers", m.communication),
         ("runtime reserve", m.runtime),
@@ -53,9 +54,18 @@ def format_breakdown(c: Candidate) -> list[str]:
     if lay.cpu_offload:
         lines.append(f"  {'(in host memory instead: parameters, gradients, optimizer)':<64} "
                      f"{_gib(m.host_offload):>7} GiB")
+    if m.host_activations:
+        lines.append(f"  {'(in host memory: the offloaded activations in flight)':<64} "
+                     f"{_gib(m.host_activations):>7} GiB")
     verdict = "fits" if c.fits else "DOES NOT FIT"
     lines.append(f"  {'total':<64} {_gib(m.total):>7} GiB of {_gib(c.usable_bytes)} usable -> {verdict}")
     return lines
+
+
+def _offload_label(layout: Layout) -> str:
+    """The table's offload column: 'state' (parallel.cpu_offload), 'act' (activation offload), both, or 'no'."""
+    kinds = [name for name, on in (("state", layout.cpu_offload), ("act", layout.act_offload)) if on]
+    return "+".join(kinds) or "no"
 
 
 def _cp_label(layout: Layout) -> str:
@@ -84,7 +94,7 @@ def format_table(ranked: list[Candidate]) -> list[str]:
         lay = c.layout
         lines.append(
             f"{i:>2}  {lay.dp_replicate:>6} {lay.dp_shard:>8} {lay.tp:>3} {lay.pp:>3} {_cp_label(lay):>6} {lay.ep:>3}  "
-            f"{_ac_label(lay):<8} {lay.micro_batch:>3} {lay.passes:>6} {('yes' if lay.cpu_offload else 'no'):>7}  "
+            f"{_ac_label(lay):<8} {lay.micro_batch:>3} {lay.passes:>6} {_offload_label(lay):>7}  "
             f"{_gib(c.memory.total):>5} GiB  {c.step.tokens_per_s:>10,.0f}  {100 * c.step.mfu:>4.1f}%"
         )
     return lines
@@ -123,10 +133,12 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"model: {a.family} {a.flavor}, {a.num_params() / 1e9:.2f}B parameters (dim {a.dim}, {a.n_layers} layers, "
         f"{a.n_heads}/{a.n_kv_heads} heads, {ffn}, vocab {a.vocab_size}); seq {plan.job.seq_len}, "
-        f"{plan.job.dtype}, {plan.job.optimizer}",
+        f"{plan.job.dtype}, {plan.job.optimizer}" + (f" ({plan.job.state_dtype} moments)"
+                                                      if plan.job.state_dtype != "fp32" else ""),
         f"cluster: {plan.nodes} node(s) x {plan.devices_per_node} {hw.name} ({_gib(hw.memory_bytes)} GiB, "
         f"{hw.peak_flops / 1e12:.0f} TFLOP/s bf16{_float8_peak(plan)}; "
-        f"{hw.intra_link} {hw.intra_node_bw / 1e9:.0f} GB/s, {hw.inter_link} {hw.inter_node_bw / 1e9:.0f} GB/s; "
+        f"{hw.intra_link} {hw.intra_node_bw / 1e9:.0f} GB/s, {hw.inter_link} {hw.inter_node_bw / 1e9:.0f} GB/s, "
+        f"host {hw.host_link} {hw.host_bw / 1e9:.0f} GB/s; "
         f"compute at {100 * plan.efficiency:.1f}% of peak, {efficiency_origin(plan)})",
         f"global batch: {plan.global_batch} sequences = {tokens:,} tokens per step (kept by every layout below)",
     ]
@@ -144,6 +156,7 @@ def format_plan(plan: Plan) -> str:
                      f"(compute {s.compute:.2f}s, tp {s.tp_comm:.2f}s, pp {s.pp_comm + s.bubble:.2f}s, "
                      f"exposed fsdp {s.fsdp_exposed:.2f}s, offload {s.offload:.2f}s, ep all-to-all {s.ep_comm:.2f}s, "
                      f"cp {s.cp_comm:.2f}s" + (f", Muon gathers {s.optimizer_comm:.2f}s" if s.optimizer_comm else "")
+                     + (f", activation offload {s.activation_offload:.2f}s exposed" if c.layout.act_offload else "")
                      + ")")
     else:
         lines.append(f"config layout does not apply to {plan.nodes * plan.devices_per_node} ranks: {plan.config_error}")

@@ -98,7 +98,7 @@ def config_for_layout(cfg: JobConfig, layout: Layout, made: dict | None = None) 
                          cp_mode=layout.cp_mode, ep_degree=layout.ep, cp_ulysses_degree=ulysses,
                          cpu_offload=layout.cpu_offload, pp_schedule=layout.pp_schedule),
         "activation_checkpoint": dict(mode=layout.ac, selective_ops=layout.selective_ops,
-                                      selective_every=layout.selective_every),
+                                      selective_every=layout.selective_every, offload=layout.act_offload),
         "training": dict(batch_size=layout.batch_size, gradient_accumulation_steps=layout.grad_accum),
     }
     if made is None:
@@ -123,6 +123,7 @@ def config_overrides(layout: Layout) -> str:
         if layout.cp_ulysses > 1:
             parts.append(f"--parallel.cp_ulysses_degree {layout.cp_ulysses}")
     parts.append(f"--activation_checkpoint.selective_ops {str(layout.selective_ops).lower()}")
+    parts.append(f"--activation_checkpoint.offload {str(layout.act_offload).lower()}")
     parts += [f"--training.batch_size {layout.batch_size}",
               f"--training.gradient_accumulation_steps {layout.grad_accum}"]
     if layout.pp > 1:
@@ -152,17 +153,21 @@ def is_valid(cfg: JobConfig, job: Job, layout: Layout, made: dict | None = None)
 
 
 def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, devices_per_node: int,
-                      global_batch: int) -> list[Layout]:
+                      global_batch: int, offload_activations: bool = False) -> list[Layout]:
     """Layouts of `world_size` ranks that keep `global_batch` sequences per step and pass the layout checks.
 
     tp stays inside a node; pp up to 16 stages; context parallelism (ring or Ulysses) over any divisor of the
     ranks; dp_replicate > 1 only as HSDP whose shard group stays inside a node; for a MoE model, expert parallelism
     over any ep dividing dp_shard and the experts; activation checkpointing none / selective every Nth block /
-    selective ops / full; under pipelining the config's schedule and ZBVZeroBubble; a micro-batch from 1 to 16
+    selective ops / full, and with offload_activations (an accelerator's plan) none / selective every Nth block
+    with activation offload (the blocks not recomputed keep their saved tensors in host memory: rank_candidates says
+    when they are listed); under pipelining the config's schedule and ZBVZeroBubble; a micro-batch from 1 to 16
     with accumulation (or, under pipelining, micro-batches) making up the rest; CPU offload as a last resort.
     """
     a = job.args
-    acs = [("none", False), ("selective", False), ("selective", True), ("full", False)]
+    acs = [("none", False, False), ("selective", False, False), ("selective", True, False), ("full", False, False)]
+    if offload_activations:  # the blocks kept by no or selective checkpointing in host memory instead
+        acs += [("none", False, True), ("selective", False, True)]
     experts = spec_of(a).experts
     n_routed = experts.n_routed(a) if experts is not None and experts.n_moe_blocks(a) else 0
     out: list[Layout] = []
@@ -194,12 +199,12 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
                         # Under pipelining the whole local batch is one pipeline step of local / mb micro-batches.
                         split = {"batch_size": local, "grad_accum": 1, "pp_microbatches": local // mb}
                     schedules = _schedules(base, pp, a.n_layers, split["pp_microbatches"])
-                    for schedule, (ac, ops), offload in product(schedules, acs, (False, True)):
+                    for schedule, (ac, ops, act_offload), offload in product(schedules, acs, (False, True)):
                         if offload and not (base.fsdp and dp_shard > 1):
                             continue
                         try:
                             layout = replace(base, degrees=degrees, ac=ac, selective_ops=ops, cpu_offload=offload,
-                                             pp_schedule=schedule, **split)
+                                             act_offload=act_offload, pp_schedule=schedule, **split)
                         except LayoutError:
                             continue
                         if is_valid(cfg, job, layout, made):
@@ -249,21 +254,33 @@ def _context_parallel_fits(cfg: JobConfig, job: Job, tp: int, cp: int, cp_mode: 
     return True
 
 
-def rank_candidates(candidates: list[Candidate]) -> list[Candidate]:
-    """Layouts that fit, fastest first (ties: more headroom first), one row per layout (its best micro-batch).
-
-    CPU offload is a last resort: its layouts are listed only when nothing fits without it, since the host-side
-    optimizer step and PCIe traffic make it slower in practice than the estimate can show.
-    """
+def usable_candidates(candidates: list[Candidate], offload_activations: bool = False) -> list[Candidate]:
+    """The layouts that fit which a plan lists: without CPU offload or activation offload; activation offload's
+    too where the config turns it on (`offload_activations`) or nothing fits without it; CPU offload's only where
+    nothing fits without that."""
     fitting = [c for c in candidates if c.fits and not c.layout.cpu_offload]
-    if not fitting:
-        fitting = [c for c in candidates if c.fits]
-    fitting.sort(key=lambda c: (-round(c.step.tokens_per_s, 6), c.memory.total))
+    chosen = [c for c in fitting if offload_activations or not c.layout.act_offload] or fitting
+    return chosen or [c for c in candidates if c.fits]
+
+
+def rank_candidates(candidates: list[Candidate], offload_activations: bool = False) -> list[Candidate]:
+    """Layouts that fit, fastest first (ties: without activation offload, then more headroom first), one row per
+    layout (its best micro-batch).
+
+    The offloads are for tight memory (usable_candidates). CPU offload is a last resort, since the host-side
+    optimizer step and PCIe traffic make it slower in practice than the estimate can show; activation offload comes
+    in where the config asks for it or nothing fits without it: it needs pinned host memory the planner does not
+    know the size of (the offloaded bytes in flight on every rank of a node) and its overlap with compute is an
+    assumption until measured on the device.
+    """
+    fitting = usable_candidates(candidates, offload_activations)
+    # At equal speed, without activation offload first (it holds host memory and the host link), then by headroom.
+    fitting.sort(key=lambda c: (-round(c.step.tokens_per_s, 6), c.layout.act_offload, c.memory.total))
     seen, ranked = set(), []
     for c in fitting:
         lay = c.layout
         key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.cp_mode, lay.cp_ulysses, lay.ep, lay.ac,
-               lay.selective_ops, lay.cpu_offload)
+               lay.selective_ops, lay.cpu_offload, lay.act_offload)
         if key not in seen:
             seen.add(key)
             ranked.append(c)
@@ -338,15 +355,18 @@ def make_plan(cfg: JobConfig, nodes: int, devices_per_node: int, hw: Hardware, e
         p, ac = cfg.parallel, cfg.activation_checkpoint
         base = Layout(Degrees(fsdp=p.fsdp, cp_mode=p.cp_mode), selective_every=ac.selective_every,
                       pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages, loss_parallel=p.loss_parallel,
-                      reshard_after_forward=p.reshard_after_forward, loss_chunk_tokens=cfg.training.loss_chunk_tokens)
+                      reshard_after_forward=p.reshard_after_forward, loss_chunk_tokens=cfg.training.loss_chunk_tokens,
+                      offload_min_bytes=ac.offload_min_bytes)
         # Without a valid layout the global batch is the config's per-rank batch over pure data parallelism.
         global_batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps * world
     # Only the layouts that fit are ranked or counted below: the others are dropped unestimated.
     evaluated = (evaluate_fitting(job, lay, hw, devices_per_node, efficiency, buffsize, fraction)
-                 for lay in candidate_layouts(cfg, job, base, world, devices_per_node, global_batch))
+                 for lay in candidate_layouts(cfg, job, base, world, devices_per_node, global_batch,
+                                              offload_activations=hw.device_type != "cpu"))
     candidates = [c for c in evaluated if c is not None]
-    # Offload is the last resort (rank_candidates): a cp that fits only with it counts only when nothing fits without.
-    fitting = [c for c in candidates if c.fits and not c.layout.cpu_offload] or [c for c in candidates if c.fits]
-    least_cp = min((c.layout.cp for c in fitting), default=0)
-    return Plan(job, hw, nodes, devices_per_node, config_candidate, config_error, rank_candidates(candidates)[:top],
-                global_batch, efficiency, fraction, least_cp)
+    # The offloads come in where memory is tight (usable_candidates): a cp that fits only with one counts only when
+    # nothing fits without it.
+    offload_activations = cfg.activation_checkpoint.offload
+    least_cp = min((c.layout.cp for c in usable_candidates(candidates, offload_activations)), default=0)
+    return Plan(job, hw, nodes, devices_per_node, config_candidate, config_error,
+                rank_candidates(candidates, offload_activations)[:top], global_batch, efficiency, fraction, least_cp)

@@ -17,6 +17,7 @@ from titan_npu.planner.parameters import (
     tensor_parallel_dims,
 )
 from titan_npu.planner.stages import rank_parts
+from titan_npu.trainer.state_dtype import CHUNK_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -115,4 +116,8 @@ def temporary_bytes(job: Job, layout: Layout, pp_rank: int, backward_extra: int,
     # foreach AdamW (the NPU default) materialises sqrt(exp_avg_sq) for every parameter at once; fused kernels
     # (cuda, cpu) need no such buffer.
     optimizer_step = local_param_bytes if device_type == "npu" and optimizer_state_multiplier(job) == 2 else 0
+    if job.state_dtype != "fp32" and job.optimizer.lower() != "sgd":
+        # bf16 moments are updated through fp32 copies of both, a chunk of parameters at a time.
+        chunk = 4 * min(CHUNK_ELEMENTS, local_param_bytes // 4)
+        optimizer_step = min(optimizer_step, chunk) + 2 * chunk
     return TemporaryBytes(backward_extra, fsdp, autocast, optimizer_step)

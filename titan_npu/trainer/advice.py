@@ -19,6 +19,10 @@ def speed_hints(cfg: JobConfig, device_type: str) -> list[str]:
         else:
             hints.append(f"training.dtype=bf16 with {BF16_MATMUL_ENV}=native on a CPU without bf16 instructions: its "
                          f"matmuls are emulated, several times slower; unset {BF16_MATMUL_ENV} (or use fp32)")
+    if cfg.activation_checkpoint.offload:
+        hints.append("activation_checkpoint.offload on cpu: the host is the device here, so the saved activations "
+                     "are only copied within the same memory (no memory saved, slower); it helps on npu/cuda, set "
+                     "activation_checkpoint.offload = false for cpu runs")
     if cfg.data.num_workers > 0:
         # A batch is a read of already tokenised windows (well under a millisecond in-process); worker processes
         # only add inter-process copies and compete with the training threads for the same cores.

@@ -21,6 +21,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
 from torch.optim.adam import adam
 
+from titan_npu.trainer.state_dtype import adam_group_step, closure_loss, narrow_moments
+
 # torch.optim.Muon's defaults: Keller Jordan's quintic coefficients and the normalisation's floor.
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -74,8 +76,11 @@ class Muon(torch.optim.AdamW):
 
     def __init__(self, params, *, momentum: float = 0.95, nesterov: bool = True,
                  ns_coefficients: Sequence[float] = NS_COEFFICIENTS, ns_steps: int = 5, ns_eps: float = EPS,
-                 ns_dtype: str = "bf16", adjust_lr: str = "match_rms_adamw", **adamw_kwargs) -> None:
+                 ns_dtype: str = "bf16", adjust_lr: str = "match_rms_adamw",
+                 state_dtype: torch.dtype = torch.float32, **adamw_kwargs) -> None:
         super().__init__(params, **adamw_kwargs)
+        self.state_dtype = state_dtype  # the AdamW groups' moments (trainer/state_dtype.py); Muon's buffer: fp32
+        self.register_load_state_dict_post_hook(narrow_moments)
         muon_defaults = {"muon": False, "momentum": momentum, "nesterov": nesterov,
                          "ns_coefficients": tuple(ns_coefficients), "ns_steps": ns_steps, "ns_eps": ns_eps,
                          "ns_dtype": ns_dtype, "adjust_lr": adjust_lr}
@@ -96,10 +101,7 @@ class Muon(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         """One step: Muon on the `muon` groups, torch's AdamW on the others."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             if group["muon"]:
                 self._muon_step(group)
@@ -124,6 +126,9 @@ class Muon(torch.optim.AdamW):
             p.add_(update, alpha=-lr * lr_scale(p.shape, group["adjust_lr"]))
 
     def _adamw_step(self, group: dict) -> None:
+        if self.state_dtype != torch.float32:
+            adam_group_step(self, group, self.state_dtype)
+            return
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
         has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
         beta1, beta2 = group["betas"]

@@ -86,9 +86,17 @@ def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig, device_t
     elif name in ("adamw", "adam"):
         groups = param_groups(model_parts, cfg.weight_decay)
         cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+        if cfg.state_dtype != "fp32":  # torch's Adam on fp32 copies of bf16 moments (trainer/state_dtype.py)
+            from titan_npu.trainer.state_dtype import StateDtypeAdam
+
+            cls = partial(StateDtypeAdam, decoupled_weight_decay=name == "adamw")
     else:
         raise ConfigError(f"optimizer.name={cfg.name!r} is unknown (choose AdamW, Adam, SGD or Muon)")
     kwargs = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
+    if name != "sgd" and cfg.state_dtype != "fp32":
+        from titan_npu.trainer.state_dtype import STATE_DTYPES
+
+        kwargs["state_dtype"] = STATE_DTYPES[cfg.state_dtype]
     kwargs.update(_implementation_kwargs(cfg.implementation, device_type))
     try:
         return cls(groups, **kwargs)

@@ -282,6 +282,11 @@ class Trainer:
         log.info("kernels: %s%s%s", kernels, eager, sdpa)
         if self.cfg.float8.enable:
             log.info(describe_float8(self.cfg.float8, self.model_parts))
+        if self.cfg.activation_checkpoint.offload:
+            blocks = sum(p.activation_offload.blocks for p in self.model_parts if hasattr(p, "activation_offload"))
+            log.info("activation offload: the saved activations of %d block(s) on this rank (those not recomputed) "
+                     "go to host memory, tensors from %d bytes", blocks,
+                     self.cfg.activation_checkpoint.offload_min_bytes)
         log.info("loss: %s", f"output projection + cross entropy in chunks of {self.loss_chunk_tokens} tokens"
                  if self.loss_chunk_tokens else "whole logits (tensor/pipeline parallel, or loss_chunk_tokens = 0)")
         for hint in speed_hints(self.cfg, self.device.type) if self.rank == 0 else []:

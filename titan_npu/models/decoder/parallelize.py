@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_npu.models.decoder.model import FeedForward
 from titan_npu.parallel.activation_checkpoint import apply_activation_checkpointing
+from titan_npu.parallel.activation_offload import apply_activation_offload
 from titan_npu.parallel.adapters import place_adapters
 from titan_npu.parallel.compile import apply_compile
 from titan_npu.parallel.context_parallel import context_for
@@ -137,8 +138,8 @@ def apply_context_parallel(model: nn.Module, cp_group: ProcessGroup, mode: str,
 
 def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig,
                         tp_plan: Callable[[nn.Module, DeviceMesh, bool], None] = apply_tp) -> nn.Module:
-    """Apply TP (tp_plan: this decoder's, or a family's own), context parallelism, activation checkpointing,
-    compile and data parallelism, in that order, to a model (or stage)."""
+    """Apply TP (tp_plan: this decoder's, or a family's own), context parallelism, activation checkpointing and
+    offload, compile and data parallelism, in that order, to a model (or stage)."""
     if dims.tp_enabled:
         tp_plan(model, dims.tp_mesh, cfg.parallel.loss_parallel)
         place_adapters(model, dims.tp_mesh)  # LoRA's A and B cut as their linears (a no-op without adapters)
@@ -147,6 +148,7 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig,
         apply_context_parallel(model, dims.cp_mesh.get_group(), cfg.parallel.cp_mode, hybrid_groups)
     if cfg.activation_checkpoint.mode != "none":
         apply_activation_checkpointing(model, cfg.activation_checkpoint)
+    apply_activation_offload(model, cfg.activation_checkpoint)  # the blocks not recomputed, when offload is on
     if cfg.compile.enable:
         if dims.tp_enabled and model.tok_embeddings is not None:
             # The embedding's local output is a view of a DTensor's storage; a compiled block taking that view as
