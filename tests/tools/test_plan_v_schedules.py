@@ -19,7 +19,7 @@ from titan_npu.planner.activations import in_flight_forwards, rank_activations, 
 from titan_npu.planner.dry_run import dry_run
 from titan_npu.planner.hardware import hardware
 from titan_npu.planner.layout import Job, Layout
-from titan_npu.planner.perf import pipeline_bubble
+from titan_npu.planner.perf import estimate_step, pipeline_bubble
 from titan_npu.planner.search import candidate_layouts, config_overrides, is_valid, layout_from_config, make_plan
 from titan_npu.planner.stages import rank_parts
 from titan_npu.planner.verify import compare_with_plan
@@ -211,3 +211,18 @@ def test_dry_run_of_a_v_schedule_on_unequal_stages_holds_the_planned_stages_and_
     expected = {0: {0, n_layers - 1}, 1: set(range(1, n_layers - 1))}[pp_rank]
     assert layers == expected
     assert ("tok_embeddings.weight" in result.parameters) == ("output.weight" in result.parameters) == (pp_rank == 0)
+
+
+def test_the_busiest_rank_of_unequal_v_stages_sets_the_compute_time():
+    # 6 layers at pp 2: the V gives rank 1 four (stages 1 and 2) and rank 0 two beside the embedding and output, 1F1B
+    # three each; the step computes at the busiest rank's pace, 4 / 3 of 1F1B's. 8 layers split evenly under both.
+    hw = hardware("910B2")
+    compute = {}
+    for n_layers in (6, 8):
+        args = LlamaArgs(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=128,
+                         max_seq_len=64)
+        job = Job(args, seq_len=64, dtype="bf16")
+        for schedule in ("1F1B", "ZBVZeroBubble"):
+            compute[n_layers, schedule] = estimate_step(job, layout(schedule, 2, 4), hw, 8, efficiency=0.5).compute
+    assert compute[6, "ZBVZeroBubble"] == pytest.approx(compute[6, "1F1B"] * 4 / 3, rel=1e-12)
+    assert compute[8, "ZBVZeroBubble"] == pytest.approx(compute[8, "1F1B"], rel=1e-12)
