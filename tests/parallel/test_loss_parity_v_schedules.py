@@ -1,9 +1,9 @@
 """The V-shaped pipeline schedules (ZBVZeroBubble, DualPipeV: two stages per rank, rank r holding stages r and
 2 pp - 1 - r, each backward split into an input step and a later weight step) train exactly like one process: the
 per-step losses equal to 1e-5 relative, gradient norms to 1e-4 and the final weights to FINAL_ATOL over 10 fp32
-steps (gloo, deterministic mode), for Llama 3 (also under full activation checkpointing, and with FSDP 2 across the
-split weight backward) and for Qwen3-MoE with its load-balancing loss on (pooled per micro-batch, so its reference
-accumulates one micro-batch per step)."""
+steps (gloo, deterministic mode), for Llama 3 (also under full activation checkpointing, with FSDP 2 across the
+split weight backward, and on unequal stages: 6 layers in 4) and for Qwen3-MoE with its load-balancing loss on
+(pooled per micro-batch, so its reference accumulates one micro-batch per step)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ REFERENCES = {
     "ref_b4": (4, []),
     "ref_b8": (8, []),
     "moe_ref": (1, [*QWEN3_MOE, "--training.gradient_accumulation_steps=4"]),
+    "ref_b4_6_layers": (4, ["--model.n_layers=6"]),
 }
 # name -> (ranks, overrides, reference)
 LAYOUTS = {
@@ -58,6 +59,8 @@ LAYOUTS = {
     "moe_zbv_pp2": (2, [*PP2, "--parallel.pp_schedule=ZBVZeroBubble", *QWEN3_MOE], "moe_ref"),
     "moe_dualpipev_pp2": (2, [*PP2, "--parallel.pp_schedule=DualPipeV", *QWEN3_MOE], "moe_ref"),
     "zbv_fsdp2_pp2": (4, [*PP2, "--parallel.pp_schedule=ZBVZeroBubble"], "ref_b8"),
+    # 6 layers in the 4 stages: unequal (1, 2, 2, 1; rank 1 holds 4 layers, rank 0 the two ends and 2 layers).
+    "zbv_pp2_6_layers": (2, [*PP2, "--parallel.pp_schedule=ZBVZeroBubble", "--model.n_layers=6"], "ref_b4_6_layers"),
 }
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from titan_npu.errors import LayoutError
+from titan_npu.models.decoder.pipeline import split_layers
 from titan_npu.models.registry import build_model_args
 from titan_npu.parallel import validate_layout
-from titan_npu.parallel.arithmetic import reshards_after_forward, stage_ids_for_rank
+from titan_npu.parallel.arithmetic import leftover_stages, reshards_after_forward, stage_ids_for_rank
 from titan_npu.parallel.layout import pp_stages_per_rank
 
 from .test_layout import check, job
@@ -44,12 +45,30 @@ def test_v_schedule_refuses_other_virtual_stages(schedule):
 
 
 @pytest.mark.parametrize("schedule", V_SCHEDULES)
-def test_v_schedule_refuses_layers_that_do_not_halve_per_rank(schedule):
-    # 6 layers at pp 2: 3 per rank, which two equal stages cannot hold; pp 3 (2 per rank, 1 per stage) fits.
-    with pytest.raises(LayoutError, match=r"n_layers=6 does not split into the 4 equal stages .* set "
-                                          r"parallel.pp_degree to one of 3, .*n_layers to a multiple of 4"):
-        check(2, pp_degree=2, pp_schedule=schedule, model=_llama(6))
-    check(3, pp_degree=3, pp_schedule=schedule, model=_llama(6), batch_size=6)
+def test_v_schedule_takes_unequal_stages_and_refuses_fewer_layers_than_stages(schedule):
+    # 6 layers at pp 2: 4 stages of unequal size run; 3 layers cannot fill 4 stages, and no V fits them at all.
+    check(2, pp_degree=2, pp_schedule=schedule, model=_llama(6))
+    check(2, pp_degree=2, pp_schedule=schedule, model=_llama(5))
+    with pytest.raises(LayoutError, match=rf"n_layers=5 is fewer than the 6 stages of {schedule} at pp_degree=3 "
+                                          r"\(2 per rank, placed in a V; every stage needs a layer\); set "
+                                          r"parallel.pp_degree to at most 2, or use 1F1B"):
+        check(3, pp_degree=3, pp_schedule=schedule, model=_llama(5), batch_size=6)
+    with pytest.raises(LayoutError, match=r"n_layers=3 is fewer than the 4 stages .*needs a layer\); use 1F1B"):
+        check(2, pp_degree=2, pp_schedule=schedule, model=_llama(3))
+
+
+@pytest.mark.parametrize("n_layers,pp", [(61, 4), (61, 8), (94, 8), (5, 2), (6, 2), (7, 3), (8, 2), (15, 4)])
+def test_v_split_gives_leftover_layers_to_the_ranks_other_than_rank_0_first(n_layers, pp):
+    # Rank 0 holds the first and the last stage (the embedding, the output projection and the loss): the layers an
+    # even split leaves over go one per rank to ranks 1 .. pp - 1 (first arm, then second), rank 0 only the last.
+    stages = split_layers(n_layers, 2 * pp, leftover_stages(2 * pp, "ZBVZeroBubble"))
+    assert [i for s in stages for i in s] == list(range(n_layers)) and all(stages)
+    per_rank = [sum(len(stages[i]) for i in stage_ids_for_rank(r, pp, 2, "ZBVZeroBubble")) for r in range(pp)]
+    extra = [count - n_layers // (2 * pp) * 2 for count in per_rank]
+    assert extra[0] == (1 if n_layers % (2 * pp) == 2 * pp - 1 else 0)
+    assert max(extra[1:]) - min(extra[1:]) <= 1 and min(extra[1:]) >= extra[0]
+    # the other schedules keep their split: the middle stages first, then the first, then the last
+    assert split_layers(n_layers, 2 * pp, leftover_stages(2 * pp, "1F1B")) == split_layers(n_layers, 2 * pp)
 
 
 def test_v_schedules_refuse_fewer_microbatches_than_they_need():

@@ -19,8 +19,8 @@ from titan_npu.planner.activations import in_flight_forwards, rank_activations, 
 from titan_npu.planner.dry_run import dry_run
 from titan_npu.planner.hardware import hardware
 from titan_npu.planner.layout import Job, Layout
-from titan_npu.planner.perf import pipeline_bubble
-from titan_npu.planner.search import config_overrides, is_valid, make_plan
+from titan_npu.planner.perf import estimate_step, pipeline_bubble
+from titan_npu.planner.search import candidate_layouts, config_overrides, is_valid, layout_from_config, make_plan
 from titan_npu.planner.stages import rank_parts
 from titan_npu.planner.verify import compare_with_plan
 
@@ -180,10 +180,49 @@ def test_plan_ranks_zbv_layouts_and_their_overrides_select_them():
         assert pipeline_bubble(c.layout) < pipeline_bubble(twin)
 
 
-def test_plan_of_a_v_config_falls_back_to_1f1b_where_its_layers_do_not_halve():
-    # 6 layers on 6 cards: pp 3 halves them (one per V stage), pp 2 does not (3 per rank); pp 6 would need 12.
-    cfg = load_config(DEBUG, [*TINY, "--model.n_layers", "6", "--parallel.pp_schedule", "DualPipeV"])
+def test_plan_of_a_v_config_takes_unequal_stages_and_falls_back_to_1f1b_where_a_stage_would_be_empty():
+    # 5 layers on 6 cards: pp 2 runs the V on 4 unequal stages; pp 3 would need 6 stages, so it plans 1F1B.
+    cfg = load_config(DEBUG, [*TINY, "--model.n_layers", "5", "--parallel.pp_schedule", "DualPipeV"])
     plan = make_plan(cfg, 1, 6, hardware("910B2"), top=100000)
-    schedules = {(c.layout.pp, c.layout.pp_schedule) for c in plan.ranked if c.layout.pp > 1}
-    assert {(2, "1F1B"), (3, "DualPipeV"), (3, "ZBVZeroBubble")} <= schedules
-    assert not {(2, "DualPipeV"), (2, "ZBVZeroBubble"), (3, "1F1B")} & schedules
+    tried = {(c.pp, c.pp_schedule, c.pp_microbatches >= 4)
+             for c in candidate_layouts(cfg, plan.job, layout_from_config(cfg, 6), 6, 6, 24) if c.pp > 1}
+    assert {(2, "DualPipeV", True), (2, "ZBVZeroBubble", True), (3, "1F1B", True)} <= tried
+    # 1F1B at pp 2 only where the micro-batches are too few for the V (DualPipeV needs 4 there)
+    assert not {(2, "1F1B", True), (3, "DualPipeV", True), (3, "ZBVZeroBubble", True)} & tried
+    ranked = {(c.layout.pp, c.layout.pp_schedule) for c in plan.ranked if c.layout.pp > 1}
+    assert (2, "ZBVZeroBubble") in ranked and (3, "1F1B") in ranked
+
+
+@pytest.mark.parametrize("schedule,world,rank,n_layers", [
+    ("ZBVZeroBubble", 2, 0, 5), ("ZBVZeroBubble", 2, 1, 5), ("DualPipeV", 4, 1, 6),
+])
+def test_dry_run_of_a_v_schedule_on_unequal_stages_holds_the_planned_stages_and_bytes(schedule, world, rank,
+                                                                                     n_layers):
+    # 5 or 6 layers in 4 stages: the leftovers go to rank 1's stages (1 and 2), rank 0 keeps one layer per stage
+    # beside the embedding and the output; plan and dry run agree on every rank's layers and bytes.
+    cfg = load_config(DEBUG, [*TINY, "--model.n_layers", str(n_layers), "--parallel.pp_degree", "2",
+                              "--parallel.pp_schedule", schedule])
+    result = dry_run(cfg, world, rank)
+    comparison = compare_with_plan(result, cfg)
+    assert result.forward_checked
+    assert comparison["match"], comparison["problems"]
+    pp_rank = result.coordinates["pp"]
+    layers = {int(name.split(".")[1]) for name in result.parameters if name.startswith("layers.")}
+    expected = {0: {0, n_layers - 1}, 1: set(range(1, n_layers - 1))}[pp_rank]
+    assert layers == expected
+    assert ("tok_embeddings.weight" in result.parameters) == ("output.weight" in result.parameters) == (pp_rank == 0)
+
+
+def test_the_busiest_rank_of_unequal_v_stages_sets_the_compute_time():
+    # 6 layers at pp 2: the V gives rank 1 four (stages 1 and 2) and rank 0 two beside the embedding and output, 1F1B
+    # three each; the step computes at the busiest rank's pace, 4 / 3 of 1F1B's. 8 layers split evenly under both.
+    hw = hardware("910B2")
+    compute = {}
+    for n_layers in (6, 8):
+        args = LlamaArgs(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=128,
+                         max_seq_len=64)
+        job = Job(args, seq_len=64, dtype="bf16")
+        for schedule in ("1F1B", "ZBVZeroBubble"):
+            compute[n_layers, schedule] = estimate_step(job, layout(schedule, 2, 4), hw, 8, efficiency=0.5).compute
+    assert compute[6, "ZBVZeroBubble"] == pytest.approx(compute[6, "1F1B"] * 4 / 3, rel=1e-12)
+    assert compute[8, "ZBVZeroBubble"] == pytest.approx(compute[8, "1F1B"], rel=1e-12)

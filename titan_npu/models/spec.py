@@ -145,7 +145,9 @@ class ModelSpec:
     model_keys: Mapping[str, Any]
     build_model: Callable[[Any], nn.Module]  # args -> the whole model (built under torch.device("meta") by callers)
     parallelize: Callable[[nn.Module, Any, Any], nn.Module]  # (model or stage, ParallelDims, JobConfig) -> model
-    split_layers: Callable[[int, int], list[list[int]]]  # (n_layers, n_stages) -> layer ids per pipeline stage
+    # (n_layers, n_stages, leftovers) -> layer ids per pipeline stage; leftovers: the stages that take the layers an
+    # even split leaves over, in order (parallel/arithmetic.py's leftover_stages for the schedule; None: its default)
+    split_layers: Callable[..., list[list[int]]]
     build_stage: Callable[[nn.Module, list[int], bool, bool], nn.Module]  # (model, layers, first, last) -> stage
     # args -> {parameter kind: (full shape, tensor-parallel dim or None)}; a block parameter's kind is its name
     # inside the block ("attention.wq.weight"), a root one's its own name; the planner sizes every shard from it.

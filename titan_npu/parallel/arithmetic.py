@@ -70,6 +70,17 @@ def reshards_after_forward(setting: bool, pp_degree: int, pp_schedule: str) -> b
     return setting and not (pp_degree > 1 and pp_schedule in SPLIT_BACKWARD_SCHEDULES)
 
 
+def leftover_stages(n_stages: int, pp_schedule: str = "1F1B") -> list[int]:
+    """The stages that take the layers an even split leaves over, in the order they take them. The first stage also
+    holds the embedding and the last the output projection and loss, so the middle stages come first; under a V
+    schedule rank 0 holds both (stage 0 and stage 2 pp - 1), so each other rank takes one on its first stage, then
+    one on its second, before rank 0's stages take any."""
+    if pp_schedule in V_SCHEDULES and n_stages >= 2:
+        pp = n_stages // 2
+        return list(range(1, pp)) + list(range(2 * pp - 2, pp - 1, -1)) + [0, n_stages - 1]
+    return list(range(1, n_stages - 1)) + [0, n_stages - 1]
+
+
 def v_min_microbatches(pp_schedule: str, pp_degree: int) -> int:
     """Fewest microbatches a V schedule runs at pp_degree: DualPipeV one per stage (2 pp, torch requires it),
     ZBVZeroBubble 2 pp - 1 (what torch's schedule needs to fill the V; it pads fewer with idle slots); pp_degree for

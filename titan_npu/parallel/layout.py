@@ -266,7 +266,8 @@ def _check_pipeline(dims: Degrees, a: Any, cfg: JobConfig) -> None:
 
 
 def _check_v_schedule(dims: Degrees, a: Any, cfg: JobConfig) -> None:
-    """ZBVZeroBubble / DualPipeV: two equal stages per rank in a V, and a split input/weight backward."""
+    """ZBVZeroBubble / DualPipeV: two stages per rank in a V, each of at least one layer (unequal stages are split
+    as arithmetic.leftover_stages says), and a split input/weight backward."""
     schedule, virtual = cfg.parallel.pp_schedule, cfg.parallel.pp_virtual_stages
     if virtual not in (0, 2):
         raise LayoutError(
@@ -274,14 +275,12 @@ def _check_v_schedule(dims: Degrees, a: Any, cfg: JobConfig) -> None:
             f"pp_virtual_stages={virtual}; set pp_virtual_stages = 0 (or 2), or use Interleaved1F1B for {virtual}"
         )
     stages = 2 * dims.pp
-    if a.n_layers % stages:
-        fits = [p for p in divisor_hint(a.n_layers) if p > 1 and a.n_layers % (2 * p) == 0]
-        fix = f"parallel.pp_degree to one of {_listing(fits)}, " if fits else ""
+    if a.n_layers < stages:
+        most = a.n_layers // 2
+        fix = f"set parallel.pp_degree to at most {most}, or " if most >= 2 else ""
         raise LayoutError(
-            f"model.n_layers={a.n_layers} does not split into the {stages} equal stages of {schedule} at "
-            f"pp_degree={dims.pp} (each rank's {a.n_layers / dims.pp:g} layers cut in two halves, one per arm of the "
-            f"V; unequal stages leave the bubble the schedule removes); set {fix}n_layers to a multiple of {stages}, "
-            f"or use 1F1B / Interleaved1F1B"
+            f"model.n_layers={a.n_layers} is fewer than the {stages} stages of {schedule} at pp_degree={dims.pp} "
+            f"(2 per rank, placed in a V; every stage needs a layer); {fix}use 1F1B"
         )
     if cfg.compile.enable:
         raise LayoutError(

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from titan_npu.ops.documents import Documents
-from titan_npu.parallel.arithmetic import stage_ids_for_rank
+from titan_npu.parallel.arithmetic import leftover_stages, stage_ids_for_rank
 from titan_npu.parallel.dims import ParallelDims
 from titan_npu.parallel.layout import SINGLE_STAGE_SCHEDULES, pp_microbatches, pp_stages_per_rank
 from titan_npu.parallel.reduce import plain_tensor
@@ -33,10 +33,11 @@ if TYPE_CHECKING:
 def split_for_pipeline(spec: Any, model: nn.Module, dims: ParallelDims, cfg: JobConfig
                        ) -> tuple[list[int], list[nn.Module]]:
     """(stage ids, stage modules) of this rank, cut from a whole model built on the meta device by its family's
-    split (spec: the ModelSpec's split_layers and build_stage)."""
+    split (spec: the ModelSpec's split_layers and build_stage; the leftover layers placed for the schedule,
+    arithmetic.leftover_stages)."""
     per_rank = pp_stages_per_rank(cfg)
     n_stages = dims.pp * per_rank
-    layers = spec.split_layers(len(model.layers), n_stages)
+    layers = spec.split_layers(len(model.layers), n_stages, leftover_stages(n_stages, cfg.parallel.pp_schedule))
     pp_rank, _ = dims.pp_coordinates()
     ids = stage_ids_for_rank(pp_rank, dims.pp, per_rank, cfg.parallel.pp_schedule)
     parts = [spec.build_stage(model, layers[i], is_first=i == 0, is_last=i == n_stages - 1) for i in ids]

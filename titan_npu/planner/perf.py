@@ -232,11 +232,14 @@ def estimate_step(job: Job, layout: Layout, hw: Hardware, devices_per_node: int,
     float8_factor = ((1 - f8_flops - f8_experts) + f8_flops * hw.peak_flops / f8_rate
                      + f8_experts * hw.peak_flops / expert_rate)
     compute = flops / (hw.peak_flops * efficiency) * float8_factor * (1 + CP_OVERHEAD if layout.cp > 1 else 1)
+    blocks, moe_blocks = job.memo(("pipeline_blocks", layout.sharding), lambda: pipeline_blocks(a, layout))
+    # A pipeline runs at its busiest rank's pace: where the stages are unequal (n_layers not a multiple of them), the
+    # rank with the most blocks computes that many against the mean of n_layers / pp (1 for an even split).
+    compute *= blocks * layout.pp / a.n_layers
 
     # Tensor parallel: every block all-gathers its input and reduce-scatters its output (sequence parallel) for
     # attention and the MLP, in forward and again for the gradients in backward; recomputation repeats forward.
     tp_comm = 0.0
-    blocks, moe_blocks = job.memo(("pipeline_blocks", layout.sharding), lambda: pipeline_blocks(a, layout))
     if layout.tp > 1:
         # 4 collectives per block in forward, 4 in backward, 4 more per recomputed forward (op-level selective
         # checkpointing keeps the reduce-scatters' outputs and repeats only the 2 all-gathers).

@@ -214,13 +214,14 @@ def candidate_layouts(cfg: JobConfig, job: Job, base: Layout, world_size: int, d
 
 def _schedules(base: Layout, pp: int, n_layers: int, n_microbatches: int) -> tuple[str, ...]:
     """Pipeline schedules to try at `pp`: the config's, and ZBVZeroBubble where the config leaves the stages per
-    rank to the schedule and the layers and micro-batches fill its V (parallel/layout.py's rules, checked here
-    first because they are cheap); for a config naming a V schedule, 1F1B where its V does not fit. DualPipeV is
+    rank to the schedule, every stage of its V gets a layer (2 pp of them; unequal stages are fine) and the
+    micro-batches fill it (parallel/layout.py's rules, checked here first because they are cheap); for a config
+    naming a V schedule, 1F1B where its V does not fit. DualPipeV is
     not tried: as run here (its paired forward and backward one after the other) it has ZBVZeroBubble's bubble with
     one more micro-batch in flight, so it never ranks above it; a config that names it is planned as it is."""
     if pp == 1:
         return (base.pp_schedule,)
-    fits_v = (base.pp_virtual_stages in (0, 2) and n_layers % (2 * pp) == 0
+    fits_v = (base.pp_virtual_stages in (0, 2) and n_layers >= 2 * pp
               and n_microbatches >= v_min_microbatches("ZBVZeroBubble", pp))
     if base.pp_schedule in V_SCHEDULES:  # a V config: 1F1B where its V does not fit this pp
         return tuple(dict.fromkeys((base.pp_schedule, "ZBVZeroBubble"))) if fits_v else ("1F1B",)

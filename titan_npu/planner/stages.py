@@ -1,4 +1,5 @@
-"""The pipeline stages a rank runs, cut as the trainer cuts them (the family's split_layers, looped placement)."""
+"""The pipeline stages a rank runs, cut as the trainer cuts them (the family's split_layers with the schedule's
+leftover order, looped or V placement)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from functools import lru_cache
 from typing import Any
 
 from titan_npu.models.registry import spec_of
-from titan_npu.parallel.arithmetic import stage_ids_for_rank
+from titan_npu.parallel.arithmetic import leftover_stages, stage_ids_for_rank
 from titan_npu.planner.layout import Layout
 
 # Parameters outside the blocks, in the model's order (a pipeline stage holds those of its end of the model).
@@ -41,12 +42,12 @@ def rank_parts(args: Any, layout: Layout, pp_rank: int) -> list[StagePart]:
 
 
 @lru_cache(maxsize=4096)
-def _rank_parts(split_layers: Callable[[int, int], list[list[int]]], n_layers: int, pp: int, stages_per_rank: int,
+def _rank_parts(split_layers: Callable[..., list[list[int]]], n_layers: int, pp: int, stages_per_rank: int,
                 pp_rank: int, pp_schedule: str = "1F1B") -> tuple[StagePart, ...]:
     """rank_parts from everything it depends on (a search asks for the same few splits thousands of times)."""
     if pp == 1:
         return (StagePart(0, tuple(range(n_layers)), True, True),)
     n_stages = pp * stages_per_rank
-    layers = split_layers(n_layers, n_stages)
+    layers = split_layers(n_layers, n_stages, leftover_stages(n_stages, pp_schedule))
     ids = stage_ids_for_rank(pp_rank, pp, stages_per_rank, pp_schedule)
     return tuple(StagePart(i, tuple(layers[i]), i == 0, i == n_stages - 1) for i in ids)

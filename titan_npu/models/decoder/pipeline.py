@@ -3,24 +3,26 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 from torch import nn
 
 from titan_npu.errors import LayoutError
+from titan_npu.parallel.arithmetic import leftover_stages
 
 
-def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
-    """Layer ids of each stage: an even split; leftover layers go to the middle stages first, because the first
-    stage also holds the embedding and the last the output projection and loss (so they may take fewer)."""
+def split_layers(n_layers: int, n_stages: int, leftovers: Sequence[int] | None = None) -> list[list[int]]:
+    """Layer ids of each stage: an even split; the leftover layers go one each to the stages of `leftovers` in its
+    order (default: parallel.arithmetic.leftover_stages, the middle stages first, because the first stage also holds
+    the embedding and the last the output projection and loss, so they may take fewer)."""
     if n_stages < 1 or n_layers < n_stages:
         raise LayoutError(
             f"cannot split {n_layers} layers into {n_stages} pipeline stages; every stage needs at least one layer "
             f"(use at most {n_layers} stages)"
         )
     counts = [n_layers // n_stages] * n_stages
-    extra = n_layers % n_stages
-    preference = list(range(1, n_stages - 1)) + [0, n_stages - 1]
-    for stage in preference[:extra]:
+    order = leftover_stages(n_stages) if leftovers is None else leftovers
+    for stage in order[: n_layers % n_stages]:
         counts[stage] += 1
     ids, start = [], 0
     for count in counts:
