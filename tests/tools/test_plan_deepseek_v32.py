@@ -50,13 +50,20 @@ def test_flops_count_attention_over_the_top_k_keys_and_the_indexers_scoring():
     assert training_flops_per_token(warmup, 4096) == 6 * active + 6 * 61 * 128 * 4096 * 320 + indexer * 4096
 
 
-def test_a_learning_indexer_adds_its_fp32_query_key_and_weights_to_mlas_activations():
+def test_a_learning_indexer_adds_its_fp32_query_key_weights_and_per_key_scores_to_mlas_activations():
     job = job_from_config(load_config(DEBUG, TINY))
     site = cost_site(job, Layout(Degrees()), "cpu")
+    assert site.seq_len == 64
     extra = dsa_attention_bytes(job.args, site).saved - mla_attention_bytes(job.args, site).saved
-    assert extra == 4 * 4 * 32 + 4 * 32 + 4 * 32 + 8 + 4 * 4  # fp32 q, k; k's norm input (fp32 run) and stats; w
+    # fp32 q, k; k's norm input (fp32 run) and stats; w; per key of the 64: 4 heads' scores (5 bytes each), the
+    # per-query fp32 key copy (4 x 32) and the KL's 12 bytes.
+    assert extra == 4 * 4 * 32 + 4 * 32 + 4 * 32 + 8 + 4 * 4 + 64 * (5 * 4 + 4 * 32 + 12)
+    # Its backward's transient: the key copy's and the scores' gradients (4 x 32 + 4 per key), above the KL target's
+    # (3 fp32 tensors per head of the model's 4, and 8 bytes).
+    assert dsa_attention_bytes(job.args, site).transient == 64 * max(4 * 32 + 4, 12 * 4 + 8)
     frozen = dataclasses.replace(job.args, indexer_loss_weight=0.0)
-    assert dsa_attention_bytes(frozen, site) == mla_attention_bytes(frozen, site)
+    assert dsa_attention_bytes(frozen, site).saved == mla_attention_bytes(frozen, site).saved
+    assert dsa_attention_bytes(frozen, site).transient == 64 * (4 * 32 + 5 * 4) + 4 * 4 * 32
 
 
 def test_the_search_leaves_out_what_dsa_refuses():

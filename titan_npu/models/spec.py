@@ -46,6 +46,9 @@ class CostSite:
     tp: int  # tensor-parallel degree: heads and ffn dims are a rank's share
     expert_parallel: bool  # whether expert parallelism regroups the routed copies (ep > 1)
     device_type: str  # "cpu", "cuda", "npu", ...
+    # Tokens of one training sequence: the keys a token's scores cover, for terms that grow with it (a score per
+    # key kept for backward, as eager attention's probabilities); 0 where no sequence is given.
+    seq_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,9 @@ class ModelSpec:
     model_lines: Callable[[Any], list[tuple[str, Any]]] = lambda args: []
     # (args) -> None when tools/generate.py can decode with this model, else the one line that says why not.
     generate_refusal: Callable[[Any], str | None] = lambda args: None
+    # (args, parameter kind) -> whether parameters of that kind learn (False: frozen by the family's training stage,
+    # requires_grad False: no gradient, no optimizer state; the planner counts them as the model builds them).
+    trains_kind: Callable[[Any, str], bool] = lambda args, kind: True
     # The routed experts' planner terms (the MoE block's: models/moe/cost.py's MOE_EXPERTS); None for a family
     # without MoE layers. The planner reads a MoE model's routing only through these.
     experts: ExpertTerms | None = None

@@ -47,7 +47,7 @@ def local_tokens(job: Job, layout: Layout, micro_batch: int) -> int:
 
 def cost_site(job: Job, layout: Layout, device_type: str) -> CostSite:
     """Where the job's blocks run under `layout` on `device_type`, as the families' cost terms see it."""
-    return CostSite(job.compute_bytes, layout.tp, layout.ep > 1, device_type)
+    return CostSite(job.compute_bytes, layout.tp, layout.ep > 1, device_type, job.seq_len)
 
 
 def block_costs(job: Job) -> list[BlockCost]:
@@ -110,8 +110,8 @@ def block_bytes(job: Job, layout: Layout, micro_batch: int, device_type: str = "
     # Op-level selective checkpointing keeps the outputs of every matmul and of attention (the terms' op_saves).
     op_saves = block_input + tokens * (mixer.op_saves + ffn.op_saves + stats)
     # Measured on CPU: about one fp32 F-wide gradient is alive beyond the saved tensors while a block's backward runs
-    # (per routed copy in a MoE block): the feed-forward's transient.
-    transient = tokens * ffn.transient
+    # (per routed copy in a MoE block): the feed-forward's transient, or the mixer's where it is larger.
+    transient = tokens * max(ffn.transient, mixer.transient)
     if layout.cp > 1 and layout.cp_mode in ("ring", "hybrid"):
         ring = tokens * ring_backward_bytes(q, kv, c)
         if device_type not in RING_FUSED_DEVICES:

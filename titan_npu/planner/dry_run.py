@@ -111,7 +111,8 @@ def build_parallel_model(cfg: JobConfig, dims: ParallelDims) -> list[nn.Module]:
 
 
 def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims) -> tuple[int, ...]:
-    """One forward/backward of every part with fake tensors; returns the output shape of the last part run.
+    """One forward/backward of every part with fake tensors (the loss: cross entropy, or a stand-in on a stage
+    without the output, plus the part's auxiliary_loss()); returns the output shape of the last part run.
 
     A pipeline stage without the embedding takes the hidden states its predecessor would send (a MoE model's routing
     sums, which the trainer's stages carry on too, it runs without: its own layers' are what it holds): the local
@@ -153,11 +154,16 @@ def _forward_backward(cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims
             if part.output is not None:
                 logits = out.full_tensor() if hasattr(out, "full_tensor") else out
                 labels = torch.randint(0, args.vocab_size, (batch, seq))
-                F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).backward()
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
             else:
                 # A stage that sends hidden states on: a stand-in loss reaches every parameter it holds.
                 local = out.to_local() if hasattr(out, "to_local") else out
                 loss = local.float().sum() + sum(t.float().sum() for t in sent if t.requires_grad)
+            # The model's auxiliary terms, as the trainer adds them: they reach what the cross entropy does not (a
+            # lightning indexer, whose input is detached, learns by its own loss alone).
+            aux = part.auxiliary_loss() if hasattr(part, "auxiliary_loss") else None
+            loss = loss if aux is None else loss + _local(aux).float().sum()
+            if loss.requires_grad:  # nothing to differentiate when every parameter of the part is frozen
                 loss.backward()
     return shape
 
@@ -183,7 +189,7 @@ def _build_and_measure(cfg: JobConfig, dims: ParallelDims, result: DryRunResult,
                     "torch.", ""), "placements": _placements(p),
             }
             result.parameter_bytes += local.numel() * local.element_size()
-            if p.requires_grad:  # all but LoRA's frozen weights
+            if p.requires_grad:  # all but frozen weights (LoRA's base, a family's training stage)
                 trained_bytes += local.numel() * local.element_size()
             if id(p) in muon:
                 muon_bytes += local.numel() * local.element_size()

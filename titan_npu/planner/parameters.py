@@ -240,7 +240,8 @@ def state_bytes(job: Job, layout: Layout, rank: int) -> StateBytes:
 
 
 def _state_bytes(job: Job, layout: Layout, rank: int) -> StateBytes:
-    """state_bytes, computed; with LoRA only the adapters have gradients and optimizer state."""
+    """state_bytes, computed; with LoRA only the adapters have gradients and optimizer state, and only the
+    parameters that learn (frozen_kinds aside) otherwise."""
     held = sum(rank_numel_split(job, layout, rank))
     muon = job.optimizer.lower() == "muon"
     if job.lora_rank:
@@ -249,9 +250,10 @@ def _state_bytes(job: Job, layout: Layout, rank: int) -> StateBytes:
         # Muon takes the adapters' matrices unless muon_exclude names them; the others are AdamW's
         adamw = sum(n for name, n in adapters.items() if not takes_muon(name, 2, job.muon_exclude)) if muon else 0
         return StateBytes(4 * (held + trained), 4 * trained, _optimizer_bytes(job, trained, adamw), held + trained)
-    param = 4 * held
-    adamw = _adamw_numel_beside_muon(job, local_parameter_numels(job.args, layout, rank)) if muon else 0
-    return StateBytes(param, param, _optimizer_bytes(job, held, adamw), held)
+    per_name = trained_numels(job, layout, rank)
+    trained = held if per_name is None else sum(per_name.values())
+    adamw = _adamw_numel_beside_muon(job, per_name or local_parameter_numels(job.args, layout, rank)) if muon else 0
+    return StateBytes(4 * held, 4 * trained, _optimizer_bytes(job, trained, adamw), held)
 
 
 def _optimizer_bytes(job: Job, numel: int, adamw_beside_muon: int) -> int:
@@ -264,6 +266,22 @@ def _optimizer_bytes(job: Job, numel: int, adamw_beside_muon: int) -> int:
     if name == "muon":
         return 4 * (numel - adamw_beside_muon) + 2 * moment * adamw_beside_muon
     return multiplier * 4 * numel
+
+
+def frozen_kinds(args: Any) -> set[str]:
+    """The kinds of parameter the family's training stage freezes (ModelSpec.trains_kind): no gradient, no
+    optimizer state."""
+    trains = spec_of(args).trains_kind
+    return {kind for kind in parameter_kinds(args) if not trains(args, kind)}
+
+
+def trained_numels(job: Job, layout: Layout, rank: int) -> dict[str, int] | None:
+    """Elements of each parameter shard on `rank` that learns, by name; None when every one does."""
+    frozen = frozen_kinds(job.args)
+    if not frozen:
+        return None
+    return {name: n for name, n in local_parameter_numels(job.args, layout, rank).items()
+            if parameter_kind(name) not in frozen}
 
 
 def muon_gather_bytes(job: Job, layout: Layout, rank: int) -> int:
@@ -308,7 +326,11 @@ def checkpoint_bytes(job: Job) -> int:
         trained = sum(job.lora_rank * sum(shapes[parameter_kind(name)]) for name in adapted_weights(job, names))
         return 4 * n + 4 * trained + _optimizer_bytes(job, trained, 0)
     adamw = n - _muon_numel(job) if job.optimizer.lower() == "muon" else 0
-    return 4 * n + _optimizer_bytes(job, n, adamw)
+    frozen, shapes = frozen_kinds(job.args), parameter_kinds(job.args)
+    per_layer = layers_kinds(job.args, range(job.args.n_layers)) if frozen else {}
+    trained = n - sum(numel(shapes[kind]) for kinds in per_layer.values() for kind in kinds if kind in frozen) - sum(
+        numel(shapes[kind]) for kind in FIRST_STAGE_KINDS + LAST_STAGE_KINDS if kind in frozen and kind in shapes)
+    return 4 * n + _optimizer_bytes(job, trained, adamw)
 
 
 def _muon_numel(job: Job) -> int:

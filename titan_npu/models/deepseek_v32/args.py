@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 DENSE_WARMUP, SPARSE = "dense_warmup", "sparse"
 DSA_STAGES = (DENSE_WARMUP, SPARSE)
+TARGET_HEADS_AT_ONCE = 16  # the KL target (model.py head_summed_probs) scores the main heads so many at once
 FULL, SHARED = "full", "shared"  # a layer runs its own indexer, or reuses the last full layer's selection (GLM-5)
 VARIANTS = ("deepseek_v32", "glm_moe_dsa")  # the Hugging Face layout (hf.py): DeepSeek-V3.2's or GLM-5's
 
@@ -147,6 +148,12 @@ class DSAArgs(DeepSeekArgs):
     def trains_indexer(self) -> bool:
         """Whether the indexers learn (their KL loss is in the optimised loss)."""
         return self.indexer_loss_weight > 0
+
+    def trains(self, name: str) -> bool:
+        """Whether parameter `name` (or kind) learns: the indexers alone in the dense warm-up; in the sparse stage
+        every parameter, the indexers' only while indexer_loss_weight > 0."""
+        indexer = "indexer." in name
+        return indexer if self.dsa_stage == DENSE_WARMUP else self.trains_indexer or not indexer
 
     def indexer_params(self) -> int:
         """Parameters of one lightning indexer: wq_b, wk, k_norm (weight and bias), weights_proj."""

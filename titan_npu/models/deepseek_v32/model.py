@@ -31,7 +31,7 @@ from titan_npu import ops
 from titan_npu.errors import ConfigError
 from titan_npu.models.decoder.model import Linear
 from titan_npu.models.deepseek_v3.model import MLA, DeepSeekTransformer
-from titan_npu.models.deepseek_v32.args import DENSE_WARMUP, DSAArgs
+from titan_npu.models.deepseek_v32.args import DENSE_WARMUP, TARGET_HEADS_AT_ONCE, DSAArgs
 from titan_npu.models.init import ParamInit, constant, trunc_normal
 from titan_npu.ops.documents import Documents
 
@@ -120,8 +120,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
 
 
 @torch.no_grad()
-def head_summed_probs(q: torch.Tensor, k: torch.Tensor, keys: torch.Tensor, heads_at_once: int = 16
-                      ) -> torch.Tensor:
+def head_summed_probs(q: torch.Tensor, k: torch.Tensor, keys: torch.Tensor,
+                      heads_at_once: int = TARGET_HEADS_AT_ONCE) -> torch.Tensor:
     """The main attention's probabilities over `keys` (bool [B, S, T]) summed over the heads and L1-normalised:
     [B, S, T] fp32, without gradient (a few heads at a time)."""
     total = torch.zeros(keys.shape, dtype=torch.float32, device=q.device)
@@ -210,8 +210,7 @@ class DSATransformer(DeepSeekTransformer):
         for layer_id, layer in self.layers.items():
             layer.attention = SparseMLA(args, int(layer_id), self.selections)
         for name, param in self.named_parameters():
-            indexer = ".indexer." in name
-            param.requires_grad_(indexer if args.dsa_stage == DENSE_WARMUP else args.trains_indexer or not indexer)
+            param.requires_grad_(args.trains(name))
 
     def indexer_loss(self) -> torch.Tensor | None:
         """The sum over the layers held of their indexers' KL losses in the last forward (None: none learned)."""

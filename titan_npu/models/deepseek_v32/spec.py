@@ -45,6 +45,7 @@ DEEPSEEK_V32 = ModelSpec(
     args_from_dict=args_from_dict,
     balanced_routing=balanced_routing,
     experts=MOE_EXPERTS,
+    trains_kind=lambda args, kind: args.trains(kind),  # the dense warm-up trains the indexers alone
     check_layout=check_dsa_layout,
     update_score_bias=update_score_bias,
     generate_refusal=lambda args: ("generate has no cached decoding for deepseek_v32 (its multi-head latent "
