@@ -33,6 +33,7 @@ from titan_npu.models.decoder.model import Linear
 from titan_npu.models.deepseek_v3.model import MLA, DeepSeekTransformer
 from titan_npu.models.deepseek_v32.args import DENSE_WARMUP, DSAArgs
 from titan_npu.models.init import ParamInit, constant, trunc_normal
+from titan_npu.ops import reference
 from titan_npu.ops.documents import Documents
 
 INDEXER_NORM_EPS = 1e-6  # the indexer key's LayerNorm (transformers' DeepseekV32Indexer)
@@ -67,7 +68,7 @@ def indexer_kl(target: torch.Tensor, scores: torch.Tensor, keys: torch.Tensor) -
 
 
 class LightningIndexer(nn.Module):
-    """DSA's lightning indexer: (x, the query latent, RoPE tables) -> index scores I [B, S, S] fp32."""
+    """DSA's lightning indexer: (x, the query latent, RoPE tables) -> its query heads, key and head weights."""
 
     def __init__(self, args: DSAArgs) -> None:
         super().__init__()
@@ -79,44 +80,24 @@ class LightningIndexer(nn.Module):
         self.weights_proj = Linear(args.dim, args.index_n_heads)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> torch.Tensor:
-        """I[b, s, t] = sum_h w[b, s, h] H^-0.5 ReLU(D^-0.5 q[b, s, h] . k[b, t]), fp32; cos/sin the rows of the
-        positions held ([S, rope / 2])."""
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [B, S, H, D], k [B, S, D], w [B, S, H] fp32) after RoPE: the operands of
+        I[b, s, t] = sum_h w[b, s, h] ReLU(D^-0.5 q[b, s, h] . k[b, t]) (ops.indexer_topk, reference.indexer_scores);
+        cos/sin the rows of the positions held ([S, rope / 2])."""
         bs, seqlen, _ = x.shape
         q = self.wq_b(q_latent).view(bs, seqlen, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(x))
         if self.interleaved:  # GLM-5: pairs (2i, 2i + 1), gathered into halves first as transformers does
             q, k = deinterleave(q, self.rope_dim), deinterleave(k, self.rope_dim)
         q, k = rotate_half_split(q, cos, sin), rotate_half_split(k, cos, sin)
-        # The order of transformers' products, so that the same weights rank keys the same (ties included).
-        scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.head_dim ** -0.5
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5  # fp32, as published
-        return torch.matmul(weights.unsqueeze(-2), F.relu(scores)).squeeze(-2)
+        return q, k, weights
 
     def param_inits(self) -> dict[str, ParamInit]:
         """Projections ~ N(0, 0.02), the key norm a unit scale and no shift."""
         return {"wq_b.weight": trunc_normal(0.02), "wk.weight": trunc_normal(0.02),
                 "weights_proj.weight": trunc_normal(0.02), "k_norm.weight": constant(1.0),
                 "k_norm.bias": constant(0.0)}
-
-
-def selected_keys(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
-    """bool [B, S, T]: each query's top-min(topk, T) keys by `scores` among the `visible` ones (bool [B, S, T])."""
-    ranked = scores.masked_fill(~visible, float("-inf"))
-    chosen = ranked.topk(min(topk, ranked.shape[-1]), dim=-1).indices
-    return torch.zeros_like(visible).scatter(-1, chosen, True) & visible
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
-                     use_flash: bool) -> torch.Tensor:
-    """Attention of q [B, S, H, D] over the keys allowed by `keys` (bool [B, S, T]) -> [B, S, H, D]."""
-    mask = keys.unsqueeze(1)
-    if use_flash:
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              attn_mask=mask).transpose(1, 2)
-    scores = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1)) * q.shape[-1] ** -0.5
-    probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
-    return torch.matmul(probs, v.transpose(1, 2)).transpose(1, 2)
 
 
 @torch.no_grad()
@@ -169,26 +150,31 @@ class SparseMLA(MLA):
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        if documents is not None:
-            visible = documents.mask(True)[:, 0]
-        else:
-            visible = torch.ones(seqlen, seqlen, dtype=torch.bool, device=x.device).tril().expand(bs, -1, -1)
+        visible = reference.visible_keys(bs, seqlen, x.device, documents)
         learning = self.training and self.learns and self.indexer is not None
+        indices = scores = None
         if self.indexer is None:  # the source layer's selection of this forward
-            keys = visible if self.dense else self.selections[self.source]
-        else:
+            indices = None if self.dense else self.selections[self.source]
+        elif learning or not self.dense:
             # Detached: the language-model loss does not reach the indexer, nor its loss the model.
             with torch.set_grad_enabled(learning and torch.is_grad_enabled()):
-                scores = self.indexer(x.detach(), q_latent.detach(), cos, sin)
-            keys = visible if self.dense else selected_keys(scores.detach(), visible, self.topk)
-            self.selections[self.layer_id] = keys
+                q_index, k_index, weights = self.indexer(x.detach(), q_latent.detach(), cos, sin)
+                scores = reference.indexer_scores(q_index, k_index, weights) if learning else None
+            if not self.dense:  # the scores at hand rank the keys; without them, the indexer kernel does
+                indices = (reference.top_keys(scores.detach(), visible, self.topk) if learning else ops.indexer_topk(
+                    q_index.detach(), k_index.detach(), weights.detach(), self.topk, documents))
+                self.selections[self.layer_id] = indices
         pad = self.head_dim - self.v_dim
         v = F.pad(v, (0, pad)) if pad > 0 else v
         if self.dense:
             out = ops.attention(q, k, v, causal=True, use_flash=self.use_flash, documents=documents)
         else:
-            out = masked_attention(q, k, v, keys, self.use_flash)
-        self.indexer_loss = indexer_kl(head_summed_probs(q, k, keys), scores, keys) if learning else None
+            out = ops.sparse_attention(q, k, v, indices, use_flash=self.use_flash)
+        if learning:
+            keys = visible if self.dense else reference.selected_mask(indices, seqlen)
+            self.indexer_loss = indexer_kl(head_summed_probs(q, k, keys), scores, keys)
+        else:
+            self.indexer_loss = None
         if pad > 0:
             out = out[..., :self.v_dim]
         return self.wo(out.reshape(bs, seqlen, -1))
