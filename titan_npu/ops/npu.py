@@ -401,10 +401,112 @@ def moe_unpermute(routed: torch.Tensor, order: torch.Tensor, weights: torch.Tens
     return _torch_npu().npu_moe_token_unpermute(routed, position.to(torch.int32), probs=weights.to(routed.dtype))
 
 
+# --- DeepSeek Sparse Attention -------------------------------------------------------------------------------------
+# Sources (torch_npu 2.13.0 / 2.14.0 wheels, the same text in both): torch_npu/csrc/aten/
+# npu_native_functions_by_codegen.yaml:489 (npu_lightning_indexer), :978 (npu_sparse_flash_attention), :980
+# (npu_sparse_flash_attention_grad, an op the yaml does not mark `exposed`, hence torch.ops.npu); the meta functions
+# in torch_npu/op_plugin/meta/_meta_registrations.py:283-349, :352-367 and :2442-2487 (indices [B, S1, N2,
+# sparse_count] int32; softmax_max / softmax_sum [B, N2, S1, G] fp32 with return_softmax_lse); the API reference in
+# torch_npu/_op_plugin_docs.py:1363-1410 and :1466-1520. What the reference leaves open, the vendor's golden code
+# pins: the indexer's score sum_h w_h ReLU(q_h . k) with no scale of its own (the formula of Huawei's
+# LightningIndexer README in sgl-project/sgl-kernel-npu, csrc/lightning_indexer/README.md); rows that see fewer keys
+# than sparse_count end in -1 (_op_plugin_docs.py:14715, the KL-loss example: "把对应的sparse indices置为-1"); the
+# attention reads a row's indices up to the first -1, query head h uses key head h // G, and sparse_mode 3
+# (rightDownCausal, :1512) masks selected keys at or past S2 - S1 + i + 1 (Ascend/op-plugin
+# test/test_custom_ops/test_npu_sparse_flash_attention.py: cpu_sparse_flash_attention, gather_kv, mask). That golden
+# runs attention_mode 2 (MLA-absorb: one latent as key and value, :1573 "KV是同一份"); the call here keeps the
+# default attention_mode 0, its own value tensor, because the model's MLA is not absorbed (per-head keys).
+
+SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3  # query i of S1 sees keys 0 .. S2 - S1 + i of S2: plain causal when S1 == S2
+DSA_DTYPES = (torch.float16, torch.bfloat16)  # both kernels' query/key/value/weights (_op_plugin_docs.py:1377, :1406)
+# npu_lightning_indexer's sparse_count: 1-2048 and 3072, 4096, ..., 8192 (_op_plugin_docs.py:1393).
+INDEXER_SPARSE_COUNTS = frozenset((*range(1, 2049), 3072, 4096, 5120, 6144, 7168, 8192))
+SPARSE_BLOCK_SIZE = 1  # one key per index
+
+_fallbacks_logged: set[tuple[str, str]] = set()
+
+
+def _fallback(op: str, reason: str) -> None:
+    """Log once per (op, reason) that `op` takes the reference here."""
+    if (op, reason) not in _fallbacks_logged:
+        _fallbacks_logged.add((op, reason))
+        log.info("%s: %s; the reference computes it", op, reason)
+
+
+def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int,
+                 documents: Documents | None = None) -> torch.Tensor:
+    """npu_lightning_indexer (BSND, sparse_mode 3, sparse_count topk) on q [B, S, H, D], the key as its one head
+    [B, S, 1, D] and the weights in q's dtype; its indices [B, S, 1, topk] are ours. The kernel scores
+    sum_h w_h ReLU(q_h . k) without our D^-0.5, a positive factor common to every key (ReLU(c x) = c ReLU(x)), so
+    both rank the keys alike. fp32 (the kernel takes fp16/bf16), documents (TND with per-document lengths is not
+    wired), DTensors and a topk the kernel does not offer take the reference."""
+    reason = None
+    if documents is not None:
+        reason = "document masks"
+    elif _any_dtensor(q, k, weights):
+        reason = "DTensor inputs"
+    elif q.dtype not in DSA_DTYPES or k.dtype != q.dtype:
+        reason = f"{q.dtype} (the kernel takes fp16/bf16)"
+    elif topk not in INDEXER_SPARSE_COUNTS:
+        reason = f"top-k {topk} (sparse_count is 1-2048 or a multiple of 1024 up to 8192)"
+    if reason is not None:
+        _fallback("npu_lightning_indexer", reason)
+        return reference.indexer_topk(q, k, weights, topk, documents)
+    indices = _torch_npu().npu_lightning_indexer(
+        q.contiguous(), k.unsqueeze(2).contiguous(), weights.to(q.dtype).contiguous(), layout_query="BSND",
+        layout_key="BSND", sparse_count=topk, sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL)[0]
+    return indices.squeeze(2)
+
+
+class _SparseFlashAttention(torch.autograd.Function):
+    """npu_sparse_flash_attention forward (with its softmax statistics) and npu_sparse_flash_attention_grad backward,
+    BSND, one index row per key head, sparse_mode 3, one key per index."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, scale: float
+                ) -> torch.Tensor:
+        out, softmax_max, softmax_sum = _torch_npu().npu_sparse_flash_attention(
+            q, k, v, indices, scale, sparse_block_size=SPARSE_BLOCK_SIZE, layout_query="BSND", layout_kv="BSND",
+            sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL, return_softmax_lse=True)
+        ctx.save_for_backward(q, k, v, indices, out, softmax_max, softmax_sum)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        q, k, v, indices, out, softmax_max, softmax_sum = ctx.saved_tensors
+        _torch_npu()
+        dq, dk, dv = torch.ops.npu.npu_sparse_flash_attention_grad(
+            q, k, v, indices, grad.contiguous(), out, softmax_max, softmax_sum, ctx.scale, SPARSE_BLOCK_SIZE,
+            layout="BSND", sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL)[:3]
+        return dq, dk, dv, None, None
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """npu_sparse_flash_attention (forward and npu_sparse_flash_attention_grad) on q [B, S, H, D], k / v
+    [B, S, H_kv, D] (MLA's per-head keys, the values padded to D by the model), the indices repeated for each key
+    head ([B, S, H_kv, topk], contiguous as the kernel requires), scale D^-0.5. fp32, a value head size other than
+    D, heads that do not group and DTensors take the reference."""
+    reason = None
+    if _any_dtensor(q, k, v, indices):
+        reason = "DTensor inputs"
+    elif q.dtype not in DSA_DTYPES or not q.dtype == k.dtype == v.dtype:
+        reason = f"{q.dtype} (the kernel takes fp16/bf16)"
+    elif v.shape[-1] != q.shape[-1] or k.shape[-1] != q.shape[-1]:
+        reason = "a value head size other than the query's (the kernel's output has the query's shape)"
+    elif q.shape[2] % k.shape[2]:
+        reason = f"{q.shape[2]} query heads over {k.shape[2]} key heads"
+    if reason is not None:
+        _fallback("npu_sparse_flash_attention", reason)
+        return reference.sparse_attention(q, k, v, indices)
+    per_head = indices.to(torch.int32).unsqueeze(2).expand(-1, -1, k.shape[2], -1).contiguous()
+    return _SparseFlashAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), per_head, q.shape[-1] ** -0.5)
+
+
 register_backend(
     "npu",
     {"attention": attention, "rms_norm": rms_norm, "apply_rotary_emb": apply_rotary_emb, "swiglu": swiglu,
      "swiglu_linear": swiglu_linear,
      "grouped_mm": grouped_mm, "moe_topk_softmax": moe_topk_softmax, "moe_permute": moe_permute,
-     "moe_unpermute": moe_unpermute},
+     "moe_unpermute": moe_unpermute, "indexer_topk": indexer_topk, "sparse_attention": sparse_attention},
 )
