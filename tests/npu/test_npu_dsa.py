@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 
 import pytest
 import torch
@@ -33,7 +34,6 @@ def indexer_inputs(batch: int, seq: int, heads: int = 4, head_dim: int = 16, see
 
 @pytest.fixture
 def npu_log(caplog):
-    npu_ops._fallbacks_logged.clear()
     caplog.set_level(logging.INFO, logger="titan_npu")
     return caplog
 
@@ -97,6 +97,20 @@ def test_fp32_and_an_unequal_value_head_take_the_reference_attention(fake_torch_
                        reference.sparse_attention(q, k, v[..., :8], indices))
     assert fake_torch_npu.calls["npu_sparse_flash_attention"] == 0
     assert len([r for r in npu_log.records if r.getMessage().startswith("npu_sparse_flash_attention")]) == 2
+
+
+def test_a_layout_the_attention_kernel_refuses_takes_the_reference_from_then_on(fake_torch_npu, npu_log,
+                                                                                monkeypatch):
+    # The vendor's golden code runs the absorbed MLA form only: should the card refuse per-head keys, the run goes on.
+    def refuse(*args, **kwargs):
+        raise RuntimeError("unsupported layout")
+
+    monkeypatch.setitem(sys.modules["npu_wheel"]._kernels, "npu_sparse_flash_attention", refuse)
+    q, k, v, indices = sparse_inputs(1, 12, 2, 16, 4)
+    for _ in range(2):
+        assert torch.equal(npu_ops.sparse_attention(q, k, v, indices), reference.sparse_attention(q, k, v, indices))
+    warnings = [r for r in npu_log.records if r.levelno == logging.WARNING and "refused" in r.getMessage()]
+    assert len(warnings) == 1 and "unsupported layout" in warnings[0].getMessage()
 
 
 def test_the_fake_refuses_what_the_api_reference_rules_out(fake_torch_npu):

@@ -424,6 +424,7 @@ INDEXER_SPARSE_COUNTS = frozenset((*range(1, 2049), 3072, 4096, 5120, 6144, 7168
 SPARSE_BLOCK_SIZE = 1  # one key per index
 
 _fallbacks_logged: set[tuple[str, str]] = set()
+_sparse_attention_refused: set[tuple[int, int, int]] = set()  # (query heads, key heads, D) the kernel raised on
 
 
 def _fallback(op: str, reason: str) -> None:
@@ -486,8 +487,10 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     """npu_sparse_flash_attention (forward and npu_sparse_flash_attention_grad) on q [B, S, H, D], k / v
     [B, S, H_kv, D] (MLA's per-head keys, the values padded to D by the model), the indices repeated for each key
     head ([B, S, H_kv, topk], contiguous as the kernel requires), scale D^-0.5. fp32, a value head size other than
-    D, heads that do not group and DTensors take the reference."""
+    D, heads that do not group and DTensors take the reference; so does, from then on, a shape the kernel refuses
+    (RuntimeError; the per-head MLA layout is not one the vendor's golden code runs)."""
     reason = None
+    shape = (q.shape[2], k.shape[2], q.shape[-1])
     if _any_dtensor(q, k, v, indices):
         reason = "DTensor inputs"
     elif q.dtype not in DSA_DTYPES or not q.dtype == k.dtype == v.dtype:
@@ -496,11 +499,20 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
         reason = "a value head size other than the query's (the kernel's output has the query's shape)"
     elif q.shape[2] % k.shape[2]:
         reason = f"{q.shape[2]} query heads over {k.shape[2]} key heads"
+    elif shape in _sparse_attention_refused:
+        return reference.sparse_attention(q, k, v, indices)
     if reason is not None:
         _fallback("npu_sparse_flash_attention", reason)
         return reference.sparse_attention(q, k, v, indices)
     per_head = indices.to(torch.int32).unsqueeze(2).expand(-1, -1, k.shape[2], -1).contiguous()
-    return _SparseFlashAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), per_head, q.shape[-1] ** -0.5)
+    try:
+        return _SparseFlashAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), per_head,
+                                           q.shape[-1] ** -0.5)
+    except RuntimeError as e:  # what the kernel raises on a layout it does not support
+        _sparse_attention_refused.add(shape)
+        log.warning("npu_sparse_flash_attention refused %d query heads, %d key heads of %d (%s); this shape takes the "
+                    "reference from now on", *shape, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return reference.sparse_attention(q, k, v, indices)
 
 
 register_backend(
