@@ -416,6 +416,8 @@ def moe_unpermute(routed: torch.Tensor, order: torch.Tensor, weights: torch.Tens
 # test/test_custom_ops/test_npu_sparse_flash_attention.py: cpu_sparse_flash_attention, gather_kv, mask). That golden
 # runs attention_mode 2 (MLA-absorb: one latent as key and value, :1573 "KV是同一份"); the call here keeps the
 # default attention_mode 0, its own value tensor, because the model's MLA is not absorbed (per-head keys).
+# value=None (CANN 9.2 or later: _meta_registrations.py:305-309) stands for that shared latent (the golden's
+# `value = key.copy()`); the call here always passes the value.
 
 SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3  # query i of S1 sees keys 0 .. S2 - S1 + i of S2: plain causal when S1 == S2
 DSA_DTYPES = (torch.float16, torch.bfloat16)  # both kernels' query/key/value/weights (_op_plugin_docs.py:1377, :1406)
