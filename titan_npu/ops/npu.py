@@ -409,10 +409,13 @@ def moe_unpermute(routed: torch.Tensor, order: torch.Tensor, weights: torch.Tens
 # sparse_count] int32; softmax_max / softmax_sum [B, N2, S1, G] fp32 with return_softmax_lse); the API reference in
 # torch_npu/_op_plugin_docs.py:1363-1410 and :1466-1520. What the reference leaves open, the vendor's golden code
 # pins: the indexer's score sum_h w_h ReLU(q_h . k) with no scale of its own (the formula of Huawei's
-# LightningIndexer README in sgl-project/sgl-kernel-npu, csrc/lightning_indexer/README.md); rows that see fewer keys
-# than sparse_count end in -1 (_op_plugin_docs.py:14715, the KL-loss example: "把对应的sparse indices置为-1"); the
-# attention reads a row's indices up to the first -1, query head h uses key head h // G, and sparse_mode 3
-# (rightDownCausal, :1512) masks selected keys at or past S2 - S1 + i + 1 (Ascend/op-plugin
+# LightningIndexer README in sgl-project/sgl-kernel-npu, csrc/lightning_indexer/README.md; op-plugin's
+# test/test_custom_ops/test_npu_lightning_indexer.py, _lightning_indexer). What fills a row that sees fewer keys
+# than sparse_count, the vendor says two ways: -1 (_op_plugin_docs.py:14715, the KL-loss example: "把对应的sparse
+# indices置为-1") or, in that golden, the masked keys themselves after the visible ones (it sorts the masked scores
+# and keeps min(sparse_count, S2) of them; -1 only past S2); indexer_topk takes either and sets every key a query
+# cannot see to -1. The attention reads a row's indices up to the first -1, query head h uses key head h // G,
+# and sparse_mode 3 (rightDownCausal, :1512) masks selected keys at or past S2 - S1 + i + 1 (Ascend/op-plugin
 # test/test_custom_ops/test_npu_sparse_flash_attention.py: cpu_sparse_flash_attention, gather_kv, mask). That golden
 # runs attention_mode 2 (MLA-absorb: one latent as key and value, :1573 "KV是同一份"); the call here keeps the
 # default attention_mode 0, its own value tensor, because the model's MLA is not absorbed (per-head keys).
@@ -439,7 +442,8 @@ def _fallback(op: str, reason: str) -> None:
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int,
                  documents: Documents | None = None) -> torch.Tensor:
     """npu_lightning_indexer (BSND, sparse_mode 3, sparse_count topk) on q [B, S, H, D], the key as its one head
-    [B, S, 1, D] and the weights in q's dtype; its indices [B, S, 1, topk] are ours. The kernel scores
+    [B, S, 1, D] and the weights in q's dtype; its indices [B, S, 1, topk] are ours, keys a query cannot see set to
+    -1. The kernel scores
     sum_h w_h ReLU(q_h . k) without our D^-0.5, a positive factor common to every key (ReLU(c x) = c ReLU(x)), so
     both rank the keys alike. fp32 (the kernel takes fp16/bf16), documents (TND with per-document lengths is not
     wired), DTensors and a topk the kernel does not offer take the reference."""
@@ -457,8 +461,10 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: 
         return reference.indexer_topk(q, k, weights, topk, documents)
     indices = _torch_npu().npu_lightning_indexer(
         q.contiguous(), k.unsqueeze(2).contiguous(), weights.to(q.dtype).contiguous(), layout_query="BSND",
-        layout_key="BSND", sparse_count=topk, sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL)[0]
-    return indices.squeeze(2)
+        layout_key="BSND", sparse_count=topk, sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL)[0].squeeze(2)
+    # Keys past the query (masked, so ranked after every visible one) become -1, whichever way the kernel fills.
+    last_visible = torch.arange(q.shape[1], device=q.device, dtype=indices.dtype).view(1, -1, 1)
+    return torch.where(indices <= last_visible, indices, -1)
 
 
 class _SparseFlashAttention(torch.autograd.Function):

@@ -174,7 +174,6 @@ CITED: dict[str, tuple[str, str]] = {
                               "支持1-2048以及3072、4096、5120、6144、7168、8192"),
     "li.sparse_mode": (DOCS, "sparse_mode（int）：可选参数，表示sparse的模式，支持0/3，数据类型支持int32。"),
     "li.right_down": (DOCS, "sparse_mode为3时，代表rightDownCausal模式的mask，对应以右顶点为划分的下三角场景。"),
-    "li.fill": (DOCS, "#处理S2无效行场景，把对应的sparse indices置为-1"),
     "li.layout": (DOCS, "layout_query（str）：可选参数，用于标识输入query的数据排布格式，"
                         "当前支持BSND、TND，默认值\"BSND\"。"),
     "sfa.indices": (DOCS, "当query的layout为BSND时，shape需要传入[B, Q_S, KV_N, sparse_size]"),
@@ -778,7 +777,8 @@ def _npu_moe_token_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torc
 # From the wheel's API reference and meta registrations (CITED above) and, where the reference leaves the maths
 # open, the vendor's golden code: the indexer's score sum over a key head's query heads of w_h ReLU(q_h . k), no
 # scale of its own (Huawei's LightningIndexer README, sgl-project/sgl-kernel-npu csrc/lightning_indexer/README.md);
-# the attention reads each row's indices up to the first -1, query head h attends with key head h // G, and
+# op-plugin's test/test_custom_ops/test_npu_lightning_indexer.py (_lightning_indexer) ranks the same way; the
+# attention reads each row's indices up to the first -1, query head h attends with key head h // G, and
 # sparse_mode 3 masks selected keys at or past S2 - S1 + i + 1 (Ascend/op-plugin
 # test/test_custom_ops/test_npu_sparse_flash_attention.py: cpu_sparse_flash_attention, gather_kv, mask). Only the
 # BSND layout with whole sequences, one key per index and attention_mode 0 (a value of its own) are modelled.
@@ -807,9 +807,9 @@ def _npu_lightning_indexer(query: torch.Tensor, key: torch.Tensor, weights: torc
                            sparse_mode: int = 3, pre_tokens: int = 9223372036854775807,
                            next_tokens: int = 9223372036854775807, return_value: bool = False
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sparse_indices [B, S1, N2, sparse_count] int32, sparse_values): for each query and key head, the
-    sparse_count keys with the largest sum over the head's N1 / N2 query heads of weights * ReLU(q . k), best first,
-    among those sparse_mode lets it see (3: rightDownCausal; 0: all), -1 after the last one it sees."""
+    """(sparse_indices [B, S1, N2, sparse_count] int32, sparse_values): for each query and key head, the keys by
+    the sum over the head's N1 / N2 query heads of weights * ReLU(q . k), best first, those sparse_mode hides
+    (3: rightDownCausal; 0: none) after every visible one; -1 past the S2 keys there are."""
     calls["npu_lightning_indexer"] += 1
     op = "npu_lightning_indexer"
     if layout_query not in ("BSND", "TND") or layout_key not in ("BSND", "TND", "PA_BSND"):
@@ -836,8 +836,9 @@ def _npu_lightning_indexer(query: torch.Tensor, key: torch.Tensor, weights: torc
     if sparse_mode == 3:
         visible = _right_down_visible(s1, s2, query.device)
         scores = scores.masked_fill(~visible[None, :, None, :], float("-inf"))
-    values, indices = scores.topk(min(sparse_count, s2), dim=-1)
-    indices = torch.where(values == float("-inf"), -1, indices)  # CITED["li.fill"]
+    # The golden's rows: the scores sorted with the masked ones last, min(sparse_count, S2) kept, -1 past S2 (the
+    # stricter of the vendor's two readings for a row that sees fewer keys: the KL-loss example fills -1 instead).
+    indices = scores.topk(min(sparse_count, s2), dim=-1).indices
     indices = F.pad(indices, (0, sparse_count - indices.shape[-1]), value=-1)
     return indices.to(torch.int32), torch.empty(0, dtype=query.dtype, device=query.device)
 
