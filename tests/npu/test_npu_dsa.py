@@ -5,7 +5,6 @@ once), and the fake refuses what the API reference rules out."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 
@@ -132,14 +131,23 @@ def test_the_fake_refuses_what_the_api_reference_rules_out(fake_torch_npu):
         fake_torch_npu.npu_sparse_flash_attention(q, k, v, per_head.long(), 0.25)
 
 
-def test_a_tiny_deepseek_v32_on_the_npu_kernels_tracks_the_reference(fake_torch_npu):
-    # bf16, the sparse stage with frozen indexers (no indexer loss: the indexer kernel selects), 2 layers.
+# (stage, indexer_loss_weight) -> calls of (npu_lightning_indexer, npu_sparse_flash_attention and its grad) per
+# layer: frozen indexers select with the kernel; a learning one ranks by the fp32 scores its KL loss needs; the
+# dense warm-up attends every key (npu_fusion_attention).
+STAGES = {"sparse-frozen": ("sparse", 0.0, 1, 1), "sparse-learning": ("sparse", 1.0, 0, 1),
+          "dense-warmup": ("dense_warmup", 1.0, 0, 0)}
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_a_tiny_deepseek_v32_on_the_npu_kernels_tracks_the_reference(fake_torch_npu, stage):
+    dsa_stage, loss_weight, indexer_calls, attention_calls = STAGES[stage]
     args = DSAArgs(dim=64, n_layers=2, n_heads=4, vocab_size=128, ffn_dim=96, norm_eps=1e-6, rope_theta=10000.0,
                    max_seq_len=32, family="deepseek_v32", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
                    qk_rope_head_dim=16, v_head_dim=16, n_experts=4, top_k=2, moe_ffn_dim=32, n_shared_experts=1,
-                   first_k_dense=1, index_n_heads=4, index_head_dim=16, index_topk=8, indexer_loss_weight=0.0)
+                   first_k_dense=1, index_n_heads=4, index_head_dim=16, index_topk=8, dsa_stage=dsa_stage,
+                   indexer_loss_weight=loss_weight)
     torch.manual_seed(0)
-    model = DSATransformer(dataclasses.replace(args)).to(torch.bfloat16)
+    model = DSATransformer(args).to(torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.1)
@@ -149,14 +157,15 @@ def test_a_tiny_deepseek_v32_on_the_npu_kernels_tracks_the_reference(fake_torch_
         set_kernels(kernels)
         model.zero_grad(set_to_none=True)
         logits = model(tokens)
-        logits.float().square().mean().backward()
+        aux = model.auxiliary_loss()
+        (logits.float().square().mean() + (0 if aux is None else aux)).backward()
         return logits.detach().float(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
 
     fake_torch_npu.calls.clear()
     npu_logits, npu_grads = forward_backward("npu")
-    assert fake_torch_npu.calls["npu_lightning_indexer"] == 2
-    assert fake_torch_npu.calls["npu_sparse_flash_attention"] == 2
-    assert fake_torch_npu.calls["npu_sparse_flash_attention_grad"] == 2
+    assert fake_torch_npu.calls["npu_lightning_indexer"] == 2 * indexer_calls
+    assert fake_torch_npu.calls["npu_sparse_flash_attention"] == 2 * attention_calls
+    assert fake_torch_npu.calls["npu_sparse_flash_attention_grad"] == 2 * attention_calls
     ref_logits, ref_grads = forward_backward("reference")
     torch.testing.assert_close(npu_logits, ref_logits, atol=5e-2, rtol=5e-2)
     for name, grad in npu_grads.items():
