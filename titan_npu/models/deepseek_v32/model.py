@@ -9,9 +9,11 @@ c_q = norm(W_q_a x) [B, S, q_lora_rank]:
   interleaved ones; I[s, t] = sum_h w[s, h] H_I^-0.5 ReLU(D_I^-0.5 q_I[s, h] . k_I[t]), in fp32.
 The attention of query s then runs over its top index_topk keys by I among the keys it may see (causal, and inside
 its document with data.document_mask); a query with fewer visible keys keeps them all (the published definition:
-top-min(index_topk, S) of the masked scores). GLM-5 (model.variant = "glm_moe_dsa", transformers'
-GlmMoeDsaForCausalLM) rotates the indexer's pairs interleaved, and a layer its indexer_types marks "shared" has no
-indexer: it attends over the keys the last full layer selected in the same forward.
+top-min(index_topk, S) of the masked scores). The selection and that attention are the ops indexer_topk and
+sparse_attention (titan_npu/ops: the plain torch reference on CPU/CUDA, torch_npu's kernels on Ascend). GLM-5
+(model.variant = "glm_moe_dsa", transformers' GlmMoeDsaForCausalLM) rotates the indexer's pairs interleaved, and a
+layer its indexer_types marks "shared" has no indexer: it attends over the keys the last full layer selected in the
+same forward.
 
 Training (model.dsa_stage, models/deepseek_v32/args.py): the indexer reads x and c_q detached, so only its KL loss
 trains it; the loss of layer l is the mean over the queries s of KL(p_s || softmax(I_s)) over the keys of the
