@@ -1,6 +1,6 @@
 """The model's compute ops (attention, rms_norm, rotary embedding, swiglu, linear, swiglu_linear, grouped_mm, the
-MoE routing steps moe_topk_softmax, moe_permute, moe_unpermute, and DeepSeek Sparse Attention's indexer_topk and
-sparse_attention) behind one dispatch point per op.
+MoE routing steps moe_topk_softmax, moe_permute, moe_unpermute, and DeepSeek Sparse Attention's indexer_topk,
+sparse_attention and indexer_warmup_loss) behind one dispatch point per op.
 
 Every op has a plain-torch reference (ops/reference.py); vendor backends (ops/npu.py, ops/cuda.py) register
 faster kernels per op with register_backend, and set_kernels chooses between them (see docs/model.md).
@@ -14,6 +14,7 @@ from titan_npu.ops.dispatch import (
     current_kernels,
     grouped_mm,
     indexer_topk,
+    indexer_warmup_loss,
     linear,
     moe_permute,
     moe_topk_softmax,
@@ -34,6 +35,7 @@ __all__ = [
     "current_kernels",
     "grouped_mm",
     "indexer_topk",
+    "indexer_warmup_loss",
     "linear",
     "moe_permute",
     "moe_topk_softmax",

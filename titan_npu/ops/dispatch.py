@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 OP_NAMES: tuple[str, ...] = ("attention", "rms_norm", "apply_rotary_emb", "swiglu", "linear", "swiglu_linear",
                              "grouped_mm", "moe_topk_softmax", "moe_permute", "moe_unpermute", "indexer_topk",
-                             "sparse_attention")
+                             "sparse_attention", "indexer_warmup_loss")
 
 
 def _composed_swiglu_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -43,6 +43,7 @@ REFERENCE: dict[str, Callable] = {
     "moe_unpermute": reference.moe_unpermute,
     "indexer_topk": reference.indexer_topk,
     "sparse_attention": reference.sparse_attention,
+    "indexer_warmup_loss": reference.indexer_warmup_loss,
 }
 
 # Modules that register a vendor backend when imported; a module that does not exist (yet) is skipped.
@@ -192,6 +193,15 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     if not use_flash:
         return reference.sparse_attention(q, k, v, indices, use_flash=False)
     return _table(q.device.type)["sparse_attention"][1](q, k, v, indices)
+
+
+def indexer_warmup_loss(q: torch.Tensor, k: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor,
+                        weights: torch.Tensor, rope_dim: int, documents: Documents | None = None) -> torch.Tensor:
+    """DeepSeek Sparse Attention's dense warm-up loss: the mean over the queries of KL(p || softmax(I)) over the
+    keys each sees, p the main attention's (q, k [B, S, H, D], its last rope_dim channels RoPE) probabilities summed
+    over the heads and L1-normalised (no gradient), I the indexer's scores of q_index [B, S, H_I, D_I], k_index
+    [B, S, D_I], weights [B, S, H_I] fp32 (indexer_topk's operands), the gradient flowing to those three."""
+    return _table(q.device.type)["indexer_warmup_loss"][1](q, k, q_index, k_index, weights, rope_dim, documents)
 
 
 def _table(device_type: str) -> dict[str, tuple[str, Callable]]:

@@ -344,3 +344,36 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     scores = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1)) * q.shape[-1] ** -0.5
     probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
     return torch.matmul(probs, v.transpose(1, 2)).transpose(1, 2)
+
+
+def indexer_kl(target: torch.Tensor, scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Mean over the queries of KL(target || softmax(scores)) over `keys` (bool [B, S, T]); target [B, S, T] sums
+    to 1 over them, scores fp32."""
+    log_q = torch.log_softmax(scores.masked_fill(~keys, float("-inf")), dim=-1)
+    terms = torch.where(keys & (target > 0), target * (target.clamp(min=1e-30).log() - log_q), 0.0)
+    return terms.sum(-1).mean()
+
+
+@torch.no_grad()
+def head_summed_probs(q: torch.Tensor, k: torch.Tensor, keys: torch.Tensor, heads_at_once: int = 16
+                      ) -> torch.Tensor:
+    """The main attention's probabilities over `keys` (bool [B, S, T]) summed over the heads and L1-normalised:
+    [B, S, T] fp32, without gradient (a few heads at a time)."""
+    total = torch.zeros(keys.shape, dtype=torch.float32, device=q.device)
+    mask = keys.unsqueeze(1)
+    for h in range(0, q.shape[2], heads_at_once):
+        qh, kh = q[:, :, h:h + heads_at_once].transpose(1, 2), k[:, :, h:h + heads_at_once].permute(0, 2, 3, 1)
+        scores = torch.matmul(qh.float(), kh.float()) * q.shape[-1] ** -0.5
+        total += torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).sum(1)
+    return total / total.sum(-1, keepdim=True)
+
+
+
+def indexer_warmup_loss(q: torch.Tensor, k: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor,
+                        weights: torch.Tensor, rope_dim: int, documents: Documents | None = None) -> torch.Tensor:
+    """DSA's dense warm-up loss: mean over the queries of KL(p || softmax(I)) over every key a query sees (causal,
+    within its document), p the main attention's probabilities (q, k [B, S, H, D], scale D^-0.5, the last rope_dim
+    channels the RoPE ones) summed over the heads and L1-normalised, without gradient; I = indexer_scores(q_index,
+    k_index, weights), the gradient flowing to those three."""
+    keys = visible_keys(q.shape[0], q.shape[1], q.device, documents)
+    return indexer_kl(head_summed_probs(q, k, keys), indexer_scores(q_index, k_index, weights), keys)

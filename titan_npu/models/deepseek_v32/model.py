@@ -61,14 +61,6 @@ def deinterleave(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
     return torch.cat([rope, x[..., rope_dim:]], dim=-1)
 
 
-def indexer_kl(target: torch.Tensor, scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Mean over the queries of KL(target || softmax(scores)) over `keys` (bool [B, S, T]); target [B, S, T] sums
-    to 1 over them, scores fp32."""
-    log_q = torch.log_softmax(scores.masked_fill(~keys, float("-inf")), dim=-1)
-    terms = torch.where(keys & (target > 0), target * (target.clamp(min=1e-30).log() - log_q), 0.0)
-    return terms.sum(-1).mean()
-
-
 class LightningIndexer(nn.Module):
     """DSA's lightning indexer: (x, the query latent, RoPE tables) -> its query heads, key and head weights."""
 
@@ -100,20 +92,6 @@ class LightningIndexer(nn.Module):
         return {"wq_b.weight": trunc_normal(0.02), "wk.weight": trunc_normal(0.02),
                 "weights_proj.weight": trunc_normal(0.02), "k_norm.weight": constant(1.0),
                 "k_norm.bias": constant(0.0)}
-
-
-@torch.no_grad()
-def head_summed_probs(q: torch.Tensor, k: torch.Tensor, keys: torch.Tensor, heads_at_once: int = 16
-                      ) -> torch.Tensor:
-    """The main attention's probabilities over `keys` (bool [B, S, T]) summed over the heads and L1-normalised:
-    [B, S, T] fp32, without gradient (a few heads at a time)."""
-    total = torch.zeros(keys.shape, dtype=torch.float32, device=q.device)
-    mask = keys.unsqueeze(1)
-    for h in range(0, q.shape[2], heads_at_once):
-        qh, kh = q[:, :, h:h + heads_at_once].transpose(1, 2), k[:, :, h:h + heads_at_once].permute(0, 2, 3, 1)
-        scores = torch.matmul(qh.float(), kh.float()) * q.shape[-1] ** -0.5
-        total += torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).sum(1)
-    return total / total.sum(-1, keepdim=True)
 
 
 class SparseMLA(MLA):
@@ -161,7 +139,7 @@ class SparseMLA(MLA):
             # Detached: the language-model loss does not reach the indexer, nor its loss the model.
             with torch.set_grad_enabled(learning and torch.is_grad_enabled()):
                 q_index, k_index, weights = self.indexer(x.detach(), q_latent.detach(), cos, sin)
-                scores = reference.indexer_scores(q_index, k_index, weights) if learning else None
+                scores = reference.indexer_scores(q_index, k_index, weights) if learning and not self.dense else None
             if not self.dense:  # the scores at hand rank the keys; without them, the indexer kernel does
                 indices = (reference.top_keys(scores.detach(), visible, self.topk) if learning else ops.indexer_topk(
                     q_index.detach(), k_index.detach(), weights.detach(), self.topk, documents))
@@ -172,11 +150,13 @@ class SparseMLA(MLA):
             out = ops.attention(q, k, v, causal=True, use_flash=self.use_flash, documents=documents)
         else:
             out = ops.sparse_attention(q, k, v, indices, use_flash=self.use_flash)
-        if learning:
-            keys = visible if self.dense else reference.selected_mask(indices, seqlen)
-            self.indexer_loss = indexer_kl(head_summed_probs(q, k, keys), scores, keys)
-        else:
+        if not learning:
             self.indexer_loss = None
+        elif self.dense:
+            self.indexer_loss = ops.indexer_warmup_loss(q, k, q_index, k_index, weights, self.rope_dim, documents)
+        else:
+            keys = reference.selected_mask(indices, seqlen)
+            self.indexer_loss = reference.indexer_kl(reference.head_summed_probs(q, k, keys), scores, keys)
         if pad > 0:
             out = out[..., :self.v_dim]
         return self.wo(out.reshape(bs, seqlen, -1))
