@@ -202,6 +202,8 @@ DSA_CALLS = {
     "npu_sparse_flash_attention": ({"sparse_block_size", "layout_query", "layout_kv", "sparse_mode",
                                     "return_softmax_lse"}, 3),
     "npu_sparse_flash_attention_grad": ({"layout", "sparse_mode"}, 5),
+    "npu_dense_lightning_indexer_softmax_lse": ({"layout", "sparse_mode"}, 2),
+    "npu_dense_lightning_indexer_grad_kl_loss": ({"query_rope", "key_rope", "layout", "sparse_mode"}, 4),
 }
 
 

@@ -162,7 +162,8 @@ def test_op_check_runs_every_kernel_the_training_run_calls(npu_and_cpu_runs, tmp
     assert checked - trained == {"npu_fusion_attention_grad", "npu_grouped_matmul", "npu_grouped_matmul_add_",
                                  "npu_moe_gating_top_k_softmax", "npu_moe_token_permute",
                                  "npu_moe_token_unpermute", "npu_lightning_indexer", "npu_sparse_flash_attention",
-                                 "npu_sparse_flash_attention_grad"}, sorted(checked - trained)
+                                 "npu_sparse_flash_attention_grad", "npu_dense_lightning_indexer_softmax_lse",
+                                 "npu_dense_lightning_indexer_grad_kl_loss"}, sorted(checked - trained)
 
 
 def test_use_flash_attention_false_keeps_the_eager_attention_and_fuses_the_rest(fake_torch_npu):

@@ -523,10 +523,77 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
         return reference.sparse_attention(q, k, v, indices)
 
 
+# The dense warm-up's KL loss: npu_dense_lightning_indexer_softmax_lse then npu_dense_lightning_indexer_grad_kl_loss
+# (yaml :1029, :1032; _op_plugin_docs.py:14890-15022; meta :2507-2523), whose maths op-plugin's
+# test/test_custom_ops/test_npu_dense_lightning_indexer_grad_kl_loss.py pins: p = the main attention's
+# exp(scale [q, q_rope] . [k, k_rope] - softmax_max) / softmax_sum, rightDownCausal, averaged over the N1 heads;
+# softmax(I) from softmax_max_index / softmax_sum_index, I = sum_h w_h ReLU(q_I,h . k_I) without a scale; loss =
+# the SUM over batch, queries and keys of p (log max(p, 1e-8) - log max(softmax(I), 1e-8)), and the gradients of
+# q_index, key_index and weights are that sum's.
+
+
+class _IndexerWarmupLoss(torch.autograd.Function):
+    """The kernels' loss divided by B x S (ours is the mean over the queries), their gradients likewise; the
+    weights go in with our D_I^-0.5 folded in (softmax is not scale-free), its gradient scaled back."""
+
+    @staticmethod
+    def forward(ctx, q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor, rope_dim: int) -> torch.Tensor:
+        torch_npu = _torch_npu()
+        scale, index_scale = q.shape[-1] ** -0.5, q_index.shape[-1] ** -0.5
+        # The main attention's softmax statistics [B, H, S, 8] (equal over the last axis), its output unused.
+        _, softmax_max, softmax_sum, *_ = torch_npu.npu_fusion_attention(
+            q, k, k, q.shape[2], "BSND", scale=scale, keep_prob=1.0, atten_mask=causal_mask(q.device),
+            sparse_mode=SPARSE_MODE_LEFT_UP_CAUSAL)
+        softmax_max, softmax_sum = softmax_max[..., :1].contiguous(), softmax_sum[..., :1].contiguous()
+        key_index = k_index.unsqueeze(2).contiguous()
+        scaled = (weights.float() * index_scale).contiguous()
+        max_index, sum_index = torch_npu.npu_dense_lightning_indexer_softmax_lse(
+            q_index, key_index, scaled, layout="BSND", sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL)
+        nope = q.shape[-1] - rope_dim
+        d_q_index, d_k_index, d_weights, loss = torch_npu.npu_dense_lightning_indexer_grad_kl_loss(
+            q[..., :nope].contiguous(), k[..., :nope].contiguous(), q_index, key_index, scaled, softmax_max,
+            softmax_sum, max_index, sum_index, scale, query_rope=q[..., nope:].contiguous(),
+            key_rope=k[..., nope:].contiguous(), layout="BSND", sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL)
+        queries = q.shape[0] * q.shape[1]
+        ctx.save_for_backward(d_q_index / queries, d_k_index.squeeze(2) / queries,
+                              d_weights.float() * (index_scale / queries))
+        return loss[0] / queries
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
+        d_q_index, d_k_index, d_weights = ctx.saved_tensors
+        return grad * d_q_index, grad * d_k_index, grad * d_weights, None, None, None
+
+
+def indexer_warmup_loss(q: torch.Tensor, k: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor,
+                        weights: torch.Tensor, rope_dim: int, documents: Documents | None = None) -> torch.Tensor:
+    """The dense warm-up's KL loss from npu_fusion_attention's softmax statistics (one more forward of the main
+    attention, BSND, causal), npu_dense_lightning_indexer_softmax_lse and npu_dense_lightning_indexer_grad_kl_loss
+    (BSND, sparse_mode 3; the main q/k split into their no-RoPE and RoPE channels): the loss and the indexer's
+    gradients in one kernel, without the [B, H, S, S] probabilities and scores the reference holds. fp32, documents,
+    DTensors and per-head keys that do not match the query heads take the reference."""
+    reason = None
+    if documents is not None:
+        reason = "document masks"
+    elif _any_dtensor(q, k, q_index, k_index, weights):
+        reason = "DTensor inputs"
+    elif q.dtype not in DSA_DTYPES or not q.dtype == k.dtype == q_index.dtype == k_index.dtype:
+        reason = f"{q.dtype} / {q_index.dtype} (the kernels take fp16/bf16)"
+    elif k.shape[2] != q.shape[2]:
+        reason = f"{q.shape[2]} query heads over {k.shape[2]} key heads"
+    if reason is not None:
+        _fallback("npu_dense_lightning_indexer_grad_kl_loss", reason)
+        return reference.indexer_warmup_loss(q, k, q_index, k_index, weights, rope_dim, documents)
+    return _IndexerWarmupLoss.apply(q_index.contiguous(), k_index.contiguous(), weights, q.detach().contiguous(),
+                                    k.detach().contiguous(), rope_dim)
+
+
 register_backend(
     "npu",
     {"attention": attention, "rms_norm": rms_norm, "apply_rotary_emb": apply_rotary_emb, "swiglu": swiglu,
      "swiglu_linear": swiglu_linear,
      "grouped_mm": grouped_mm, "moe_topk_softmax": moe_topk_softmax, "moe_permute": moe_permute,
-     "moe_unpermute": moe_unpermute, "indexer_topk": indexer_topk, "sparse_attention": sparse_attention},
+     "moe_unpermute": moe_unpermute, "indexer_topk": indexer_topk, "sparse_attention": sparse_attention,
+     "indexer_warmup_loss": indexer_warmup_loss},
 )

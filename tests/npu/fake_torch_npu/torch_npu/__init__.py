@@ -182,6 +182,14 @@ CITED: dict[str, tuple[str, str]] = {
                              "对应以右下顶点往左上为划分线的下三角场景。"),
     "sfa.softmax_stats": (META, "softmax_max = torch.empty([query.size(0), key.size(2), query.size(1), "
                                 "query.size(2) // key.size(2)], dtype=torch.float32, device='meta')"),
+    "kl.dtype": (DOCS, "query（Tensor）：必选参数，数据格式支持ND，数据类型支持BFLOAT16、FLOAT16。"
+                       "支持输入shape(B, S1, N1, D)、(T1, N1, D)。"),
+    "kl.weights": (DOCS, "weights（Tensor）：必选参数，数据格式支持ND，数据类型支持BFLOAT16、FLOAT16、FLOAT。"
+                         "支持输入shape(B, S1, N1index)、(T1, N1index)。"),
+    "kl.softmax": (DOCS, "softmax_max（Tensor）：必选参数，数据格式支持ND，数据类型支持FLOAT。"
+                         "支持输入shape(B, N2, S1, G)、(N2, T1, G)。"),
+    "kl.softmax_index": (DOCS, "softmax_max_index（Tensor）：必选参数，数据格式支持ND，数据类型支持FLOAT。"
+                               "支持输入shape(B, N2index, S1)、(N2index, T1)。"),
 }
 
 
@@ -962,6 +970,90 @@ def _npu_sparse_flash_attention_grad(query: torch.Tensor, key: torch.Tensor, val
     return dq[..., :d].to(query.dtype), dk[..., :d].to(key.dtype), dv.to(value.dtype), dq_rope, dk_rope
 
 
+# The dense warm-up's KL loss kernels, after op-plugin's test/test_custom_ops/
+# test_npu_dense_lightning_indexer_grad_kl_loss.py (_process_p, _process_sy, _process_kl_loss, _process_dwqk): BSND,
+# one index key head, rightDownCausal (sparse_mode 3) only.
+
+
+def _dense_index_scores(op: str, query_index: torch.Tensor, key_index: torch.Tensor, weights: torch.Tensor,
+                        layout: str | None, sparse_mode: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(I [B, S1, S2] masked with -inf past rightDownCausal, ReLU(q_I . k_I) [B, N1, S1, S2]) in fp32."""
+    if layout != "BSND" or sparse_mode != 3:
+        raise NotImplementedError(f"fake {op}: only BSND with sparse_mode 3 is modelled")
+    for name, t in (("query_index", query_index), ("key_index", key_index)):
+        if t.dtype not in DSA_DTYPES:
+            raise RuntimeError(f"{op}: {name} must be fp16 or bf16, got {t.dtype}" + cite("kl.dtype"))
+    if weights.dtype not in (*DSA_DTYPES, torch.float32) or tuple(weights.shape) != tuple(query_index.shape[:3]):
+        raise RuntimeError(f"{op}: weights must be [B, S1, N1index] fp16/bf16/fp32, got {weights.dtype} "
+                           f"{list(weights.shape)}" + cite("kl.weights"))
+    if key_index.shape[2] != 1:
+        raise NotImplementedError(f"fake {op}: only one index key head is modelled")
+    relu = torch.einsum("bsnd,btd->bnst", query_index.float(), key_index[:, :, 0].float()).relu()
+    scores = (relu * weights.float().permute(0, 2, 1).unsqueeze(-1)).sum(1)
+    visible = _right_down_visible(scores.shape[1], scores.shape[2], scores.device)
+    return scores.masked_fill(~visible, float("-inf")), relu
+
+
+def _npu_dense_lightning_indexer_softmax_lse(query_index: torch.Tensor, key_index: torch.Tensor,
+                                             weights: torch.Tensor, *, actual_seq_qlen: list[int] | None = None,
+                                             actual_seq_klen: list[int] | None = None, layout: str | None = "BSND",
+                                             sparse_mode: int | None = 3,
+                                             pre_tokens: int | None = 9223372036854775807,
+                                             next_tokens: int | None = 9223372036854775807
+                                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax_max_index, softmax_sum_index) [B, N2index, S1] fp32: the row max of the indexer's masked scores and
+    the sum of exp(score - max)."""
+    calls["npu_dense_lightning_indexer_softmax_lse"] += 1
+    scores, _ = _dense_index_scores("npu_dense_lightning_indexer_softmax_lse", query_index, key_index, weights,
+                                    layout, sparse_mode)
+    row_max = scores.amax(-1)
+    return row_max.unsqueeze(1), torch.exp(scores - row_max.unsqueeze(-1)).sum(-1).unsqueeze(1)
+
+
+def _npu_dense_lightning_indexer_grad_kl_loss(
+        query: torch.Tensor, key: torch.Tensor, query_index: torch.Tensor, key_index: torch.Tensor,
+        weights: torch.Tensor, softmax_max: torch.Tensor, softmax_sum: torch.Tensor, softmax_max_index: torch.Tensor,
+        softmax_sum_index: torch.Tensor, scale_value: float, *, query_rope: torch.Tensor | None = None,
+        key_rope: torch.Tensor | None = None, actual_seq_qlen: list[int] | None = None,
+        actual_seq_klen: list[int] | None = None, layout: str | None = "BSND", sparse_mode: int | None = 3,
+        pre_tokens: int | None = 9223372036854775807, next_tokens: int | None = 9223372036854775807
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_query_index, d_key_index, d_weights, loss [1] fp32): p = the main attention's probabilities from its
+    statistics averaged over the N1 heads, y = softmax(I) from the index statistics, loss = sum over B, S1, S2 of
+    p (log max(p, 1e-8) - log max(y, 1e-8)), the gradients those of that sum through I."""
+    calls["npu_dense_lightning_indexer_grad_kl_loss"] += 1
+    op = "npu_dense_lightning_indexer_grad_kl_loss"
+    scores, relu = _dense_index_scores(op, query_index, key_index, weights, layout, sparse_mode)
+    for name, t in (("query", query), ("key", key), ("query_rope", query_rope), ("key_rope", key_rope)):
+        if t is not None and t.dtype not in DSA_DTYPES:
+            raise RuntimeError(f"{op}: {name} must be fp16 or bf16, got {t.dtype}" + cite("kl.dtype"))
+    q = query if query_rope is None else torch.cat([query, query_rope], dim=-1)
+    k = key if key_rope is None else torch.cat([key, key_rope], dim=-1)
+    b, s1, n1, _ = q.shape
+    n2 = k.shape[2]
+    if tuple(softmax_max.shape) != (b, n2, s1, n1 // n2) or softmax_sum.shape != softmax_max.shape:
+        raise RuntimeError(f"{op}: softmax_max / softmax_sum must be [B, N2, S1, G] = {[b, n2, s1, n1 // n2]}, got "
+                           f"{list(softmax_max.shape)}" + cite("kl.softmax"))
+    if tuple(softmax_max_index.shape) != (b, 1, s1) or softmax_sum_index.shape != softmax_max_index.shape:
+        raise RuntimeError(f"{op}: softmax_max_index / softmax_sum_index must be [B, N2index, S1] = {[b, 1, s1]}"
+                           + cite("kl.softmax_index"))
+    main = torch.einsum("bsnd,btnd->bnst", q.float(), k.float().repeat_interleave(n1 // n2, dim=2)) * scale_value
+    main = main.masked_fill(~_right_down_visible(s1, k.shape[1], q.device), float("-inf"))
+    stat_max = softmax_max.permute(0, 1, 3, 2).reshape(b, n1, s1, 1)
+    stat_sum = softmax_sum.permute(0, 1, 3, 2).reshape(b, n1, s1, 1)
+    p = (torch.exp(main - stat_max) / stat_sum).sum(1) / n1  # [B, S1, S2]
+    y = torch.exp(scores - softmax_max_index[:, 0, :, None]) / softmax_sum_index[:, 0, :, None]
+    floor = torch.tensor(1e-8)
+    loss = (p * (torch.log(torch.maximum(p, floor)) - torch.log(torch.maximum(y, floor)))).sum()
+    diff = y - p  # d loss / d I
+    d_weights = (diff.unsqueeze(1) * relu).sum(-1).permute(0, 2, 1)  # [B, S1, N1index]
+    d_relu = diff.unsqueeze(1) * weights.float().permute(0, 2, 1).unsqueeze(-1) * (relu > 0)  # [B, N1, S1, S2]
+    d_query_index = torch.einsum("bnst,btd->bsnd", d_relu, key_index[:, :, 0].float())
+    d_key_index = torch.einsum("bnst,bsnd->btd", d_relu, query_index.float()).unsqueeze(2)
+    return (d_query_index.to(query_index.dtype), d_key_index.to(key_index.dtype), d_weights.to(weights.dtype),
+            loss.reshape(1))
+
+
 def _get_npu_format(self: torch.Tensor) -> int:
     """The storage format of a tensor: ND (2) for every tensor the fake makes."""
     return 2
@@ -983,6 +1075,8 @@ KERNELS = {
     "npu_lightning_indexer": _npu_lightning_indexer,
     "npu_sparse_flash_attention": _npu_sparse_flash_attention,
     "npu_sparse_flash_attention_grad": _npu_sparse_flash_attention_grad,
+    "npu_dense_lightning_indexer_softmax_lse": _npu_dense_lightning_indexer_softmax_lse,
+    "npu_dense_lightning_indexer_grad_kl_loss": _npu_dense_lightning_indexer_grad_kl_loss,
 }
 # The ops torch_npu registers no backward for: their outputs carry no gradient on a card, nor here.
 WITHOUT_AUTOGRAD = ("npu_grouped_matmul", "npu_grouped_matmul_add_", "npu_moe_gating_top_k_softmax")
