@@ -10,7 +10,12 @@ groups included, 1,025 groups cut into calls of at most 1,024) with npu_grouped_
 contracted-axis groups) against a per-expert loop, fp16/bf16 only (fp32 takes the reference);
 npu_moe_gating_top_k_softmax (the router's top-k); npu_moe_token_permute / npu_moe_token_unpermute (bf16 only; fp32
 takes the reference), also as the MoE layer chains them -- the permutation's order from moe_permute fed to
-moe_unpermute, which proves the index convention the two kernels share on the card.
+moe_unpermute, which proves the index convention the two kernels share on the card. For DeepSeek Sparse Attention:
+npu_lightning_indexer (the keys it selects, weighed by the reference's scores, at a small and the published shape:
+64 heads of 128, top-2048 of 4,096) and npu_sparse_flash_attention with npu_sparse_flash_attention_grad (MLA's
+192-wide per-head keys over the selected keys), npu_dense_lightning_indexer_softmax_lse with
+npu_dense_lightning_indexer_grad_kl_loss (the dense warm-up's KL loss and the indexer's gradients), fp16/bf16 only
+(fp32 takes the reference).
 
     python examples/op_check.py            # the device titan-npu would train on (npu > cuda > cpu, or TITAN_DEVICE)
     python examples/op_check.py --quick    # small shapes only
@@ -44,11 +49,13 @@ TOLERANCE = {
     torch.float32: {"attention": 1e-4, "attention_block": 1e-4,
                     "rms_norm": 1e-5, "apply_rotary_emb": 1e-5, "swiglu": 1e-5, "adamw": 1e-5,
                     "swiglu_linear": 1e-4,  # a reduction over D: matmul accumulation order differs
-                    "grouped_mm": 1e-4, "moe_topk_softmax": 1e-5, "moe_permute": 1e-6, "moe_unpermute": 1e-5},
+                    "grouped_mm": 1e-4, "moe_topk_softmax": 1e-5, "moe_permute": 1e-6, "moe_unpermute": 1e-5,
+                    "indexer_topk": 1e-5, "sparse_attention": 1e-4, "indexer_warmup_loss": 1e-5},
     torch.bfloat16: {"attention": 2e-2, "attention_block": 2e-2,
                      "rms_norm": 2e-2, "apply_rotary_emb": 2e-2, "swiglu": 2e-2, "adamw": 1e-2,
                      "swiglu_linear": 2e-2,
-                     "grouped_mm": 2e-2, "moe_topk_softmax": 2e-2, "moe_permute": 2e-2, "moe_unpermute": 2e-2},
+                     "grouped_mm": 2e-2, "moe_topk_softmax": 2e-2, "moe_permute": 2e-2, "moe_unpermute": 2e-2,
+                     "indexer_topk": 2e-2, "sparse_attention": 2e-2, "indexer_warmup_loss": 2e-2},
 }
 ADAMW_STEPS = 3
 
@@ -184,6 +191,41 @@ def cases(device: torch.device, quick: bool):
                [randn(1, t, d), randn(f, d) * d**-0.5, randn(f, d) * d**-0.5])
 
 
+
+def dsa_cases(device: torch.device, quick: bool, randn: Callable):
+    """(op, description, fused fn, reference fn, inputs) for DeepSeek Sparse Attention's kernels."""
+    # The indexer: each query's sum of the reference's scores over the keys selected (a different choice among
+    # near-equal scores moves it little, a wrong one a lot); bf16 values, so both runs rank the same numbers.
+    for b, s, h, d, topk in [(2, 128, 8, 64, 32)] if quick else [(2, 128, 8, 64, 32), (1, 4096, 64, 128, 2048)]:
+        def chosen(select, q, k, w, topk=topk):
+            keys = reference.selected_mask(select(q, k, w, topk), k.shape[1])
+            return (reference.indexer_scores(q, k, w.float()) * keys).sum(-1)
+
+        yield ("indexer_topk", f"B={b} S={s} H={h} D={d} top-{topk}",
+               functools.partial(chosen, dispatch.indexer_topk), functools.partial(chosen, reference.indexer_topk),
+               [randn(b, s, h, d).bfloat16().float(), randn(b, s, d).bfloat16().float(),
+                randn(b, s, h).bfloat16().float()])
+    # The attention over the selected keys as deepseek_v32 runs it: MLA's q/k of 192 (128 + 64 RoPE) per head and
+    # the value (128) padded to 192, indices from a random ranking (some queries see fewer keys: -1 after them).
+    for b, s, h, topk in [(2, 128, 4, 32)] if quick else [(2, 128, 4, 32), (1, 4096, 16, 2048)]:
+        indices = reference.top_keys(randn(b, s, s), reference.visible_keys(b, s, device), topk)
+        yield ("sparse_attention", f"B={b} S={s} H={h} D=192 top-{topk} MLA (v 128 padded to 192)",
+               lambda q, k, v, i=indices: dispatch.sparse_attention(q, k, F.pad(v, (0, 64)), i)[..., :128],
+               lambda q, k, v, i=indices: reference.sparse_attention(q, k, F.pad(v, (0, 64)), i)[..., :128],
+               [randn(b, s, h, 192), randn(b, s, h, 192), randn(b, s, h, 128)])
+
+    # The dense warm-up's KL loss and the indexer's gradients (MLA's q/k of 128 + 64 RoPE per head, frozen: cast to
+    # the run's dtype inside, as the model hands them over without gradient). bf16 values throughout: the loss's
+    # gradients move by some 5% when its inputs are rounded to bf16, which would hide the kernels' own error.
+    for b, s, h, hi, di in [(2, 128, 4, 8, 64)] if quick else [(2, 128, 4, 8, 64), (1, 4096, 16, 64, 128)]:
+        q, k = randn(b, s, h, 192).bfloat16().float(), randn(b, s, h, 192).bfloat16().float()
+        yield ("indexer_warmup_loss", f"B={b} S={s} H={h} D=192 index H={hi} D={di}",
+               lambda qi, ki, w, q=q, k=k: dispatch.indexer_warmup_loss(q.to(qi.dtype), k.to(qi.dtype), qi, ki, w, 64),
+               lambda qi, ki, w, q=q, k=k: reference.indexer_warmup_loss(q, k, qi, ki, w, 64),
+               [randn(b, s, hi, di).bfloat16().float(), randn(b, s, di).bfloat16().float(),
+                randn(b, s, hi).bfloat16().float()])
+
+
 def grouped_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """The grouped GEMM as a loop over the groups: rows offsets[g-1]:offsets[g] of x times w[g]^T."""
     starts = [0, *offsets.tolist()[:-1]]
@@ -280,8 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [torch.float32] + ([torch.bfloat16] if dev.type != "cpu" or not args.quick else [])
     failures = 0
     gen = torch.Generator(device="cpu").manual_seed(4)
-    moe = moe_cases(device, args.quick, lambda *shape: torch.randn(*shape, generator=gen).to(device))
-    for op, desc, fused, ref, inputs in (*cases(device, args.quick), *moe):
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device)
+
+    moe, dsa = moe_cases(device, args.quick, randn), dsa_cases(device, args.quick, randn)
+    for op, desc, fused, ref, inputs in (*cases(device, args.quick), *moe, *dsa):
         for dtype in dtypes:
             try:
                 fwd, bwd = compare(fused, ref, inputs, dtype)

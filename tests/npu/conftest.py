@@ -62,6 +62,8 @@ def fake_torch_npu_importable(monkeypatch, torch_npu_wheel):
 
     monkeypatch.syspath_prepend(str(FAKE_DIR))
     monkeypatch.setattr(npu_ops, "_rotary_refused", set())
+    monkeypatch.setattr(npu_ops, "_sparse_attention_refused", set())
+    monkeypatch.setattr(npu_ops, "_fallbacks_logged", set())
     _forget_torch_npu()
     try:
         yield FAKE_DIR

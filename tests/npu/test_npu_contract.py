@@ -86,6 +86,8 @@ def project_torch_npu_names() -> set[tuple[str, str]]:
                 found.update((module, n.split(" as ")[0].strip()) for n in m.group(2).split(",") if n.strip())
             for m in re.finditer(r"\btorch\.npu\.([A-Za-z_]\w*)", code):
                 found.add(("torch_npu.npu", m.group(1)))
+            for m in re.finditer(r"\btorch\.ops\.npu\.([A-Za-z_]\w*)", code):  # ops the wheel does not expose
+                found.add(("torch_npu", m.group(1)))
             for m in re.finditer(r"\btorch_npu\.([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?", code):
                 first, second = m.groups()
                 if first in ("npu", "profiler", "optim") and second:
@@ -99,6 +101,7 @@ def test_the_project_calls_only_torch_npu_names_each_wheel_defines(each_torch_np
     wheel = each_torch_npu_wheel
     names = project_torch_npu_names()
     assert ("torch_npu", "npu_fusion_attention") in names  # the scan sees the kernels' calls
+    assert ("torch_npu", "npu_sparse_flash_attention_grad") in names  # and those through torch.ops.npu
     unknown = []
     for module, name in sorted(names):
         if module == "torch_npu":
@@ -191,3 +194,24 @@ def test_the_fake_profiler_accepts_only_what_each_wheels_accepts(fake_torch_npu,
 def test_the_fake_profiler_constants_are_each_wheels(fake_torch_npu, each_torch_npu_wheel, name):
     fake = {n for n in vars(getattr(fake_torch_npu.profiler, name)) if not n.startswith("_")}
     assert fake <= each_torch_npu_wheel.class_attributes("torch_npu/profiler/experimental_config.py", name)
+
+
+# DeepSeek Sparse Attention: the keywords ops/npu.py passes, and the outputs it reads, in each wheel's schema.
+DSA_CALLS = {
+    "npu_lightning_indexer": ({"layout_query", "layout_key", "sparse_count", "sparse_mode"}, 2),
+    "npu_sparse_flash_attention": ({"sparse_block_size", "layout_query", "layout_kv", "sparse_mode",
+                                    "return_softmax_lse"}, 3),
+    "npu_sparse_flash_attention_grad": ({"layout", "sparse_mode"}, 5),
+    "npu_dense_lightning_indexer_softmax_lse": ({"layout", "sparse_mode"}, 2),
+    "npu_dense_lightning_indexer_grad_kl_loss": ({"query_rope", "key_rope", "layout", "sparse_mode"}, 4),
+}
+
+
+@pytest.mark.parametrize("op", list(DSA_CALLS))
+def test_the_dsa_kernels_take_the_keywords_and_return_the_outputs_the_project_uses(each_torch_npu_wheel, op):
+    schema = torch._C.parse_schema(each_torch_npu_wheel.op_schema(op))
+    keywords, outputs = DSA_CALLS[op]
+    assert keywords <= {a.name for a in schema.arguments}
+    assert len(schema.returns) == outputs
+    if op != "npu_sparse_flash_attention_grad":  # the grad op takes them positionally or by name
+        assert all(a.kwarg_only for a in schema.arguments if a.name in keywords)

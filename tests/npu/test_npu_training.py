@@ -157,10 +157,13 @@ def test_op_check_runs_every_kernel_the_training_run_calls(npu_and_cpu_runs, tmp
     assert out.returncode == 0 and "op check: PASS" in out.stdout, out.stdout + out.stderr
     checked, trained = set(json.loads(report.read_text())["calls"]), set(npu_and_cpu_runs[2]["calls"])
     assert checked >= trained, f"op_check.py does not check {sorted(trained - checked)}"
-    # Beyond a dense one-process run: ring attention's block kernel (context parallelism) and the MoE kernels.
+    # Beyond a dense one-process run: ring attention's block kernel (context parallelism), the MoE kernels and
+    # DeepSeek Sparse Attention's.
     assert checked - trained == {"npu_fusion_attention_grad", "npu_grouped_matmul", "npu_grouped_matmul_add_",
                                  "npu_moe_gating_top_k_softmax", "npu_moe_token_permute",
-                                 "npu_moe_token_unpermute"}, sorted(checked - trained)
+                                 "npu_moe_token_unpermute", "npu_lightning_indexer", "npu_sparse_flash_attention",
+                                 "npu_sparse_flash_attention_grad", "npu_dense_lightning_indexer_softmax_lse",
+                                 "npu_dense_lightning_indexer_grad_kl_loss"}, sorted(checked - trained)
 
 
 def test_use_flash_attention_false_keeps_the_eager_attention_and_fuses_the_rest(fake_torch_npu):

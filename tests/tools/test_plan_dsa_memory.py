@@ -147,3 +147,13 @@ def test_the_step_estimate_counts_the_indexer_and_bounds_the_measured_peak():
     site = CostSite(4, 1, False, "cpu", seq)
     per_layer = BATCH * seq * (dsa_attention_bytes(args, site).saved - mla_attention_bytes(args, site).saved)
     assert estimate - args.n_layers * per_layer < 0.8 * measured
+
+
+def test_the_planners_kl_target_head_group_is_the_reference_ops():
+    """The planner's KL-target transient counts the head group ops/reference.py's head_summed_probs scores at once."""
+    import inspect
+
+    from titan_npu.models.deepseek_v32.args import TARGET_HEADS_AT_ONCE
+    from titan_npu.ops.reference import head_summed_probs
+
+    assert inspect.signature(head_summed_probs).parameters["heads_at_once"].default == TARGET_HEADS_AT_ONCE

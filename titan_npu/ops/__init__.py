@@ -1,5 +1,6 @@
-"""The model's compute ops (attention, rms_norm, rotary embedding, swiglu, linear, swiglu_linear, grouped_mm, and
-the MoE routing steps moe_topk_softmax, moe_permute, moe_unpermute) behind one dispatch point per op.
+"""The model's compute ops (attention, rms_norm, rotary embedding, swiglu, linear, swiglu_linear, grouped_mm, the
+MoE routing steps moe_topk_softmax, moe_permute, moe_unpermute, and DeepSeek Sparse Attention's indexer_topk,
+sparse_attention and indexer_warmup_loss) behind one dispatch point per op.
 
 Every op has a plain-torch reference (ops/reference.py); vendor backends (ops/npu.py, ops/cuda.py) register
 faster kernels per op with register_backend, and set_kernels chooses between them (see docs/model.md).
@@ -12,6 +13,8 @@ from titan_npu.ops.dispatch import (
     available_backends,
     current_kernels,
     grouped_mm,
+    indexer_topk,
+    indexer_warmup_loss,
     linear,
     moe_permute,
     moe_topk_softmax,
@@ -19,6 +22,7 @@ from titan_npu.ops.dispatch import (
     register_backend,
     rms_norm,
     set_kernels,
+    sparse_attention,
     swiglu,
     swiglu_linear,
 )
@@ -30,6 +34,8 @@ __all__ = [
     "available_backends",
     "current_kernels",
     "grouped_mm",
+    "indexer_topk",
+    "indexer_warmup_loss",
     "linear",
     "moe_permute",
     "moe_topk_softmax",
@@ -37,6 +43,7 @@ __all__ = [
     "register_backend",
     "rms_norm",
     "set_kernels",
+    "sparse_attention",
     "swiglu",
     "swiglu_linear",
 ]

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from titan_npu.ops.documents import Documents
 
 OP_NAMES: tuple[str, ...] = ("attention", "rms_norm", "apply_rotary_emb", "swiglu", "linear", "swiglu_linear",
-                             "grouped_mm", "moe_topk_softmax", "moe_permute", "moe_unpermute")
+                             "grouped_mm", "moe_topk_softmax", "moe_permute", "moe_unpermute", "indexer_topk",
+                             "sparse_attention", "indexer_warmup_loss")
 
 
 def _composed_swiglu_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -40,6 +41,9 @@ REFERENCE: dict[str, Callable] = {
     "moe_topk_softmax": reference.moe_topk_softmax,
     "moe_permute": reference.moe_permute,
     "moe_unpermute": reference.moe_unpermute,
+    "indexer_topk": reference.indexer_topk,
+    "sparse_attention": reference.sparse_attention,
+    "indexer_warmup_loss": reference.indexer_warmup_loss,
 }
 
 # Modules that register a vendor backend when imported; a module that does not exist (yet) is skipped.
@@ -171,6 +175,33 @@ def moe_permute(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, t
 def moe_unpermute(routed: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Back to token order, each token's k copies weighted by weights [T, k] and summed -> [T, D]."""
     return _table(routed.device.type)["moe_unpermute"][1](routed, order, weights)
+
+
+def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int,
+                 documents: Documents | None = None) -> torch.Tensor:
+    """DeepSeek Sparse Attention's lightning indexer: for q [B, S, H, D], one key head k [B, S, D] and weights
+    [B, S, H] (fp32), each query's topk keys by sum_h weights ReLU(D^-0.5 q_h . k) among those it sees (causal,
+    within its document) -> int32 [B, S, topk], best first, -1 where it sees fewer. No gradient."""
+    return _table(q.device.type)["indexer_topk"][1](q, k, weights, topk, documents)
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, *,
+                     use_flash: bool = True) -> torch.Tensor:
+    """Attention of q [B, S, H, D] over the keys indices (int32 [B, S, topk] from indexer_topk, shared by the heads)
+    selects in k [B, S, H, D] / v [B, S, H, Dv] -> [B, S, H, Dv], scale D^-0.5. use_flash=False always runs the
+    eager reference."""
+    if not use_flash:
+        return reference.sparse_attention(q, k, v, indices, use_flash=False)
+    return _table(q.device.type)["sparse_attention"][1](q, k, v, indices)
+
+
+def indexer_warmup_loss(q: torch.Tensor, k: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor,
+                        weights: torch.Tensor, rope_dim: int, documents: Documents | None = None) -> torch.Tensor:
+    """DeepSeek Sparse Attention's dense warm-up loss: the mean over the queries of KL(p || softmax(I)) over the
+    keys each sees, p the main attention's (q, k [B, S, H, D], its last rope_dim channels RoPE) probabilities summed
+    over the heads and L1-normalised (no gradient), I the indexer's scores of q_index [B, S, H_I, D_I], k_index
+    [B, S, D_I], weights [B, S, H_I] fp32 (indexer_topk's operands), the gradient flowing to those three."""
+    return _table(q.device.type)["indexer_warmup_loss"][1](q, k, q_index, k_index, weights, rope_dim, documents)
 
 
 def _table(device_type: str) -> dict[str, tuple[str, Callable]]:

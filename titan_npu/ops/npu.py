@@ -401,10 +401,199 @@ def moe_unpermute(routed: torch.Tensor, order: torch.Tensor, weights: torch.Tens
     return _torch_npu().npu_moe_token_unpermute(routed, position.to(torch.int32), probs=weights.to(routed.dtype))
 
 
+# --- DeepSeek Sparse Attention -------------------------------------------------------------------------------------
+# Sources (torch_npu 2.13.0 / 2.14.0 wheels, the same text in both): torch_npu/csrc/aten/
+# npu_native_functions_by_codegen.yaml:489 (npu_lightning_indexer), :978 (npu_sparse_flash_attention), :980
+# (npu_sparse_flash_attention_grad, an op the yaml does not mark `exposed`, hence torch.ops.npu); the meta functions
+# in torch_npu/op_plugin/meta/_meta_registrations.py:283-349, :352-367 and :2442-2487 (indices [B, S1, N2,
+# sparse_count] int32; softmax_max / softmax_sum [B, N2, S1, G] fp32 with return_softmax_lse); the API reference in
+# torch_npu/_op_plugin_docs.py:1363-1410 and :1466-1520. What the reference leaves open, the vendor's golden code
+# pins: the indexer's score sum_h w_h ReLU(q_h . k) with no scale of its own (the formula of Huawei's
+# LightningIndexer README in sgl-project/sgl-kernel-npu, csrc/lightning_indexer/README.md; op-plugin's
+# test/test_custom_ops/test_npu_lightning_indexer.py, _lightning_indexer). What fills a row that sees fewer keys
+# than sparse_count, the vendor says two ways: -1 (_op_plugin_docs.py:14715, the KL-loss example: "把对应的sparse
+# indices置为-1") or, in that golden, the masked keys themselves after the visible ones (it sorts the masked scores
+# and keeps min(sparse_count, S2) of them; -1 only past S2); indexer_topk takes either and sets every key a query
+# cannot see to -1. The attention reads a row's indices up to the first -1, query head h uses key head h // G,
+# and sparse_mode 3 (rightDownCausal, :1512) masks selected keys at or past S2 - S1 + i + 1 (Ascend/op-plugin
+# test/test_custom_ops/test_npu_sparse_flash_attention.py: cpu_sparse_flash_attention, gather_kv, mask). That golden
+# runs attention_mode 2 (MLA-absorb: one latent as key and value, :1573 "KV是同一份"); the call here keeps the
+# default attention_mode 0, its own value tensor, because the model's MLA is not absorbed (per-head keys).
+# value=None (CANN 9.2 or later: _meta_registrations.py:305-309) stands for that shared latent (the golden's
+# `value = key.copy()`); the call here always passes the value.
+
+SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3  # query i of S1 sees keys 0 .. S2 - S1 + i of S2: plain causal when S1 == S2
+DSA_DTYPES = (torch.float16, torch.bfloat16)  # both kernels' query/key/value/weights (_op_plugin_docs.py:1377, :1406)
+# npu_lightning_indexer's sparse_count: 1-2048 and 3072, 4096, ..., 8192 (_op_plugin_docs.py:1393).
+INDEXER_SPARSE_COUNTS = frozenset((*range(1, 2049), 3072, 4096, 5120, 6144, 7168, 8192))
+SPARSE_BLOCK_SIZE = 1  # one key per index
+
+_fallbacks_logged: set[tuple[str, str]] = set()
+_sparse_attention_refused: set[tuple[int, int, int]] = set()  # (query heads, key heads, D) the kernel raised on
+
+
+def _fallback(op: str, reason: str) -> None:
+    """Log once per (op, reason) that `op` takes the reference here."""
+    if (op, reason) not in _fallbacks_logged:
+        _fallbacks_logged.add((op, reason))
+        log.info("%s: %s; the reference computes it", op, reason)
+
+
+def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int,
+                 documents: Documents | None = None) -> torch.Tensor:
+    """npu_lightning_indexer (BSND, sparse_mode 3, sparse_count topk) on q [B, S, H, D], the key as its one head
+    [B, S, 1, D] and the weights in q's dtype; its indices [B, S, 1, topk] are ours, keys a query cannot see set to
+    -1. The kernel scores
+    sum_h w_h ReLU(q_h . k) without our D^-0.5, a positive factor common to every key (ReLU(c x) = c ReLU(x)), so
+    both rank the keys alike. fp32 (the kernel takes fp16/bf16), documents (TND with per-document lengths is not
+    wired), DTensors and a topk the kernel does not offer take the reference."""
+    reason = None
+    if documents is not None:
+        reason = "document masks"
+    elif _any_dtensor(q, k, weights):
+        reason = "DTensor inputs"
+    elif q.dtype not in DSA_DTYPES or k.dtype != q.dtype:
+        reason = f"{q.dtype} (the kernel takes fp16/bf16)"
+    elif topk not in INDEXER_SPARSE_COUNTS:
+        reason = f"top-k {topk} (sparse_count is 1-2048 or a multiple of 1024 up to 8192)"
+    if reason is not None:
+        _fallback("npu_lightning_indexer", reason)
+        return reference.indexer_topk(q, k, weights, topk, documents)
+    indices = _torch_npu().npu_lightning_indexer(
+        q.contiguous(), k.unsqueeze(2).contiguous(), weights.to(q.dtype).contiguous(), layout_query="BSND",
+        layout_key="BSND", sparse_count=topk, sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL)[0].squeeze(2)
+    # Keys past the query (masked, so ranked after every visible one) become -1, whichever way the kernel fills.
+    last_visible = torch.arange(q.shape[1], device=q.device, dtype=indices.dtype).view(1, -1, 1)
+    return torch.where(indices <= last_visible, indices, -1)
+
+
+class _SparseFlashAttention(torch.autograd.Function):
+    """npu_sparse_flash_attention forward (with its softmax statistics) and npu_sparse_flash_attention_grad backward,
+    BSND, one index row per key head, sparse_mode 3, one key per index."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, scale: float
+                ) -> torch.Tensor:
+        out, softmax_max, softmax_sum = _torch_npu().npu_sparse_flash_attention(
+            q, k, v, indices, scale, sparse_block_size=SPARSE_BLOCK_SIZE, layout_query="BSND", layout_kv="BSND",
+            sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL, return_softmax_lse=True)
+        ctx.save_for_backward(q, k, v, indices, out, softmax_max, softmax_sum)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        q, k, v, indices, out, softmax_max, softmax_sum = ctx.saved_tensors
+        _torch_npu()
+        dq, dk, dv = torch.ops.npu.npu_sparse_flash_attention_grad(
+            q, k, v, indices, grad.contiguous(), out, softmax_max, softmax_sum, ctx.scale, SPARSE_BLOCK_SIZE,
+            layout="BSND", sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL)[:3]
+        return dq, dk, dv, None, None
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """npu_sparse_flash_attention (forward and npu_sparse_flash_attention_grad) on q [B, S, H, D], k / v
+    [B, S, H_kv, D] (MLA's per-head keys, the values padded to D by the model), the indices repeated for each key
+    head ([B, S, H_kv, topk], contiguous as the kernel requires), scale D^-0.5. fp32, a value head size other than
+    D, heads that do not group and DTensors take the reference; so does, from then on, a shape the kernel refuses
+    (RuntimeError; the per-head MLA layout is not one the vendor's golden code runs)."""
+    reason = None
+    shape = (q.shape[2], k.shape[2], q.shape[-1])
+    if _any_dtensor(q, k, v, indices):
+        reason = "DTensor inputs"
+    elif q.dtype not in DSA_DTYPES or not q.dtype == k.dtype == v.dtype:
+        reason = f"{q.dtype} (the kernel takes fp16/bf16)"
+    elif v.shape[-1] != q.shape[-1] or k.shape[-1] != q.shape[-1]:
+        reason = "a value head size other than the query's (the kernel's output has the query's shape)"
+    elif q.shape[2] % k.shape[2]:
+        reason = f"{q.shape[2]} query heads over {k.shape[2]} key heads"
+    elif shape in _sparse_attention_refused:
+        return reference.sparse_attention(q, k, v, indices)
+    if reason is not None:
+        _fallback("npu_sparse_flash_attention", reason)
+        return reference.sparse_attention(q, k, v, indices)
+    per_head = indices.to(torch.int32).unsqueeze(2).expand(-1, -1, k.shape[2], -1).contiguous()
+    try:
+        return _SparseFlashAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), per_head,
+                                           q.shape[-1] ** -0.5)
+    except RuntimeError as e:  # what the kernel raises on a layout it does not support
+        _sparse_attention_refused.add(shape)
+        log.warning("npu_sparse_flash_attention refused %d query heads, %d key heads of %d (%s); this shape takes the "
+                    "reference from now on", *shape, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return reference.sparse_attention(q, k, v, indices)
+
+
+# The dense warm-up's KL loss: npu_dense_lightning_indexer_softmax_lse then npu_dense_lightning_indexer_grad_kl_loss
+# (yaml :1029, :1032; _op_plugin_docs.py:14890-15022; meta :2507-2523), whose maths op-plugin's
+# test/test_custom_ops/test_npu_dense_lightning_indexer_grad_kl_loss.py pins: p = the main attention's
+# exp(scale [q, q_rope] . [k, k_rope] - softmax_max) / softmax_sum, rightDownCausal, averaged over the N1 heads;
+# softmax(I) from softmax_max_index / softmax_sum_index, I = sum_h w_h ReLU(q_I,h . k_I) without a scale; loss =
+# the SUM over batch, queries and keys of p (log max(p, 1e-8) - log max(softmax(I), 1e-8)), and the gradients of
+# q_index, key_index and weights are that sum's.
+
+
+class _IndexerWarmupLoss(torch.autograd.Function):
+    """The kernels' loss divided by B x S (ours is the mean over the queries), their gradients likewise; the
+    weights go in with our D_I^-0.5 folded in (softmax is not scale-free), its gradient scaled back."""
+
+    @staticmethod
+    def forward(ctx, q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor, rope_dim: int) -> torch.Tensor:
+        torch_npu = _torch_npu()
+        scale, index_scale = q.shape[-1] ** -0.5, q_index.shape[-1] ** -0.5
+        # The main attention's softmax statistics [B, H, S, 8] (equal over the last axis), its output unused.
+        _, softmax_max, softmax_sum, *_ = torch_npu.npu_fusion_attention(
+            q, k, k, q.shape[2], "BSND", scale=scale, keep_prob=1.0, atten_mask=causal_mask(q.device),
+            sparse_mode=SPARSE_MODE_LEFT_UP_CAUSAL)
+        softmax_max, softmax_sum = softmax_max[..., :1].contiguous(), softmax_sum[..., :1].contiguous()
+        key_index = k_index.unsqueeze(2).contiguous()
+        scaled = (weights.float() * index_scale).contiguous()
+        max_index, sum_index = torch_npu.npu_dense_lightning_indexer_softmax_lse(
+            q_index, key_index, scaled, layout="BSND", sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL)
+        nope = q.shape[-1] - rope_dim
+        d_q_index, d_k_index, d_weights, loss = torch_npu.npu_dense_lightning_indexer_grad_kl_loss(
+            q[..., :nope].contiguous(), k[..., :nope].contiguous(), q_index, key_index, scaled, softmax_max,
+            softmax_sum, max_index, sum_index, scale, query_rope=q[..., nope:].contiguous(),
+            key_rope=k[..., nope:].contiguous(), layout="BSND", sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL)
+        queries = q.shape[0] * q.shape[1]
+        ctx.save_for_backward(d_q_index / queries, d_k_index.squeeze(2) / queries,
+                              d_weights.float() * (index_scale / queries))
+        return loss[0] / queries
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
+        d_q_index, d_k_index, d_weights = ctx.saved_tensors
+        return grad * d_q_index, grad * d_k_index, grad * d_weights, None, None, None
+
+
+def indexer_warmup_loss(q: torch.Tensor, k: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor,
+                        weights: torch.Tensor, rope_dim: int, documents: Documents | None = None) -> torch.Tensor:
+    """The dense warm-up's KL loss from npu_fusion_attention's softmax statistics (one more forward of the main
+    attention, BSND, causal), npu_dense_lightning_indexer_softmax_lse and npu_dense_lightning_indexer_grad_kl_loss
+    (BSND, sparse_mode 3; the main q/k split into their no-RoPE and RoPE channels): the loss and the indexer's
+    gradients in one kernel, without the [B, H, S, S] probabilities and scores the reference holds. fp32, documents,
+    DTensors and per-head keys that do not match the query heads take the reference."""
+    reason = None
+    if documents is not None:
+        reason = "document masks"
+    elif _any_dtensor(q, k, q_index, k_index, weights):
+        reason = "DTensor inputs"
+    elif q.dtype not in DSA_DTYPES or not q.dtype == k.dtype == q_index.dtype == k_index.dtype:
+        reason = f"{q.dtype} / {q_index.dtype} (the kernels take fp16/bf16)"
+    elif k.shape[2] != q.shape[2]:
+        reason = f"{q.shape[2]} query heads over {k.shape[2]} key heads"
+    if reason is not None:
+        _fallback("npu_dense_lightning_indexer_grad_kl_loss", reason)
+        return reference.indexer_warmup_loss(q, k, q_index, k_index, weights, rope_dim, documents)
+    return _IndexerWarmupLoss.apply(q_index.contiguous(), k_index.contiguous(), weights, q.detach().contiguous(),
+                                    k.detach().contiguous(), rope_dim)
+
+
 register_backend(
     "npu",
     {"attention": attention, "rms_norm": rms_norm, "apply_rotary_emb": apply_rotary_emb, "swiglu": swiglu,
      "swiglu_linear": swiglu_linear,
      "grouped_mm": grouped_mm, "moe_topk_softmax": moe_topk_softmax, "moe_permute": moe_permute,
-     "moe_unpermute": moe_unpermute},
+     "moe_unpermute": moe_unpermute, "indexer_topk": indexer_topk, "sparse_attention": sparse_attention,
+     "indexer_warmup_loss": indexer_warmup_loss},
 )

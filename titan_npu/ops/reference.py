@@ -283,3 +283,97 @@ def moe_unpermute(routed: torch.Tensor, order: torch.Tensor, weights: torch.Tens
     for bit. The backward (_WeightedCombine) gathers the output's gradient to the copies once.
     """
     return _WeightedCombine.apply(routed, order, weights.to(routed.dtype))
+
+
+# --- DeepSeek Sparse Attention (DSA) -------------------------------------------------------------------------------
+# Indices of selected keys are int32 [B, S, topk], each row's keys first and -1 after them (a query that sees fewer
+# than topk keys), the convention of torch_npu's npu_lightning_indexer / npu_sparse_flash_attention.
+
+
+def visible_keys(batch: int, seq: int, device: torch.device, documents: Documents | None = None) -> torch.Tensor:
+    """bool [B, S, S]: the keys each query may see (causal, and inside its own document with `documents`)."""
+    if documents is not None:
+        return documents.mask(True)[:, 0]
+    return torch.ones(seq, seq, dtype=torch.bool, device=device).tril().expand(batch, -1, -1)
+
+
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The lightning indexer's scores I [B, S, T] fp32: sum_h weights[b, s, h] ReLU(D^-0.5 q[b, s, h] . k[b, t]) for
+    q [B, S, H, D], one key head k [B, T, D] and weights [B, S, H] (fp32, the indexer's H^-0.5 included)."""
+    # The order of transformers' products, so that the same weights rank keys the same (ties included).
+    scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * q.shape[-1] ** -0.5
+    return torch.matmul(weights.unsqueeze(-2), F.relu(scores)).squeeze(-2)
+
+
+def top_keys(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
+    """int32 [B, S, topk]: each query's top-min(topk, T) keys by `scores` among the `visible` ones, best first, -1
+    where it sees fewer keys."""
+    ranked = scores.masked_fill(~visible, float("-inf"))
+    chosen = ranked.topk(min(topk, ranked.shape[-1]), dim=-1).indices
+    indices = torch.where(visible.gather(-1, chosen), chosen, -1).to(torch.int32)
+    if topk > indices.shape[-1]:
+        indices = F.pad(indices, (0, topk - indices.shape[-1]), value=-1)
+    return indices
+
+
+def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int,
+                 documents: Documents | None = None) -> torch.Tensor:
+    """The lightning indexer's selection: top_keys of indexer_scores among the causally visible keys (within each
+    query's document with `documents`), int32 [B, S, topk]."""
+    visible = visible_keys(q.shape[0], q.shape[1], q.device, documents)
+    return top_keys(indexer_scores(q, k, weights), visible, topk)
+
+
+def selected_mask(indices: torch.Tensor, keys: int) -> torch.Tensor:
+    """bool [B, S, keys]: True at the keys `indices` (int [B, S, topk], -1 = none) select."""
+    # -1 goes to an extra column that is dropped, so that no entry is written twice.
+    index = torch.where(indices < 0, keys, indices).long()
+    mask = torch.zeros(*indices.shape[:-1], keys + 1, dtype=torch.bool, device=indices.device)
+    return mask.scatter_(-1, index, True)[..., :keys]
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, *,
+                     use_flash: bool = True) -> torch.Tensor:
+    """Attention of q [B, S, H, D] over the keys of k [B, T, H, D] / v [B, T, H, Dv] that `indices` select for each
+    query (int [B, S, topk], shared by the heads) -> [B, S, H, Dv], scale D^-0.5; use_flash=False: the eager
+    softmax in fp32."""
+    mask = selected_mask(indices, k.shape[1]).unsqueeze(1)
+    if use_flash:
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=mask).transpose(1, 2)
+    scores = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1)) * q.shape[-1] ** -0.5
+    probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v.transpose(1, 2)).transpose(1, 2)
+
+
+def indexer_kl(target: torch.Tensor, scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Mean over the queries of KL(target || softmax(scores)) over `keys` (bool [B, S, T]); target [B, S, T] sums
+    to 1 over them, scores fp32."""
+    log_q = torch.log_softmax(scores.masked_fill(~keys, float("-inf")), dim=-1)
+    terms = torch.where(keys & (target > 0), target * (target.clamp(min=1e-30).log() - log_q), 0.0)
+    return terms.sum(-1).mean()
+
+
+@torch.no_grad()
+def head_summed_probs(q: torch.Tensor, k: torch.Tensor, keys: torch.Tensor, heads_at_once: int = 16
+                      ) -> torch.Tensor:
+    """The main attention's probabilities over `keys` (bool [B, S, T]) summed over the heads and L1-normalised:
+    [B, S, T] fp32, without gradient (a few heads at a time)."""
+    total = torch.zeros(keys.shape, dtype=torch.float32, device=q.device)
+    mask = keys.unsqueeze(1)
+    for h in range(0, q.shape[2], heads_at_once):
+        qh, kh = q[:, :, h:h + heads_at_once].transpose(1, 2), k[:, :, h:h + heads_at_once].permute(0, 2, 3, 1)
+        scores = torch.matmul(qh.float(), kh.float()) * q.shape[-1] ** -0.5
+        total += torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).sum(1)
+    return total / total.sum(-1, keepdim=True)
+
+
+
+def indexer_warmup_loss(q: torch.Tensor, k: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor,
+                        weights: torch.Tensor, rope_dim: int, documents: Documents | None = None) -> torch.Tensor:
+    """DSA's dense warm-up loss: mean over the queries of KL(p || softmax(I)) over every key a query sees (causal,
+    within its document), p the main attention's probabilities (q, k [B, S, H, D], scale D^-0.5, the last rope_dim
+    channels the RoPE ones) summed over the heads and L1-normalised, without gradient; I = indexer_scores(q_index,
+    k_index, weights), the gradient flowing to those three."""
+    keys = visible_keys(q.shape[0], q.shape[1], q.device, documents)
+    return indexer_kl(head_summed_probs(q, k, keys), indexer_scores(q_index, k_index, weights), keys)

@@ -9,9 +9,11 @@ c_q = norm(W_q_a x) [B, S, q_lora_rank]:
   interleaved ones; I[s, t] = sum_h w[s, h] H_I^-0.5 ReLU(D_I^-0.5 q_I[s, h] . k_I[t]), in fp32.
 The attention of query s then runs over its top index_topk keys by I among the keys it may see (causal, and inside
 its document with data.document_mask); a query with fewer visible keys keeps them all (the published definition:
-top-min(index_topk, S) of the masked scores). GLM-5 (model.variant = "glm_moe_dsa", transformers'
-GlmMoeDsaForCausalLM) rotates the indexer's pairs interleaved, and a layer its indexer_types marks "shared" has no
-indexer: it attends over the keys the last full layer selected in the same forward.
+top-min(index_topk, S) of the masked scores). The selection and that attention are the ops indexer_topk and
+sparse_attention (titan_npu/ops: the plain torch reference on CPU/CUDA, torch_npu's kernels on Ascend). GLM-5
+(model.variant = "glm_moe_dsa", transformers' GlmMoeDsaForCausalLM) rotates the indexer's pairs interleaved, and a
+layer its indexer_types marks "shared" has no indexer: it attends over the keys the last full layer selected in the
+same forward.
 
 Training (model.dsa_stage, models/deepseek_v32/args.py): the indexer reads x and c_q detached, so only its KL loss
 trains it; the loss of layer l is the mean over the queries s of KL(p_s || softmax(I_s)) over the keys of the
@@ -31,8 +33,9 @@ from titan_npu import ops
 from titan_npu.errors import ConfigError
 from titan_npu.models.decoder.model import Linear
 from titan_npu.models.deepseek_v3.model import MLA, DeepSeekTransformer
-from titan_npu.models.deepseek_v32.args import DENSE_WARMUP, TARGET_HEADS_AT_ONCE, DSAArgs
+from titan_npu.models.deepseek_v32.args import DENSE_WARMUP, DSAArgs
 from titan_npu.models.init import ParamInit, constant, trunc_normal
+from titan_npu.ops import reference
 from titan_npu.ops.documents import Documents
 
 INDEXER_NORM_EPS = 1e-6  # the indexer key's LayerNorm (transformers' DeepseekV32Indexer)
@@ -58,16 +61,8 @@ def deinterleave(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
     return torch.cat([rope, x[..., rope_dim:]], dim=-1)
 
 
-def indexer_kl(target: torch.Tensor, scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Mean over the queries of KL(target || softmax(scores)) over `keys` (bool [B, S, T]); target [B, S, T] sums
-    to 1 over them, scores fp32."""
-    log_q = torch.log_softmax(scores.masked_fill(~keys, float("-inf")), dim=-1)
-    terms = torch.where(keys & (target > 0), target * (target.clamp(min=1e-30).log() - log_q), 0.0)
-    return terms.sum(-1).mean()
-
-
 class LightningIndexer(nn.Module):
-    """DSA's lightning indexer: (x, the query latent, RoPE tables) -> index scores I [B, S, S] fp32."""
+    """DSA's lightning indexer: (x, the query latent, RoPE tables) -> its query heads, key and head weights."""
 
     def __init__(self, args: DSAArgs) -> None:
         super().__init__()
@@ -79,58 +74,24 @@ class LightningIndexer(nn.Module):
         self.weights_proj = Linear(args.dim, args.index_n_heads)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> torch.Tensor:
-        """I[b, s, t] = sum_h w[b, s, h] H^-0.5 ReLU(D^-0.5 q[b, s, h] . k[b, t]), fp32; cos/sin the rows of the
-        positions held ([S, rope / 2])."""
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [B, S, H, D], k [B, S, D], w [B, S, H] fp32) after RoPE: the operands of
+        I[b, s, t] = sum_h w[b, s, h] ReLU(D^-0.5 q[b, s, h] . k[b, t]) (ops.indexer_topk, reference.indexer_scores);
+        cos/sin the rows of the positions held ([S, rope / 2])."""
         bs, seqlen, _ = x.shape
         q = self.wq_b(q_latent).view(bs, seqlen, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(x))
         if self.interleaved:  # GLM-5: pairs (2i, 2i + 1), gathered into halves first as transformers does
             q, k = deinterleave(q, self.rope_dim), deinterleave(k, self.rope_dim)
         q, k = rotate_half_split(q, cos, sin), rotate_half_split(k, cos, sin)
-        # The order of transformers' products, so that the same weights rank keys the same (ties included).
-        scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.head_dim ** -0.5
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5  # fp32, as published
-        return torch.matmul(weights.unsqueeze(-2), F.relu(scores)).squeeze(-2)
+        return q, k, weights
 
     def param_inits(self) -> dict[str, ParamInit]:
         """Projections ~ N(0, 0.02), the key norm a unit scale and no shift."""
         return {"wq_b.weight": trunc_normal(0.02), "wk.weight": trunc_normal(0.02),
                 "weights_proj.weight": trunc_normal(0.02), "k_norm.weight": constant(1.0),
                 "k_norm.bias": constant(0.0)}
-
-
-def selected_keys(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
-    """bool [B, S, T]: each query's top-min(topk, T) keys by `scores` among the `visible` ones (bool [B, S, T])."""
-    ranked = scores.masked_fill(~visible, float("-inf"))
-    chosen = ranked.topk(min(topk, ranked.shape[-1]), dim=-1).indices
-    return torch.zeros_like(visible).scatter(-1, chosen, True) & visible
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
-                     use_flash: bool) -> torch.Tensor:
-    """Attention of q [B, S, H, D] over the keys allowed by `keys` (bool [B, S, T]) -> [B, S, H, D]."""
-    mask = keys.unsqueeze(1)
-    if use_flash:
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              attn_mask=mask).transpose(1, 2)
-    scores = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1)) * q.shape[-1] ** -0.5
-    probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
-    return torch.matmul(probs, v.transpose(1, 2)).transpose(1, 2)
-
-
-@torch.no_grad()
-def head_summed_probs(q: torch.Tensor, k: torch.Tensor, keys: torch.Tensor,
-                      heads_at_once: int = TARGET_HEADS_AT_ONCE) -> torch.Tensor:
-    """The main attention's probabilities over `keys` (bool [B, S, T]) summed over the heads and L1-normalised:
-    [B, S, T] fp32, without gradient (a few heads at a time)."""
-    total = torch.zeros(keys.shape, dtype=torch.float32, device=q.device)
-    mask = keys.unsqueeze(1)
-    for h in range(0, q.shape[2], heads_at_once):
-        qh, kh = q[:, :, h:h + heads_at_once].transpose(1, 2), k[:, :, h:h + heads_at_once].permute(0, 2, 3, 1)
-        scores = torch.matmul(qh.float(), kh.float()) * q.shape[-1] ** -0.5
-        total += torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).sum(1)
-    return total / total.sum(-1, keepdim=True)
 
 
 class SparseMLA(MLA):
@@ -169,26 +130,33 @@ class SparseMLA(MLA):
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        if documents is not None:
-            visible = documents.mask(True)[:, 0]
-        else:
-            visible = torch.ones(seqlen, seqlen, dtype=torch.bool, device=x.device).tril().expand(bs, -1, -1)
+        visible = reference.visible_keys(bs, seqlen, x.device, documents)
         learning = self.training and self.learns and self.indexer is not None
+        indices = scores = None
         if self.indexer is None:  # the source layer's selection of this forward
-            keys = visible if self.dense else self.selections[self.source]
-        else:
+            indices = None if self.dense else self.selections[self.source]
+        elif learning or not self.dense:
             # Detached: the language-model loss does not reach the indexer, nor its loss the model.
             with torch.set_grad_enabled(learning and torch.is_grad_enabled()):
-                scores = self.indexer(x.detach(), q_latent.detach(), cos, sin)
-            keys = visible if self.dense else selected_keys(scores.detach(), visible, self.topk)
-            self.selections[self.layer_id] = keys
+                q_index, k_index, weights = self.indexer(x.detach(), q_latent.detach(), cos, sin)
+                scores = reference.indexer_scores(q_index, k_index, weights) if learning and not self.dense else None
+            if not self.dense:  # the scores at hand rank the keys; without them, the indexer kernel does
+                indices = (reference.top_keys(scores.detach(), visible, self.topk) if learning else ops.indexer_topk(
+                    q_index.detach(), k_index.detach(), weights.detach(), self.topk, documents))
+                self.selections[self.layer_id] = indices
         pad = self.head_dim - self.v_dim
         v = F.pad(v, (0, pad)) if pad > 0 else v
         if self.dense:
             out = ops.attention(q, k, v, causal=True, use_flash=self.use_flash, documents=documents)
         else:
-            out = masked_attention(q, k, v, keys, self.use_flash)
-        self.indexer_loss = indexer_kl(head_summed_probs(q, k, keys), scores, keys) if learning else None
+            out = ops.sparse_attention(q, k, v, indices, use_flash=self.use_flash)
+        if not learning:
+            self.indexer_loss = None
+        elif self.dense:
+            self.indexer_loss = ops.indexer_warmup_loss(q, k, q_index, k_index, weights, self.rope_dim, documents)
+        else:
+            keys = reference.selected_mask(indices, seqlen)
+            self.indexer_loss = reference.indexer_kl(reference.head_summed_probs(q, k, keys), scores, keys)
         if pad > 0:
             out = out[..., :self.v_dim]
         return self.wo(out.reshape(bs, seqlen, -1))

@@ -165,6 +165,31 @@ CITED: dict[str, tuple[str, str]] = {
     "unpermute.probs": (DOCS, "shape为（num_tokens，topK），支持的数据类型BFLOAT16"),
     "unpermute.max_topk": (DOCS, "topK_num要求小于等于512。"),
     "unpermute.padded": (DOCS, "目前仅支持padded_mode为False"),
+    # npu_lightning_indexer / npu_sparse_flash_attention (+ _grad): DeepSeek Sparse Attention
+    "dsa.dtype": (DOCS, "query（Tensor）：必选参数，不支持非连续，数据格式支持ND，数据类型支持bfloat16和float16。"),
+    "dsa.value": (DOCS, "value（Tensor）：必选参数，不支持非连续，数据格式支持ND，数据类型支持bfloat16和float16。"),
+    "li.weights": (DOCS, "weights（Tensor）：必选参数，不支持非连续，数据格式支持ND，数据类型支持bfloat16和float16，"
+                         "支持输入shape[B,S1,N1]、[T,N1]。"),
+    "li.sparse_count": (DOCS, "sparse_count（int）：可选参数，代表topK阶段需要保留的block数量，"
+                              "支持1-2048以及3072、4096、5120、6144、7168、8192"),
+    "li.sparse_mode": (DOCS, "sparse_mode（int）：可选参数，表示sparse的模式，支持0/3，数据类型支持int32。"),
+    "li.right_down": (DOCS, "sparse_mode为3时，代表rightDownCausal模式的mask，对应以右顶点为划分的下三角场景。"),
+    "li.layout": (DOCS, "layout_query（str）：可选参数，用于标识输入query的数据排布格式，"
+                        "当前支持BSND、TND，默认值\"BSND\"。"),
+    "sfa.indices": (DOCS, "当query的layout为BSND时，shape需要传入[B, Q_S, KV_N, sparse_size]"),
+    "sfa.valid_first": (DOCS, "需要保证每行有效值均在前半部分，无效值均在后半部分。"),
+    "sfa.right_down": (DOCS, "sparse_mode为3时，代表rightDownCausal模式的mask，"
+                             "对应以右下顶点往左上为划分线的下三角场景。"),
+    "sfa.softmax_stats": (META, "softmax_max = torch.empty([query.size(0), key.size(2), query.size(1), "
+                                "query.size(2) // key.size(2)], dtype=torch.float32, device='meta')"),
+    "kl.dtype": (DOCS, "query（Tensor）：必选参数，数据格式支持ND，数据类型支持BFLOAT16、FLOAT16。"
+                       "支持输入shape(B, S1, N1, D)、(T1, N1, D)。"),
+    "kl.weights": (DOCS, "weights（Tensor）：必选参数，数据格式支持ND，数据类型支持BFLOAT16、FLOAT16、FLOAT。"
+                         "支持输入shape(B, S1, N1index)、(T1, N1index)。"),
+    "kl.softmax": (DOCS, "softmax_max（Tensor）：必选参数，数据格式支持ND，数据类型支持FLOAT。"
+                         "支持输入shape(B, N2, S1, G)、(N2, T1, G)。"),
+    "kl.softmax_index": (DOCS, "softmax_max_index（Tensor）：必选参数，数据格式支持ND，数据类型支持FLOAT。"
+                               "支持输入shape(B, N2index, S1)、(N2index, T1)。"),
 }
 
 
@@ -756,6 +781,279 @@ def _npu_moe_token_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torc
     return rows.sum(dim=1).to(permuted_tokens.dtype)
 
 
+# --- DeepSeek Sparse Attention kernels ------------------------------------------------------------------------------
+# From the wheel's API reference and meta registrations (CITED above) and, where the reference leaves the maths
+# open, the vendor's golden code: the indexer's score sum over a key head's query heads of w_h ReLU(q_h . k), no
+# scale of its own (Huawei's LightningIndexer README, sgl-project/sgl-kernel-npu csrc/lightning_indexer/README.md);
+# op-plugin's test/test_custom_ops/test_npu_lightning_indexer.py (_lightning_indexer) ranks the same way; the
+# attention reads each row's indices up to the first -1, query head h attends with key head h // G, and
+# sparse_mode 3 masks selected keys at or past S2 - S1 + i + 1 (Ascend/op-plugin
+# test/test_custom_ops/test_npu_sparse_flash_attention.py: cpu_sparse_flash_attention, gather_kv, mask). Only the
+# BSND layout with whole sequences, one key per index and attention_mode 0 (a value of its own) are modelled.
+
+DSA_DTYPES = (torch.float16, torch.bfloat16)  # CITED["dsa.dtype"], ["dsa.value"], ["li.weights"]
+INDEXER_SPARSE_COUNTS = frozenset((*range(1, 2049), 3072, 4096, 5120, 6144, 7168, 8192))  # CITED["li.sparse_count"]
+
+
+def _dsa_operand(op: str, name: str, t: torch.Tensor, key: str) -> None:
+    """fp16/bf16 and contiguous, as both kernels require of every tensor operand."""
+    if t.dtype not in DSA_DTYPES:
+        raise RuntimeError(f"{op}: {name} must be fp16 or bf16, got {t.dtype}" + cite(key))
+    if not t.is_contiguous():
+        raise RuntimeError(f"{op}: {name} must be contiguous" + cite(key))
+
+
+def _right_down_visible(s1: int, s2: int, device: torch.device) -> torch.Tensor:
+    """bool [S1, S2]: rightDownCausal, query i sees keys 0 .. S2 - S1 + i."""
+    return torch.arange(s2, device=device)[None, :] <= (s2 - s1 + torch.arange(s1, device=device))[:, None]
+
+
+def _npu_lightning_indexer(query: torch.Tensor, key: torch.Tensor, weights: torch.Tensor, *,
+                           actual_seq_lengths_query: torch.Tensor | None = None,
+                           actual_seq_lengths_key: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                           layout_query: str = "BSND", layout_key: str = "BSND", sparse_count: int = 2048,
+                           sparse_mode: int = 3, pre_tokens: int = 9223372036854775807,
+                           next_tokens: int = 9223372036854775807, return_value: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sparse_indices [B, S1, N2, sparse_count] int32, sparse_values): for each query and key head, the keys by
+    the sum over the head's N1 / N2 query heads of weights * ReLU(q . k), best first, those sparse_mode hides
+    (3: rightDownCausal; 0: none) after every visible one; -1 past the S2 keys there are."""
+    calls["npu_lightning_indexer"] += 1
+    op = "npu_lightning_indexer"
+    if layout_query not in ("BSND", "TND") or layout_key not in ("BSND", "TND", "PA_BSND"):
+        raise RuntimeError(f"{op}: layouts {layout_query!r} / {layout_key!r} are not supported" + cite("li.layout"))
+    if (layout_query != "BSND" or layout_key != "BSND" or block_table is not None or return_value
+            or actual_seq_lengths_query is not None or actual_seq_lengths_key is not None):
+        raise NotImplementedError(f"fake {op}: TND, PageAttention, actual lengths and return_value are not modelled")
+    for name, t, key_ in (("query", query, "dsa.dtype"), ("key", key, "dsa.dtype"), ("weights", weights, "li.weights")):
+        _dsa_operand(op, name, t, key_)
+    if sparse_count not in INDEXER_SPARSE_COUNTS:
+        raise RuntimeError(f"{op}: sparse_count={sparse_count} is not offered" + cite("li.sparse_count"))
+    if sparse_mode not in (0, 3):
+        raise RuntimeError(f"{op}: sparse_mode={sparse_mode} is not 0 or 3" + cite("li.sparse_mode"))
+    b, s1, n1, d = query.shape
+    s2, n2 = key.shape[1], key.shape[2]
+    if tuple(weights.shape) != (b, s1, n1):
+        raise RuntimeError(f"{op}: weights must be [B, S1, N1] = {[b, s1, n1]}, got {list(weights.shape)}"
+                           + cite("li.weights"))
+    if n1 % n2 or key.shape[0] != b or key.shape[3] != d:
+        raise NotImplementedError(f"fake {op}: query {list(query.shape)} and key {list(key.shape)} do not group")
+    q = query.float().view(b, s1, n2, n1 // n2, d)
+    relu = torch.einsum("bsngd,btnd->bsngt", q, key.float()).relu()
+    scores = (relu * weights.float().view(b, s1, n2, n1 // n2, 1)).sum(3)  # [B, S1, N2, S2]
+    if sparse_mode == 3:
+        visible = _right_down_visible(s1, s2, query.device)
+        scores = scores.masked_fill(~visible[None, :, None, :], float("-inf"))
+    # The golden's rows: the scores sorted with the masked ones last, min(sparse_count, S2) kept, -1 past S2 (the
+    # stricter of the vendor's two readings for a row that sees fewer keys: the KL-loss example fills -1 instead).
+    indices = scores.topk(min(sparse_count, s2), dim=-1).indices
+    indices = F.pad(indices, (0, sparse_count - indices.shape[-1]), value=-1)
+    return indices.to(torch.int32), torch.empty(0, dtype=query.dtype, device=query.device)
+
+
+def _sfa_scores(op: str, query, key, value, sparse_indices, scale_value, query_rope, key_rope, layout, sparse_mode,
+                attention_mode, sparse_block_size):
+    """The checks both sparse attention kernels make, and (q, selected keys, selected values, scores) in fp32:
+    q [B, S1, N2, G, D + Dr], keys [B, S1, N2, K, D + Dr], values [B, S1, N2, K, Dv], the scaled scores
+    [B, S1, N2, G, K] with -inf where no key is read; the int64 indices [B, S1, N2, K] (0 where -1)."""
+    if layout != "BSND" or sparse_block_size != 1 or attention_mode != 0 or value is None:
+        raise NotImplementedError(f"fake {op}: only BSND, sparse_block_size 1 and attention_mode 0 with a value "
+                                  f"are modelled")
+    for name, t in (("query", query), ("key", key), ("query_rope", query_rope), ("key_rope", key_rope)):
+        if t is not None:
+            _dsa_operand(op, name, t, "dsa.dtype")
+    _dsa_operand(op, "value", value, "dsa.value")
+    if not query.dtype == key.dtype == value.dtype:
+        raise RuntimeError(f"{op}: query, key and value must share one dtype" + cite("dsa.value"))
+    b, s1, n1, _ = query.shape
+    s2, n2 = key.shape[1], key.shape[2]
+    if (sparse_indices.dtype != torch.int32 or sparse_indices.dim() != 4
+            or tuple(sparse_indices.shape[:3]) != (b, s1, n2)):
+        raise RuntimeError(f"{op}: sparse_indices must be int32 [B, Q_S, KV_N, sparse_size] with [B, Q_S, KV_N] = "
+                           f"{[b, s1, n2]}, got {sparse_indices.dtype} {list(sparse_indices.shape)}"
+                           + cite("sfa.indices"))
+    read = sparse_indices >= 0
+    if bool((read[..., 1:] & ~read[..., :-1]).any()):
+        raise RuntimeError(f"{op}: a row of sparse_indices holds an index after a -1" + cite("sfa.valid_first"))
+    if sparse_mode not in (0, 3):
+        raise RuntimeError(f"{op}: sparse_mode={sparse_mode} is not 0 or 3" + cite("sfa.right_down"))
+    if n1 % n2:
+        raise NotImplementedError(f"fake {op}: {n1} query heads do not group over {n2} key heads")
+    if sparse_mode == 3:  # keys at or past S2 - S1 + i + 1 are masked even when selected
+        limit = (s2 - s1 + torch.arange(s1, device=query.device)).view(1, s1, 1, 1)
+        read = read & (sparse_indices <= limit)
+    q = query if query_rope is None else torch.cat([query, query_rope], dim=-1)
+    k = key if key_rope is None else torch.cat([key, key_rope], dim=-1)
+    index = sparse_indices.clamp(min=0).long()
+    batch = torch.arange(b, device=query.device).view(b, 1, 1, 1)
+    head = torch.arange(n2, device=query.device).view(1, 1, n2, 1)
+    q = q.float().view(b, s1, n2, n1 // n2, q.shape[-1])
+    k_sel, v_sel = k.float()[batch, index, head], value.float()[batch, index, head]
+    scores = torch.einsum("bsngd,bsnkd->bsngk", q, k_sel) * scale_value
+    return q, k_sel, v_sel, scores.masked_fill(~read.unsqueeze(3), float("-inf")), index
+
+
+def _npu_sparse_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
+                                sparse_indices: torch.Tensor, scale_value: float, *,
+                                block_table: torch.Tensor | None = None,
+                                actual_seq_lengths_query: torch.Tensor | None = None,
+                                actual_seq_lengths_kv: torch.Tensor | None = None,
+                                query_rope: torch.Tensor | None = None, key_rope: torch.Tensor | None = None,
+                                sparse_block_size: int = 1, layout_query: str = "BSND", layout_kv: str = "BSND",
+                                sparse_mode: int = 3, pre_tokens: int = 9223372036854775807,
+                                next_tokens: int = 9223372036854775807, attention_mode: int = 0,
+                                return_softmax_lse: bool = False, sinks: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(attention_out [B, S1, N1, D], softmax_max, softmax_sum): each query attends to the keys its key head's row
+    of sparse_indices selects, softmax(scale * [q, q_rope] . [k, k_rope]) v; the statistics [B, N2, S1, G] fp32 (the
+    scores' row max and the sum of exp(score - max)) with return_softmax_lse, else empty."""
+    calls["npu_sparse_flash_attention"] += 1
+    op = "npu_sparse_flash_attention"
+    if (layout_query != layout_kv or block_table is not None or actual_seq_lengths_query is not None
+            or actual_seq_lengths_kv is not None or sinks is not None):
+        raise NotImplementedError(f"fake {op}: PageAttention, actual lengths and sinks are not modelled")
+    _, _, v_sel, scores, _ = _sfa_scores(op, query, key, value, sparse_indices, scale_value, query_rope, key_rope,
+                                         layout_query, sparse_mode, attention_mode, sparse_block_size)
+    row_max = scores.amax(dim=-1)
+    row_sum = torch.exp(scores - row_max.unsqueeze(-1)).sum(dim=-1)
+    out = torch.einsum("bsngk,bsnkd->bsngd", torch.softmax(scores, dim=-1), v_sel)
+    out = out.reshape(*query.shape[:3], out.shape[-1]).to(query.dtype)
+    if not return_softmax_lse:
+        empty = torch.empty(0, dtype=torch.float32, device=query.device)
+        return out, empty, empty.clone()
+    return out, row_max.permute(0, 2, 1, 3).contiguous(), row_sum.permute(0, 2, 1, 3).contiguous()
+
+
+def _npu_sparse_flash_attention_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
+                                     sparse_indices: torch.Tensor, d_out: torch.Tensor, out: torch.Tensor,
+                                     softmax_max: torch.Tensor, softmax_sum: torch.Tensor, scale_value: float,
+                                     sparse_block_size: int, query_rope: torch.Tensor | None = None,
+                                     key_rope: torch.Tensor | None = None,
+                                     actual_seq_qlen: torch.Tensor | None = None,
+                                     actual_seq_kvlen: torch.Tensor | None = None, layout: str | None = "BSND",
+                                     sparse_mode: int | None = 3, pre_tokens: int | None = 9223372036854775807,
+                                     next_tokens: int | None = 9223372036854775807, attention_mode: int | None = 0
+                                     ) -> tuple[torch.Tensor, ...]:
+    """(d_query, d_key, d_value, d_query_rope, d_key_rope) of npu_sparse_flash_attention from its softmax statistics:
+    the probabilities recomputed as exp(score - softmax_max) / softmax_sum, out giving rowsum(d_out * out); the keys'
+    and values' gradients summed over every query that read them. The rope gradients are empty without rope inputs."""
+    calls["npu_sparse_flash_attention_grad"] += 1
+    op = "npu_sparse_flash_attention_grad"
+    if actual_seq_qlen is not None or actual_seq_kvlen is not None:
+        raise NotImplementedError(f"fake {op}: actual lengths are not modelled")
+    q, k_sel, v_sel, scores, index = _sfa_scores(op, query, key, value, sparse_indices, scale_value, query_rope,
+                                                 key_rope, layout, sparse_mode, attention_mode, sparse_block_size)
+    b, s1, n2, g, _ = q.shape
+    if tuple(softmax_max.shape) != (b, n2, s1, g) or softmax_sum.shape != softmax_max.shape:
+        raise RuntimeError(f"{op}: softmax_max / softmax_sum must be [B, N2, S1, G] = {[b, n2, s1, g]}"
+                           + cite("sfa.softmax_stats"))
+    stat_max, stat_sum = (t.float().permute(0, 2, 1, 3).unsqueeze(-1) for t in (softmax_max, softmax_sum))
+    probs = torch.exp(scores - stat_max) / stat_sum
+    do = d_out.float().view(b, s1, n2, g, -1)
+    delta = (do * out.float().view(b, s1, n2, g, -1)).sum(-1, keepdim=True)
+    d_scores = probs * (torch.einsum("bsngd,bsnkd->bsngk", do, v_sel) - delta) * scale_value
+    dq = torch.einsum("bsngk,bsnkd->bsngd", d_scores, k_sel).reshape(*query.shape[:3], -1)
+    dk_sel = torch.einsum("bsngk,bsngd->bsnkd", d_scores, q)
+    dv_sel = torch.einsum("bsngk,bsngd->bsnkd", probs, do)
+
+    def to_keys(per_read: torch.Tensor) -> torch.Tensor:  # [B, S1, N2, K, E] summed into [B, S2, N2, E]
+        e = per_read.shape[-1]
+        flat = per_read.permute(0, 1, 3, 2, 4).reshape(b, -1, n2, e)
+        where = index.permute(0, 1, 3, 2).reshape(b, -1, n2, 1).expand(-1, -1, -1, e)
+        return torch.zeros(b, key.shape[1], n2, e, device=query.device).scatter_add_(1, where, flat)
+
+    dk, dv = to_keys(dk_sel), to_keys(dv_sel)
+    d = query.shape[-1]
+    empty = torch.empty(0, dtype=query.dtype, device=query.device)
+    dq_rope = empty if query_rope is None else dq[..., d:].to(query_rope.dtype)
+    dk_rope = empty.to(key.dtype) if key_rope is None else dk[..., d:].to(key_rope.dtype)
+    return dq[..., :d].to(query.dtype), dk[..., :d].to(key.dtype), dv.to(value.dtype), dq_rope, dk_rope
+
+
+# The dense warm-up's KL loss kernels, after op-plugin's test/test_custom_ops/
+# test_npu_dense_lightning_indexer_grad_kl_loss.py (_process_p, _process_sy, _process_kl_loss, _process_dwqk): BSND,
+# one index key head, rightDownCausal (sparse_mode 3) only.
+
+
+def _dense_index_scores(op: str, query_index: torch.Tensor, key_index: torch.Tensor, weights: torch.Tensor,
+                        layout: str | None, sparse_mode: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(I [B, S1, S2] masked with -inf past rightDownCausal, ReLU(q_I . k_I) [B, N1, S1, S2]) in fp32."""
+    if layout != "BSND" or sparse_mode != 3:
+        raise NotImplementedError(f"fake {op}: only BSND with sparse_mode 3 is modelled")
+    for name, t in (("query_index", query_index), ("key_index", key_index)):
+        if t.dtype not in DSA_DTYPES:
+            raise RuntimeError(f"{op}: {name} must be fp16 or bf16, got {t.dtype}" + cite("kl.dtype"))
+    if weights.dtype not in (*DSA_DTYPES, torch.float32) or tuple(weights.shape) != tuple(query_index.shape[:3]):
+        raise RuntimeError(f"{op}: weights must be [B, S1, N1index] fp16/bf16/fp32, got {weights.dtype} "
+                           f"{list(weights.shape)}" + cite("kl.weights"))
+    if key_index.shape[2] != 1:
+        raise NotImplementedError(f"fake {op}: only one index key head is modelled")
+    relu = torch.einsum("bsnd,btd->bnst", query_index.float(), key_index[:, :, 0].float()).relu()
+    scores = (relu * weights.float().permute(0, 2, 1).unsqueeze(-1)).sum(1)
+    visible = _right_down_visible(scores.shape[1], scores.shape[2], scores.device)
+    return scores.masked_fill(~visible, float("-inf")), relu
+
+
+def _npu_dense_lightning_indexer_softmax_lse(query_index: torch.Tensor, key_index: torch.Tensor,
+                                             weights: torch.Tensor, *, actual_seq_qlen: list[int] | None = None,
+                                             actual_seq_klen: list[int] | None = None, layout: str | None = "BSND",
+                                             sparse_mode: int | None = 3,
+                                             pre_tokens: int | None = 9223372036854775807,
+                                             next_tokens: int | None = 9223372036854775807
+                                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax_max_index, softmax_sum_index) [B, N2index, S1] fp32: the row max of the indexer's masked scores and
+    the sum of exp(score - max)."""
+    calls["npu_dense_lightning_indexer_softmax_lse"] += 1
+    scores, _ = _dense_index_scores("npu_dense_lightning_indexer_softmax_lse", query_index, key_index, weights,
+                                    layout, sparse_mode)
+    row_max = scores.amax(-1)
+    return row_max.unsqueeze(1), torch.exp(scores - row_max.unsqueeze(-1)).sum(-1).unsqueeze(1)
+
+
+def _npu_dense_lightning_indexer_grad_kl_loss(
+        query: torch.Tensor, key: torch.Tensor, query_index: torch.Tensor, key_index: torch.Tensor,
+        weights: torch.Tensor, softmax_max: torch.Tensor, softmax_sum: torch.Tensor, softmax_max_index: torch.Tensor,
+        softmax_sum_index: torch.Tensor, scale_value: float, *, query_rope: torch.Tensor | None = None,
+        key_rope: torch.Tensor | None = None, actual_seq_qlen: list[int] | None = None,
+        actual_seq_klen: list[int] | None = None, layout: str | None = "BSND", sparse_mode: int | None = 3,
+        pre_tokens: int | None = 9223372036854775807, next_tokens: int | None = 9223372036854775807
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_query_index, d_key_index, d_weights, loss [1] fp32): p = the main attention's probabilities from its
+    statistics averaged over the N1 heads, y = softmax(I) from the index statistics, loss = sum over B, S1, S2 of
+    p (log max(p, 1e-8) - log max(y, 1e-8)), the gradients those of that sum through I."""
+    calls["npu_dense_lightning_indexer_grad_kl_loss"] += 1
+    op = "npu_dense_lightning_indexer_grad_kl_loss"
+    scores, relu = _dense_index_scores(op, query_index, key_index, weights, layout, sparse_mode)
+    for name, t in (("query", query), ("key", key), ("query_rope", query_rope), ("key_rope", key_rope)):
+        if t is not None and t.dtype not in DSA_DTYPES:
+            raise RuntimeError(f"{op}: {name} must be fp16 or bf16, got {t.dtype}" + cite("kl.dtype"))
+    q = query if query_rope is None else torch.cat([query, query_rope], dim=-1)
+    k = key if key_rope is None else torch.cat([key, key_rope], dim=-1)
+    b, s1, n1, _ = q.shape
+    n2 = k.shape[2]
+    if tuple(softmax_max.shape) != (b, n2, s1, n1 // n2) or softmax_sum.shape != softmax_max.shape:
+        raise RuntimeError(f"{op}: softmax_max / softmax_sum must be [B, N2, S1, G] = {[b, n2, s1, n1 // n2]}, got "
+                           f"{list(softmax_max.shape)}" + cite("kl.softmax"))
+    if tuple(softmax_max_index.shape) != (b, 1, s1) or softmax_sum_index.shape != softmax_max_index.shape:
+        raise RuntimeError(f"{op}: softmax_max_index / softmax_sum_index must be [B, N2index, S1] = {[b, 1, s1]}"
+                           + cite("kl.softmax_index"))
+    main = torch.einsum("bsnd,btnd->bnst", q.float(), k.float().repeat_interleave(n1 // n2, dim=2)) * scale_value
+    main = main.masked_fill(~_right_down_visible(s1, k.shape[1], q.device), float("-inf"))
+    stat_max = softmax_max.permute(0, 1, 3, 2).reshape(b, n1, s1, 1)
+    stat_sum = softmax_sum.permute(0, 1, 3, 2).reshape(b, n1, s1, 1)
+    p = (torch.exp(main - stat_max) / stat_sum).sum(1) / n1  # [B, S1, S2]
+    y = torch.exp(scores - softmax_max_index[:, 0, :, None]) / softmax_sum_index[:, 0, :, None]
+    floor = torch.tensor(1e-8)
+    loss = (p * (torch.log(torch.maximum(p, floor)) - torch.log(torch.maximum(y, floor)))).sum()
+    diff = y - p  # d loss / d I
+    d_weights = (diff.unsqueeze(1) * relu).sum(-1).permute(0, 2, 1)  # [B, S1, N1index]
+    d_relu = diff.unsqueeze(1) * weights.float().permute(0, 2, 1).unsqueeze(-1) * (relu > 0)  # [B, N1, S1, S2]
+    d_query_index = torch.einsum("bnst,btd->bsnd", d_relu, key_index[:, :, 0].float())
+    d_key_index = torch.einsum("bnst,bsnd->btd", d_relu, query_index.float()).unsqueeze(2)
+    return (d_query_index.to(query_index.dtype), d_key_index.to(key_index.dtype), d_weights.to(weights.dtype),
+            loss.reshape(1))
+
+
 def _get_npu_format(self: torch.Tensor) -> int:
     """The storage format of a tensor: ND (2) for every tensor the fake makes."""
     return 2
@@ -774,6 +1072,11 @@ KERNELS = {
     "npu_moe_gating_top_k_softmax": _npu_moe_gating_top_k_softmax,
     "npu_moe_token_permute": _npu_moe_token_permute,
     "npu_moe_token_unpermute": _npu_moe_token_unpermute,
+    "npu_lightning_indexer": _npu_lightning_indexer,
+    "npu_sparse_flash_attention": _npu_sparse_flash_attention,
+    "npu_sparse_flash_attention_grad": _npu_sparse_flash_attention_grad,
+    "npu_dense_lightning_indexer_softmax_lse": _npu_dense_lightning_indexer_softmax_lse,
+    "npu_dense_lightning_indexer_grad_kl_loss": _npu_dense_lightning_indexer_grad_kl_loss,
 }
 # The ops torch_npu registers no backward for: their outputs carry no gradient on a card, nor here.
 WITHOUT_AUTOGRAD = ("npu_grouped_matmul", "npu_grouped_matmul_add_", "npu_moe_gating_top_k_softmax")
