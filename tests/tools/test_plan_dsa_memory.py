@@ -15,9 +15,10 @@ from titan_npu import ops
 from titan_npu.config.schema import ModelConfig
 from titan_npu.models.deepseek_v3.cost import mla_attention_bytes
 from titan_npu.models.deepseek_v32.cost import dsa_attention_bytes, indexer_bytes, indexer_transient_bytes
-from titan_npu.models.deepseek_v32.model import LightningIndexer, head_summed_probs, indexer_kl, selected_keys
+from titan_npu.models.deepseek_v32.model import LightningIndexer
 from titan_npu.models.registry import build_model, build_model_args
 from titan_npu.models.spec import CostSite
+from titan_npu.ops.reference import head_summed_probs, indexer_kl, indexer_scores, selected_mask, top_keys
 from titan_npu.parallel.degrees import Degrees
 from titan_npu.planner.activations import rank_activations
 from titan_npu.planner.layout import Job, Layout
@@ -90,8 +91,8 @@ def _indexer_bytes(args, seq: int) -> dict[str, int]:
 
     def forward() -> None:
         with torch.set_grad_enabled(args.trains_indexer):
-            scores = indexer(x, latent, cos, sin)
-        keys = selected_keys(scores.detach(), visible, args.index_topk)
+            scores = indexer_scores(*indexer(x, latent, cos, sin))
+        keys = selected_mask(top_keys(scores.detach(), visible, args.index_topk), seq)
         if args.trains_indexer:
             kept["loss"] = indexer_kl(head_summed_probs(q, k, keys), scores, keys)
 
@@ -154,6 +155,5 @@ def test_the_planners_kl_target_head_group_is_the_reference_ops():
     import inspect
 
     from titan_npu.models.deepseek_v32.args import TARGET_HEADS_AT_ONCE
-    from titan_npu.ops.reference import head_summed_probs
 
     assert inspect.signature(head_summed_probs).parameters["heads_at_once"].default == TARGET_HEADS_AT_ONCE

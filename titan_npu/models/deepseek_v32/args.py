@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 DENSE_WARMUP, SPARSE = "dense_warmup", "sparse"
 DSA_STAGES = (DENSE_WARMUP, SPARSE)
-TARGET_HEADS_AT_ONCE = 16  # the KL target (ops/reference.py head_summed_probs' default) scores the main heads so many at once
+TARGET_HEADS_AT_ONCE = 16  # the KL target (ops/reference.py head_summed_probs' default) scores so many heads at once
 FULL, SHARED = "full", "shared"  # a layer runs its own indexer, or reuses the last full layer's selection (GLM-5)
 VARIANTS = ("deepseek_v32", "glm_moe_dsa")  # the Hugging Face layout (hf.py): DeepSeek-V3.2's or GLM-5's
 
