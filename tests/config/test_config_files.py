@@ -112,7 +112,7 @@ def test_moe_configs_hold_the_planners_first_layout_and_dry_run_to_its_bytes(nam
 
 
 # The large MoE configs: (nodes, 910B per node) of the header, a rank whose dry run is checked, (ep, dp_replicate).
-DEEPSEEK_CLUSTERS = {"deepseek_v3_16b.toml": (1, 8, 7, (8, 1)), "deepseek_v3_671b.toml": (64, 8, 77, (128, 1))}
+DEEPSEEK_CLUSTERS = {"deepseek_v3_16b.toml": (1, 8, 7, (8, 1)), "deepseek_v3_671b.toml": (64, 8, 77, (64, 1))}
 FIT_CLUSTERS = {**DEEPSEEK_CLUSTERS, "qwen3_235b_a22b.toml": (16, 8, 77, (8, 1)),
                 "gpt_oss_120b.toml": (8, 8, 63, (8, 1)), "qwen3_next_80b_a3b.toml": (4, 8, 31, (8, 4))}
 
