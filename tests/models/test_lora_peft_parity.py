@@ -14,6 +14,7 @@ import pytest
 import torch
 from hf_reference import TINY_TRAIN_ARGS
 
+from titan_npu.checkpoint.dcp_io import load_tensors, read_metadata, tensor_entries
 from titan_npu.cli import main
 from titan_npu.config.schema import LORA_DEFAULT_TARGETS, LoraConfig
 from titan_npu.lora.apply import apply_lora
@@ -72,6 +73,15 @@ def _export(tmp_path: Path, name: str, *flags: str) -> Path:
     return out
 
 
+def _trained_state(tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The run's last checkpoint's model entries as trained: the frozen weights and the adapters apart (an export
+    --format pt writes them merged)."""
+    step = max((tmp_path / "ckpt").glob("step-*"), key=lambda d: int(d.name.split("-")[1]))
+    metadata = read_metadata(step)
+    keys = ["model." + k for k in tensor_entries(metadata, "model.")]
+    return {k[len("model."):]: v for k, v in load_tensors(step, metadata, keys).items()}
+
+
 def _ours(args: Any, state: dict[str, torch.Tensor], targets: list[str]) -> torch.nn.Module:
     """Our model of `args` with adapters on `targets`, holding `state` (the run's exported weights and adapters)."""
     model = build_model(args)
@@ -86,7 +96,7 @@ def test_peft_loads_our_adapters_onto_the_exported_base_with_our_logits(family, 
     args = ARGS[family]
     _hf_dir(args, tmp_path / "hf")
     _train_lora(tmp_path, capsys, TARGETS[family])
-    state = torch.load(_export(tmp_path, "full.pt", "--format", "pt"), weights_only=True)
+    state = _trained_state(tmp_path)
     imported = torch.load(tmp_path / "w.pt", weights_only=True)
     adapters = {k for k in state if k.endswith((".lora_A", ".lora_B"))}
     # Only the adapters trained: every frozen weight is the imported one, bit for bit; every B moved from zero.
@@ -116,7 +126,7 @@ def test_a_moe_models_mlp_adapters_merge_exactly_but_are_not_written_for_peft(tm
     args = ARGS["qwen3_moe"]
     _hf_dir(args, tmp_path / "hf")
     _train_lora(tmp_path, capsys, LORA_DEFAULT_TARGETS)  # the dense layer's MLP too
-    state = torch.load(_export(tmp_path, "full.pt", "--format", "pt"), weights_only=True)
+    state = _trained_state(tmp_path)
     assert "layers.0.feed_forward.w1.lora_A" in state
     tokens = torch.arange(64).remainder(args.vocab_size).reshape(2, 32)
     with torch.no_grad():
