@@ -33,6 +33,7 @@ from titan_npu.errors import CheckpointError
 from titan_npu.models.decoder.args import matching_flavor
 from titan_npu.models.deepseek_v3.args import DEEPSEEK_OVERRIDABLE, FLAVORS, YARN_FIELDS, DeepSeekArgs
 from titan_npu.models.deepseek_v3.model import MTPBlock
+from titan_npu.models.moe.hf_experts import ExpertStacker, stacked_expert_names
 
 StateDict = dict[str, torch.Tensor]
 logger = logging.getLogger(__name__)
@@ -68,14 +69,10 @@ PER_LAYER = {
 MTP_SHARED = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
 PER_LAYER_FROM_HF = {hf: ours for ours, hf in PER_LAYER.items()}
 TOP_LEVEL_FROM_HF = {hf: ours for ours, hf in TOP_LEVEL.items()}
-EXPERT_PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 FP8_BLOCK = 128  # the published fp8 checkpoint's quantization block (weight_block_size [128, 128])
 
 _OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_OUR_EXPERTS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_HF_FUSED = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)")
 
 
 def hf_name(key: str) -> str:
@@ -92,11 +89,7 @@ def hf_name(key: str) -> str:
 
 def stacked_names(key: str, args: DeepSeekArgs) -> list[str] | None:
     """The Hugging Face names of a stacked expert tensor's experts in order; None for any other tensor."""
-    match = _OUR_EXPERTS.fullmatch(key)
-    if match is None:
-        return None
-    proj = EXPERT_PROJECTIONS[match.group(2)]
-    return [f"model.layers.{match.group(1)}.mlp.experts.{e}.{proj}.weight" for e in range(args.n_experts)]
+    return stacked_expert_names(key, args.n_experts)
 
 
 def to_hf(state_dict: StateDict, args: DeepSeekArgs) -> StateDict:
@@ -140,7 +133,7 @@ def from_hf(hf_state_dict: StateDict, args: DeepSeekArgs, *, tie_word_embeddings
     if scales:
         logger.info("fp8 checkpoint: %d weights dequantised to fp32 from their 128x128 block scales", len(scales))
     ours: StateDict = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    experts = ExpertStacker()
     set_aside: set[int] = set()
     for key, tensor in hf_state_dict.items():
         if key.endswith(".weight_scale_inv"):
@@ -159,28 +152,16 @@ def from_hf(hf_state_dict: StateDict, args: DeepSeekArgs, *, tie_word_embeddings
             continue
         if int(layer) >= args.n_layers and rest in MTP_SHARED:
             continue  # the model's own embedding / output head
-        if (expert := _HF_EXPERT.fullmatch(rest)) is not None:
-            name = {v: k for k, v in EXPERT_PROJECTIONS.items()}[expert.group(2)]
-            experts.setdefault((layer, name), {})[int(expert.group(1))] = tensor
-        elif (fused := _HF_FUSED.fullmatch(rest)) is not None:
-            prefix = f"layers.{layer}.feed_forward.experts"
-            if fused.group(1) == "down_proj":
-                ours[f"{prefix}.w2"] = tensor
-            else:
-                ours[f"{prefix}.w1"], ours[f"{prefix}.w3"] = tensor.chunk(2, dim=1)
-        elif rest in PER_LAYER_FROM_HF:
+        if experts.take(layer, rest, tensor, ours):
+            continue
+        if rest in PER_LAYER_FROM_HF:
             ours[f"layers.{layer}.{PER_LAYER_FROM_HF[rest]}"] = tensor
         else:
             raise CheckpointError(f"Hugging Face key '{key}' has no counterpart in a DeepSeek-V3 model")
     if set_aside:
         logger.info("layers %s of the checkpoint (multi-token prediction) set aside: model.mtp_depth=%d",
                     sorted(set_aside), args.mtp_depth)
-    for (layer, name), per_expert in experts.items():
-        if sorted(per_expert) != list(range(args.n_experts)):
-            raise CheckpointError(f"layer {layer} holds experts {sorted(per_expert)} of its {name} projection but the "
-                                  f"config says n_routed_experts={args.n_experts}; the checkpoint is incomplete")
-        ours[f"layers.{layer}.feed_forward.experts.{name}"] = torch.stack([per_expert[e]
-                                                                            for e in range(args.n_experts)])
+    experts.stack_into(ours, args.n_experts)
     if tie_word_embeddings and "tok_embeddings.weight" in ours:
         embedding = ours["tok_embeddings.weight"]
         ours["output.weight"] = embedding if args.tie_embeddings else embedding.clone()

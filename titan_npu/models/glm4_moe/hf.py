@@ -26,6 +26,7 @@ from titan_npu.errors import CheckpointError
 from titan_npu.models.decoder import hf as decoder_hf
 from titan_npu.models.decoder.args import matching_flavor
 from titan_npu.models.glm4_moe.args import FLAVORS, GLM4_MOE_OVERRIDABLE, Glm4MoeArgs
+from titan_npu.models.moe.hf_experts import ExpertStacker, stacked_expert_names
 
 StateDict = dict[str, torch.Tensor]
 logger = logging.getLogger(__name__)
@@ -39,13 +40,9 @@ PER_LAYER = {
     "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
 }
 PER_LAYER_FROM_HF = {hf: ours for ours, hf in PER_LAYER.items()}
-EXPERT_PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 _OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_OUR_EXPERTS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_HF_FUSED = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)")
 
 
 def hf_name(key: str) -> str:
@@ -62,11 +59,7 @@ def hf_name(key: str) -> str:
 
 def stacked_names(key: str, args: Glm4MoeArgs) -> list[str] | None:
     """The Hugging Face names of a stacked expert tensor's experts in order; None for any other tensor."""
-    match = _OUR_EXPERTS.fullmatch(key)
-    if match is None:
-        return None
-    proj = EXPERT_PROJECTIONS[match.group(2)]
-    return [f"model.layers.{match.group(1)}.mlp.experts.{e}.{proj}.weight" for e in range(args.n_experts)]
+    return stacked_expert_names(key, args.n_experts)
 
 
 def from_hf_layout(key: str, tensor: torch.Tensor, args: Glm4MoeArgs) -> torch.Tensor:
@@ -90,7 +83,7 @@ def from_hf(hf_state_dict: StateDict, args: Glm4MoeArgs, *, tie_word_embeddings:
     """A Hugging Face state dict (per-expert or fused experts) -> ours, experts stacked; the multi-token-prediction
     layers past n_layers are set aside."""
     ours: StateDict = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    experts = ExpertStacker()
     set_aside: set[int] = set()
     for key, tensor in hf_state_dict.items():
         if key in decoder_hf.TOP_LEVEL_FROM_HF:
@@ -104,15 +97,8 @@ def from_hf(hf_state_dict: StateDict, args: Glm4MoeArgs, *, tie_word_embeddings:
             set_aside.add(int(layer))
         elif rest == decoder_hf.HF_IGNORED_SUFFIX:
             continue
-        elif (expert := _HF_EXPERT.fullmatch(rest)) is not None:
-            name = {v: k for k, v in EXPERT_PROJECTIONS.items()}[expert.group(2)]
-            experts.setdefault((layer, name), {})[int(expert.group(1))] = tensor
-        elif (fused := _HF_FUSED.fullmatch(rest)) is not None:
-            prefix = f"layers.{layer}.feed_forward.experts"
-            if fused.group(1) == "down_proj":
-                ours[f"{prefix}.w2"] = tensor
-            else:
-                ours[f"{prefix}.w1"], ours[f"{prefix}.w3"] = tensor.chunk(2, dim=1)
+        elif experts.take(layer, rest, tensor, ours):
+            continue
         elif rest in PER_LAYER_FROM_HF:
             ours[f"layers.{layer}.{PER_LAYER_FROM_HF[rest]}"] = tensor
         else:
@@ -120,12 +106,7 @@ def from_hf(hf_state_dict: StateDict, args: Glm4MoeArgs, *, tie_word_embeddings:
     if set_aside:
         logger.info("layers %s of the checkpoint (multi-token prediction) set aside: a GLM-4.5 here trains its %d "
                     "decoder layers", sorted(set_aside), args.n_layers)
-    for (layer, name), per_expert in experts.items():
-        if sorted(per_expert) != list(range(args.n_experts)):
-            raise CheckpointError(f"layer {layer} holds experts {sorted(per_expert)} of its {name} projection but the "
-                                  f"config says n_routed_experts={args.n_experts}; the checkpoint is incomplete")
-        ours[f"layers.{layer}.feed_forward.experts.{name}"] = torch.stack([per_expert[e]
-                                                                            for e in range(args.n_experts)])
+    experts.stack_into(ours, args.n_experts)
     if tie_word_embeddings and "tok_embeddings.weight" in ours:
         embedding = ours["tok_embeddings.weight"]
         ours["output.weight"] = embedding if args.tie_embeddings else embedding.clone()
