@@ -57,12 +57,19 @@ _ROPE_PERMUTED = {"attention.wq.weight": "q", "attention.wq.bias": "q", "attenti
 
 def hf_name(key: str) -> str:
     """Our parameter name -> the Hugging Face name ('layers.3.attention.wq.weight' -> 'model.layers.3....')."""
-    if key in TOP_LEVEL:
-        return TOP_LEVEL[key]
+    return mapped_hf_name(key, TOP_LEVEL, PER_LAYER,
+                          "state dict key '{key}' is not a parameter of this model; export only its weights")
+
+
+def mapped_hf_name(key: str, top_level: dict[str, str], per_layer: dict[str, str], unknown: str) -> str:
+    """Our name -> the Hugging Face one by a family's tables: `top_level` names, and `per_layer` ones under
+    model.layers.N; any other name a CheckpointError of `unknown` (formatted with the key)."""
+    if key in top_level:
+        return top_level[key]
     match = OUR_LAYER_KEY.fullmatch(key)
-    if match is None or match.group(2) not in PER_LAYER:
-        raise CheckpointError(f"state dict key '{key}' is not a parameter of this model; export only its weights")
-    return f"model.layers.{match.group(1)}.{PER_LAYER[match.group(2)]}"
+    if match is None or match.group(2) not in per_layer:
+        raise CheckpointError(unknown.format(key=key))
+    return f"model.layers.{match.group(1)}.{per_layer[match.group(2)]}"
 
 
 def our_name(hf_key: str) -> str | None:

@@ -209,14 +209,21 @@ class DeepSeekArgs(DecoderArgs):
 
 def build_args(model_cfg: ModelConfig, flavor: str) -> DeepSeekArgs:
     """[model] resolved into the args of DeepSeek-V3 `flavor`."""
-    preset = dict(FLAVORS[flavor])
-    own = {k: preset.pop(k) for k in (*DEEPSEEK_OVERRIDABLE, *YARN_FIELDS) if k in preset}
-    own.update({k: getattr(model_cfg, k) for k in (*DEEPSEEK_OVERRIDABLE, *YARN_FIELDS)
+    return resolve_deepseek_args(model_cfg, flavor, FLAVORS, "deepseek_v3", DEEPSEEK_OVERRIDABLE, DeepSeekArgs)
+
+
+def resolve_deepseek_args(model_cfg: ModelConfig, flavor: str, flavors: dict[str, dict[str, Any]], family: str,
+                          overridable: tuple[str, ...], cls: type[DeepSeekArgs]) -> DeepSeekArgs:
+    """[model] resolved into `cls` (DeepSeekArgs or a family's extension of it) of `flavor` of `flavors`: the
+    decoder's fields, and the `overridable` and YaRN ones from the preset, then [model]."""
+    preset = dict(flavors[flavor])
+    own = {k: preset.pop(k) for k in (*overridable, *YARN_FIELDS) if k in preset}
+    own.update({k: getattr(model_cfg, k) for k in (*overridable, *YARN_FIELDS)
                 if getattr(model_cfg, k, None) is not None})
     own["yarn_factor"] = own.get("yarn_factor") or None  # 0 means plain RoPE, as None does
-    dense = resolve_args(model_cfg, "deepseek_v3", {flavor: preset}, flavor)
+    dense = resolve_args(model_cfg, family, {flavor: preset}, flavor)
     fields = {f.name: getattr(dense, f.name) for f in dataclasses.fields(DecoderArgs)}
-    return DeepSeekArgs(**fields, **own)
+    return cls(**fields, **own)
 
 
 def args_from_dict(fields: dict[str, Any]) -> DeepSeekArgs:

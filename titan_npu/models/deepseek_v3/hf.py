@@ -30,10 +30,11 @@ from typing import Any
 import torch
 
 from titan_npu.errors import CheckpointError
+from titan_npu.models.decoder import hf as decoder_hf
 from titan_npu.models.decoder.args import matching_flavor
 from titan_npu.models.deepseek_v3.args import DEEPSEEK_OVERRIDABLE, FLAVORS, YARN_FIELDS, DeepSeekArgs
 from titan_npu.models.deepseek_v3.model import MTPBlock
-from titan_npu.models.moe.hf_experts import ExpertStacker, stacked_expert_names
+from titan_npu.models.moe.hf_experts import MOE_UNKNOWN_NAME, ExpertStacker, stacked_expert_names
 
 StateDict = dict[str, torch.Tensor]
 logger = logging.getLogger(__name__)
@@ -78,13 +79,7 @@ _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 def hf_name(key: str) -> str:
     """Our parameter (or score bias) name -> its Hugging Face name; a CheckpointError for stacked experts (see
     stacked_names) and unknown names."""
-    if key in TOP_LEVEL:
-        return TOP_LEVEL[key]
-    match = _OUR_LAYER.fullmatch(key)
-    if match is None or match.group(2) not in PER_LAYER:
-        raise CheckpointError(f"'{key}' has no single Hugging Face tensor (stacked experts: see stacked_names); "
-                              f"export only the model's weights")
-    return f"model.layers.{match.group(1)}.{PER_LAYER[match.group(2)]}"
+    return decoder_hf.mapped_hf_name(key, TOP_LEVEL, PER_LAYER, MOE_UNKNOWN_NAME)
 
 
 def stacked_names(key: str, args: DeepSeekArgs) -> list[str] | None:

@@ -24,14 +24,17 @@ Training stages (model.dsa_stage), as the report describes them:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from titan_npu.errors import ConfigError
 from titan_npu.knobs import Knob, off_key, size_key
-from titan_npu.models.decoder.args import DecoderArgs, resolve_args
-from titan_npu.models.deepseek_v3.args import DEEPSEEK_KEYS, DEEPSEEK_OVERRIDABLE, YARN_FIELDS, DeepSeekArgs
+from titan_npu.models.deepseek_v3.args import (
+    DEEPSEEK_KEYS,
+    DEEPSEEK_OVERRIDABLE,
+    DeepSeekArgs,
+    resolve_deepseek_args,
+)
 from titan_npu.models.deepseek_v3.args import FLAVORS as V3_FLAVORS
 
 if TYPE_CHECKING:
@@ -175,14 +178,7 @@ class DSAArgs(DeepSeekArgs):
 
 def build_args(model_cfg: ModelConfig, flavor: str) -> DSAArgs:
     """[model] resolved into the args of DeepSeek-V3.2 `flavor`."""
-    preset = dict(FLAVORS[flavor])
-    own = {k: preset.pop(k) for k in (*OVERRIDABLE, *YARN_FIELDS) if k in preset}
-    own.update({k: getattr(model_cfg, k) for k in (*OVERRIDABLE, *YARN_FIELDS)
-                if getattr(model_cfg, k, None) is not None})
-    own["yarn_factor"] = own.get("yarn_factor") or None  # 0 means plain RoPE, as None does
-    dense = resolve_args(model_cfg, "deepseek_v32", {flavor: preset}, flavor)
-    fields = {f.name: getattr(dense, f.name) for f in dataclasses.fields(DecoderArgs)}
-    return DSAArgs(**fields, **own)
+    return resolve_deepseek_args(model_cfg, flavor, FLAVORS, "deepseek_v32", OVERRIDABLE, DSAArgs)
 
 
 def args_from_dict(fields: dict[str, Any]) -> DSAArgs:

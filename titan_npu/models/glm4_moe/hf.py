@@ -26,7 +26,7 @@ from titan_npu.errors import CheckpointError
 from titan_npu.models.decoder import hf as decoder_hf
 from titan_npu.models.decoder.args import matching_flavor
 from titan_npu.models.glm4_moe.args import FLAVORS, GLM4_MOE_OVERRIDABLE, Glm4MoeArgs
-from titan_npu.models.moe.hf_experts import ExpertStacker, stacked_expert_names
+from titan_npu.models.moe.hf_experts import MOE_UNKNOWN_NAME, ExpertStacker, stacked_expert_names
 
 StateDict = dict[str, torch.Tensor]
 logger = logging.getLogger(__name__)
@@ -41,20 +41,13 @@ PER_LAYER = {
 }
 PER_LAYER_FROM_HF = {hf: ours for ours, hf in PER_LAYER.items()}
 
-_OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 def hf_name(key: str) -> str:
     """Our parameter (or score bias) name -> its Hugging Face name; a CheckpointError for stacked experts (see
     stacked_names) and unknown names."""
-    if key in decoder_hf.TOP_LEVEL:
-        return decoder_hf.TOP_LEVEL[key]
-    match = _OUR_LAYER.fullmatch(key)
-    if match is None or match.group(2) not in PER_LAYER:
-        raise CheckpointError(f"'{key}' has no single Hugging Face tensor (stacked experts: see stacked_names); "
-                              f"export only the model's weights")
-    return f"model.layers.{match.group(1)}.{PER_LAYER[match.group(2)]}"
+    return decoder_hf.mapped_hf_name(key, decoder_hf.TOP_LEVEL, PER_LAYER, MOE_UNKNOWN_NAME)
 
 
 def stacked_names(key: str, args: Glm4MoeArgs) -> list[str] | None:

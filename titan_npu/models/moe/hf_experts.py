@@ -17,6 +17,9 @@ PROJECTION_OF_HF = {hf: ours for ours, hf in EXPERT_PROJECTIONS.items()}
 OUR_EXPERTS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
 HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 HF_FUSED = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)")
+# decoder.hf.mapped_hf_name's refusal for a name with no one Hugging Face tensor (a stacked expert one among them)
+MOE_UNKNOWN_NAME = ("'{key}' has no single Hugging Face tensor (stacked experts: see stacked_names); export only the "
+                    "model's weights")
 
 
 def stacked_expert_names(key: str, n_experts: int) -> list[str] | None:
