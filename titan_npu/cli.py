@@ -57,9 +57,16 @@ def run_command(func, argv: list[str]) -> int:
     except TitanError as e:
         if debug:
             raise
-        _report(f"{type(e).__name__}: {e}", getattr(e, "same_on_every_rank", False))
+        line = f"{type(e).__name__}: {e}"
         if getattr(e, "peer_lost", False):
+            # Said now, but left for torchrun's summary only if torchrun has not stopped this rank within the wait:
+            # an error file written at once carries an earlier time than torchrun's own record of the lost rank,
+            # and its summary would name this rank as the root cause.
+            _report(line, False, record=False)
             _wait_to_be_stopped()
+            _record_for_torchrun(line)
+        else:
+            _report(line, getattr(e, "same_on_every_rank", False))
         return EXIT_REFUSED
     except BrokenPipeError as e:
         if e.filename is not None or debug:
@@ -80,19 +87,22 @@ def run_command(func, argv: list[str]) -> int:
         return 130
 
 
-def _report(line: str, same_on_every_rank: bool) -> None:
-    """Say a refusal's line on stderr (once per node when every rank met it alike) and in torchrun's error file."""
+def _report(line: str, same_on_every_rank: bool, record: bool = True) -> None:
+    """Say a refusal's line on stderr (once per node when every rank met it alike) and, with `record`, in
+    torchrun's error file."""
     rank, local_rank = _env_flag("RANK"), _env_flag("LOCAL_RANK") or _env_flag("RANK")
     if not local_rank.isdigit() or local_rank == "0":  # a rank that is not a number is reported as such
         print(line, file=sys.stderr, flush=True)
-        _record_for_torchrun(line)  # after the line is out: the other ranks wait for this file
+        if record:
+            _record_for_torchrun(line)  # after the line is out: the other ranks wait for this file
     elif same_on_every_rank:
         _record_for_torchrun(line)
         # torchrun stops every worker once one has exited: stay until local rank 0 has said it.
         if not _local_rank_zero_reported():
             print(f"[rank{rank}] {line}", file=sys.stderr)
     else:
-        _record_for_torchrun(line)
+        if record:
+            _record_for_torchrun(line)
         print(f"[rank{rank}] {line}", file=sys.stderr)
 
 
